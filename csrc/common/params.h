@@ -1,0 +1,96 @@
+// Plain-C++ descriptions of one op call, shared by every backend's kernels. No torch headers here:
+// CUDA kernel files include this and must stay cheap to compile (DESIGN §4).
+#pragma once
+#include <cstdint>
+
+namespace lora_ops {
+
+enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
+
+constexpr int kMaxSlices = 8;
+
+// Segment metadata as it lives on the device. All values are untrusted (DESIGN §2 Safety):
+// kernels clamp indptr to [0, positions], skip slots outside [0, num_slots) and rows outside [0, rows).
+struct Segments {
+  const int32_t* indptr;         // [num_segments + 1]
+  const int32_t* slot;           // [num_segments]
+  const int32_t* token_indices;  // [positions] or nullptr (then position p is row p)
+  int64_t num_segments;
+  int64_t positions;             // length of token_indices, else the number of rows
+};
+
+struct SgmvParams {
+  void* y;
+  const void* x;
+  const void* lora_a;  // [L, S*R, K]
+  const void* lora_b;  // [L, N, R]
+  int64_t y_row_stride, x_row_stride;
+  int64_t a_stride0, a_stride1, b_stride0, b_stride1;
+  DType x_dtype, y_dtype;  // weights share x's dtype
+  Segments seg;
+  const int32_t* lora_ranks;  // [L] or nullptr (every slot has rank R)
+  const float* lora_scales;   // [L] or nullptr (every slot has scale 1)
+  int64_t rows, k, n, num_slots, max_rank, num_slices;
+  int64_t slice_offsets[kMaxSlices + 1];
+  float scale;
+};
+
+struct GroupedGemmParams {
+  void* y;
+  const void* x;
+  const void* w;  // [L, N, K]
+  int64_t y_row_stride, x_row_stride, w_stride0, w_stride1;
+  DType x_dtype, w_dtype, y_dtype;
+  Segments seg;
+  const int32_t* n_sizes;  // [L] or nullptr
+  const int32_t* k_sizes;  // [L] or nullptr
+  int64_t rows, k, n, num_groups;
+  float alpha;
+  bool accumulate;
+};
+
+struct BuildSegmentsParams {
+  const int32_t* token_lora;  // [T]
+  int32_t* token_indices;     // [T]
+  int32_t* seg_indptr;        // [num_slots + 1]
+  int32_t* seg_lora;          // [num_slots]
+  int64_t num_tokens, num_slots;
+};
+
+}  // namespace lora_ops
+
+// Segment walking with the DESIGN §2 safety rules, shared by the CPU and CUDA kernels.
+#if defined(__CUDACC__)
+#define LORA_OPS_HD __host__ __device__ __forceinline__
+#else
+#define LORA_OPS_HD inline
+#endif
+
+namespace lora_ops {
+
+LORA_OPS_HD int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// Positions [*begin, *end) of segment g, clamped to [0, positions]; empty when reversed.
+LORA_OPS_HD void segment_range(const Segments& s, int64_t g, int64_t* begin, int64_t* end) {
+  *begin = clamp_index(s.indptr[g], 0, s.positions);
+  *end = clamp_index(s.indptr[g + 1], *begin, s.positions);
+}
+
+// Row of position p, or -1 when token_indices names a row outside [0, rows).
+LORA_OPS_HD int64_t segment_row(const Segments& s, int64_t p, int64_t rows) {
+  const int64_t t = s.token_indices ? s.token_indices[p] : p;
+  return (t >= 0 && t < rows) ? t : -1;
+}
+
+// Slot of segment g, or -1 when it is outside [0, num_slots).
+LORA_OPS_HD int64_t segment_slot(const Segments& s, int64_t g, int64_t num_slots) {
+  const int64_t l = s.slot[g];
+  return (l >= 0 && l < num_slots) ? l : -1;
+}
+
+// A per-slot size (rank, n_l, k_l) clamped to [0, full]; `full` when no per-slot sizes are given.
+LORA_OPS_HD int64_t slot_size(const int32_t* sizes, int64_t slot, int64_t full) {
+  return sizes ? clamp_index(sizes[slot], 0, full) : full;
+}
+
+}  // namespace lora_ops

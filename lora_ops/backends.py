@@ -1,0 +1,64 @@
+"""Which backend serves which op on which device, as data (xformers style), and the Triton registration.
+
+Dispatch (DESIGN §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
+forces Triton on CUDA. Every refusal carries a reason, printed by `python -m lora_ops.info`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Dict, Optional
+
+import torch
+
+OPS = ("sgmv", "grouped_gemm", "build_segments")
+
+# Filled by register_triton_where_needed(): op -> "cuda" | "triton" | None, and why a backend is absent.
+cuda_served_by: Dict[str, Optional[str]] = {}
+unavailable: Dict[str, str] = {}
+_lib = None
+
+
+def build_info() -> dict:
+    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError:
+        return {"backends": {}}
+
+
+def cuda_kernel_compiled(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::{op}", "CUDA")
+
+
+def forced_backend() -> str:
+    return os.environ.get("LORA_OPS_BACKEND", "").strip().lower()
+
+
+def register_triton_where_needed() -> None:
+    """Serve the CUDA key with Triton for every op without a C++ CUDA kernel (or all, when forced)."""
+    global _lib
+    for name, entry in build_info().get("backends", {}).items():
+        if not entry.get("built"):
+            unavailable[name] = entry.get("reason", "not built")
+    compiled = {op: cuda_kernel_compiled(op) for op in OPS}
+    force = forced_backend() == "triton"
+    try:
+        from . import triton as triton_backend
+    except Exception as exc:  # triton missing or broken: CUDA ops without a C++ kernel stay unserved
+        unavailable["triton"] = f"import failed: {exc}"
+        for op in OPS:
+            cuda_served_by[op] = "cuda" if compiled[op] else None
+        return
+    for op in OPS:
+        if compiled[op] and not force:
+            cuda_served_by[op] = "cuda"
+            continue
+        if _lib is None:
+            _lib = torch.library.Library("lora_ops", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel" when forced
+            _lib.impl(op, getattr(triton_backend, op), "CUDA")
+        cuda_served_by[op] = "triton"

@@ -1,0 +1,64 @@
+"""Typed public wrappers around torch.ops.lora_ops.* (schemas in csrc/bindings.cpp).
+
+Each wrapper is one call into the C++-defined op, so the eager overhead stays near the bare op's (~2 µs).
+Shapes: T rows (tokens), K input features, N output features, L adapter slots, R max rank, S slices.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+_sgmv = torch.ops.lora_ops.sgmv.default
+_grouped_gemm = torch.ops.lora_ops.grouped_gemm.default
+_build_segments = torch.ops.lora_ops.build_segments.default
+
+
+class Segments(NamedTuple):
+    """Rows grouped by adapter slot, as produced by :func:`build_segments`.
+
+    token_indices [T] int32: rows sorted by slot (stable), rows without a valid slot last.
+    seg_indptr [G+1] int32: segment g covers token_indices[seg_indptr[g]:seg_indptr[g+1]].
+    seg_lora [G] int32: the slot of each segment.
+    """
+
+    token_indices: torch.Tensor
+    seg_indptr: torch.Tensor
+    seg_lora: torch.Tensor
+
+
+def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+         seg_indptr: torch.Tensor, seg_lora: torch.Tensor, token_indices: Optional[torch.Tensor] = None,
+         lora_ranks: Optional[torch.Tensor] = None, lora_scales: Optional[torch.Tensor] = None,
+         slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
+    """Fused LoRA delta, in place: for each row t of a segment with slot l and each slice s,
+    ``y[t, off_s:off_s+1] += scale · lora_scales[l] · (x[t] · A[l, s·R : s·R + r_l]ᵀ) · B[l, off_s:off_s+1, :r_l]ᵀ``.
+
+    y [T, N] (x's dtype or float32, unit column stride), x [T, K] (fp16/bf16/fp32),
+    lora_a [L, S·R, K], lora_b [L, N, R] (x's dtype, unit last stride), seg_indptr [G+1], seg_lora [G],
+    token_indices [P] (rows of the positions; default: position p is row p), lora_ranks [L] int (true ranks
+    r_l ≤ R, only those are read), lora_scales [L] float32, slice_offsets S+1 ints from 0 to N (default [0, N]).
+    Slots outside [0, L) and out-of-range rows are skipped; the intermediate is float32 and stays on chip.
+    """
+    _sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
+
+
+def grouped_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor,
+                 seg_weight: torch.Tensor, token_indices: Optional[torch.Tensor] = None,
+                 n_sizes: Optional[torch.Tensor] = None, k_sizes: Optional[torch.Tensor] = None,
+                 alpha: float = 1.0, accumulate: bool = True) -> None:
+    """Segmented matmul, in place: ``y[t, :n_l] = (accumulate ? y[t, :n_l] : 0) + alpha · x[t, :k_l] · w[l, :n_l, :k_l]ᵀ``.
+
+    y [T, N] (w's dtype or float32), x [T, K] (w's dtype or float32), w [L, N, K] (nn.Linear layout per group,
+    unit last stride), n_sizes/k_sizes [L] int (per-group sizes, default N and K). Columns ≥ n_l are untouched.
+    """
+    _grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate)
+
+
+def build_segments(token_lora: torch.Tensor, num_slots: int) -> Segments:
+    """Group rows by slot on the device with fixed-size outputs (CUDA-graph capturable, no host sync).
+
+    token_lora [T] int: each row's slot; values outside [0, num_slots) mean no LoRA (sorted last, uncovered).
+    Returns Segments(token_indices [T], seg_indptr [num_slots+1], seg_lora = arange(num_slots)).
+    """
+    return Segments(*_build_segments(token_lora, num_slots))

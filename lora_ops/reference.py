@@ -1,0 +1,79 @@
+"""Float64 oracle for the three ops, written straight from DESIGN.md §2.
+
+Plain PyTorch, slow and obvious on purpose: every backend test and every benchmark correctness check compares
+against these functions. They return new tensors (float64 for the matmul ops) instead of mutating.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def _segment_rows(seg_indptr, seg_slot, token_indices, num_rows, num_slots):
+    """Yield (slot, rows) for every segment that names a valid slot, with the §2 skip/clamp rules applied."""
+    indptr = seg_indptr.tolist()
+    slots = seg_slot.tolist()
+    idx = token_indices.tolist() if token_indices is not None else None
+    positions = len(idx) if idx is not None else num_rows
+    for g, slot in enumerate(slots):
+        if not 0 <= slot < num_slots:
+            continue
+        start = min(max(indptr[g], 0), positions)
+        end = min(max(indptr[g + 1], 0), positions)
+        rows = [idx[p] if idx is not None else p for p in range(start, end)]
+        rows = [t for t in rows if 0 <= t < num_rows]
+        if rows:
+            yield slot, rows
+
+
+def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
+         slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> torch.Tensor:
+    """Return y (float64) after `y += scale · lora_scales[l] · (x · A_l,sᵀ) · B_l,sᵀ` per row and slice."""
+    out = y.detach().to(torch.float64).clone()
+    num_slots, sr, _ = lora_a.shape
+    n = lora_b.shape[1]
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, n]
+    num_slices = len(offsets) - 1
+    max_rank = sr // num_slices
+    a64, b64, x64 = lora_a.double(), lora_b.double(), x.double()
+    for slot, rows in _segment_rows(seg_indptr, seg_lora, token_indices, x.shape[0], num_slots):
+        rank = max_rank if lora_ranks is None else min(max(int(lora_ranks[slot]), 0), max_rank)
+        if rank == 0:
+            continue
+        coef = scale * (1.0 if lora_scales is None else float(lora_scales[slot]))
+        xr = x64[rows]
+        for s in range(num_slices):
+            lo, hi = offsets[s], offsets[s + 1]
+            h = xr @ a64[slot, s * max_rank:s * max_rank + rank].T
+            out[rows, lo:hi] += coef * (h @ b64[slot, lo:hi, :rank].T)
+    return out
+
+
+def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
+                 alpha: float = 1.0, accumulate: bool = True) -> torch.Tensor:
+    """Return y (float64) after `y[t, :n_l] = (accumulate ? y : 0) + alpha · x[t, :k_l] · w[l, :n_l, :k_l]ᵀ`."""
+    out = y.detach().to(torch.float64).clone()
+    num_groups, n, k = w.shape
+    w64, x64 = w.double(), x.double()
+    for slot, rows in _segment_rows(seg_indptr, seg_weight, token_indices, x.shape[0], num_groups):
+        n_l = n if n_sizes is None else min(max(int(n_sizes[slot]), 0), n)
+        k_l = k if k_sizes is None else min(max(int(k_sizes[slot]), 0), k)
+        prod = alpha * (x64[rows, :k_l] @ w64[slot, :n_l, :k_l].T)
+        out[rows, :n_l] = (out[rows, :n_l] if accumulate else 0) + prod
+    return out
+
+
+def build_segments(token_lora: torch.Tensor, num_slots: int):
+    """Stable grouping of rows by slot: (token_indices [T], seg_indptr [num_slots+1], seg_lora [num_slots])."""
+    slots = token_lora.tolist()
+    order = [t for s in range(num_slots) for t, v in enumerate(slots) if v == s]
+    order += [t for t, v in enumerate(slots) if not 0 <= v < num_slots]
+    counts = [sum(1 for v in slots if v == s) for s in range(num_slots)]
+    indptr = [0]
+    for c in counts:
+        indptr.append(indptr[-1] + c)
+    dev = token_lora.device
+    return (torch.tensor(order, dtype=torch.int32, device=dev),
+            torch.tensor(indptr, dtype=torch.int32, device=dev),
+            torch.arange(num_slots, dtype=torch.int32, device=dev))

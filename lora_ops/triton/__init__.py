@@ -1,0 +1,96 @@
+"""Triton backend: the three ops with exactly the op signatures, for any tensors Triton can address
+(CUDA/ROCm GPUs, and CPU tensors under TRITON_INTERPRET=1).
+
+Arguments are checked by the same C++ routine as every other backend (torch.ops.lora_ops._check_*), then a
+kernel config is picked from a small table by shape class: no autotuning inside a serving process.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+
+from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel
+
+_check_sgmv = torch.ops.lora_ops._check_sgmv.default
+_check_grouped_gemm = torch.ops.lora_ops._check_grouped_gemm.default
+_check_build_segments = torch.ops.lora_ops._check_build_segments.default
+_MAX_SLICES = 8
+
+
+def _i32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _sgmv_config(rows_per_segment: float, width: int):
+    """(BLOCK_M, BLOCK_K, BLOCK_N, N_SPLITS, num_warps) by shape class.
+
+    Decode (few rows per adapter): small row blocks and the slice's columns split across programs, so enough
+    programs stream A and B. Prefill: 64-row blocks, each program owns whole rows (x read once, y once)."""
+    if rows_per_segment <= 16:
+        return 16, 256, 64, max(1, min(16, width // 256)), 4
+    if rows_per_segment <= 128:
+        return 32, 128, 64, max(1, min(8, width // 512)), 4
+    return 64, 64, 128, 1, 4
+
+
+def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
+         slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
+    _check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                slice_offsets, scale)
+    T, K = x.shape
+    N = y.shape[1]
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, N]
+    S = len(offsets) - 1
+    R = lora_a.shape[1] // S
+    G = seg_lora.shape[0]
+    positions = token_indices.shape[0] if token_indices is not None else T
+    if T == 0 or G == 0 or R == 0 or N == 0 or K == 0:
+        return
+    block_m, block_k, block_n, n_splits, warps = _sgmv_config(positions / G, max(b - a for a, b in zip(offsets, offsets[1:])))
+    offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
+    grid = (G, triton.cdiv(positions, block_m), S * n_splits)
+    sgmv_kernel[grid](
+        y, x, lora_a, lora_b, _i32(seg_indptr), _i32(seg_lora), _i32(token_indices), _i32(lora_ranks), lora_scales,
+        T, K, lora_a.shape[0], R, positions, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        lora_b.stride(0), lora_b.stride(1), float(scale), *offsets,
+        HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
+        IEEE=x.dtype == torch.float32, N_SPLITS=n_splits, BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n, num_warps=warps)
+
+
+def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
+                 alpha: float = 1.0, accumulate: bool = True) -> None:
+    _check_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate)
+    T, K = x.shape
+    N = y.shape[1]
+    G = seg_weight.shape[0]
+    positions = token_indices.shape[0] if token_indices is not None else T
+    if T == 0 or G == 0 or N == 0:
+        return
+    block_m = 16 if positions / G <= 16 else 64
+    block_n = min(128, max(16, triton.next_power_of_2(N)))
+    block_k = min(64, max(16, triton.next_power_of_2(K)))
+    grid = (G, triton.cdiv(positions, block_m), triton.cdiv(N, block_n))
+    grouped_gemm_kernel[grid](
+        y, x, w, _i32(seg_indptr), _i32(seg_weight), _i32(token_indices), _i32(n_sizes), _i32(k_sizes),
+        T, N, K, w.shape[0], positions, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
+        HAS_IDX=token_indices is not None, HAS_N=n_sizes is not None, HAS_K=k_sizes is not None,
+        ACCUMULATE=bool(accumulate), X_F32=x.dtype != w.dtype, IEEE=w.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def build_segments(token_lora: torch.Tensor, num_slots: int):
+    _check_build_segments(token_lora, num_slots)
+    T = token_lora.shape[0]
+    opts = dict(dtype=torch.int32, device=token_lora.device)
+    token_indices = torch.empty(T, **opts)
+    seg_indptr = torch.empty(num_slots + 1, **opts)
+    seg_lora = torch.empty(num_slots, **opts)
+    block_t = min(1024, max(16, triton.next_power_of_2(max(T, 1))))
+    build_segments_kernel[(num_slots + 1,)](_i32(token_lora), token_indices, seg_indptr, seg_lora, T, num_slots,
+                                            BLOCK_T=block_t, num_warps=4)
+    return token_indices, seg_indptr, seg_lora

@@ -1,0 +1,184 @@
+"""Triton kernels for sgmv, grouped_gemm and build_segments (DESIGN §2).
+
+Index-based addressing only (offsets from each pool's base pointer, never loaded pointers), so every kernel also
+runs under TRITON_INTERPRET=1. Device metadata is untrusted: indptr is clamped, bad slots/rows are masked out.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_slots, positions, num_rows,
+                   HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Slot of segment g and the rows of its mb-th block of BLOCK_M positions (-1 slot: nothing to do)."""
+    slot = tl.load(slot_ptr + g)
+    begin = tl.minimum(tl.maximum(tl.load(indptr_ptr + g), 0), positions)
+    end = tl.minimum(tl.maximum(tl.load(indptr_ptr + g + 1), begin), positions)
+    pos = begin + mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pmask = pos < end
+    if HAS_IDX:
+        rows = tl.load(idx_ptr + pos, mask=pmask, other=-1)
+    else:
+        rows = pos
+    rmask = pmask & (rows >= 0) & (rows < num_rows)
+    valid = (slot >= 0) & (slot < num_slots) & (begin + mb * BLOCK_M < end)
+    return tl.where(valid, slot, -1), tl.where(rmask, rows, 0).to(tl.int64), rmask
+
+
+@triton.jit
+def _dot_f32_lhs(a_f32, b, IEEE: tl.constexpr):
+    """a (float32) · b (b's dtype) with float32 accuracy: exact for fp32 (ieee), hi/lo split for fp16/bf16."""
+    if IEEE:
+        return tl.dot(a_f32, b.to(tl.float32), input_precision="ieee")
+    hi = a_f32.to(b.dtype)
+    lo = (a_f32 - hi.to(tl.float32)).to(b.dtype)
+    return tl.dot(hi, b) + tl.dot(lo, b)
+
+
+@triton.jit
+def _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8):
+    """o_s for a run-time slice index s (slice offsets travel as scalars: no device copy, graph-safe)."""
+    v = tl.where(s == 0, o0, o8)
+    v = tl.where(s == 1, o1, v)
+    v = tl.where(s == 2, o2, v)
+    v = tl.where(s == 3, o3, v)
+    v = tl.where(s == 4, o4, v)
+    v = tl.where(s == 5, o5, v)
+    v = tl.where(s == 6, o6, v)
+    return tl.where(s == 7, o7, v)
+
+
+@triton.jit
+def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
+                num_rows, K, num_slots, R, positions, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1, scale,
+                o0, o1, o2, o3, o4, o5, o6, o7, o8,
+                HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, IEEE: tl.constexpr,
+                N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Program (segment g, block of BLOCK_M positions, slice s x column split): shrink the block's rows into
+    h [BLOCK_M, rank] in float32 registers, then expand h into its share of the slice's columns of y."""
+    g = tl.program_id(0)
+    mb = tl.program_id(1)
+    s = tl.program_id(2) // N_SPLITS
+    split = tl.program_id(2) % N_SPLITS
+    slot, rows, rmask = _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_slots, positions, num_rows,
+                                       HAS_IDX, BLOCK_M)
+    if slot < 0:
+        return
+    if HAS_RANKS:
+        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)
+    else:
+        rank = R
+    lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
+    n_begin = lo + split * chunk
+    n_end = tl.minimum(n_begin + chunk, hi)
+    if (rank == 0) | (n_begin >= n_end):
+        return
+    coef = scale
+    if HAS_SCALES:
+        coef = coef * tl.load(scales_ptr + slot)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    rk_mask = offs_r < rank
+    a_base = a_ptr + slot.to(tl.int64) * a_s0 + (s * R + offs_r).to(tl.int64)[None, :] * a_s1
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        xt = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        at = tl.load(a_base + kk[:, None], mask=kmask[:, None] & rk_mask[None, :], other=0.0)
+        if IEEE:
+            h += tl.dot(xt, at, input_precision="ieee")
+        else:
+            h += tl.dot(xt, at)
+    h = h * coef
+
+    offs_n = tl.arange(0, BLOCK_N)
+    b_base = b_ptr + slot.to(tl.int64) * b_s0 + offs_r[:, None]
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        nn = n0 + offs_n
+        nmask = nn < n_end
+        bt = tl.load(b_base + nn.to(tl.int64)[None, :] * b_s1, mask=rk_mask[:, None] & nmask[None, :], other=0.0)
+        delta = _dot_f32_lhs(h, bt, IEEE)
+        y_ptrs = y_ptr + rows[:, None] * y_stride + nn[None, :]
+        ymask = rmask[:, None] & nmask[None, :]
+        yt = tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (yt + delta).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_sizes_ptr, k_sizes_ptr,
+                        num_rows, N, K, num_groups, positions, y_stride, x_stride, w_s0, w_s1, alpha,
+                        HAS_IDX: tl.constexpr, HAS_N: tl.constexpr, HAS_K: tl.constexpr,
+                        ACCUMULATE: tl.constexpr, X_F32: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (segment g, block of BLOCK_M positions, block of BLOCK_N columns): one output tile."""
+    g = tl.program_id(0)
+    mb = tl.program_id(1)
+    nb = tl.program_id(2)
+    slot, rows, rmask = _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_groups, positions, num_rows,
+                                       HAS_IDX, BLOCK_M)
+    if slot < 0:
+        return
+    n_l = N
+    k_l = K
+    if HAS_N:
+        n_l = tl.minimum(tl.maximum(tl.load(n_sizes_ptr + slot), 0), N)
+    if HAS_K:
+        k_l = tl.minimum(tl.maximum(tl.load(k_sizes_ptr + slot), 0), K)
+    nn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = nn < n_l
+    if nb * BLOCK_N >= n_l:
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + slot.to(tl.int64) * w_s0 + nn.to(tl.int64)[None, :] * w_s1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_l, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < k_l
+        xt = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wt = tl.load(w_base + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if X_F32:
+            acc += _dot_f32_lhs(xt, wt, IEEE)
+        elif IEEE:
+            acc += tl.dot(xt, wt, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, wt)
+    y_ptrs = y_ptr + rows[:, None] * y_stride + nn[None, :]
+    ymask = rmask[:, None] & nmask[None, :]
+    out = alpha * acc
+    if ACCUMULATE:
+        out += tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def build_segments_kernel(token_lora_ptr, token_indices_ptr, seg_indptr_ptr, seg_lora_ptr, T, num_slots,
+                          BLOCK_T: tl.constexpr):
+    """Program s (0..num_slots; num_slots = "no LoRA" bucket): count earlier buckets, then place its tokens in
+    order with a running cumsum. No atomics: stable and deterministic."""
+    s = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_T)
+    base = 0
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + offs
+        v = tl.load(token_lora_ptr + tt, mask=tt < T, other=0)
+        bucket = tl.where((v >= 0) & (v < num_slots), v, num_slots)
+        base += tl.sum(((bucket < s) & (tt < T)).to(tl.int32), axis=0)
+    if s < num_slots:
+        tl.store(seg_indptr_ptr + s, base)
+        tl.store(seg_lora_ptr + s, s)
+    placed = base
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + offs
+        v = tl.load(token_lora_ptr + tt, mask=tt < T, other=0)
+        bucket = tl.where((v >= 0) & (v < num_slots), v, num_slots)
+        mine = ((bucket == s) & (tt < T)).to(tl.int32)
+        dest = placed + tl.cumsum(mine, axis=0) - 1
+        tl.store(token_indices_ptr + dest, tt, mask=mine != 0)
+        placed += tl.sum(mine, axis=0)
+    if s == num_slots:
+        tl.store(seg_indptr_ptr + num_slots, base)
