@@ -1,0 +1,157 @@
+"""Every host-side check of DESIGN §2: the error type and a message naming the argument and the expectation.
+
+The checks live once in csrc/common/checks.cpp; they are exercised through the CPU op and, for a sample,
+through the Triton entry points (which call the same routine via torch.ops.lora_ops._check_*)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lora_ops
+import lora_ops.ops as ops
+
+
+def sgmv_args(T=4, K=16, N=12, L=3, R=4, S=1, dtype=torch.float32):
+    return dict(y=torch.randn(T, N, dtype=dtype), x=torch.randn(T, K, dtype=dtype),
+                lora_a=torch.randn(L, S * R, K, dtype=dtype), lora_b=torch.randn(L, N, R, dtype=dtype),
+                seg_indptr=torch.tensor([0, 2, T], dtype=torch.int32), seg_lora=torch.tensor([0, 2], dtype=torch.int32))
+
+
+def gg_args(T=4, K=16, N=12, L=3, dtype=torch.float32):
+    return dict(y=torch.randn(T, N, dtype=dtype), x=torch.randn(T, K, dtype=dtype), w=torch.randn(L, N, K, dtype=dtype),
+                seg_indptr=torch.tensor([0, 2, T], dtype=torch.int32), seg_weight=torch.tensor([0, 2], dtype=torch.int32))
+
+
+SGMV_ERRORS = {
+    "y_dim": (dict(y=torch.randn(4, 12, 1)), ValueError, r"y must be 2-D \[T, N\], got shape \[4, 12, 1\]"),
+    "x_dim": (dict(x=torch.randn(64)), ValueError, r"x must be 2-D"),
+    "a_dim": (dict(lora_a=torch.randn(3, 4)), ValueError, r"lora_a must be 3-D \[L, S\*R, K\]"),
+    "b_dim": (dict(lora_b=torch.randn(3, 12)), ValueError, r"lora_b must be 3-D \[L, N, R\]"),
+    "x_dtype": (dict(x=torch.ones(4, 16, dtype=torch.int32)), TypeError, r"x must be float16, bfloat16 or float32, got Int"),
+    "a_dtype": (dict(lora_a=torch.randn(3, 4, 16, dtype=torch.float16)), TypeError, r"lora_a must have x's dtype Float, got Half"),
+    "b_dtype": (dict(lora_b=torch.randn(3, 12, 4, dtype=torch.bfloat16)), TypeError, r"lora_b must have x's dtype Float, got BFloat16"),
+    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float16)), TypeError, r"y must have x's dtype Float or float32, got Half"),
+    "rows": (dict(y=torch.randn(5, 12)), ValueError, r"y has 5 rows but x has 4"),
+    "a_k": (dict(lora_a=torch.randn(3, 4, 15)), ValueError, r"lora_a must be \[L, S\*R, K\] with K = x.size\(1\) = 16, got shape \[3, 4, 15\]"),
+    "b_slots": (dict(lora_b=torch.randn(2, 12, 4)), ValueError, r"lora_b must have L = lora_a.size\(0\) = 3 slots"),
+    "b_n": (dict(lora_b=torch.randn(3, 11, 4)), ValueError, r"lora_b must be \[L, N, R\] with N = y.size\(1\) = 12"),
+    "b_r": (dict(lora_b=torch.randn(3, 12, 5)), ValueError, r"lora_b must be \[L, N, R\] with R = lora_a.size\(1\) / S = 4, got shape \[3, 12, 5\]"),
+    "slices_count": (dict(slice_offsets=list(range(11))), ValueError, r"slice_offsets must have 2 to 9 entries, got 11"),
+    "slices_ends": (dict(slice_offsets=[0, 6, 11]), ValueError, r"slice_offsets must start at 0 and end at N = 12"),
+    "slices_order": (dict(slice_offsets=[0, 8, 4, 12], lora_a=torch.randn(3, 12, 16)), ValueError, r"slice_offsets must be non-decreasing"),
+    "slices_rank": (dict(slice_offsets=[0, 6, 12], lora_a=torch.randn(3, 5, 16)), ValueError, r"lora_a.size\(1\) = 5 must be S\*R for S = 2"),
+    "x_stride": (dict(x=torch.randn(16, 4).t()), ValueError, r"x must have unit stride in its last dimension"),
+    "y_stride": (dict(y=torch.randn(12, 4).t()), ValueError, r"y must have unit stride in its last dimension"),
+    "a_stride": (dict(lora_a=torch.randn(3, 16, 4).transpose(1, 2)), ValueError, r"lora_a must have unit stride"),
+    "b_stride": (dict(lora_b=torch.randn(3, 4, 12).transpose(1, 2)), ValueError, r"lora_b must have unit stride"),
+    "y_overlap": (dict(y=torch.randn(1, 12).expand(4, 12)), ValueError, r"y rows overlap in memory"),
+    "indptr_dtype": (dict(seg_indptr=torch.tensor([0.0, 2.0, 4.0])), TypeError, r"seg_indptr must be int32 or int64, got Float"),
+    "indptr_dim": (dict(seg_indptr=torch.zeros(3, 1, dtype=torch.int32)), ValueError, r"seg_indptr must be 1-D"),
+    "indptr_empty": (dict(seg_indptr=torch.zeros(0, dtype=torch.int32), seg_lora=torch.zeros(0, dtype=torch.int32)),
+                     ValueError, r"seg_indptr must have num_segments \+ 1 >= 1 entries, got 0"),
+    "seg_len": (dict(seg_lora=torch.zeros(3, dtype=torch.int32)), ValueError, r"seg_lora must have 2 entries \(one per segment"),
+    "seg_dtype": (dict(seg_lora=torch.zeros(2, dtype=torch.int16)), TypeError, r"seg_lora must be int32 or int64, got Short"),
+    "idx_dtype": (dict(token_indices=torch.zeros(4)), TypeError, r"token_indices must be int32 or int64"),
+    "idx_dim": (dict(token_indices=torch.zeros(2, 2, dtype=torch.int32)), ValueError, r"token_indices must be 1-D"),
+    "ranks_len": (dict(lora_ranks=torch.zeros(2, dtype=torch.int32)), ValueError, r"lora_ranks must have 3 entries \(one per slot"),
+    "ranks_dtype": (dict(lora_ranks=torch.zeros(3)), TypeError, r"lora_ranks must be int32 or int64"),
+    "scales_dtype": (dict(lora_scales=torch.zeros(3, dtype=torch.float64)), TypeError, r"lora_scales must be float32, got Double"),
+    "scales_len": (dict(lora_scales=torch.zeros(4)), ValueError, r"lora_scales must be 1-D with L = 3 entries"),
+}
+
+GG_ERRORS = {
+    "y_dim": (dict(y=torch.randn(4)), ValueError, r"y must be 2-D"),
+    "x_dim": (dict(x=torch.randn(4, 16, 1)), ValueError, r"x must be 2-D"),
+    "w_dim": (dict(w=torch.randn(12, 16)), ValueError, r"w must be 3-D \[L, N, K\]"),
+    "w_dtype": (dict(w=torch.ones(3, 12, 16, dtype=torch.int8)), TypeError, r"w must be float16, bfloat16 or float32, got Char"),
+    "x_dtype": (dict(x=torch.randn(4, 16, dtype=torch.float16), w=torch.randn(3, 12, 16, dtype=torch.bfloat16),
+                     y=torch.randn(4, 12, dtype=torch.bfloat16)), TypeError, r"x must have w's dtype BFloat16 or float32, got Half"),
+    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float64)), TypeError, r"y must have w's dtype Float or float32, got Double"),
+    "rows": (dict(x=torch.randn(3, 16)), ValueError, r"y has 4 rows but x has 3"),
+    "w_shape": (dict(w=torch.randn(3, 12, 15)), ValueError, r"w must be \[L, N, K\] with N = y.size\(1\) = 12 and K = x.size\(1\) = 16, got shape \[3, 12, 15\]"),
+    "x_stride": (dict(x=torch.randn(16, 4).t()), ValueError, r"x must have unit stride"),
+    "w_stride": (dict(w=torch.randn(3, 16, 12).transpose(1, 2)), ValueError, r"w must have unit stride"),
+    "y_overlap": (dict(y=torch.randn(1, 12).expand(4, 12)), ValueError, r"y rows overlap"),
+    "seg_len": (dict(seg_weight=torch.zeros(1, dtype=torch.int32)), ValueError, r"seg_weight must have 2 entries"),
+    "n_sizes_len": (dict(n_sizes=torch.zeros(5, dtype=torch.int32)), ValueError, r"n_sizes must have 3 entries \(one per group"),
+    "k_sizes_dtype": (dict(k_sizes=torch.zeros(3, dtype=torch.float16)), TypeError, r"k_sizes must be int32 or int64"),
+}
+
+
+def _backends():
+    funcs = [("op", ops)]
+    if "triton" not in lora_ops.backends.unavailable:
+        import lora_ops.triton as lt
+        funcs.append(("triton", lt))
+    return funcs
+
+
+@pytest.mark.parametrize("name", list(SGMV_ERRORS))
+def test_sgmv_error(name):
+    change, exc, msg = SGMV_ERRORS[name]
+    args = sgmv_args()
+    args.update(change)
+    for _, mod in _backends():
+        with pytest.raises(exc, match=r"lora_ops\.sgmv: " + msg):
+            mod.sgmv(**args)
+
+
+@pytest.mark.parametrize("name", list(GG_ERRORS))
+def test_grouped_gemm_error(name):
+    change, exc, msg = GG_ERRORS[name]
+    args = gg_args()
+    args.update(change)
+    for _, mod in _backends():
+        with pytest.raises(exc, match=r"lora_ops\.grouped_gemm: " + msg):
+            mod.grouped_gemm(**args)
+
+
+@pytest.mark.parametrize("token_lora,num_slots,exc,msg", [
+    (torch.zeros(3, dtype=torch.int32), -1, ValueError, r"num_slots must be >= 0, got -1"),
+    (torch.zeros(3), 2, TypeError, r"token_lora must be int32 or int64, got Float"),
+    (torch.zeros(3, 1, dtype=torch.int32), 2, ValueError, r"token_lora must be 1-D"),
+])
+def test_build_segments_error(token_lora, num_slots, exc, msg):
+    for _, mod in _backends():
+        with pytest.raises(exc, match=r"lora_ops\.build_segments: " + msg):
+            mod.build_segments(token_lora, num_slots)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    args = sgmv_args()
+    args = {k: v.cuda() for k, v in args.items()}
+    args["x"] = args["x"].cpu()
+    with pytest.raises(ValueError, match=r"x is on cpu but y is on cuda:0; all tensors must be on one device"):
+        ops.sgmv(**args)
+
+
+def test_debug_mode_rejects_bad_metadata():
+    """LORA_OPS_DEBUG=1 reads device metadata back and raises instead of skipping/clamping."""
+    script = r"""
+import torch, lora_ops
+def run(**kw):
+    a = dict(y=torch.randn(4, 8), x=torch.randn(4, 8), lora_a=torch.randn(2, 4, 8), lora_b=torch.randn(2, 8, 4),
+             seg_indptr=torch.tensor([0, 2, 4], dtype=torch.int32), seg_lora=torch.tensor([0, 1], dtype=torch.int32))
+    a.update(kw)
+    try:
+        lora_ops.sgmv(**a)
+        return "ok"
+    except ValueError as e:
+        return str(e).splitlines()[0]
+print(run())
+print(run(seg_indptr=torch.tensor([0, 3, 2], dtype=torch.int32)))
+print(run(seg_lora=torch.tensor([0, 2], dtype=torch.int32)))
+print(run(token_indices=torch.tensor([0, 1, 9, 2], dtype=torch.int32)))
+print(run(token_indices=torch.tensor([0, 1, 1, 2], dtype=torch.int32)))
+print(run(lora_ranks=torch.tensor([4, 5], dtype=torch.int32)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ, "LORA_OPS_DEBUG": "1"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "ok"
+    assert "seg_indptr[1:3] = [3, 2] is not a non-decreasing range" in out[1]
+    assert "seg_lora[1] = 2 is not below the number of slots 2" in out[2]
+    assert "token_indices[2] = 9 is outside [0, 4)" in out[3]
+    assert "row 1 appears in more than one segment position" in out[4]
+    assert "lora_ranks[1] = 5 is outside [0, R = 4]" in out[5]
