@@ -67,9 +67,10 @@ def _extensions(info, cuda_home):
 
 
 def main():
+    info, cuda_home = _configure()
+    # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
     from torch.utils.cpp_extension import BuildExtension
 
-    info, cuda_home = _configure()
     with open(os.path.join(ROOT, "lora_ops", "_build_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     setup(

@@ -1,0 +1,123 @@
+// Device helpers shared by the CUDA kernels: element types, conversions, vector loads, and the tile walk
+// over segments. Torch-free (DESIGN §4).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/dispatch.h"
+#include "../common/params.h"
+
+namespace lora_ops::cuda {
+
+template <DType D> struct ElemOf;
+template <> struct ElemOf<DType::F16> { using type = __half; };
+template <> struct ElemOf<DType::BF16> { using type = __nv_bfloat16; };
+template <> struct ElemOf<DType::F32> { using type = float; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Eight consecutive elements as floats. `vec`: the address is 16-byte aligned and all 8 are in bounds, so
+// one (half types) or two (float) 16-byte loads; otherwise element loads up to `valid`, zeros after.
+template <class T>
+__device__ __forceinline__ void load8(const T* ptr, bool vec, int64_t valid, float out[8]) {
+  if (vec && valid >= 8) {
+    if constexpr (sizeof(T) == 2) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = to_f32(e[i]);
+    } else {
+      const float4 lo = *reinterpret_cast<const float4*>(ptr);
+      const float4 hi = *reinterpret_cast<const float4*>(ptr + 4);
+      out[0] = lo.x; out[1] = lo.y; out[2] = lo.z; out[3] = lo.w;
+      out[4] = hi.x; out[5] = hi.y; out[6] = hi.z; out[7] = hi.w;
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = i < valid ? to_f32(ptr[i]) : 0.f;
+}
+
+// One tile: up to `tile_rows` consecutive positions of one segment with a valid slot and nonzero rank.
+struct Tile {
+  int64_t segment, slot, rank, begin, end;  // positions [begin, end)
+  float coef;                               // scale * lora_scales[slot]
+};
+
+// Number of tiles of segment g (0 when its slot is invalid, its rank is 0 or it is empty).
+__device__ __forceinline__ int64_t segment_tiles(const Segments& seg, int64_t g, int64_t num_slots,
+                                                 const int32_t* ranks, int64_t max_rank, int64_t tile_rows) {
+  const int64_t slot = segment_slot(seg, g, num_slots);
+  if (slot < 0 || slot_size(ranks, slot, max_rank) == 0) return 0;
+  int64_t begin, end;
+  segment_range(seg, g, &begin, &end);
+  return (end - begin + tile_rows - 1) / tile_rows;
+}
+
+// Finds tile number `tile` of the walk over all segments in order (block-wide: every thread must call it
+// with the same arguments). Returns false when there are fewer tiles. The walk scans segments blockDim.x at
+// a time and stops at the chunk that holds the tile, so it costs O(G / blockDim) block scans.
+__device__ inline bool locate_tile(const Segments& seg, int64_t num_slots, const int32_t* ranks,
+                            const float* scales, float scale, int64_t max_rank, int64_t tile_rows,
+                            int64_t tile, Tile* out) {
+  __shared__ int64_t warp_sums[32];
+  __shared__ int64_t found_segment, found_first;
+  __shared__ int64_t carry;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();  // a previous call's readers of found_* are done
+  if (threadIdx.x == 0) {
+    found_segment = -1;
+    carry = 0;
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < seg.num_segments; base += blockDim.x) {
+    const int64_t g = base + threadIdx.x;
+    const int64_t n = g < seg.num_segments ? segment_tiles(seg, g, num_slots, ranks, max_rank, tile_rows) : 0;
+    int64_t incl = n;  // inclusive scan across the block: warp shuffles, then warp totals
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int64_t before = carry;
+    for (int w = 0; w < warp; ++w) before += warp_sums[w];
+    const int64_t first = before + incl - n;  // this segment's first tile number
+    if (n > 0 && tile >= first && tile < first + n) {
+      found_segment = g;
+      found_first = first;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 0; w < warps; ++w) carry += warp_sums[w];
+    }
+    __syncthreads();
+    if (found_segment >= 0 || carry > tile) break;
+  }
+  const int64_t g = found_segment;
+  if (g < 0) return false;
+  const int64_t slot = seg.slot[g];
+  int64_t begin, end;
+  segment_range(seg, g, &begin, &end);
+  out->segment = g;
+  out->slot = slot;
+  out->rank = slot_size(ranks, slot, max_rank);
+  out->begin = begin + (tile - found_first) * tile_rows;
+  out->end = std::min<int64_t>(out->begin + tile_rows, end);
+  out->coef = scale * (scales ? scales[slot] : 1.f);
+  return true;
+}
+
+}  // namespace lora_ops::cuda

@@ -1,0 +1,62 @@
+// CUDA dispatch key: argument checks (csrc/common), regime choice, workspace, launch.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../common/checks.h"
+#include "kernels.h"
+
+namespace lora_ops {
+namespace {
+
+int multiprocessor_count(int device) {
+  static int cached[64] = {};
+  int& count = cached[device & 63];
+  if (count == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+// Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
+constexpr int64_t kMmaMinPositions = 1024;
+
+void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+               const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+               const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
+               const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets, double scale) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  SgmvIndexTensors keep;
+  const auto p = check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                            slice_offsets, scale, keep);
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (p.seg.positions >= kMmaMinPositions && cuda::sgmv_mma_supported(p)) {
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, stream));
+    return;
+  }
+  TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", p.num_slices * p.max_rank,
+                    " rank columns exceed what the CUDA kernel stages in shared memory (max 6400)");
+  const auto plan = cuda::plan_sgmv_simt(p, multiprocessor_count(y.get_device()));
+  const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
+                                   y.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::launch_sgmv_simt(p, plan, workspace.data_ptr<float>(), stream));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
+  const c10::cuda::CUDAGuard guard(token_lora.device());
+  TORCH_CHECK_VALUE(num_slots <= 40000, "lora_ops.build_segments: num_slots = ", num_slots,
+                    " exceeds the CUDA kernel's shared-memory histogram (max 40000)");
+  at::Tensor token_indices, seg_indptr, seg_lora, token_lora_i32;
+  const auto p = check_build_segments(token_lora, num_slots, token_indices, seg_indptr, seg_lora, token_lora_i32);
+  C10_CUDA_CHECK(cuda::launch_build_segments(p, c10::cuda::getCurrentCUDAStream()));
+  return {token_indices, seg_indptr, seg_lora};
+}
+
+}  // namespace
+}  // namespace lora_ops
+
+TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
+  m.impl("sgmv", &lora_ops::sgmv_cuda);
+  m.impl("build_segments", &lora_ops::build_segments_cuda);
+}

@@ -1,0 +1,305 @@
+// sgmv, prefill regime (many rows per adapter), fp16/bf16 with 16-byte aligned rows: tensor cores.
+// One CTA (4 warps x 16 rows) per tile of 64 positions of one segment and group of slices:
+//   shrink: h[64, RT] += X[64, K] A[RT, K]^T with mma.sync m16n8k16 (fp32 accumulators), X rows gathered
+//           through token_indices, both tiles streamed by a 3-stage cp.async pipeline (x read once);
+//   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. h is split
+//           hi + lo into two half-precision fragments, so the product keeps ~16 mantissa bits of the float32
+//           intermediate; for each 64-column tile, B and the y tile stream in (3 stages), y += h.B^T is
+//           written back through shared memory with 16-byte stores (y read and written once).
+// Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice).
+#include <algorithm>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace lora_ops::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileRows = 64;
+constexpr int kBK = 64;
+constexpr int kBN = 64;
+constexpr int kStages = 3;
+constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
+constexpr int kMaxRankTile = 128;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+template <class T>
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> packed pair of T (hi), and the rounding remainders -> packed pair (lo).
+template <class T>
+__device__ __forceinline__ void split_pack(float v0, float v1, uint32_t* hi, uint32_t* lo) {
+  const T h0 = from_f32<T>(v0), h1 = from_f32<T>(v1);
+  const T l0 = from_f32<T>(v0 - to_f32(h0)), l1 = from_f32<T>(v1 - to_f32(h1));
+  *hi = (uint32_t)__builtin_bit_cast(uint16_t, h0) | ((uint32_t)__builtin_bit_cast(uint16_t, h1) << 16);
+  *lo = (uint32_t)__builtin_bit_cast(uint16_t, l0) | ((uint32_t)__builtin_bit_cast(uint16_t, l1) << 16);
+}
+
+struct MmaPlan {
+  int64_t rank_pad;          // per-slice rank rounded up to 16
+  int64_t slices_per_group;  // slices sharing one rank tile
+  int64_t groups, max_tiles;
+};
+
+template <int RT, class TY>
+struct Smem {
+  static constexpr int kYPad = 16 / sizeof(TY);
+  static constexpr size_t shrink_stage = (size_t)(kTileRows + RT) * (kBK + kPad) * 2;
+  static constexpr size_t expand_b = (size_t)kBN * (RT + kPad) * 2;
+  static constexpr size_t expand_y = (size_t)kTileRows * (kBN + kYPad) * sizeof(TY);
+  static constexpr size_t expand_stage = expand_b + expand_y;
+  static constexpr size_t bytes = std::max(kStages * shrink_stage, kStages * expand_stage);
+};
+
+template <class T, class TY, int RT>
+__global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
+  using L = Smem<RT, TY>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int64_t s_rows[kTileRows];
+  const T* x = static_cast<const T*>(p.x);
+  const T* lora_a = static_cast<const T*>(p.lora_a);
+  const T* lora_b = static_cast<const T*>(p.lora_b);
+  TY* y = static_cast<TY*>(p.y);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t tile_idx = blockIdx.x / plan.groups, group = blockIdx.x % plan.groups;
+  Tile tile;
+  if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, p.max_rank, kTileRows, tile_idx,
+                   &tile)) {
+    return;
+  }
+  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = tile.rank;
+  const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
+  for (int r = tid; r < kTileRows; r += kThreads) {
+    s_rows[r] = tile.begin + r < tile.end ? segment_row(p.seg, tile.begin + r, p.rows) : -1;
+  }
+  __syncthreads();
+
+  // ---------------- shrink: h = X A^T ----------------
+  auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
+  auto as = [&](int st) { return xs(st) + kTileRows * (kBK + kPad); };
+  auto load_shrink = [&](int st, int64_t k0) {
+    T* X = xs(st);
+    T* A = as(st);
+    for (int c = tid; c < kTileRows * (kBK / 8); c += kThreads) {
+      const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+      const int64_t k = k0 + kc, row = s_rows[r];
+      const int bytes = (row >= 0 && k < p.k) ? (int)std::min<int64_t>(8, p.k - k) * 2 : 0;
+      cp_async16(X + r * (kBK + kPad) + kc, bytes ? x + row * p.x_row_stride + k : x, bytes);
+    }
+    for (int c = tid; c < RT * (kBK / 8); c += kThreads) {
+      const int rr = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+      const int64_t sl = rr / rp, j = rr % rp, k = k0 + kc;
+      const bool ok = s0 + sl < s1 && j < rank && k < p.k;
+      const int bytes = ok ? (int)std::min<int64_t>(8, p.k - k) * 2 : 0;
+      const T* src = ok ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + k : lora_a;
+      cp_async16(A + rr * (kBK + kPad) + kc, src, bytes);
+    }
+  };
+  float h[RT / 8][4] = {};
+  const int64_t k_tiles = (p.k + kBK - 1) / kBK;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < k_tiles) load_shrink(st, st * kBK);
+    cp_async_commit();
+  }
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int64_t next = kt + kStages - 1;
+    if (next < k_tiles) load_shrink(next % kStages, next * kBK);
+    cp_async_commit();
+    const T* X = xs(kt % kStages);
+    const T* A = as(kt % kStages);
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[4];
+      ldmatrix_x4(af, X + (warp * 16 + (lane % 16)) * (kBK + kPad) + kk + (lane / 16) * 8);
+#pragma unroll
+      for (int np = 0; np < RT / 16; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, A + (np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk + ((lane / 8) % 2) * 8);
+        mma16816<T>(h[2 * np], af, bf[0], bf[1]);
+        mma16816<T>(h[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // h (C fragments) -> A fragments for the expand, scaled, split hi + lo.
+  uint32_t h_hi[RT / 16][4], h_lo[RT / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < RT / 16; ++ks) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float* c = h[2 * ks + half];
+      split_pack<T>(c[0] * tile.coef, c[1] * tile.coef, &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
+      split_pack<T>(c[2] * tile.coef, c[3] * tile.coef, &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
+    }
+  }
+
+  // ---------------- expand: y += h B^T over the group's columns ----------------
+  const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
+  constexpr int kYVec = 16 / sizeof(TY);
+  auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
+  auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
+  auto load_expand = [&](int st, int64_t n0) {
+    T* B = bs(st);
+    TY* Y = ys(st);
+    for (int c = tid; c < kBN * (RT / 8); c += kThreads) {
+      const int i = c / (RT / 8), j8 = (c % (RT / 8)) * 8;
+      const int64_t n = n0 + i, sl = j8 / rp, j = j8 % rp;
+      bool ok = n < c_end && s0 + sl < s1 && j < rank;
+      if (ok) ok = n >= p.slice_offsets[s0 + sl] && n < p.slice_offsets[s0 + sl + 1];
+      const int bytes = ok ? (int)std::min<int64_t>(8, rank - j) * 2 : 0;
+      cp_async16(B + i * (RT + kPad) + j8, ok ? lora_b + tile.slot * p.b_stride0 + n * p.b_stride1 + j : lora_b, bytes);
+    }
+    for (int c = tid; c < kTileRows * (kBN / kYVec); c += kThreads) {
+      const int r = c / (kBN / kYVec), cc = (c % (kBN / kYVec)) * kYVec;
+      const int64_t n = n0 + cc, row = s_rows[r];
+      const int bytes = (row >= 0 && n < c_end) ? (int)std::min<int64_t>(kYVec, c_end - n) * (int)sizeof(TY) : 0;
+      cp_async16(Y + r * (kBN + L::kYPad) + cc, bytes ? y + row * p.y_row_stride + n : y, bytes);
+    }
+  };
+  const int64_t n_tiles = (c_end - c_begin + kBN - 1) / kBN;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_tiles) load_expand(st, c_begin + st * kBN);
+    cp_async_commit();
+  }
+  for (int64_t nt = 0; nt < n_tiles; ++nt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int64_t next = nt + kStages - 1;
+    if (next < n_tiles) load_expand(next % kStages, c_begin + next * kBN);
+    cp_async_commit();
+    const T* B = bs(nt % kStages);
+    TY* Y = ys(nt % kStages);
+    float acc[kBN / 8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < RT / 16; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kBN / 16; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, B + (np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 + ((lane / 8) % 2) * 8);
+        mma16816<T>(acc[2 * np], h_hi[ks], bf[0], bf[1]);
+        mma16816<T>(acc[2 * np], h_lo[ks], bf[0], bf[1]);
+        mma16816<T>(acc[2 * np + 1], h_hi[ks], bf[2], bf[3]);
+        mma16816<T>(acc[2 * np + 1], h_lo[ks], bf[2], bf[3]);
+      }
+    }
+    // y tile += acc in shared memory (each element has one owner), then 16-byte stores of valid chunks.
+#pragma unroll
+    for (int t8 = 0; t8 < kBN / 8; ++t8) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp * 16 + lane / 4 + (e / 2) * 8, c = t8 * 8 + (lane % 4) * 2 + (e % 2);
+        TY* dst = Y + r * (kBN + L::kYPad) + c;
+        *dst = from_f32<TY>(to_f32(*dst) + acc[t8][e]);
+      }
+    }
+    __syncthreads();
+    const int64_t n0 = c_begin + nt * kBN;
+    for (int c = tid; c < kTileRows * (kBN / kYVec); c += kThreads) {
+      const int r = c / (kBN / kYVec), cc = (c % (kBN / kYVec)) * kYVec;
+      const int64_t n = n0 + cc, row = s_rows[r];
+      if (row < 0 || n >= c_end) continue;
+      const TY* src = Y + r * (kBN + L::kYPad) + cc;
+      TY* dst = y + row * p.y_row_stride + n;
+      if (n + kYVec <= c_end) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int64_t e = 0; e < c_end - n; ++e) dst[e] = src[e];
+      }
+    }
+  }
+}
+
+MmaPlan make_plan(const SgmvParams& p) {
+  MmaPlan plan{};
+  plan.rank_pad = (p.max_rank + 15) / 16 * 16;
+  plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
+  plan.groups = (p.num_slices + plan.slices_per_group - 1) / plan.slices_per_group;
+  const int64_t P = p.seg.positions;
+  plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  return plan;
+}
+
+template <class T, class TY, int RT>
+cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
+  auto kernel = sgmv_mma_kernel<T, TY, RT>;
+  constexpr size_t smem = Smem<RT, TY>::bytes;
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  const int64_t blocks = plan.max_tiles * plan.groups;
+  if (blocks == 0) return cudaSuccess;
+  kernel<<<(unsigned)blocks, kThreads, smem, stream>>>(p, plan);
+  return cudaGetLastError();
+}
+
+template <class T, class TY>
+cudaError_t launch_typed(const SgmvParams& p, cudaStream_t stream) {
+  const MmaPlan plan = make_plan(p);
+  const int64_t width = plan.slices_per_group * plan.rank_pad;
+  if (width <= 16) return launch_rt<T, TY, 16>(p, plan, stream);
+  if (width <= 32) return launch_rt<T, TY, 32>(p, plan, stream);
+  if (width <= 64) return launch_rt<T, TY, 64>(p, plan, stream);
+  return launch_rt<T, TY, 128>(p, plan, stream);
+}
+
+bool aligned(const void* ptr, int64_t bytes_stride0, int64_t bytes_stride1 = 0) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && bytes_stride0 % 16 == 0 && bytes_stride1 % 16 == 0;
+}
+
+}  // namespace
+
+bool sgmv_mma_supported(const SgmvParams& p) {
+  if (p.x_dtype == DType::F32) return false;
+  const int64_t ey = p.y_dtype == DType::F32 ? 4 : 2;
+  if (!aligned(p.x, p.x_row_stride * 2) || !aligned(p.lora_a, p.a_stride0 * 2, p.a_stride1 * 2) ||
+      !aligned(p.lora_b, p.b_stride0 * 2, p.b_stride1 * 2) || !aligned(p.y, p.y_row_stride * ey)) {
+    return false;
+  }
+  for (int64_t s = 0; s <= p.num_slices; ++s) {
+    if (p.slice_offsets[s] % 8) return false;  // 16-byte aligned column starts of every slice
+  }
+  return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
+}
+
+cudaError_t launch_sgmv_mma(const SgmvParams& p, cudaStream_t stream) {
+  if (p.x_dtype == DType::BF16) {
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  }
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, stream) : launch_typed<__half, __half>(p, stream);
+}
+
+}  // namespace lora_ops::cuda

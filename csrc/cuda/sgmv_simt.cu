@@ -1,0 +1,240 @@
+// sgmv, decode regime (few rows per adapter), any dtype and any alignment: ONE cooperative launch.
+//   shrink: unit = (tile of <= 8 positions, slice, 4 rank rows, K chunk); 128 threads stream A's rank rows
+//           and the tile's x rows in 16-byte vectors, reduce in a fixed order, write float32 partials.
+//   grid barrier (cooperative_groups; the launch is a valid CUDA-graph node).
+//   expand: unit = (tile, 256 columns); partials summed over K chunks in order (deterministic) into shared
+//           memory, each thread applies B rows of 2 columns to every row of the tile and updates y.
+// Each adapter's A and B are read once per call; the grid is sized by the tile bound min(P, P/8 + G).
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <initializer_list>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace lora_ops::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTileRows = 8;
+constexpr int kRankRows = 4;
+constexpr int kColsPerThread = 2;
+constexpr int kColsPerUnit = kThreads * kColsPerThread;
+
+template <class T, class TY>
+__global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtPlan plan, float* ws) {
+  extern __shared__ float h_tile[];  // [kTileRows][S * R] of the expand unit's tile
+  __shared__ float partial[kThreads / 32][kTileRows * kRankRows];
+  const T* x = static_cast<const T*>(p.x);
+  const T* lora_a = static_cast<const T*>(p.lora_a);
+  const T* lora_b = static_cast<const T*>(p.lora_b);
+  TY* y = static_cast<TY*>(p.y);
+  const int64_t R = p.max_rank, S = p.num_slices, SR = S * R, P = p.seg.positions;
+  const int64_t rank_chunks = (R + kRankRows - 1) / kRankRows;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  // ---- shrink ----
+  for (int64_t u = blockIdx.x; u < plan.shrink_units; u += gridDim.x) {
+    const int64_t tile_idx = u / (S * rank_chunks * plan.k_splits);
+    int64_t rem = u % (S * rank_chunks * plan.k_splits);
+    const int64_t s = rem / (rank_chunks * plan.k_splits);
+    rem %= rank_chunks * plan.k_splits;
+    const int64_t j0 = (rem / plan.k_splits) * kRankRows, kc = rem % plan.k_splits;
+    Tile tile;
+    if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, R, kTileRows, tile_idx, &tile)) continue;
+    if (j0 >= tile.rank) continue;
+    const int64_t nj = std::min<int64_t>(kRankRows, tile.rank - j0);
+    int64_t rows[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      rows[r] = tile.begin + r < tile.end ? segment_row(p.seg, tile.begin + r, p.rows) : -1;
+    }
+    float acc[kTileRows][kRankRows] = {};
+    const int64_t k_begin = kc * plan.k_chunk, k_end = min(p.k, k_begin + plan.k_chunk);
+    const T* a_rows = lora_a + tile.slot * p.a_stride0 + (s * R + j0) * p.a_stride1;
+    for (int64_t k = k_begin + threadIdx.x * 8; k < k_end; k += kThreads * 8) {
+      const int64_t valid = std::min<int64_t>(8, k_end - k);
+      float a[kRankRows][8];
+#pragma unroll
+      for (int j = 0; j < kRankRows; ++j) {
+        if (j < nj) {
+          load8(a_rows + j * p.a_stride1 + k, plan.a_vec, valid, a[j]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[j][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        if (rows[r] < 0) continue;
+        float xv[8];
+        load8(x + rows[r] * p.x_row_stride + k, plan.x_vec, valid, xv);
+#pragma unroll
+        for (int j = 0; j < kRankRows; ++j) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(xv[e], a[j][e], acc[r][j]);
+        }
+      }
+    }
+    // Fixed-order block reduction: butterfly within warps, then warps in order.
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+#pragma unroll
+      for (int j = 0; j < kRankRows; ++j) {
+        float v = acc[r][j];
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+        if (lane == 0) partial[warp][r * kRankRows + j] = v;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kTileRows * kRankRows) {
+      const int r = threadIdx.x / kRankRows, j = threadIdx.x % kRankRows;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) v += partial[w][threadIdx.x];
+      if (tile.begin + r < tile.end && j < nj) ws[(kc * P + tile.begin + r) * SR + s * R + j0 + j] = v;
+    }
+    __syncthreads();
+  }
+
+  cooperative_groups::this_grid().sync();
+
+  // ---- expand ----
+  const int64_t col_chunks = (p.n + kColsPerUnit - 1) / kColsPerUnit;
+  for (int64_t u = blockIdx.x; u < plan.expand_units; u += gridDim.x) {
+    const int64_t tile_idx = u / col_chunks, n0 = (u % col_chunks) * kColsPerUnit;
+    Tile tile;
+    if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, R, kTileRows, tile_idx, &tile)) continue;
+    const int64_t nrows = tile.end - tile.begin, rank = tile.rank;
+    for (int64_t i = threadIdx.x; i < nrows * S * rank; i += kThreads) {
+      const int64_t r = i / (S * rank), sj = i % (S * rank), s = sj / rank, j = sj % rank;
+      const float* src = ws + (tile.begin + r) * SR + s * R + j;
+      float v = 0.f;
+      for (int64_t kc = 0; kc < plan.k_splits; ++kc) v += src[kc * P * SR];
+      h_tile[r * SR + s * R + j] = v * tile.coef;
+    }
+    __syncthreads();
+    int64_t rows[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) rows[r] = r < nrows ? segment_row(p.seg, tile.begin + r, p.rows) : -1;
+#pragma unroll
+    for (int c = 0; c < kColsPerThread; ++c) {
+      const int64_t n = n0 + threadIdx.x * kColsPerThread + c;
+      if (n >= p.n) break;
+      int64_t s = 0;
+      while (s + 1 < S && n >= p.slice_offsets[s + 1]) ++s;
+      const T* b_row = lora_b + tile.slot * p.b_stride0 + n * p.b_stride1;
+      float acc[kTileRows] = {};
+      for (int64_t j = 0; j < rank; j += 8) {
+        float b[8];
+        load8(b_row + j, plan.b_vec, rank - j, b);
+#pragma unroll
+        for (int r = 0; r < kTileRows; ++r) {
+          const float* h = h_tile + r * SR + s * R + j;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            if (j + e < rank) acc[r] = fmaf(h[e], b[e], acc[r]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        if (rows[r] < 0) continue;
+        TY* dst = y + rows[r] * p.y_row_stride + n;
+        *dst = from_f32<TY>(to_f32(*dst) + acc[r]);
+      }
+    }
+    __syncthreads();  // h_tile is rewritten by the next unit
+  }
+}
+
+size_t expand_smem_bytes(const SgmvParams& p) { return sizeof(float) * kTileRows * p.num_slices * p.max_rank; }
+
+template <class F>
+decltype(auto) with_kernel(const SgmvParams& p, F&& f) {
+  return dispatch_dtype(p.x_dtype, [&](auto xt) {
+    using T = typename ElemOf<decltype(xt)::value>::type;
+    return p.y_dtype == DType::F32 ? f(sgmv_simt_kernel<T, float>) : f(sgmv_simt_kernel<T, T>);
+  });
+}
+
+template <class Kernel>
+cudaError_t launch_kernel(Kernel kernel, const SgmvParams& p, const SimtPlan& plan, float* ws, cudaStream_t stream) {
+  const size_t smem = expand_smem_bytes(p);
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(plan.grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p, plan, ws);
+}
+
+bool aligned16(const void* ptr, std::initializer_list<int64_t> strides, int64_t elem) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+  for (int64_t s : strides) {
+    if ((s * elem) % 16) return false;
+  }
+  return true;
+}
+
+// Co-resident blocks per SM (the cooperative launch's limit), cached per kernel and shared-memory size.
+int blocks_per_sm(const SgmvParams& p) {
+  return with_kernel(p, [&](auto kernel) {
+    static thread_local const void* last_kernel = nullptr;
+    static thread_local size_t last_smem = 0;
+    static thread_local int last_blocks = 0;
+    const size_t smem = expand_smem_bytes(p);
+    if (last_kernel != (const void*)kernel || last_smem != smem) {
+      if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&last_blocks, kernel, kThreads, smem);
+      last_kernel = (const void*)kernel;
+      last_smem = smem;
+    }
+    return last_blocks;
+  });
+}
+
+}  // namespace
+
+bool sgmv_simt_smem_limit_ok(const SgmvParams& p) { return expand_smem_bytes(p) <= 200 * 1024; }
+
+SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
+  const int max_blocks_per_sm = std::max(1, blocks_per_sm(p));
+  SimtPlan plan{};
+  const int64_t P = p.seg.positions, R = p.max_rank, S = p.num_slices;
+  const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
+  plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  const int64_t rank_chunks = (R + kRankRows - 1) / kRankRows;
+  // Split K until the shrink has about one unit per SM, keeping >= 512 elements per chunk.
+  const int64_t per_split = std::max<int64_t>(1, plan.max_tiles * S * rank_chunks);
+  int64_t splits = 1;
+  while (splits * 2 * per_split <= num_sms && p.k / (splits * 2) >= 512) splits *= 2;
+  plan.k_splits = splits;
+  plan.k_chunk = ((p.k + splits - 1) / splits + 7) / 8 * 8;
+  plan.shrink_units = plan.max_tiles * S * rank_chunks * splits;
+  plan.expand_units = plan.max_tiles * ((p.n + kColsPerUnit - 1) / kColsPerUnit);
+  const int64_t want = std::max(plan.shrink_units, plan.expand_units);
+  plan.grid = (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)num_sms * std::min(max_blocks_per_sm, 4)));
+  plan.x_vec = aligned16(p.x, {p.x_row_stride}, es);
+  plan.a_vec = aligned16(p.lora_a, {p.a_stride0, p.a_stride1}, es);
+  plan.b_vec = aligned16(p.lora_b, {p.b_stride0, p.b_stride1}, es);
+  return plan;
+}
+
+size_t sgmv_simt_workspace_floats(const SgmvParams& p, const SimtPlan& plan) {
+  return (size_t)plan.k_splits * p.seg.positions * p.num_slices * p.max_rank;
+}
+
+cudaError_t launch_sgmv_simt(const SgmvParams& p, const SimtPlan& plan, float* ws, cudaStream_t stream) {
+  return with_kernel(p, [&](auto kernel) { return launch_kernel(kernel, p, plan, ws, stream); });
+}
+
+}  // namespace lora_ops::cuda
