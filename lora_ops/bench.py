@@ -283,11 +283,13 @@ def bench_build_segments(device, records, log):
 
 
 def git_sha() -> str:
+    if os.environ.get("LORA_OPS_GIT_SHA"):
+        return os.environ["LORA_OPS_GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+                                       cwd=os.path.dirname(os.path.abspath(__file__)), stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("LORA_OPS_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def main(argv=None):

@@ -23,7 +23,7 @@ cudaError_t launch_sgmv_simt(const SgmvParams& p, const SimtPlan& plan, float* w
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.
 bool sgmv_mma_supported(const SgmvParams& p);
-cudaError_t launch_sgmv_mma(const SgmvParams& p, cudaStream_t stream);
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream);
 
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);
 

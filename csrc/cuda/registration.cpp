@@ -11,11 +11,12 @@
 namespace lora_ops {
 namespace {
 
-int multiprocessor_count(int device) {
-  static int cached[64] = {};
-  int& count = cached[device & 63];
-  if (count == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
+// Device attributes the launch plans need, read once per device.
+int device_attribute(cudaDeviceAttr attr, int device) {
+  static int cached[2][64] = {};
+  int& value = cached[attr == cudaDevAttrMultiProcessorCount ? 0 : 1][device & 63];
+  if (value == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
@@ -32,12 +33,13 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (p.seg.positions >= kMmaMinPositions && cuda::sgmv_mma_supported(p)) {
-    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, stream));
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, device_attribute(cudaDevAttrMultiProcessorCount, y.get_device()),
+                                         device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), stream));
     return;
   }
   TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", p.num_slices * p.max_rank,
                     " rank columns exceed what the CUDA kernel stages in shared memory (max 6400)");
-  const auto plan = cuda::plan_sgmv_simt(p, multiprocessor_count(y.get_device()));
+  const auto plan = cuda::plan_sgmv_simt(p, device_attribute(cudaDevAttrMultiProcessorCount, y.get_device()));
   const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
                                    y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_simt(p, plan, workspace.data_ptr<float>(), stream));

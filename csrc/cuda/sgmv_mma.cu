@@ -7,6 +7,11 @@
 //           intermediate; for each 64-column tile, B and the y tile stream in (3 stages), y += h.B^T is
 //           written back through shared memory with 16-byte stores (y read and written once).
 // Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice).
+// On Hopper a tile is split over a cluster of C CTAs: each shrinks 1/C of K, the partial h tiles are summed
+// in rank order through distributed shared memory (deterministic), and each expands 1/C of the columns:
+// x, A, B and y are still read once, with C times the CTAs in flight.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 
 #include "common.cuh"
@@ -68,7 +73,15 @@ struct MmaPlan {
   int64_t rank_pad;          // per-slice rank rounded up to 16
   int64_t slices_per_group;  // slices sharing one rank tile
   int64_t groups, max_tiles;
+  int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
 };
+
+// The range [begin, end) of `total` items that member `rank` of `parts` takes.
+__device__ __forceinline__ void split_range(int64_t total, int64_t parts, int64_t rank, int64_t* begin, int64_t* end) {
+  const int64_t per = (total + parts - 1) / parts;
+  *begin = std::min<int64_t>(total, rank * per);
+  *end = std::min<int64_t>(total, *begin + per);
+}
 
 template <int RT, class TY>
 struct Smem {
@@ -90,7 +103,8 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   const T* lora_b = static_cast<const T*>(p.lora_b);
   TY* y = static_cast<TY*>(p.y);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t tile_idx = blockIdx.x / plan.groups, group = blockIdx.x % plan.groups;
+  const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
+  const int64_t tile_idx = unit / plan.groups, group = unit % plan.groups;
   Tile tile;
   if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, p.max_rank, kTileRows, tile_idx,
                    &tile)) {
@@ -125,17 +139,19 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
     }
   };
   float h[RT / 8][4] = {};
-  const int64_t k_tiles = (p.k + kBK - 1) / kBK;
+  int64_t kt_begin, kt_end;
+  split_range((p.k + kBK - 1) / kBK, plan.cluster, member, &kt_begin, &kt_end);
+  const int64_t k_tiles = kt_end - kt_begin;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < k_tiles) load_shrink(st, st * kBK);
+    if (st < k_tiles) load_shrink(st, (kt_begin + st) * kBK);
     cp_async_commit();
   }
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     const int64_t next = kt + kStages - 1;
-    if (next < k_tiles) load_shrink(next % kStages, next * kBK);
+    if (next < k_tiles) load_shrink(next % kStages, (kt_begin + next) * kBK);
     cp_async_commit();
     const T* X = xs(kt % kStages);
     const T* A = as(kt % kStages);
@@ -154,6 +170,39 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   }
   cp_async_wait<0>();
   __syncthreads();
+  if (plan.cluster > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Sum the cluster's K-partials of h in member order; every thread owns the same fragment slots in each.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    float* part = reinterpret_cast<float*>(smem);
+    auto slot_of = [&](int nt, int e) {
+      return (warp * 16 + lane / 4 + (e / 2) * 8) * RT + nt * 8 + (lane % 4) * 2 + (e % 2);
+    };
+#pragma unroll
+    for (int nt = 0; nt < RT / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[slot_of(nt, e)] = h[nt][e];
+    }
+    cluster.sync();
+#pragma unroll
+    for (int nt = 0; nt < RT / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h[nt][e] = 0.f;
+    }
+    for (int64_t m = 0; m < plan.cluster; ++m) {
+      const float* peer = cluster.map_shared_rank(part, (unsigned)m);
+#pragma unroll
+      for (int nt = 0; nt < RT / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[nt][e] += peer[slot_of(nt, e)];
+      }
+    }
+    cluster.sync();  // no member reuses its shared memory while a peer may still read it
+#else
+    __trap();  // clusters exist from sm_90 on; the host never plans one below
+#endif
+  }
 
   // h (C fragments) -> A fragments for the expand, scaled, split hi + lo.
   uint32_t h_hi[RT / 16][4], h_lo[RT / 16][4];
@@ -190,17 +239,20 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
       cp_async16(Y + r * (kBN + L::kYPad) + cc, bytes ? y + row * p.y_row_stride + n : y, bytes);
     }
   };
-  const int64_t n_tiles = (c_end - c_begin + kBN - 1) / kBN;
+  int64_t nt_begin, nt_end;
+  split_range((c_end - c_begin + kBN - 1) / kBN, plan.cluster, member, &nt_begin, &nt_end);
+  const int64_t n_tiles = nt_end - nt_begin;
+  const int64_t n_first = c_begin + nt_begin * kBN;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < n_tiles) load_expand(st, c_begin + st * kBN);
+    if (st < n_tiles) load_expand(st, n_first + st * kBN);
     cp_async_commit();
   }
   for (int64_t nt = 0; nt < n_tiles; ++nt) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     const int64_t next = nt + kStages - 1;
-    if (next < n_tiles) load_expand(next % kStages, c_begin + next * kBN);
+    if (next < n_tiles) load_expand(next % kStages, n_first + next * kBN);
     cp_async_commit();
     const T* B = bs(nt % kStages);
     TY* Y = ys(nt % kStages);
@@ -228,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
       }
     }
     __syncthreads();
-    const int64_t n0 = c_begin + nt * kBN;
+    const int64_t n0 = n_first + nt * kBN;
     for (int c = tid; c < kTileRows * (kBN / kYVec); c += kThreads) {
       const int r = c / (kBN / kYVec), cc = (c % (kBN / kYVec)) * kYVec;
       const int64_t n = n0 + cc, row = s_rows[r];
@@ -244,13 +296,20 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   }
 }
 
-MmaPlan make_plan(const SgmvParams& p) {
+MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   MmaPlan plan{};
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
   plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
   plan.groups = (p.num_slices + plan.slices_per_group - 1) / plan.slices_per_group;
   const int64_t P = p.seg.positions;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  // Clusters (Hopper) until about four CTAs per SM, each keeping >= 4 K tiles of the shrink.
+  const int64_t k_tiles = (p.k + kBK - 1) / kBK;
+  plan.cluster = 1;
+  while (cc_major >= 9 && plan.cluster < 8 && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms &&
+         k_tiles / (plan.cluster * 2) >= 4) {
+    plan.cluster *= 2;
+  }
   return plan;
 }
 
@@ -259,15 +318,26 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
   auto kernel = sgmv_mma_kernel<T, TY, RT>;
   constexpr size_t smem = Smem<RT, TY>::bytes;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  const int64_t blocks = plan.max_tiles * plan.groups;
+  const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
-  kernel<<<(unsigned)blocks, kThreads, smem, stream>>>(p, plan);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)plan.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p, plan);
 }
 
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, cudaStream_t stream) {
-  const MmaPlan plan = make_plan(p);
+cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
+  const MmaPlan plan = make_plan(p, num_sms, cc_major);
   const int64_t width = plan.slices_per_group * plan.rank_pad;
   if (width <= 16) return launch_rt<T, TY, 16>(p, plan, stream);
   if (width <= 32) return launch_rt<T, TY, 32>(p, plan, stream);
@@ -294,12 +364,13 @@ bool sgmv_mma_supported(const SgmvParams& p) {
   return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
 }
 
-cudaError_t launch_sgmv_mma(const SgmvParams& p, cudaStream_t stream) {
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, stream) : launch_typed<__half, __half>(p, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, stream)
+                                 : launch_typed<__half, __half>(p, num_sms, cc_major, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -24,7 +24,7 @@ constexpr int kColsPerUnit = kThreads * kColsPerThread;
 
 template <class T, class TY>
 __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtPlan plan, float* ws) {
-  extern __shared__ float h_tile[];  // [kTileRows][S * R] of the expand unit's tile
+  extern __shared__ float h_tile[];  // [k_splits][kTileRows][S * R] partials of the expand unit's tile
   __shared__ float partial[kThreads / 32][kTileRows * kRankRows];
   const T* x = static_cast<const T*>(p.x);
   const T* lora_a = static_cast<const T*>(p.lora_a);
@@ -99,58 +99,107 @@ __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtP
     __syncthreads();
   }
 
+  // Warm L2 with this block's expand operands (B rows, y rows): they do not depend on the shrink, so their
+  // DRAM latency overlaps the barrier wait instead of following it.
+  const int64_t col_chunks = (p.n + kColsPerUnit - 1) / kColsPerUnit;
+  for (int64_t u = blockIdx.x; u < plan.expand_units; u += gridDim.x) {
+    Tile tile;
+    if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, R, kTileRows, u / col_chunks, &tile)) {
+      continue;
+    }
+    const int64_t n = (u % col_chunks) * kColsPerUnit + threadIdx.x * kColsPerThread;
+    if (n < p.n) {
+      const T* b_row = lora_b + tile.slot * p.b_stride0 + n * p.b_stride1;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(b_row));
+      if (tile.rank * (int64_t)sizeof(T) > 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(b_row + 128 / sizeof(T)));
+      for (int64_t pos = tile.begin; pos < tile.end; ++pos) {
+        const int64_t row = segment_row(p.seg, pos, p.rows);
+        if (row >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(y + row * p.y_row_stride + n));
+      }
+    }
+  }
+
   cooperative_groups::this_grid().sync();
 
   // ---- expand ----
-  const int64_t col_chunks = (p.n + kColsPerUnit - 1) / kColsPerUnit;
   for (int64_t u = blockIdx.x; u < plan.expand_units; u += gridDim.x) {
     const int64_t tile_idx = u / col_chunks, n0 = (u % col_chunks) * kColsPerUnit;
     Tile tile;
     if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, R, kTileRows, tile_idx, &tile)) continue;
-    const int64_t nrows = tile.end - tile.begin, rank = tile.rank;
-    for (int64_t i = threadIdx.x; i < nrows * S * rank; i += kThreads) {
-      const int64_t r = i / (S * rank), sj = i % (S * rank), s = sj / rank, j = sj % rank;
-      const float* src = ws + (tile.begin + r) * SR + s * R + j;
-      float v = 0.f;
-      for (int64_t kc = 0; kc < plan.k_splits; ++kc) v += src[kc * P * SR];
-      h_tile[r * SR + s * R + j] = v * tile.coef;
+    const int64_t nrows = tile.end - tile.begin, rank = tile.rank, width = S * rank;
+    // All partials of the tile in one round of independent loads, then summed over K chunks in order.
+    const int64_t entries = nrows * width;
+    for (int64_t i = threadIdx.x; i < entries * plan.k_splits; i += kThreads) {
+      const int64_t kc = i / entries, e = i % entries, r = e / width, sj = e % width;
+      h_tile[kc * kTileRows * SR + r * SR + (sj / rank) * R + sj % rank] =
+          ws[(kc * P + tile.begin + r) * SR + (sj / rank) * R + sj % rank];
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < entries; i += kThreads) {
+      const int64_t off = (i / width) * SR + ((i % width) / rank) * R + (i % width) % rank;
+      float v = h_tile[off];
+      for (int64_t kc = 1; kc < plan.k_splits; ++kc) v += h_tile[kc * kTileRows * SR + off];
+      h_tile[off] = v * tile.coef;
     }
     __syncthreads();
     int64_t rows[kTileRows];
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) rows[r] = r < nrows ? segment_row(p.seg, tile.begin + r, p.rows) : -1;
+    // Issue every y load of the unit before any arithmetic or store (no load waits behind a store).
+    float acc[kColsPerThread][kTileRows];
+    int64_t cols[kColsPerThread], slice[kColsPerThread];
 #pragma unroll
     for (int c = 0; c < kColsPerThread; ++c) {
       const int64_t n = n0 + threadIdx.x * kColsPerThread + c;
-      if (n >= p.n) break;
+      cols[c] = n < p.n ? n : -1;
       int64_t s = 0;
       while (s + 1 < S && n >= p.slice_offsets[s + 1]) ++s;
-      const T* b_row = lora_b + tile.slot * p.b_stride0 + n * p.b_stride1;
-      float acc[kTileRows] = {};
-      for (int64_t j = 0; j < rank; j += 8) {
-        float b[8];
-        load8(b_row + j, plan.b_vec, rank - j, b);
+      slice[c] = s;
 #pragma unroll
-        for (int r = 0; r < kTileRows; ++r) {
-          const float* h = h_tile + r * SR + s * R + j;
+      for (int r = 0; r < kTileRows; ++r) {
+        acc[c][r] = (rows[r] >= 0 && cols[c] >= 0) ? to_f32(y[rows[r] * p.y_row_stride + n]) : 0.f;
+      }
+    }
+    for (int64_t j = 0; j < rank; j += 8) {
+      float b[kColsPerThread][8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            if (j + e < rank) acc[r] = fmaf(h[e], b[e], acc[r]);
-          }
+      for (int c = 0; c < kColsPerThread; ++c) {
+        if (cols[c] >= 0) {
+          load8(lora_b + tile.slot * p.b_stride0 + cols[c] * p.b_stride1 + j, plan.b_vec, rank - j, b[c]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) b[c][e] = 0.f;
         }
       }
 #pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) {
+#pragma unroll
+        for (int r = 0; r < kTileRows; ++r) {
+          const float* h = h_tile + r * SR + slice[c] * R + j;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            if (j + e < rank) acc[c][r] = fmaf(h[e], b[c][e], acc[c][r]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kColsPerThread; ++c) {
+#pragma unroll
       for (int r = 0; r < kTileRows; ++r) {
-        if (rows[r] < 0) continue;
-        TY* dst = y + rows[r] * p.y_row_stride + n;
-        *dst = from_f32<TY>(to_f32(*dst) + acc[r]);
+        if (rows[r] >= 0 && cols[c] >= 0) y[rows[r] * p.y_row_stride + cols[c]] = from_f32<TY>(acc[c][r]);
       }
     }
     __syncthreads();  // h_tile is rewritten by the next unit
   }
 }
 
-size_t expand_smem_bytes(const SgmvParams& p) { return sizeof(float) * kTileRows * p.num_slices * p.max_rank; }
+// The expand stages every K chunk's partials of its tile: [k_splits][kTileRows][S * R] floats.
+constexpr int64_t kMaxKSplits = 8;
+constexpr size_t kMaxSmem = 200 * 1024;
+size_t expand_smem_bytes(const SgmvParams& p, int64_t k_splits) {
+  return sizeof(float) * k_splits * kTileRows * p.num_slices * p.max_rank;
+}
 
 template <class F>
 decltype(auto) with_kernel(const SgmvParams& p, F&& f) {
@@ -162,7 +211,7 @@ decltype(auto) with_kernel(const SgmvParams& p, F&& f) {
 
 template <class Kernel>
 cudaError_t launch_kernel(Kernel kernel, const SgmvParams& p, const SimtPlan& plan, float* ws, cudaStream_t stream) {
-  const size_t smem = expand_smem_bytes(p);
+  const size_t smem = expand_smem_bytes(p, plan.k_splits);
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.grid);
@@ -186,12 +235,11 @@ bool aligned16(const void* ptr, std::initializer_list<int64_t> strides, int64_t 
 }
 
 // Co-resident blocks per SM (the cooperative launch's limit), cached per kernel and shared-memory size.
-int blocks_per_sm(const SgmvParams& p) {
+int blocks_per_sm(const SgmvParams& p, size_t smem) {
   return with_kernel(p, [&](auto kernel) {
     static thread_local const void* last_kernel = nullptr;
     static thread_local size_t last_smem = 0;
     static thread_local int last_blocks = 0;
-    const size_t smem = expand_smem_bytes(p);
     if (last_kernel != (const void*)kernel || last_smem != smem) {
       if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&last_blocks, kernel, kThreads, smem);
@@ -204,10 +252,9 @@ int blocks_per_sm(const SgmvParams& p) {
 
 }  // namespace
 
-bool sgmv_simt_smem_limit_ok(const SgmvParams& p) { return expand_smem_bytes(p) <= 200 * 1024; }
+bool sgmv_simt_smem_limit_ok(const SgmvParams& p) { return expand_smem_bytes(p, 1) <= kMaxSmem; }
 
 SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
-  const int max_blocks_per_sm = std::max(1, blocks_per_sm(p));
   SimtPlan plan{};
   const int64_t P = p.seg.positions, R = p.max_rank, S = p.num_slices;
   const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
@@ -216,12 +263,16 @@ SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
   // Split K until the shrink has about one unit per SM, keeping >= 512 elements per chunk.
   const int64_t per_split = std::max<int64_t>(1, plan.max_tiles * S * rank_chunks);
   int64_t splits = 1;
-  while (splits * 2 * per_split <= num_sms && p.k / (splits * 2) >= 512) splits *= 2;
+  while (splits * 2 <= kMaxKSplits && splits * 2 * per_split <= num_sms && p.k / (splits * 2) >= 512 &&
+         expand_smem_bytes(p, splits * 2) <= kMaxSmem) {
+    splits *= 2;
+  }
   plan.k_splits = splits;
   plan.k_chunk = ((p.k + splits - 1) / splits + 7) / 8 * 8;
   plan.shrink_units = plan.max_tiles * S * rank_chunks * splits;
   plan.expand_units = plan.max_tiles * ((p.n + kColsPerUnit - 1) / kColsPerUnit);
   const int64_t want = std::max(plan.shrink_units, plan.expand_units);
+  const int max_blocks_per_sm = std::max(1, blocks_per_sm(p, expand_smem_bytes(p, splits)));
   plan.grid = (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)num_sms * std::min(max_blocks_per_sm, 4)));
   plan.x_vec = aligned16(p.x, {p.x_row_stride}, es);
   plan.a_vec = aligned16(p.lora_a, {p.a_stride0, p.a_stride1}, es);

@@ -25,22 +25,36 @@ def _i32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-def _sgmv_config(rows_per_segment: float, width: int):
-    """(BLOCK_M, BLOCK_K, BLOCK_N, N_SPLITS, num_warps) by shape class.
+# Programs to aim for: enough to cover an H100/H200-class GPU about twice.
+_TARGET_PROGRAMS = 264
 
-    Decode (few rows per adapter): small row blocks and the slice's columns split across programs, so enough
-    programs stream A and B. Prefill: 64-row blocks, each program owns whole rows (x read once, y once)."""
-    if rows_per_segment <= 16:
-        return 16, 256, 64, max(1, min(16, width // 256)), 4
-    if rows_per_segment <= 128:
-        return 32, 128, 64, max(1, min(8, width // 512)), 4
-    return 64, 64, 128, 1, 4
+
+def sgmv_config(positions: int, segments: int, width: int) -> dict:
+    """Kernel config by shape class (no autotuning in a serving process).
+
+    Each program shrinks its row block over all of K, then expands into 1/N_SPLITS of a slice's columns, so
+    splitting the columns buys parallelism at the price of re-reading A (from L2) per split. The number of
+    row blocks is bounded by min(P, P/BLOCK_M + G) without reading the device-resident segment sizes."""
+    block_m = 16 if positions <= 256 else 64
+    row_blocks = max(1, min(positions, triton.cdiv(positions, block_m) + segments))
+    splits = 1
+    while splits < 16 and row_blocks * splits * 2 <= _TARGET_PROGRAMS and width // (splits * 2) >= 256:
+        splits *= 2
+    return dict(BLOCK_M=block_m, BLOCK_K=256 if block_m == 16 else 64, BLOCK_N=64 if block_m == 16 else 128,
+                N_SPLITS=splits, num_warps=4)
 
 
 def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
          slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
     _check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                 slice_offsets, scale)
+    launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                slice_offsets, scale)
+
+
+def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                slice_offsets, scale, config: Optional[dict] = None) -> None:
+    """sgmv without the argument checks; `config` overrides the shape-class table (for tuning sweeps)."""
     T, K = x.shape
     N = y.shape[1]
     offsets = list(slice_offsets) if slice_offsets is not None else [0, N]
@@ -50,16 +64,15 @@ def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ra
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or R == 0 or N == 0 or K == 0:
         return
-    block_m, block_k, block_n, n_splits, warps = _sgmv_config(positions / G, max(b - a for a, b in zip(offsets, offsets[1:])))
+    cfg = config or sgmv_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])))
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
-    grid = (G, triton.cdiv(positions, block_m), S * n_splits)
+    grid = (G, triton.cdiv(positions, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
     sgmv_kernel[grid](
         y, x, lora_a, lora_b, _i32(seg_indptr), _i32(seg_lora), _i32(token_indices), _i32(lora_ranks), lora_scales,
         T, K, lora_a.shape[0], R, positions, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_b.stride(0), lora_b.stride(1), float(scale), *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
-        IEEE=x.dtype == torch.float32, N_SPLITS=n_splits, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n, num_warps=warps)
+        IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), **cfg)
 
 
 def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
