@@ -16,7 +16,7 @@ def main():
     for case in SHAPES:
         sets = [bench.Problem(case, torch.bfloat16, "cuda", seed=s) for s in range(4 if case.T <= 256 else 1)]
         p0 = sets[0].p
-        default = sgmv_config(p0.token_indices.shape[0], p0.seg_lora.shape[0], case.N)
+        default = sgmv_config(p0.token_indices.shape[0], p0.seg_lora.shape[0], case.N, case.R, False)
         results = []
         for bm, bk, bn, ns, w in itertools.product([16, 32, 64], [64, 128, 256], [64, 128], [1, 2, 4, 8, 16], [4, 8]):
             if (case.T <= 256 and bm == 64) or (case.T > 256 and bm == 16) or bk * bm > 16384:

@@ -26,7 +26,10 @@ if [[ " $* " != *" --skip-tests "* ]]; then
     && (cd build/cpp-tests && ctest --output-on-failure 2>&1 | tail -15) || status=1
 
   step pytest
-  $PY -m pytest tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  $PY -m pytest tests -q -p no:cacheprovider --ignore=tests/test_errors.py 2>&1 | tee "$OUT/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # Separately: on the H200 image (torch 2.11) a C++ exception out of the CPU kernel has crashed the process.
+  $PY -m pytest tests/test_errors.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_errors.log" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
   step compute-sanitizer memcheck

@@ -49,6 +49,27 @@ __device__ __forceinline__ void load8(const T* ptr, bool vec, int64_t valid, flo
   for (int i = 0; i < 8; ++i) out[i] = i < valid ? to_f32(ptr[i]) : 0.f;
 }
 
+// Eight consecutive elements kept in their storage type, so that a loop can issue all its loads before it
+// converts and uses any (the loads then overlap instead of each waiting for the previous one's use).
+template <class T>
+struct alignas(16) Raw8 {
+  T v[8];
+};
+
+// Loads `valid` (<= 8) elements, zero after; one or two 16-byte loads when `vec` and all 8 are valid.
+template <class T>
+__device__ __forceinline__ void load_raw8(const T* ptr, bool vec, int64_t valid, Raw8<T>& out) {
+  if (vec && valid >= 8) {
+    const uint4* src = reinterpret_cast<const uint4*>(ptr);
+    uint4* dst = reinterpret_cast<uint4*>(out.v);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(Raw8<T>) / 16); ++i) dst[i] = src[i];
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out.v[i] = i < valid ? ptr[i] : from_f32<T>(0.f);
+}
+
 // One tile: up to `tile_rows` consecutive positions of one segment with a valid slot and nonzero rank.
 struct Tile {
   int64_t segment, slot, rank, begin, end;  // positions [begin, end)

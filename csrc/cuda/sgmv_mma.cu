@@ -2,9 +2,10 @@
 // One CTA (4 warps x 16 rows) per tile of 64 positions of one segment and group of slices:
 //   shrink: h[64, RT] += X[64, K] A[RT, K]^T with mma.sync m16n8k16 (fp32 accumulators), X rows gathered
 //           through token_indices, both tiles streamed by a 3-stage cp.async pipeline (x read once);
-//   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. h is split
-//           hi + lo into two half-precision fragments, so the product keeps ~16 mantissa bits of the float32
-//           intermediate; for each 64-column tile, B and the y tile stream in (3 stages), y += h.B^T is
+//   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. For a float32
+//           y, h is split hi + lo into two half-precision fragments, so the product keeps ~16 mantissa bits of
+//           the float32 intermediate; for a half-precision y one rounding of h (in registers) is below y's own
+//           rounding and halves the expand's tensor work. For each 64-column tile, B and the y tile stream in (3 stages), y += h.B^T is
 //           written back through shared memory with 16-byte stores (y read and written once).
 // Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice).
 // On Hopper a tile is split over a cluster of C CTAs: each shrinks 1/C of K, the partial h tiles are summed
@@ -204,7 +205,8 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
 #endif
   }
 
-  // h (C fragments) -> A fragments for the expand, scaled, split hi + lo.
+  // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y).
+  constexpr bool kSplit = std::is_same_v<TY, float>;
   uint32_t h_hi[RT / 16][4], h_lo[RT / 16][4];
 #pragma unroll
   for (int ks = 0; ks < RT / 16; ++ks) {
@@ -264,9 +266,11 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
         uint32_t bf[4];
         ldmatrix_x4(bf, B + (np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 + ((lane / 8) % 2) * 8);
         mma16816<T>(acc[2 * np], h_hi[ks], bf[0], bf[1]);
-        mma16816<T>(acc[2 * np], h_lo[ks], bf[0], bf[1]);
         mma16816<T>(acc[2 * np + 1], h_hi[ks], bf[2], bf[3]);
-        mma16816<T>(acc[2 * np + 1], h_lo[ks], bf[2], bf[3]);
+        if constexpr (kSplit) {
+          mma16816<T>(acc[2 * np], h_lo[ks], bf[0], bf[1]);
+          mma16816<T>(acc[2 * np + 1], h_lo[ks], bf[2], bf[3]);
+        }
       }
     }
     // y tile += acc in shared memory (each element has one owner), then 16-byte stores of valid chunks.

@@ -55,25 +55,27 @@ __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtP
     const T* a_rows = lora_a + tile.slot * p.a_stride0 + (s * R + j0) * p.a_stride1;
     for (int64_t k = k_begin + threadIdx.x * 8; k < k_end; k += kThreads * 8) {
       const int64_t valid = std::min<int64_t>(8, k_end - k);
+      Raw8<T> a_raw[kRankRows], x_raw[kTileRows];
+#pragma unroll
+      for (int j = 0; j < kRankRows; ++j) load_raw8(a_rows + j * p.a_stride1 + k, plan.a_vec, j < nj ? valid : 0, a_raw[j]);
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        load_raw8(x + std::max<int64_t>(rows[r], 0) * p.x_row_stride + k, plan.x_vec, rows[r] >= 0 ? valid : 0,
+                  x_raw[r]);
+      }
       float a[kRankRows][8];
 #pragma unroll
       for (int j = 0; j < kRankRows; ++j) {
-        if (j < nj) {
-          load8(a_rows + j * p.a_stride1 + k, plan.a_vec, valid, a[j]);
-        } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) a[j][e] = 0.f;
-        }
+        for (int e = 0; e < 8; ++e) a[j][e] = to_f32(a_raw[j].v[e]);
       }
 #pragma unroll
       for (int r = 0; r < kTileRows; ++r) {
-        if (rows[r] < 0) continue;
-        float xv[8];
-        load8(x + rows[r] * p.x_row_stride + k, plan.x_vec, valid, xv);
 #pragma unroll
-        for (int j = 0; j < kRankRows; ++j) {
+        for (int e = 0; e < 8; ++e) {
+          const float xv = to_f32(x_raw[r].v[e]);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(xv[e], a[j][e], acc[r][j]);
+          for (int j = 0; j < kRankRows; ++j) acc[r][j] = fmaf(xv, a[j][e], acc[r][j]);
         }
       }
     }

@@ -29,19 +29,25 @@ def _i32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 _TARGET_PROGRAMS = 264
 
 
-def sgmv_config(positions: int, segments: int, width: int) -> dict:
-    """Kernel config by shape class (no autotuning in a serving process).
+def tile_bound(positions: int, segments: int, block_m: int) -> int:
+    """Upper bound on the tiles of block_m positions over all segments, from host-known sizes only."""
+    return max(1, min(positions, triton.cdiv(positions, block_m) + segments))
 
-    Each program shrinks its row block over all of K, then expands into 1/N_SPLITS of a slice's columns, so
-    splitting the columns buys parallelism at the price of re-reading A (from L2) per split. The number of
-    row blocks is bounded by min(P, P/BLOCK_M + G) without reading the device-resident segment sizes."""
+
+def sgmv_config(positions: int, segments: int, width: int, max_rank: int, fp32: bool) -> dict:
+    """Kernel config by shape class (no autotuning in a serving process; table from benchmarks/triton_sweep.py).
+
+    Each program shrinks its tile over all of K, then expands into 1/N_SPLITS of a slice's columns: splitting the
+    columns buys parallelism at the price of re-reading A (from L2) per split."""
     block_m = 16 if positions <= 256 else 64
-    row_blocks = max(1, min(positions, triton.cdiv(positions, block_m) + segments))
+    tiles = tile_bound(positions, segments, block_m)
     splits = 1
-    while splits < 16 and row_blocks * splits * 2 <= _TARGET_PROGRAMS and width // (splits * 2) >= 256:
+    while splits < 16 and tiles * splits * 2 <= _TARGET_PROGRAMS and width // (splits * 2) >= 256:
         splits *= 2
-    return dict(BLOCK_M=block_m, BLOCK_K=256 if block_m == 16 else 64, BLOCK_N=64 if block_m == 16 else 128,
-                N_SPLITS=splits, num_warps=4)
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    # The A tile is BLOCK_K x BLOCK_R: keep it within ~64 KB of shared memory per stage.
+    block_k = max(32, min(256 if block_m == 16 else 64, (16384 if fp32 else 32768) // block_r))
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=128, N_SPLITS=splits, num_warps=4)
 
 
 def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
@@ -64,15 +70,20 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or R == 0 or N == 0 or K == 0:
         return
-    cfg = config or sgmv_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])))
+    cfg = config or sgmv_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])), R,
+                                x.dtype == torch.float32)
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
-    grid = (G, triton.cdiv(positions, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
+    grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
     sgmv_kernel[grid](
         y, x, lora_a, lora_b, _i32(seg_indptr), _i32(seg_lora), _i32(token_indices), _i32(lora_ranks), lora_scales,
-        T, K, lora_a.shape[0], R, positions, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        T, K, lora_a.shape[0], R, positions, G, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_b.stride(0), lora_b.stride(1), float(scale), *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), **cfg)
+        IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
+
+
+def _scan_width(segments: int) -> int:
+    return min(1024, max(16, triton.next_power_of_2(segments)))
 
 
 def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
@@ -84,16 +95,16 @@ def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=No
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or N == 0:
         return
-    block_m = 16 if positions / G <= 16 else 64
+    block_m = 16 if positions <= 256 else 64
     block_n = min(128, max(16, triton.next_power_of_2(N)))
     block_k = min(64, max(16, triton.next_power_of_2(K)))
-    grid = (G, triton.cdiv(positions, block_m), triton.cdiv(N, block_n))
+    grid = (tile_bound(positions, G, block_m), triton.cdiv(N, block_n))
     grouped_gemm_kernel[grid](
         y, x, w, _i32(seg_indptr), _i32(seg_weight), _i32(token_indices), _i32(n_sizes), _i32(k_sizes),
-        T, N, K, w.shape[0], positions, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
+        T, N, K, w.shape[0], positions, G, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
         HAS_IDX=token_indices is not None, HAS_N=n_sizes is not None, HAS_K=k_sizes is not None,
         ACCUMULATE=bool(accumulate), X_F32=x.dtype != w.dtype, IEEE=w.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCAN=_scan_width(G), num_warps=4)
 
 
 def build_segments(token_lora: torch.Tensor, num_slots: int):

@@ -8,21 +8,41 @@ import triton.language as tl
 
 
 @triton.jit
-def _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_slots, positions, num_rows,
-                   HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Slot of segment g and the rows of its mb-th block of BLOCK_M positions (-1 slot: nothing to do)."""
-    slot = tl.load(slot_ptr + g)
+def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tile, num_segments, num_slots, R, positions, num_rows,
+                 HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
+    """Tile number `tile` of the walk over all segments (BLOCK_M positions each; segments with a bad slot, rank 0
+    or no positions have none): its slot (-1 when there are fewer tiles) and its rows. The program grid is the
+    bound min(P, P/BLOCK_M + G) on the tile count, so no program is launched per (slot, row block) pair."""
+    found_g = -1
+    found_first = 0
+    count = 0
+    for g0 in range(0, num_segments, SCAN):
+        gg = g0 + tl.arange(0, SCAN)
+        gmask = gg < num_segments
+        begin = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg, mask=gmask, other=0), 0), positions)
+        end = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg + 1, mask=gmask, other=0), begin), positions)
+        slot = tl.load(slot_ptr + gg, mask=gmask, other=-1)
+        ok = gmask & (slot >= 0) & (slot < num_slots)
+        if HAS_RANKS:
+            ok = ok & (tl.load(ranks_ptr + slot, mask=ok, other=0) > 0)
+        tiles = tl.where(ok, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
+        incl = tl.cumsum(tiles, axis=0) + count
+        hit = (tiles > 0) & (incl - tiles <= tile) & (tile < incl)
+        found_g = tl.maximum(found_g, tl.max(tl.where(hit, gg, -1), axis=0))
+        found_first = tl.maximum(found_first, tl.max(tl.where(hit, incl - tiles, 0), axis=0))
+        count += tl.sum(tiles, axis=0)
+    g = tl.maximum(found_g, 0)
+    slot = tl.where(found_g >= 0, tl.load(slot_ptr + g), -1)
     begin = tl.minimum(tl.maximum(tl.load(indptr_ptr + g), 0), positions)
     end = tl.minimum(tl.maximum(tl.load(indptr_ptr + g + 1), begin), positions)
-    pos = begin + mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pmask = pos < end
+    pos = begin + (tile - found_first) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pmask = (pos < end) & (found_g >= 0)
     if HAS_IDX:
         rows = tl.load(idx_ptr + pos, mask=pmask, other=-1)
     else:
         rows = pos
     rmask = pmask & (rows >= 0) & (rows < num_rows)
-    valid = (slot >= 0) & (slot < num_slots) & (begin + mb * BLOCK_M < end)
-    return tl.where(valid, slot, -1), tl.where(rmask, rows, 0).to(tl.int64), rmask
+    return slot, tl.where(rmask, rows, 0).to(tl.int64), rmask
 
 
 @triton.jit
@@ -50,19 +70,17 @@ def _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8):
 
 @triton.jit
 def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
-                num_rows, K, num_slots, R, positions, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1, scale,
+                num_rows, K, num_slots, R, positions, num_segments, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1, scale,
                 o0, o1, o2, o3, o4, o5, o6, o7, o8,
                 HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, IEEE: tl.constexpr,
                 N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """Program (segment g, block of BLOCK_M positions, slice s x column split): shrink the block's rows into
+                BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """Program (tile of BLOCK_M positions of one segment, slice s x column split): shrink the tile's rows into
     h [BLOCK_M, rank] in float32 registers, then expand h into its share of the slice's columns of y."""
-    g = tl.program_id(0)
-    mb = tl.program_id(1)
-    s = tl.program_id(2) // N_SPLITS
-    split = tl.program_id(2) % N_SPLITS
-    slot, rows, rmask = _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_slots, positions, num_rows,
-                                       HAS_IDX, BLOCK_M)
+    s = tl.program_id(1) // N_SPLITS
+    split = tl.program_id(1) % N_SPLITS
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tl.program_id(0), num_segments,
+                                     num_slots, R, positions, num_rows, HAS_IDX, HAS_RANKS, BLOCK_M, SCAN)
     if slot < 0:
         return
     if HAS_RANKS:
@@ -111,16 +129,14 @@ def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
 
 @triton.jit
 def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_sizes_ptr, k_sizes_ptr,
-                        num_rows, N, K, num_groups, positions, y_stride, x_stride, w_s0, w_s1, alpha,
+                        num_rows, N, K, num_groups, positions, num_segments, y_stride, x_stride, w_s0, w_s1, alpha,
                         HAS_IDX: tl.constexpr, HAS_N: tl.constexpr, HAS_K: tl.constexpr,
                         ACCUMULATE: tl.constexpr, X_F32: tl.constexpr, IEEE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (segment g, block of BLOCK_M positions, block of BLOCK_N columns): one output tile."""
-    g = tl.program_id(0)
-    mb = tl.program_id(1)
-    nb = tl.program_id(2)
-    slot, rows, rmask = _segment_block(indptr_ptr, slot_ptr, idx_ptr, g, mb, num_groups, positions, num_rows,
-                                       HAS_IDX, BLOCK_M)
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
+    """Program (tile of BLOCK_M positions of one segment, block of BLOCK_N columns): one output tile."""
+    nb = tl.program_id(1)
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, n_sizes_ptr, tl.program_id(0), num_segments,
+                                     num_groups, N, positions, num_rows, HAS_IDX, False, BLOCK_M, SCAN)
     if slot < 0:
         return
     n_l = N
