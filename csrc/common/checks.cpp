@@ -4,17 +4,22 @@
 #include <c10/util/irange.h>
 
 #include <cstdlib>
-#include <sstream>
 #include <unordered_set>
 
 namespace lora_ops {
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+// Messages format numbers with std::to_string and never stream them: on the H200 image (torch 2.11) an
+// ostream number insertion made from this library crashed the process instead of raising.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string list_str(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
 }
+
+std::string shape_str(const at::Tensor& t) { return list_str(t.sizes()); }
 
 DType to_dtype(at::ScalarType s) {
   switch (s) {
@@ -32,26 +37,26 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 }
 
 void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim, const char* layout) {
-  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", layout, ", got shape ",
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", num(dim), "-D ", layout, ", got shape ",
                     shape_str(t));
 }
 
 void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& y) {
-  TORCH_CHECK_VALUE(t.device() == y.device(), op, ": ", name, " is on ", t.device(),
-                    " but y is on ", y.device(), "; all tensors must be on one device");
+  TORCH_CHECK_VALUE(t.device() == y.device(), op, ": ", name, " is on ", t.device().str(),
+                    " but y is on ", y.device().str(), "; all tensors must be on one device");
 }
 
 // Unit stride in the last dimension (a size-1 dimension has no meaningful stride).
 void check_unit_last_stride(const char* op, const char* name, const at::Tensor& t) {
   const int64_t d = t.dim() - 1;
   TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) == 1, op, ": ", name,
-                    " must have unit stride in its last dimension, got strides ", t.strides());
+                    " must have unit stride in its last dimension, got strides ", list_str(t.strides()));
 }
 
 void check_output_rows(const char* op, const at::Tensor& y) {
   // Rows of y must not overlap, or two rows' updates would race on one element.
   TORCH_CHECK_VALUE(y.size(0) <= 1 || y.size(1) == 0 || y.stride(0) >= y.size(1), op,
-                    ": y rows overlap in memory (row stride ", y.stride(0), " < ", y.size(1),
+                    ": y rows overlap in memory (row stride ", num(y.stride(0)), " < ", num(y.size(1)),
                     " columns); pass a tensor whose rows are disjoint");
 }
 
@@ -63,7 +68,7 @@ at::Tensor index_tensor(const char* op, const char* name, const at::Tensor& t, c
                    " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", shape_str(t));
   TORCH_CHECK_VALUE(expected_len < 0 || t.size(0) == expected_len, op, ": ", name, " must have ",
-                    expected_len, " entries (", len_what, "), got ", t.size(0));
+                    num(expected_len), " entries (", len_what, "), got ", num(t.size(0)));
   return t.scalar_type() == at::kInt ? t.contiguous() : t.to(at::kInt).contiguous();
 }
 
@@ -113,30 +118,30 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
                    ": y must have x's dtype ", x.scalar_type(), " or float32, got ", y.scalar_type());
 
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = lora_a.size(0);
-  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", y.size(0), " rows but x has ", T);
-  TORCH_CHECK_VALUE(lora_a.size(2) == K, op, ": lora_a must be [L, S*R, K] with K = x.size(1) = ", K,
+  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", num(y.size(0)), " rows but x has ", num(T));
+  TORCH_CHECK_VALUE(lora_a.size(2) == K, op, ": lora_a must be [L, S*R, K] with K = x.size(1) = ", num(K),
                     ", got shape ", shape_str(lora_a));
-  TORCH_CHECK_VALUE(lora_b.size(0) == L, op, ": lora_b must have L = lora_a.size(0) = ", L,
+  TORCH_CHECK_VALUE(lora_b.size(0) == L, op, ": lora_b must have L = lora_a.size(0) = ", num(L),
                     " slots, got shape ", shape_str(lora_b));
-  TORCH_CHECK_VALUE(lora_b.size(1) == N, op, ": lora_b must be [L, N, R] with N = y.size(1) = ", N,
+  TORCH_CHECK_VALUE(lora_b.size(1) == N, op, ": lora_b must be [L, N, R] with N = y.size(1) = ", num(N),
                     ", got shape ", shape_str(lora_b));
 
   std::vector<int64_t> offsets = slice_offsets.has_value()
                                      ? std::vector<int64_t>(slice_offsets->begin(), slice_offsets->end())
                                      : std::vector<int64_t>{0, N};
   const int64_t S = static_cast<int64_t>(offsets.size()) - 1;
-  TORCH_CHECK_VALUE(S >= 1 && S <= kMaxSlices, op, ": slice_offsets must have 2 to ", kMaxSlices + 1,
-                    " entries, got ", offsets.size());
+  TORCH_CHECK_VALUE(S >= 1 && S <= kMaxSlices, op, ": slice_offsets must have 2 to ", num(kMaxSlices + 1),
+                    " entries, got ", num((int64_t)offsets.size()));
   TORCH_CHECK_VALUE(offsets.front() == 0 && offsets.back() == N, op,
-                    ": slice_offsets must start at 0 and end at N = ", N, ", got ", at::IntArrayRef(offsets));
+                    ": slice_offsets must start at 0 and end at N = ", num(N), ", got ", list_str(offsets));
   for (int64_t s = 0; s < S; ++s) {
     TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": slice_offsets must be non-decreasing, got ",
-                      at::IntArrayRef(offsets));
+                      list_str(offsets));
   }
-  TORCH_CHECK_VALUE(lora_a.size(1) % S == 0, op, ": lora_a.size(1) = ", lora_a.size(1),
-                    " must be S*R for S = ", S, " slices");
+  TORCH_CHECK_VALUE(lora_a.size(1) % S == 0, op, ": lora_a.size(1) = ", num(lora_a.size(1)),
+                    " must be S*R for S = ", num(S), " slices");
   const int64_t R = lora_a.size(1) / S;
-  TORCH_CHECK_VALUE(lora_b.size(2) == R, op, ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", R,
+  TORCH_CHECK_VALUE(lora_b.size(2) == R, op, ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R),
                     ", got shape ", shape_str(lora_b));
 
   check_unit_last_stride(op, "x", x);
@@ -157,7 +162,7 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
     TORCH_CHECK_TYPE(lora_scales->scalar_type() == at::kFloat, op, ": lora_scales must be float32, got ",
                      lora_scales->scalar_type());
     TORCH_CHECK_VALUE(lora_scales->dim() == 1 && lora_scales->size(0) == L, op,
-                      ": lora_scales must be 1-D with L = ", L, " entries, got shape ", shape_str(*lora_scales));
+                      ": lora_scales must be 1-D with L = ", num(L), " entries, got shape ", shape_str(*lora_scales));
     keep.lora_scales = lora_scales->contiguous();
     p.lora_scales = keep.lora_scales.data_ptr<float>();
   }
@@ -187,8 +192,8 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
       const auto ranks = keep.lora_ranks.cpu();
       for (int64_t l = 0; l < L; ++l) {
         const int32_t r = ranks.data_ptr<int32_t>()[l];
-        TORCH_CHECK_VALUE(r >= 0 && r <= R, "LORA_OPS_DEBUG: lora_ranks[", l, "] = ", r,
-                          " is outside [0, R = ", R, "]");
+        TORCH_CHECK_VALUE(r >= 0 && r <= R, "LORA_OPS_DEBUG: lora_ranks[", num(l), "] = ", num(r),
+                          " is outside [0, R = ", num(R), "]");
       }
     }
   }
@@ -213,9 +218,9 @@ GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, c
   TORCH_CHECK_TYPE(y.scalar_type() == w.scalar_type() || y.scalar_type() == at::kFloat, op,
                    ": y must have w's dtype ", w.scalar_type(), " or float32, got ", y.scalar_type());
   const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = w.size(0);
-  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", y.size(0), " rows but x has ", T);
-  TORCH_CHECK_VALUE(w.size(1) == N && w.size(2) == K, op, ": w must be [L, N, K] with N = y.size(1) = ", N,
-                    " and K = x.size(1) = ", K, ", got shape ", shape_str(w));
+  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", num(y.size(0)), " rows but x has ", num(T));
+  TORCH_CHECK_VALUE(w.size(1) == N && w.size(2) == K, op, ": w must be [L, N, K] with N = y.size(1) = ", num(N),
+                    " and K = x.size(1) = ", num(K), ", got shape ", shape_str(w));
   check_unit_last_stride(op, "x", x);
   check_unit_last_stride(op, "y", y);
   check_unit_last_stride(op, "w", w);
@@ -256,8 +261,8 @@ GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, c
 
 at::Tensor check_build_segments_args(const at::Tensor& token_lora, int64_t num_slots) {
   constexpr const char* op = "lora_ops.build_segments";
-  TORCH_CHECK_VALUE(num_slots >= 0, op, ": num_slots must be >= 0, got ", num_slots);
-  TORCH_CHECK_VALUE(num_slots < (int64_t{1} << 30), op, ": num_slots must be < 2^30, got ", num_slots);
+  TORCH_CHECK_VALUE(num_slots >= 0, op, ": num_slots must be >= 0, got ", num(num_slots));
+  TORCH_CHECK_VALUE(num_slots < (int64_t{1} << 30), op, ": num_slots must be < 2^30, got ", num(num_slots));
   return index_tensor(op, "token_lora", token_lora, token_lora, -1, "");
 }
 
@@ -303,16 +308,16 @@ void debug_validate_segments(const Segments& seg, const at::Tensor& seg_indptr, 
   std::unordered_set<int32_t> seen;
   for (int64_t g = 0; g < seg.num_segments; ++g) {
     TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= seg.positions,
-                      "LORA_OPS_DEBUG: seg_indptr[", g, ":", g + 2, "] = [", ip[g], ", ", ip[g + 1],
-                      "] is not a non-decreasing range inside [0, ", seg.positions, "]");
-    TORCH_CHECK_VALUE(sl[g] < num_slots, "LORA_OPS_DEBUG: ", slot_name, "[", g, "] = ", sl[g],
-                      " is not below the number of slots ", num_slots, " (use -1 for no LoRA)");
+                      "LORA_OPS_DEBUG: seg_indptr[", num(g), ":", num(g + 2), "] = [", num(ip[g]), ", ",
+                      num(ip[g + 1]), "] is not a non-decreasing range inside [0, ", num(seg.positions), "]");
+    TORCH_CHECK_VALUE(sl[g] < num_slots, "LORA_OPS_DEBUG: ", slot_name, "[", num(g), "] = ", num(sl[g]),
+                      " is not below the number of slots ", num(num_slots), " (use -1 for no LoRA)");
     if (sl[g] < 0) continue;
     for (int64_t p = ip[g]; p < ip[g + 1]; ++p) {
       const int32_t t = idx ? idx[p] : static_cast<int32_t>(p);
-      TORCH_CHECK_VALUE(t >= 0 && t < rows, "LORA_OPS_DEBUG: token_indices[", p, "] = ", t,
-                        " is outside [0, ", rows, ")");
-      TORCH_CHECK_VALUE(seen.insert(t).second, "LORA_OPS_DEBUG: row ", t,
+      TORCH_CHECK_VALUE(t >= 0 && t < rows, "LORA_OPS_DEBUG: token_indices[", num(p), "] = ", num(t),
+                        " is outside [0, ", num(rows), ")");
+      TORCH_CHECK_VALUE(seen.insert(t).second, "LORA_OPS_DEBUG: row ", num(t),
                         " appears in more than one segment position");
     }
   }

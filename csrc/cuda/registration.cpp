@@ -37,7 +37,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
                                          device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), stream));
     return;
   }
-  TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", p.num_slices * p.max_rank,
+  TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", std::to_string(p.num_slices * p.max_rank),
                     " rank columns exceed what the CUDA kernel stages in shared memory (max 6400)");
   const auto plan = cuda::plan_sgmv_simt(p, device_attribute(cudaDevAttrMultiProcessorCount, y.get_device()));
   const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
@@ -47,7 +47,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
   const c10::cuda::CUDAGuard guard(token_lora.device());
-  TORCH_CHECK_VALUE(num_slots <= 40000, "lora_ops.build_segments: num_slots = ", num_slots,
+  TORCH_CHECK_VALUE(num_slots <= 40000, "lora_ops.build_segments: num_slots = ", std::to_string(num_slots),
                     " exceeds the CUDA kernel's shared-memory histogram (max 40000)");
   at::Tensor token_indices, seg_indptr, seg_lora, token_lora_i32;
   const auto p = check_build_segments(token_lora, num_slots, token_indices, seg_indptr, seg_lora, token_lora_i32);
