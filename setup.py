@@ -83,7 +83,7 @@ def main():
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.6"],
-        extras_require={"hf": ["transformers", "peft", "safetensors"], "test": ["pytest", "numpy"]},
+        extras_require={"hf": ["transformers", "peft", "safetensors", "tqdm"], "test": ["pytest", "numpy"]},
     )
 
 

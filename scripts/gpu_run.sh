@@ -39,6 +39,10 @@ if [[ " $* " != *" --skip-tests "* ]]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
+step demo
+$PY -m lora_ops.demo 2>&1 | grep -v -i "warn\|it/s\]" | tee "$OUT/demo.log" | tail -6
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
 if [[ " $* " != *" --skip-bench "* ]]; then
   step bench
   gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")

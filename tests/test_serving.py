@@ -1,0 +1,244 @@
+"""Serving layer: PEFT parity, pool slots (LRU, pin), every load error (pool unchanged), fused slices, compile."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("safetensors")
+
+from lora_ops.serving import (AdapterFormatError, AdapterPool, AdapterShapeError, PoolFullError,  # noqa: E402
+                              UnsupportedAdapterError, greedy_generate, patch_model)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SPECS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "b": dict(r=16, lora_alpha=16, use_rslora=True,
+              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "c": dict(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"], rank_pattern={"down_proj": 2},
+              alpha_pattern={"down_proj": 3}),
+}
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    base = _llama()
+    root = tmp_path_factory.mktemp("adapters")
+    for name, kw in SPECS.items():
+        peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(
+            str(root / name))
+    return base, root
+
+
+def _peft_model(base, root, names):
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(root / names[0]), adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(str(root / n), adapter_name=n)
+    return model.eval()
+
+
+def _pool_model(base, root, names, num_slots=4, max_rank=16, device="cpu"):
+    model = copy.deepcopy(base).to(device)
+    pool = AdapterPool(model, num_slots=num_slots, max_rank=max_rank)
+    patch_model(model, pool)
+    for n in names:
+        pool.load(n, str(root / n))
+    return model, pool
+
+
+def _pool_state(pool):
+    return {k: [t.clone() for t in (m.lora_a, m.lora_b, m.ranks, m.scales)] for k, m in pool.modules.items()}, \
+        dict(pool._slot_of)
+
+
+def _assert_same_state(pool, state):
+    tensors, slots = state
+    assert dict(pool._slot_of) == slots
+    for k, m in pool.modules.items():
+        for got, want in zip((m.lora_a, m.lora_b, m.ranks, m.scales), tensors[k]):
+            assert torch.equal(got, want), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peft_parity_mixed_batch(adapters, device):
+    base, root = adapters
+    names = ["a", "b", "c"]
+    ref_model = _peft_model(base, root, names).to(device)
+    model, pool = _pool_model(base, root, names, device=device)
+    rows = ["a", None, "b", "c", "b", None]
+    ids = torch.randint(0, 256, (len(rows), 7), device=device)
+    tokens, logits = greedy_generate(model, pool, ids, rows, max_new_tokens=4)
+    with torch.no_grad():
+        ref = ref_model(tokens[:, :-1], adapter_names=[r or "__base__" for r in rows]).logits
+        base_logits = base.to(device)(tokens[:, :-1]).logits
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
+    # base-only rows equal the unpatched model; adapter rows really differ from it
+    torch.testing.assert_close(logits[[1, 5]], base_logits[[1, 5]], rtol=1e-5, atol=1e-5)
+    assert (logits[0] - base_logits[0]).abs().max() > 1e-3
+
+
+def test_unpatched_behaviour_without_batch(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a"])
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits)
+
+
+def test_lru_eviction_pin_unpin_unload(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"], num_slots=2)
+    pool.slot("a")  # a is now most recently used: b is evicted next
+    slot_b = pool.slot("b")
+    pool.slot("a")
+    assert pool.load("c", str(root / "c")) == slot_b and pool.loaded == ["a", "c"]
+    with pool.pinned("a", "c"):
+        state = _pool_state(pool)
+        with pytest.raises(PoolFullError, match="all 2 slots hold pinned adapters"):
+            pool.load("b", str(root / "b"))
+        _assert_same_state(pool, state)
+    pool.pin("c")
+    pool.load("b", str(root / "b"))  # a (unpinned) is evicted, pinned c stays
+    assert sorted(pool.loaded) == ["b", "c"]
+    with pytest.raises(ValueError, match="is pinned"):
+        pool.unload("c")
+    pool.unpin("c")
+    pool.unload("c")
+    assert pool.loaded == ["b"]
+    with pytest.raises(KeyError, match="'c' is not loaded"):
+        pool.slot("c")
+    with pytest.raises(ValueError, match="is not pinned"):
+        pool.unpin("b")
+
+
+def _tampered(root, tmp_path, name, config_change=None, weights_change=None, drop=None):
+    """A copy of adapter `name` with its config or weights altered."""
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / f"{name}_bad"
+    out.mkdir()
+    config = json.loads((root / name / "adapter_config.json").read_text())
+    weights = load_file(str(root / name / "adapter_model.safetensors"))
+    if config_change:
+        config.update(config_change)
+    if weights_change:
+        weights = weights_change(weights)
+    if drop != "config":
+        (out / "adapter_config.json").write_text(json.dumps(config))
+    if drop != "weights":
+        save_file(weights, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def _first_key(weights, part):
+    return next(k for k in sorted(weights) if part in k)
+
+
+BAD = {
+    "missing_config": (dict(drop="config"), AdapterFormatError, "adapter_config.json not found"),
+    "missing_weights": (dict(drop="weights"), AdapterFormatError, "adapter_model.safetensors not found"),
+    "dora": (dict(config_change={"use_dora": True}), UnsupportedAdapterError, "DoRA"),
+    "not_lora": (dict(config_change={"peft_type": "IA3"}), UnsupportedAdapterError, "peft_type IA3"),
+    "bias": (dict(config_change={"bias": "all"}), UnsupportedAdapterError, "bias"),
+    "unknown_target": (dict(config_change={"target_modules": ["q_proj", "c_attn"]}), AdapterShapeError,
+                       r"target_modules \['c_attn'\]"),
+    "shape": (dict(weights_change=lambda w: {k: (v[:, :-1].contiguous() if "lora_A" in k else v) for k, v in w.items()}),
+              AdapterShapeError, "features but the base layer"),
+    "rank_over_max": (dict(config_change={"r": 32}, weights_change=lambda w: {
+        k: (torch.randn(32, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 32)) for k, v in w.items()}),
+        AdapterShapeError, "rank 32 > the pool's max_rank 16"),
+    "half_pair": (dict(weights_change=lambda w: {k: v for k, v in w.items() if k != _first_key(w, "lora_B")}),
+                  AdapterFormatError, "has lora_A only"),
+    "extra_tensor": (dict(weights_change=lambda w: {**w, "base_model.model.lm_head.weight": torch.zeros(2, 2)}),
+                     UnsupportedAdapterError, "not a LoRA A/B weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_failed_load_leaves_pool_unchanged(adapters, tmp_path, case):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "c"], num_slots=2)
+    kwargs, exc, msg = BAD[case]
+    bad = _tampered(root, tmp_path, "b", **kwargs)
+    state = _pool_state(pool)
+    with pytest.raises(exc, match=msg):
+        pool.load("b", str(bad))
+    _assert_same_state(pool, state)
+
+
+def test_malformed_json(adapters, tmp_path):
+    base, root = adapters
+    model, pool = _pool_model(base, root, [])
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterFormatError, match="not valid JSON"):
+        pool.load("x", str(tmp_path))
+
+
+def test_fused_qkv_and_gate_up_slices_match_peft(tmp_path):
+    """Phi-3 style fused qkv_proj / gate_up_proj: the pool maps them onto sgmv slices (GQA widths)."""
+    torch.manual_seed(1)
+    cfg = transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  pad_token_id=0)
+    base = transformers.Phi3ForCausalLM(cfg).eval()
+    peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=8, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj", "o_proj"], init_lora_weights=False)
+    ).save_pretrained(str(tmp_path / "f"))
+    ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "f"), adapter_name="f").eval()
+    model = copy.deepcopy(base)
+    pool = AdapterPool(model, num_slots=2, max_rank=8)
+    patch_model(model, pool)
+    pool.load("f", str(tmp_path / "f"))
+    qkv = next(m for n, m in pool.modules.items() if n.endswith("qkv_proj"))
+    assert qkv.slice_offsets == [0, 64, 96, 128]
+    ids = torch.randint(0, 256, (3, 6))
+    rows = ["f", None, "f"]
+    with torch.no_grad(), pool.batch(rows, tokens_per_row=6):
+        got = model(ids).logits
+    with torch.no_grad():
+        want = ref(ids, adapter_names=[r or "__base__" for r in rows]).logits
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def _compile_run(adapters, device, mode=None):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b", "c"], device=device)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if mode is None else "inductor")
+    fwd = lambda ids: model(ids, use_cache=False).logits
+    compiled = torch.compile(fwd, backend=counter, fullgraph=True, dynamic=True) if mode is None else \
+        torch.compile(fwd, fullgraph=True, dynamic=True, mode=mode)
+    compiles_after_first = None
+    for rows, length in ((["a", None, "b"], 5), (["c", "c", "a", None, "b"], 3), (["b", "a"], 8)):
+        ids = torch.randint(0, 256, (len(rows), length), device=device)
+        with torch.no_grad(), pool.batch(rows, tokens_per_row=length):
+            for _ in range(2 if mode else 1):
+                got = compiled(ids)
+            want = model(ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if compiles_after_first is None:
+            compiles_after_first = counter.frame_count
+    # a new batch size / adapter mix must not compile again (the first may restart its analysis once)
+    return compiles_after_first, counter.frame_count
+
+
+def test_compile_patched_model_no_graph_break_no_recompile(adapters):
+    first, total = _compile_run(adapters, "cpu")
+    assert first >= 1 and total == first
+
+
+@pytest.mark.gpu
+def test_compile_patched_model_cuda_reduce_overhead(adapters):
+    first, total = _compile_run(adapters, "cuda")
+    assert first >= 1 and total == first
+    _compile_run(adapters, "cuda", mode="reduce-overhead")
