@@ -81,7 +81,7 @@ def test_peft_parity_mixed_batch(adapters, device):
     tokens, logits = greedy_generate(model, pool, ids, rows, max_new_tokens=4)
     with torch.no_grad():
         ref = ref_model(tokens[:, :-1], adapter_names=[r or "__base__" for r in rows]).logits
-        base_logits = base.to(device)(tokens[:, :-1]).logits
+        base_logits = copy.deepcopy(base).to(device)(tokens[:, :-1]).logits  # never move the shared fixture
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-5
     # base-only rows equal the unpatched model; adapter rows really differ from it
     torch.testing.assert_close(logits[[1, 5]], base_logits[[1, 5]], rtol=1e-5, atol=1e-5)
