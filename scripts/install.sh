@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q "torch==2.14.1"
 fi
-$PY -m pip install -q ninja pytest numpy "setuptools>=64" wheel transformers peft safetensors tqdm matplotlib
+$PY -m pip install -q ninja pytest numpy "setuptools>=64" wheel transformers peft safetensors tqdm
 
 if [ ! -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
   if command -v apt-get >/dev/null; then
