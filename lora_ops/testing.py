@@ -94,16 +94,15 @@ def make_sgmv(token_lora: torch.Tensor, *, num_slots: int, K: int, N: int, max_r
     x = rnd(T, K).to(dtype)
     lora_a = (rnd(num_slots, S * max_rank, K) / K ** 0.5).to(dtype)
     lora_b = (rnd(num_slots, N, max_rank) / max_rank ** 0.5).to(dtype)
-    # y may be a column slice of a wider tensor (strided rows)
-    y_full = rnd(T, N + y_col_pad).to(y_dtype or dtype)
-    y = y_full[:, y_col_pad // 2: y_col_pad // 2 + N]
+    # y_col_pad > 0: y is a column slice of a wider tensor (row stride > N), made on the device
+    y_full = rnd(T, N + y_col_pad).to(y_dtype or dtype).to(device)
     idx, indptr, seg = segments_for(token_lora, num_slots, gathered)
     ranks_t = torch.tensor(ranks, dtype=torch.int32) if ranks is not None else None
     scales_t = (torch.rand(num_slots, generator=gen) * 2 + 0.5) if scales else None
     to = lambda t: None if t is None else t.to(device)
-    return SgmvProblem(y.to(device) if y_col_pad == 0 else y_full.to(device)[:, y_col_pad // 2: y_col_pad // 2 + N],
-                       x.to(device), lora_a.to(device), lora_b.to(device), to(indptr), to(seg), to(idx),
-                       to(ranks_t), to(scales_t), list(slice_offsets) if slice_offsets is not None else None, scale)
+    return SgmvProblem(y_full[:, y_col_pad // 2: y_col_pad // 2 + N], x.to(device), lora_a.to(device),
+                       lora_b.to(device), to(indptr), to(seg), to(idx), to(ranks_t), to(scales_t),
+                       list(slice_offsets) if slice_offsets is not None else None, scale)
 
 
 def make_grouped_gemm(token_lora: torch.Tensor, *, num_groups: int, K: int, N: int, dtype, device,

@@ -11,8 +11,6 @@
 
 namespace lora_ops::cpu {
 
-inline int64_t elem_size(DType d) { return d == DType::F32 ? 4 : 2; }
-
 inline void load_floats(DType d, const void* base, int64_t offset, int64_t n, float* out) {
   switch (d) {
     case DType::F32: std::memcpy(out, static_cast<const float*>(base) + offset, n * sizeof(float)); break;
