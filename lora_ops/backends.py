@@ -14,7 +14,9 @@ import torch
 
 OPS = ("sgmv", "grouped_gemm", "build_segments")
 
-# Filled by register_triton_where_needed(): op -> "cuda" | "triton" | None, and why a backend is absent.
+# Filled by register_triton_where_needed(): which ops have a C++ CUDA kernel (read before Triton registers any),
+# op -> "cuda" | "triton" | None, and why a backend is absent.
+cuda_compiled: Dict[str, bool] = {}
 cuda_served_by: Dict[str, Optional[str]] = {}
 unavailable: Dict[str, str] = {}
 _lib = None
@@ -29,7 +31,7 @@ def build_info() -> dict:
         return {"backends": {}}
 
 
-def cuda_kernel_compiled(op: str) -> bool:
+def _has_cuda_kernel(op: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::{op}", "CUDA")
 
 
@@ -43,7 +45,8 @@ def register_triton_where_needed() -> None:
     for name, entry in build_info().get("backends", {}).items():
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
-    compiled = {op: cuda_kernel_compiled(op) for op in OPS}
+    cuda_compiled.update({op: _has_cuda_kernel(op) for op in OPS})
+    compiled = cuda_compiled
     force = forced_backend() == "triton"
     try:
         from . import triton as triton_backend
