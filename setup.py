@@ -24,7 +24,7 @@ def _cuda_home():
 
 
 def _configure():
-    """Pick the backends to build; returns (build_info dict, cuda_home or None)."""
+    """Pick the backends to build; returns the build_info dict (also written to lora_ops/_build_info.json)."""
     import torch
 
     info = {"torch": torch.__version__, "backends": {"cpu": {"built": True}}}
@@ -48,10 +48,10 @@ def _configure():
     else:
         info["backends"]["ascend"] = {"built": False, "reason": "CANN not found (ASCEND_HOME_PATH unset)"}
         print("lora_ops: CANN not found (ASCEND_HOME_PATH unset); building without the Ascend backend")
-    return info, cuda_home
+    return info
 
 
-def _extensions(info, cuda_home):
+def _extensions(info):
     from torch.utils import cpp_extension
 
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
@@ -67,7 +67,7 @@ def _extensions(info, cuda_home):
 
 
 def main():
-    info, cuda_home = _configure()
+    info = _configure()
     # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
     from torch.utils.cpp_extension import BuildExtension
 
@@ -78,7 +78,7 @@ def main():
         version="0.1.0",
         packages=find_packages(include=["lora_ops", "lora_ops.*"]),
         package_data={"lora_ops": ["_build_info.json"]},
-        ext_modules=_extensions(info, cuda_home),
+        ext_modules=_extensions(info),
         cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",

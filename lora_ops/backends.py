@@ -46,17 +46,16 @@ def register_triton_where_needed() -> None:
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
     cuda_compiled.update({op: _has_cuda_kernel(op) for op in OPS})
-    compiled = cuda_compiled
     force = forced_backend() == "triton"
     try:
         from . import triton as triton_backend
     except Exception as exc:  # triton missing or broken: CUDA ops without a C++ kernel stay unserved
         unavailable["triton"] = f"import failed: {exc}"
         for op in OPS:
-            cuda_served_by[op] = "cuda" if compiled[op] else None
+            cuda_served_by[op] = "cuda" if cuda_compiled[op] else None
         return
     for op in OPS:
-        if compiled[op] and not force:
+        if cuda_compiled[op] and not force:
             cuda_served_by[op] = "cuda"
             continue
         if _lib is None:

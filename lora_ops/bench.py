@@ -364,8 +364,8 @@ def _plot(records, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [r for r in records if r["op"] == "sgmv" and r["mode"] in ("graph", "eager") and r["mode"] ==
-            ("graph" if any(x["mode"] == "graph" for x in records) else "eager")]
+    mode = "graph" if any(r["mode"] == "graph" for r in records) else "eager"  # CPU runs have eager only
+    rows = [r for r in records if r["op"] == "sgmv" and r["mode"] == mode]
     labels = sorted({(r["T"], r["adapters"], r["rank"], r["pool_rank"], r["K"], r["N"], r["slices"]) for r in rows},
                     key=lambda k: (k[0], k[1]))
     names = sorted({r["backend"] for r in rows})

@@ -203,14 +203,14 @@ class AdapterPool:
             del self._slot_of[evict]
         for mod in self.modules.values():
             entry = staged.get(mod.name)
-            mod.ranks[slot] = 0 if entry is None else entry[2]
-            mod.lora_a[slot].zero_()
-            mod.lora_b[slot].zero_()
-            if entry is None:
+            if entry is None:  # not a target of this adapter: rank 0 skips it
+                mod.ranks[slot] = 0
                 continue
             a, b, rank, scale = entry
-            mod.lora_a[slot, :, :].copy_(a)
+            mod.lora_a[slot].copy_(a)  # A is staged at full [S*R, K], zeros included
+            mod.lora_b[slot].zero_()
             mod.lora_b[slot, :, :rank].copy_(b)
+            mod.ranks[slot] = rank
             mod.scales[slot] = scale
         self._slot_of[name] = slot
         return slot

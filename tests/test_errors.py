@@ -80,31 +80,25 @@ GG_ERRORS = {
 
 
 def _backends():
-    funcs = [("op", ops)]
-    if "triton" not in lora_ops.backends.unavailable:
-        import lora_ops.triton as lt
-        funcs.append(("triton", lt))
-    return funcs
+    """The public ops and, where importable, the Triton entry points (same C++ check routine)."""
+    if "triton" in lora_ops.backends.unavailable:
+        return [ops]
+    import lora_ops.triton as lt
+    return [ops, lt]
 
 
-@pytest.mark.parametrize("name", list(SGMV_ERRORS))
-def test_sgmv_error(name):
-    change, exc, msg = SGMV_ERRORS[name]
-    args = sgmv_args()
+CASES = [("sgmv", sgmv_args, name, case) for name, case in SGMV_ERRORS.items()] + \
+        [("grouped_gemm", gg_args, name, case) for name, case in GG_ERRORS.items()]
+
+
+@pytest.mark.parametrize("op,make_args,case", [c[:2] + c[3:] for c in CASES], ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_argument_error(op, make_args, case):
+    change, exc, msg = case
+    args = make_args()
     args.update(change)
-    for _, mod in _backends():
-        with pytest.raises(exc, match=r"lora_ops\.sgmv: " + msg):
-            mod.sgmv(**args)
-
-
-@pytest.mark.parametrize("name", list(GG_ERRORS))
-def test_grouped_gemm_error(name):
-    change, exc, msg = GG_ERRORS[name]
-    args = gg_args()
-    args.update(change)
-    for _, mod in _backends():
-        with pytest.raises(exc, match=r"lora_ops\.grouped_gemm: " + msg):
-            mod.grouped_gemm(**args)
+    for mod in _backends():
+        with pytest.raises(exc, match=rf"lora_ops\.{op}: " + msg):
+            getattr(mod, op)(**args)
 
 
 @pytest.mark.parametrize("token_lora,num_slots,exc,msg", [
@@ -113,7 +107,7 @@ def test_grouped_gemm_error(name):
     (torch.zeros(3, 1, dtype=torch.int32), 2, ValueError, r"token_lora must be 1-D"),
 ])
 def test_build_segments_error(token_lora, num_slots, exc, msg):
-    for _, mod in _backends():
+    for mod in _backends():
         with pytest.raises(exc, match=r"lora_ops\.build_segments: " + msg):
             mod.build_segments(token_lora, num_slots)
 
