@@ -310,6 +310,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="only the first few cases")
+    ap.add_argument("--impls", default=None, help="comma-separated implementations to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -332,6 +333,8 @@ def main(argv=None):
     if args.quick:
         cases = cases[:3]
     impls = implementations(device)
+    if args.impls:
+        impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
     for case in cases:
         vllm = VLLM_033_REPORTED_US.get((case.T, case.adapters, case.rank)) if case.K == case.N == 4096 and \
             case.slices == 1 and case.R == case.rank else None

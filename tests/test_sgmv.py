@@ -3,8 +3,10 @@ import zlib
 import pytest
 import torch
 
-from lora_ops import reference, testing
+import lora_ops
+from lora_ops import backends, reference, testing
 
+from conftest import Impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -64,8 +66,11 @@ def test_sgmv_per_token_routing(impl):
 
 
 def test_sgmv_garbage_metadata(impl):
+    _check_garbage_metadata(impl, impl.dtypes[0])
+
+
+def _check_garbage_metadata(impl, dtype):
     """Out-of-range indptr, reversed segments, rows outside [0, T), huge slots: skipped/clamped, never OOB."""
-    dtype = impl.dtypes[0]
     gen = torch.Generator().manual_seed(5)
     T = 16
     problem = testing.make_sgmv(torch.zeros(T, dtype=torch.int32), num_slots=3, K=20, N=12, max_rank=4,
@@ -90,3 +95,21 @@ def test_sgmv_deterministic(impl):
         impl.module.sgmv(*problem.args(y))
         outs.append(y)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["simt", "cluster", "mma"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
+def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
+    """Every CUDA sgmv kernel over the whole grid, not only where the automatic choice puts it on this GPU
+    (a preferred kernel that cannot take an input leaves it to the automatic choice)."""
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
+    cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
+    if name == "garbage_metadata":
+        _check_garbage_metadata(cuda, dtype)
+        return
+    problem = _problem({**SGMV_CASES, **SGMV_LARGE_CASES}[name], cuda, dtype, seed=zlib.crc32(name.encode()))
+    assert _run_and_check(cuda, problem, dtype) == ""

@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "../common/dispatch.h"
 #include "../common/params.h"
@@ -68,6 +72,50 @@ __device__ __forceinline__ void load_raw8(const T* ptr, bool vec, int64_t valid,
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) out.v[i] = i < valid ? ptr[i] : from_f32<T>(0.f);
+}
+
+// Asynchronous 16-byte global -> shared copy; `bytes` < 16 zero-fills the rest (0: nothing is read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The range [begin, end) of `total` items that member `rank` of `parts` takes.
+__host__ __device__ __forceinline__ void split_range(int64_t total, int64_t parts, int64_t rank, int64_t* begin,
+                                                     int64_t* end) {
+  const int64_t per = (total + parts - 1) / parts;
+  *begin = std::min<int64_t>(total, rank * per);
+  *end = std::min<int64_t>(total, *begin + per);
+}
+
+// The pointer and the byte strides allow 16-byte vector accesses.
+inline bool aligned16(const void* ptr, std::initializer_list<int64_t> byte_strides) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+  for (int64_t s : byte_strides) {
+    if (s % 16) return false;
+  }
+  return true;
+}
+
+// Lets `kernel` take more than 48 KB of dynamic shared memory: raised once per (device, kernel) to the
+// device's opt-in maximum, not on every launch.
+inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  static std::mutex mutex;
+  static std::set<std::pair<int, const void*>> raised;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (raised.count({device, kernel})) return cudaSuccess;
+  int optin = 0;
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (err == cudaSuccess) raised.insert({device, kernel});
+  return err;
 }
 
 // One tile: up to `tile_rows` consecutive positions of one segment with a valid slot and nonzero rank.

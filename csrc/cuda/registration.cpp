@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "../common/checks.h"
 #include "kernels.h"
 
@@ -17,6 +20,18 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   int& value = cached[attr == cudaDevAttrMultiProcessorCount ? 0 : 1][device & 63];
   if (value == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
+}
+
+// LORA_OPS_CUDA_SGMV_KERNEL=mma|cluster|simt prefers one sgmv kernel where it can take the input (tests use it
+// to cover the kernels the automatic choice does not pick on their GPU); unset or "auto": by regime and GPU.
+enum class SgmvKernel { Auto, Mma, Cluster, Simt };
+SgmvKernel preferred_sgmv_kernel() {
+  const char* v = std::getenv("LORA_OPS_CUDA_SGMV_KERNEL");
+  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return SgmvKernel::Auto;
+  if (!std::strcmp(v, "mma")) return SgmvKernel::Mma;
+  if (!std::strcmp(v, "cluster")) return SgmvKernel::Cluster;
+  if (!std::strcmp(v, "simt")) return SgmvKernel::Simt;
+  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma, cluster or simt");
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
@@ -32,14 +47,24 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
                             slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (p.seg.positions >= kMmaMinPositions && cuda::sgmv_mma_supported(p)) {
-    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, device_attribute(cudaDevAttrMultiProcessorCount, y.get_device()),
-                                         device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), stream));
+  const int device = y.get_device();
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+  const SgmvKernel preferred = preferred_sgmv_kernel();
+  const bool mma_ok = cuda::sgmv_mma_supported(p);
+  if (mma_ok && (preferred == SgmvKernel::Mma ||
+                 (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, stream));
+    return;
+  }
+  cuda::ClusterPlan cluster_plan;
+  if (preferred != SgmvKernel::Simt && cuda::plan_sgmv_cluster(p, sms, cc_major, &cluster_plan)) {
+    C10_CUDA_CHECK(cuda::launch_sgmv_cluster(p, cluster_plan, stream));
     return;
   }
   TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", std::to_string(p.num_slices * p.max_rank),
                     " rank columns exceed what the CUDA kernel stages in shared memory (max 6400)");
-  const auto plan = cuda::plan_sgmv_simt(p, device_attribute(cudaDevAttrMultiProcessorCount, y.get_device()));
+  const auto plan = cuda::plan_sgmv_simt(p, sms);
   const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
                                    y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_simt(p, plan, workspace.data_ptr<float>(), stream));

@@ -29,14 +29,6 @@ constexpr int kStages = 3;
 constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxRankTile = 128;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -76,13 +68,6 @@ struct MmaPlan {
   int64_t groups, max_tiles;
   int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
 };
-
-// The range [begin, end) of `total` items that member `rank` of `parts` takes.
-__device__ __forceinline__ void split_range(int64_t total, int64_t parts, int64_t rank, int64_t* begin, int64_t* end) {
-  const int64_t per = (total + parts - 1) / parts;
-  *begin = std::min<int64_t>(total, rank * per);
-  *end = std::min<int64_t>(total, *begin + per);
-}
 
 template <int RT, class TY>
 struct Smem {
@@ -321,7 +306,7 @@ template <class T, class TY, int RT>
 cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
   auto kernel = sgmv_mma_kernel<T, TY, RT>;
   constexpr size_t smem = Smem<RT, TY>::bytes;
-  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchConfig_t cfg = {};
@@ -349,17 +334,13 @@ cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStr
   return launch_rt<T, TY, 128>(p, plan, stream);
 }
 
-bool aligned(const void* ptr, int64_t bytes_stride0, int64_t bytes_stride1 = 0) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && bytes_stride0 % 16 == 0 && bytes_stride1 % 16 == 0;
-}
-
 }  // namespace
 
 bool sgmv_mma_supported(const SgmvParams& p) {
   if (p.x_dtype == DType::F32) return false;
   const int64_t ey = p.y_dtype == DType::F32 ? 4 : 2;
-  if (!aligned(p.x, p.x_row_stride * 2) || !aligned(p.lora_a, p.a_stride0 * 2, p.a_stride1 * 2) ||
-      !aligned(p.lora_b, p.b_stride0 * 2, p.b_stride1 * 2) || !aligned(p.y, p.y_row_stride * ey)) {
+  if (!aligned16(p.x, {p.x_row_stride * 2}) || !aligned16(p.lora_a, {p.a_stride0 * 2, p.a_stride1 * 2}) ||
+      !aligned16(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}) || !aligned16(p.y, {p.y_row_stride * ey})) {
     return false;
   }
   for (int64_t s = 0; s <= p.num_slices; ++s) {

@@ -5,10 +5,10 @@
 //   expand: unit = (tile, 256 columns); partials summed over K chunks in order (deterministic) into shared
 //           memory, each thread applies B rows of 2 columns to every row of the tile and updates y.
 // Each adapter's A and B are read once per call; the grid is sized by the tile bound min(P, P/8 + G).
+// Serves GPUs without thread-block clusters (sm_80); sgmv_cluster.cu is the decode kernel from sm_90 on.
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <initializer_list>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -101,26 +101,7 @@ __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtP
     __syncthreads();
   }
 
-  // Warm L2 with this block's expand operands (B rows, y rows): they do not depend on the shrink, so their
-  // DRAM latency overlaps the barrier wait instead of following it.
   const int64_t col_chunks = (p.n + kColsPerUnit - 1) / kColsPerUnit;
-  for (int64_t u = blockIdx.x; u < plan.expand_units; u += gridDim.x) {
-    Tile tile;
-    if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, R, kTileRows, u / col_chunks, &tile)) {
-      continue;
-    }
-    const int64_t n = (u % col_chunks) * kColsPerUnit + threadIdx.x * kColsPerThread;
-    if (n < p.n) {
-      const T* b_row = lora_b + tile.slot * p.b_stride0 + n * p.b_stride1;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(b_row));
-      if (tile.rank * (int64_t)sizeof(T) > 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(b_row + 128 / sizeof(T)));
-      for (int64_t pos = tile.begin; pos < tile.end; ++pos) {
-        const int64_t row = segment_row(p.seg, pos, p.rows);
-        if (row >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(y + row * p.y_row_stride + n));
-      }
-    }
-  }
-
   cooperative_groups::this_grid().sync();
 
   // ---- expand ----
@@ -214,7 +195,7 @@ decltype(auto) with_kernel(const SgmvParams& p, F&& f) {
 template <class Kernel>
 cudaError_t launch_kernel(Kernel kernel, const SgmvParams& p, const SimtPlan& plan, float* ws, cudaStream_t stream) {
   const size_t smem = expand_smem_bytes(p, plan.k_splits);
-  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(plan.grid);
   cfg.blockDim = dim3(kThreads);
@@ -228,14 +209,6 @@ cudaError_t launch_kernel(Kernel kernel, const SgmvParams& p, const SimtPlan& pl
   return cudaLaunchKernelEx(&cfg, kernel, p, plan, ws);
 }
 
-bool aligned16(const void* ptr, std::initializer_list<int64_t> strides, int64_t elem) {
-  if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
-  for (int64_t s : strides) {
-    if ((s * elem) % 16) return false;
-  }
-  return true;
-}
-
 // Co-resident blocks per SM (the cooperative launch's limit), cached per kernel and shared-memory size.
 int blocks_per_sm(const SgmvParams& p, size_t smem) {
   return with_kernel(p, [&](auto kernel) {
@@ -243,7 +216,7 @@ int blocks_per_sm(const SgmvParams& p, size_t smem) {
     static thread_local size_t last_smem = 0;
     static thread_local int last_blocks = 0;
     if (last_kernel != (const void*)kernel || last_smem != smem) {
-      if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      allow_dynamic_smem((const void*)kernel, smem);
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&last_blocks, kernel, kThreads, smem);
       last_kernel = (const void*)kernel;
       last_smem = smem;
@@ -276,9 +249,9 @@ SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
   const int64_t want = std::max(plan.shrink_units, plan.expand_units);
   const int max_blocks_per_sm = std::max(1, blocks_per_sm(p, expand_smem_bytes(p, splits)));
   plan.grid = (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)num_sms * std::min(max_blocks_per_sm, 4)));
-  plan.x_vec = aligned16(p.x, {p.x_row_stride}, es);
-  plan.a_vec = aligned16(p.lora_a, {p.a_stride0, p.a_stride1}, es);
-  plan.b_vec = aligned16(p.lora_b, {p.b_stride0, p.b_stride1}, es);
+  plan.x_vec = aligned16(p.x, {p.x_row_stride * es});
+  plan.a_vec = aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
+  plan.b_vec = aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es});
   return plan;
 }
 
