@@ -227,6 +227,12 @@ def _time_cpu(fn: Callable[[], None], min_s: float = 0.2) -> float:
     return elapsed / reps * 1e6
 
 
+def launch_floor_us(device) -> float:
+    """Graph replay of a one-element add: the per-kernel floor that every row below includes."""
+    t = torch.zeros(1, device=device)
+    return _time_cuda([lambda: t.add_(1)], graph=True)
+
+
 def host_overhead_us(device, n=2000) -> float:
     """Enqueue cost of one eager lora_ops.sgmv call on a problem too small to keep the GPU busy."""
     pb = Problem(Case(1, 1, 8, K=64, N=64, pool_slots=4), torch.bfloat16, device, seed=0)
@@ -330,6 +336,10 @@ def main(argv=None):
         records.append(dict(op="sgmv", backend=backends.cuda_served_by.get("sgmv"), mode="host", dtype="bfloat16",
                             T=1, adapters=1, rank=8, K=64, N=64, slices=1, us=round(host_us, 3), pct_roofline=None))
         log(f"eager host overhead of lora_ops.sgmv: {host_us:.2f} us/call")
+        floor_us = launch_floor_us(device)
+        records.append(dict(op="launch_floor", backend="torch", mode="graph", dtype="float32", T=1, adapters=0,
+                            rank=0, K=0, N=0, slices=0, us=round(floor_us, 3), pct_roofline=None))
+        log(f"graph replay of a one-element add (per-kernel floor): {floor_us:.2f} us")
     if args.quick:
         cases = cases[:3]
     impls = implementations(device)

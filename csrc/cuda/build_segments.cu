@@ -1,11 +1,20 @@
-// build_segments: stable counting sort of rows by slot in ONE block (no host sync, fixed-size outputs).
-//   0. when they fit (T <= ~39K), the token slots are copied to shared memory first;
-//   1. each warp counts the slots of its contiguous chunk of tokens into its own shared histogram row;
-//   2. a block scan over (bucket, warp) in bucket-major order gives every warp its first position per bucket;
+// build_segments: stable counting sort of rows by slot in ONE launch (no host sync, fixed-size outputs).
+// The tokens are cut into contiguous chunks, one per member CTA of a thread-block cluster (up to 16 from
+// sm_90 on, about 1024 tokens each; a single CTA without clusters), then one per warp:
+//   1. each warp counts its chunk's slots into its own shared histogram row;
+//   2. per bucket, each member turns its warps' counts into offsets and sums them; after a cluster barrier
+//      every member reads all members' sums through distributed shared memory: a scan over buckets gives
+//      the bucket starts, the sums of earlier members its own start inside each bucket;
 //   3. each warp walks its chunk again 32 tokens at a time: __match_any_sync groups equal slots, the
 //      lane's rank among earlier equal lanes plus the warp's running cursor is its output position.
+// Chunks are in token order and members, warps and lanes place in that order: the sort is stable.
 // Bucket num_slots collects rows whose slot is outside [0, num_slots): sorted last, not covered.
+#include <cooperative_groups.h>
+
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -14,36 +23,68 @@ namespace lora_ops::cuda {
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr size_t kMaxSmem = 160 * 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTokensPerMember = 1024;
+constexpr int kMaxMembers = 16;
+constexpr size_t kMaxSmem = 160 * 1024;  // an A100 can run it too
 
-__global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsParams p, int warps_used, bool staged) {
-  extern __shared__ int32_t hist[];  // [buckets][warps_used], bucket-major; then the staged token slots
-  const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t chunk = (T + warps_used - 1) / warps_used;
-  const int64_t t_begin = std::min<int64_t>(T, warp * chunk), t_end = std::min<int64_t>(T, t_begin + chunk);
-  // Both passes below walk the slots 32 at a time per warp; reading them from global memory would expose one
-  // load latency per step, so when they fit they are first copied to shared memory with every load in flight.
-  int32_t* staged_lora = hist + buckets * warps_used;
-  if (staged) {
-    constexpr int kBatch = 8;
-    for (int64_t base = threadIdx.x; base < T; base += (int64_t)blockDim.x * kBatch) {
-      int32_t v[kBatch];
+// Exclusive prefix sum of a[0, n) in place (block-wide): each thread sums a contiguous run, the run totals
+// are scanned with warp shuffles and one warp's scan of the warp totals (two barriers).
+__device__ void block_exclusive_scan(int32_t* a, int64_t n, int32_t* warp_total /* [32] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  const int64_t per = (n + blockDim.x - 1) / blockDim.x;
+  const int64_t r0 = std::min<int64_t>(n, threadIdx.x * per), r1 = std::min<int64_t>(n, r0 + per);
+  int32_t sum = 0;
+  for (int64_t i = r0; i < r1; ++i) sum += a[i];
+  int32_t incl = sum;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int64_t t = base + (int64_t)i * blockDim.x;
-        v[i] = t < T ? p.token_lora[t] : 0;
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int64_t t = base + (int64_t)i * blockDim.x;
-        if (t < T) staged_lora[t] = v[i];
-      }
-    }
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
   }
-  const int32_t* token_lora = staged ? staged_lora : p.token_lora;
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < warps ? warp_total[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    warp_total[lane] = w;
+  }
+  __syncthreads();
+  int32_t running = (warp > 0 ? warp_total[warp - 1] : 0) + incl - sum;
+  for (int64_t i = r0; i < r1; ++i) {
+    const int32_t c = a[i];
+    a[i] = running;
+    running += c;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsParams p, int warps_used,
+                                                                    int members) {
+  extern __shared__ int32_t smem[];
+  __shared__ int32_t warp_total[32];
+  const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
+  int32_t* hist = smem;                                // [buckets][warps_used], bucket-major
+  int32_t* member_sum = hist + buckets * warps_used;  // [buckets] this member's rows per bucket
+  int32_t* bucket_start = member_sum + buckets;        // [buckets]
+  int32_t* member_start = bucket_start + buckets;      // [buckets] this member's first position per bucket
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int member = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  if (members > 1) member = (int)cg::this_cluster().block_rank();
+#endif
+  int64_t m_begin, m_end, t_begin, t_end;
+  split_range(T, members, member, &m_begin, &m_end);
+  split_range(m_end - m_begin, warps_used, warp, &t_begin, &t_end);
+  t_begin += m_begin;
+  t_end += m_begin;
   auto bucket_of = [&](int64_t t) {
-    const int32_t s = token_lora[t];
+    const int32_t s = p.token_lora[t];
     return (s >= 0 && s < p.num_slots) ? (int64_t)s : p.num_slots;
   };
   for (int64_t i = threadIdx.x; i < buckets * warps_used; i += blockDim.x) hist[i] = 0;
@@ -52,31 +93,50 @@ __global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsP
     for (int64_t t = t_begin + lane; t < t_end; t += 32) atomicAdd(&hist[bucket_of(t) * warps_used + warp], 1);
   }
   __syncthreads();
-  // Exclusive scan of hist in place: each thread scans a contiguous run, then the runs' totals.
-  __shared__ int32_t run_total[kThreads];
-  const int64_t n = buckets * warps_used, per = (n + blockDim.x - 1) / blockDim.x;
-  const int64_t r0 = std::min<int64_t>(n, threadIdx.x * per), r1 = std::min<int64_t>(n, r0 + per);
-  int32_t sum = 0;
-  for (int64_t i = r0; i < r1; ++i) sum += hist[i];
-  run_total[threadIdx.x] = sum;
-  __syncthreads();
-  for (int d = 1; d < (int)blockDim.x; d <<= 1) {  // Hillis-Steele inclusive scan of the run totals
-    const int32_t v = threadIdx.x >= d ? run_total[threadIdx.x - d] : 0;
-    __syncthreads();
-    run_total[threadIdx.x] += v;
-    __syncthreads();
+  for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {  // warp offsets inside the member's bucket
+    int32_t running = 0;
+    for (int w = 0; w < warps_used; ++w) {
+      const int32_t c = hist[b * warps_used + w];
+      hist[b * warps_used + w] = running;
+      running += c;
+    }
+    member_sum[b] = running;
   }
-  int32_t running = run_total[threadIdx.x] - sum;
-  for (int64_t i = r0; i < r1; ++i) {
-    const int32_t c = hist[i];
-    hist[i] = running;
-    running += c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (members > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
+      int32_t before = 0, total = 0;
+      for (int m = 0; m < members; ++m) {
+        const int32_t c = cluster.map_shared_rank(member_sum, (unsigned)m)[b];
+        before += m < member ? c : 0;
+        total += c;
+      }
+      bucket_start[b] = total;
+      member_start[b] = before;
+    }
+    // Peers may still read this member's sums: signal that theirs are read, wait for ours before leaving.
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  } else
+#endif
+  {
+    for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
+      bucket_start[b] = member_sum[b];
+      member_start[b] = 0;
+    }
   }
   __syncthreads();
+  block_exclusive_scan(bucket_start, buckets, warp_total);
   for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
-    p.seg_indptr[b] = hist[b * warps_used];  // warp 0's start of bucket b = start of the bucket
-    if (b < p.num_slots) p.seg_lora[b] = (int32_t)b;
+    const int32_t base = bucket_start[b] + member_start[b];
+    for (int w = 0; w < warps_used; ++w) hist[b * warps_used + w] += base;
+    if (member == 0) {
+      p.seg_indptr[b] = bucket_start[b];
+      if (b < p.num_slots) p.seg_lora[b] = (int32_t)b;
+    }
   }
+  __syncthreads();
   if (warp < warps_used) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += 32) {
       const int64_t t = t0 + lane;
@@ -96,25 +156,68 @@ __global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsP
       __syncwarp();
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (members > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+size_t smem_bytes(int64_t buckets, int warps) { return (size_t)buckets * (warps + 3) * sizeof(int32_t); }
+
+cudaLaunchConfig_t launch_config(int members, size_t smem, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)members);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = (unsigned)members;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = members > 1 ? 1 : 0;
+  return cfg;
+}
+
+// Whether a cluster of `members` CTAs with this shared memory can be resident (cached per device and shape).
+bool cluster_fits(int members, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, size_t>, bool> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, members, smem);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  bool fits = members <= 8 || cudaFuncSetAttribute(build_segments_kernel,
+                                                   cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+  if (fits) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = launch_config(members, smem, &attr);
+    int clusters = 0;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, build_segments_kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  if (!fits) cudaGetLastError();  // a refused attribute or query is an answer here, not a sticky error
+  known[key] = fits;
+  return fits;
 }
 
 }  // namespace
 
-cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream) {
+cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream) {
   const int64_t buckets = p.num_slots + 1;
-  // A histogram row per warp; fewer warps when the slot count is large (shared memory <= 160 KB, so that
-  // an A100 can run it too).
-  const int64_t fit = (int64_t)kMaxSmem / (buckets * (int64_t)sizeof(int32_t));
+  // A histogram row per warp; fewer warps when the slot count is large.
+  const int64_t fit = (int64_t)kMaxSmem / (buckets * (int64_t)sizeof(int32_t)) - 3;
   if (fit < 1) return cudaErrorInvalidValue;
-  const int warps = (int)std::max<int64_t>(1, std::min<int64_t>({32, fit, (p.num_tokens + 31) / 32}));
-  size_t smem = buckets * warps * sizeof(int32_t);
-  const bool staged = smem + p.num_tokens * sizeof(int32_t) <= kMaxSmem;
-  if (staged) smem += p.num_tokens * sizeof(int32_t);
+  const int warps = (int)std::max<int64_t>(1, std::min<int64_t>({kWarps, fit, (p.num_tokens + 31) / 32}));
+  const size_t smem = smem_bytes(buckets, warps);
   if (const cudaError_t err = allow_dynamic_smem((const void*)build_segments_kernel, smem); err != cudaSuccess) {
     return err;
   }
-  build_segments_kernel<<<1, kThreads, smem, stream>>>(p, warps, staged);
-  return cudaGetLastError();
+  int members = cc_major >= 9 ? (int)std::clamp<int64_t>((p.num_tokens + kTokensPerMember - 1) / kTokensPerMember,
+                                                         1, kMaxMembers) : 1;
+  while (members > 1 && !cluster_fits(members, smem)) members /= 2;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = launch_config(members, smem, &attr);
+  cfg.stream = stream;
+  return cudaLaunchKernelEx(&cfg, build_segments_kernel, p, warps, members);
 }
 
 }  // namespace lora_ops::cuda

@@ -101,7 +101,7 @@ inline bool aligned16(const void* ptr, std::initializer_list<int64_t> byte_strid
 }
 
 // Lets `kernel` take more than 48 KB of dynamic shared memory: raised once per (device, kernel) to the
-// device's opt-in maximum, not on every launch.
+// device's opt-in maximum less the kernel's static shared memory, not on every launch.
 inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   static std::mutex mutex;
@@ -112,8 +112,13 @@ inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   const std::lock_guard<std::mutex> lock(mutex);
   if (raised.count({device, kernel})) return cudaSuccess;
   int optin = 0;
+  cudaFuncAttributes attrs;
   err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, kernel);
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - (int)attrs.sharedSizeBytes);
+  }
   if (err == cudaSuccess) raised.insert({device, kernel});
   return err;
 }

@@ -27,6 +27,7 @@ struct ClusterPlan {
   int64_t cluster;     // CTAs per tile: K split for the shrink, column split for the expand
   int64_t stage_rows;  // A rows per shared-memory stage (16 or 32)
   int64_t buffers;     // stages in flight (1 or 2)
+  int64_t staged_rank; // B rank columns staged in shared memory per column pass (a multiple of 8)
   bool x_vec, a_vec, b_vec, y_vec;  // 16-byte copies are legal for these tensors
 };
 // False when the GPU has no clusters or the shapes do not fit the kernel's shared memory.
@@ -38,6 +39,6 @@ cudaError_t launch_sgmv_cluster(const SgmvParams& p, const ClusterPlan& plan, cu
 bool sgmv_mma_supported(const SgmvParams& p);
 cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream);
 
-cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);
+cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream);
 
 }  // namespace lora_ops::cuda

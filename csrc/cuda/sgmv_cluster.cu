@@ -5,9 +5,9 @@
 //           float32 partials of h[8][S*rank] in shared memory, accumulated stage by stage in a fixed order.
 //   cluster barrier; each member sums the C partials in member order through distributed shared memory
 //           (deterministic) and applies the scale.
-//   expand: member m updates its 1/C of the columns. The y rows and the first 16 rank columns of B of its
-//           first 256-column pass are copied to shared memory (cp.async) before the shrink, so that their
-//           latency overlaps it.
+//   expand: member m updates its 1/C of the columns. The y rows and B's rank columns (up to 64) of its first
+//           256-column pass are copied to shared memory (cp.async) before the shrink, so that their latency
+//           overlaps it.
 // Clusters are independent, so the grid (tile bound min(P, P/8 + G) x C) may exceed what is co-resident.
 // A and B are read once per tile; x and y once.
 #include <cooperative_groups.h>
@@ -30,7 +30,7 @@ constexpr int kVecs = kChunk / 8;
 constexpr int kRankRows = 4;  // rank rows of one thread's accumulators
 constexpr int kColsPerThread = 2;
 constexpr int kColsPerPass = kThreads * kColsPerThread;
-constexpr int kStagedRank = 16;  // rank columns of B staged in shared memory ahead of the barrier
+constexpr size_t kMaxBStage = 32 * 1024;  // B columns staged per pass: up to 64 ranks (half types)
 constexpr int kMaxCluster = 16;
 constexpr size_t kMaxSmem = 200 * 1024;
 
@@ -62,11 +62,22 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   const int tid = threadIdx.x;
   const int64_t R = p.max_rank, SR = p.num_slices * R, C = plan.cluster;
   const int64_t member = blockIdx.x % C;
+#ifdef LORA_OPS_PHASE_TRACE  // TEMPORARY: per-phase clock of each CTA of cluster 0
+  long long trace[12] = {};
+  int ntrace = 0;
+  unsigned long long t_start, t_end;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
+  trace[ntrace++] = clock64();
+#define TRACE() trace[ntrace++] = clock64()
+#else
+#define TRACE()
+#endif
 
   // Tiles are counted whatever their slot's rank, so the walk needs no rank load; a rank-0 tile leaves below
   // (every member of the cluster sees the same tile and leaves together).
   Tile tile;
   if (!locate_tile(p.seg, p.num_slots, nullptr, nullptr, 1.f, R, kTileRows, blockIdx.x / C, &tile)) return;
+  TRACE();
   const int nrows = (int)(tile.end - tile.begin);
   if (tid < kTileRows) s_rows[tid] = tid < nrows ? segment_row(p.seg, tile.begin + tid, p.rows) : -1;
   if (tid == 32) {
@@ -76,11 +87,13 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   __syncthreads();
   const int64_t rank = s_rank, E = p.num_slices * rank;  // h columns, compact: e = slice * rank + j
   if (rank == 0) return;
+  TRACE();
 
   T* x_stage = reinterpret_cast<T*>(smem);                                 // [buffers][8][kChunk]
   T* a_stage = x_stage + plan.buffers * kTileRows * kChunk;                // [buffers][stage_rows][kChunk]
-  T* b_stage = a_stage + plan.buffers * plan.stage_rows * kChunk;          // [kColsPerPass][kStagedRank]
-  TY* y_stage = reinterpret_cast<TY*>(b_stage + kColsPerPass * kStagedRank);  // [8][kColsPerPass]
+  const int b_pitch = (int)plan.staged_rank + 16 / (int)sizeof(T);         // padded: conflict-free rows
+  T* b_stage = a_stage + plan.buffers * plan.stage_rows * kChunk;          // [kColsPerPass][b_pitch]
+  TY* y_stage = reinterpret_cast<TY*>(b_stage + kColsPerPass * b_pitch);  // [8][kColsPerPass]
   float* part = reinterpret_cast<float*>(y_stage + kTileRows * kColsPerPass);  // [8][SR]
   float* h = part + kTileRows * SR;                                        // [8][SR]
 
@@ -91,15 +104,17 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   n_begin *= 8;
   n_end = std::min<int64_t>(p.n, n_end * 8);
 
-  // ---- expand operands of a column pass: y rows and B's first kStagedRank rank columns into shared memory.
+  // ---- expand operands of a column pass: y rows and B's first staged_rank rank columns into shared memory.
   // The first pass is issued here, so that its latency overlaps the shrink.
   const T* b_slot = lora_b + tile.slot * p.b_stride0;
+  const int64_t staged_rank = std::min<int64_t>(plan.staged_rank, (rank + 7) / 8 * 8);
   auto stage_expand = [&](int64_t n_base) {
-    constexpr int kBPieces = kStagedRank * sizeof(T) / 16, kYPiece = 16 / sizeof(TY);
-    for (int i = tid; i < kColsPerPass * kBPieces; i += kThreads) {
-      const int64_t n = n_base + i / kBPieces, j = (i % kBPieces) * (16 / sizeof(T));
+    constexpr int kYPiece = 16 / sizeof(TY);
+    const int b_pieces = (int)(staged_rank * sizeof(T) / 16);
+    for (int i = tid; i < kColsPerPass * b_pieces; i += kThreads) {
+      const int64_t n = n_base + i / b_pieces, j = (i % b_pieces) * (16 / sizeof(T));
       const int64_t valid = n < n_end ? std::clamp<int64_t>(rank - j, 0, 16 / sizeof(T)) : 0;
-      T* dst = b_stage + (i / kBPieces) * kStagedRank + j;
+      T* dst = b_stage + (i / b_pieces) * b_pitch + j;
       const T* src = b_slot + n * p.b_stride1 + j;
       if (valid == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
@@ -123,8 +138,8 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
         for (int e = 0; e < kYPiece; ++e) dst[e] = e < valid ? src[e] : from_f32<TY>(0.f);
       }
     }
-    for (int64_t i = tid; i < kColsPerPass && kStagedRank < rank; i += kThreads) {  // the rest of B: to L2
-      for (int64_t j = kStagedRank; n_base + i < n_end && j < rank; j += 128 / sizeof(T)) {
+    for (int64_t i = tid; i < kColsPerPass && staged_rank < rank; i += kThreads) {  // the rest of B: to L2
+      for (int64_t j = staged_rank; n_base + i < n_end && j < rank; j += 128 / sizeof(T)) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(b_slot + (n_base + i) * p.b_stride1 + j));
       }
     }
@@ -150,9 +165,10 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
           stage8(xs + row * kChunk + (k - k0), x_row >= 0 ? x + x_row * p.x_row_stride + k : nullptr, plan.x_vec,
                  valid);
         } else {
-          const int64_t e = e0 + row - kTileRows;
+          const int e = (int)(e0 + row - kTileRows);  // 32-bit: E <= S * R is small, and 64-bit division is slow
           stage8(as + (row - kTileRows) * kChunk + (k - k0),
-                 e < E ? a_slot + ((e / rank) * R + e % rank) * p.a_stride1 + k : nullptr, plan.a_vec, valid);
+                 e < E ? a_slot + ((e / (int)rank) * R + e % (int)rank) * p.a_stride1 + k : nullptr, plan.a_vec,
+                 valid);
         }
       }
     }
@@ -162,6 +178,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   const int groups = (int)plan.stage_rows / kRankRows, lanes = kThreads / groups;
   const int group = tid / lanes, lane = tid % lanes;
   for (int64_t st = 0; st < plan.buffers; ++st) issue_stage(st);
+  TRACE();
   for (int64_t st = 0; st < stages; ++st) {
     if (plan.buffers == 2) {
       cp_async_wait<1>();
@@ -169,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       cp_async_wait<0>();
     }
     __syncthreads();
+    if (st == 0) TRACE();
     const T* xs = x_stage + (st % plan.buffers) * kTileRows * kChunk;
     const T* as = a_stage + (st % plan.buffers) * plan.stage_rows * kChunk + group * kRankRows * kChunk;
     float acc[kTileRows][kRankRows] = {};
@@ -204,19 +222,23 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
     __syncthreads();  // the buffer is refilled next
     issue_stage(st + plan.buffers);
   }
+  TRACE();
   cp_async_wait<0>();
   __syncthreads();
+  TRACE();
 
   // ---- cluster reduction of the partials, in member order ----
   cg::cluster_group cluster = cg::this_cluster();
   if (C > 1) cluster.sync();
-  for (int64_t i = tid; i < nrows * E; i += kThreads) {
-    const int64_t off = (i / E) * SR + i % E;
+  TRACE();
+  for (int i = tid; i < nrows * (int)E; i += kThreads) {
+    const int off = (i / (int)E) * (int)SR + i % (int)E;
     float v = 0.f;
     for (int64_t m = 0; m < C; ++m) v += (C > 1 ? cluster.map_shared_rank(part, (unsigned)m) : part)[off];
     h[off] = v * s_coef;
   }
   __syncthreads();
+  TRACE();
   // Peers may still read this member's partials: signal that ours are read, wait for theirs before leaving.
   if (C > 1) asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 
@@ -228,9 +250,9 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       cp_async_wait<0>();
       __syncthreads();
     }
-#pragma unroll
+#pragma unroll 1
     for (int c = 0; c < kColsPerThread; ++c) {
-      const int col = tid * kColsPerThread + c;
+      const int col = c * kThreads + tid;
       const int64_t n = n_base + col;
       if (n >= n_end) continue;
       int64_t s = 0;
@@ -239,8 +261,13 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       float acc[kTileRows];
 #pragma unroll
       for (int r = 0; r < kTileRows; ++r) acc[r] = to_f32(y_stage[r * kColsPerPass + col]);
-      // acc[r] += h[r, j .. j+8) . b[0 .. 8), B's rank columns beyond `rank` being zero.
-      auto fma8 = [&](int64_t j, const float b[8]) {
+      for (int64_t j = 0; j < rank; j += 8) {
+        float b[8];  // B's rank columns beyond `rank` are zero
+        if (j < staged_rank) {
+          load8(b_stage + col * b_pitch + j, true, 8, b);
+        } else {
+          load8(b_slot + n * p.b_stride1 + j, plan.b_vec, rank - j, b);
+        }
 #pragma unroll
         for (int r = 0; r < kTileRows; ++r) {
           if (r >= nrows) break;
@@ -249,18 +276,6 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
             if (j + e < rank) acc[r] = fmaf(hs[r * SR + j + e], b[e], acc[r]);
           }
         }
-      };
-#pragma unroll
-      for (int q = 0; q < kStagedRank / 8; ++q) {
-        if (q * 8 >= rank) break;
-        float b[8];
-        load8(b_stage + col * kStagedRank + q * 8, true, 8, b);
-        fma8(q * 8, b);
-      }
-      for (int64_t j = kStagedRank; j < rank; j += 8) {
-        float b[8];
-        load8(b_slot + n * p.b_stride1 + j, plan.b_vec, rank - j, b);
-        fma8(j, b);
       }
 #pragma unroll
       for (int r = 0; r < kTileRows; ++r) {
@@ -269,7 +284,19 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       }
     }
   }
+  TRACE();
   if (C > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#ifdef LORA_OPS_PHASE_TRACE
+  TRACE();
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_end));
+  if (tid == 0 && blockIdx.x < C) {
+    long long d[11];
+    for (int i = 0; i < 11; ++i) d[i] = i + 1 < ntrace ? trace[i + 1] - trace[i] : 0;
+    printf("TRACE cta %d start %llu dur %llu ns | %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           (int)blockIdx.x, t_start, t_end - t_start, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9],
+           d[10]);
+  }
+#endif
 #else
   __trap();  // clusters exist from sm_90 on; the host plans this kernel only there
 #endif
@@ -278,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
 size_t smem_bytes(const SgmvParams& p, const ClusterPlan& plan) {
   const size_t es = p.x_dtype == DType::F32 ? 4 : 2;
   const size_t ey = p.y_dtype == DType::F32 ? 4 : 2;
-  return plan.buffers * (kTileRows + plan.stage_rows) * kChunk * es + kColsPerPass * kStagedRank * es +
+  return plan.buffers * (kTileRows + plan.stage_rows) * kChunk * es + kColsPerPass * (plan.staged_rank * es + 16) +
          kTileRows * kColsPerPass * ey + 2 * kTileRows * p.num_slices * p.max_rank * sizeof(float);
 }
 
@@ -339,6 +366,7 @@ bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPl
   const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
   plan.stage_rows = SR <= 16 ? 16 : 32;
+  plan.staged_rank = std::min<int64_t>((p.max_rank + 7) / 8 * 8, kMaxBStage / (kColsPerPass * es));
   plan.x_vec = aligned16(p.x, {p.x_row_stride * es});
   plan.a_vec = aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
   plan.b_vec = aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es});
