@@ -106,15 +106,22 @@ __global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsP
   if (members > 1) {
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
-    for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
-      int32_t before = 0, total = 0;
-      for (int m = 0; m < members; ++m) {
-        const int32_t c = cluster.map_shared_rank(member_sum, (unsigned)m)[b];
-        before += m < member ? c : 0;
-        total += c;
+    // One thread per (bucket, member), a bucket's members on `members` consecutive lanes (a power of two):
+    // one remote read each, then a scan across those lanes.
+    for (int64_t base = 0; base < buckets * members; base += blockDim.x) {  // uniform: every lane shuffles
+      const int64_t i = base + threadIdx.x, b = i / members;
+      const int m = (int)(i % members);
+      const int32_t c = i < buckets * members ? cluster.map_shared_rank(member_sum, (unsigned)m)[b] : 0;
+      int32_t incl = c;
+      for (int d = 1; d < members; d <<= 1) {
+        const int32_t v = __shfl_up_sync(0xffffffffu, incl, d, members);
+        if (m >= d) incl += v;
       }
-      bucket_start[b] = total;
-      member_start[b] = before;
+      const int32_t total = __shfl_sync(0xffffffffu, incl, members - 1, members);
+      if (i < buckets * members && m == member) {
+        bucket_start[b] = total;
+        member_start[b] = incl - c;
+      }
     }
     // Peers may still read this member's sums: signal that theirs are read, wait for ours before leaving.
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -211,8 +218,8 @@ cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cu
   if (const cudaError_t err = allow_dynamic_smem((const void*)build_segments_kernel, smem); err != cudaSuccess) {
     return err;
   }
-  int members = cc_major >= 9 ? (int)std::clamp<int64_t>((p.num_tokens + kTokensPerMember - 1) / kTokensPerMember,
-                                                         1, kMaxMembers) : 1;
+  int members = 1;  // a power of two (the kernel scans across members with lane shuffles)
+  while (cc_major >= 9 && members < kMaxMembers && members * kTokensPerMember < p.num_tokens) members *= 2;
   while (members > 1 && !cluster_fits(members, smem)) members /= 2;
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg = launch_config(members, smem, &attr);

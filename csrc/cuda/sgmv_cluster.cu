@@ -5,9 +5,9 @@
 //           float32 partials of h[8][S*rank] in shared memory, accumulated stage by stage in a fixed order.
 //   cluster barrier; each member sums the C partials in member order through distributed shared memory
 //           (deterministic) and applies the scale.
-//   expand: member m updates its 1/C of the columns. The y rows and B's rank columns (up to 64) of its first
+//   expand: member m updates its 1/C of the columns. The y rows and B's first 16 rank columns of its first
 //           256-column pass are copied to shared memory (cp.async) before the shrink, so that their latency
-//           overlaps it.
+//           overlaps it; further rank columns are prefetched to L2.
 // Clusters are independent, so the grid (tile bound min(P, P/8 + G) x C) may exceed what is co-resident.
 // A and B are read once per tile; x and y once.
 #include <cooperative_groups.h>
@@ -30,7 +30,7 @@ constexpr int kVecs = kChunk / 8;
 constexpr int kRankRows = 4;  // rank rows of one thread's accumulators
 constexpr int kColsPerThread = 2;
 constexpr int kColsPerPass = kThreads * kColsPerThread;
-constexpr size_t kMaxBStage = 32 * 1024;  // B columns staged per pass: up to 64 ranks (half types)
+constexpr int64_t kMaxStagedRank = 16;  // B rank columns staged per pass (more cost occupancy: measured)
 constexpr int kMaxCluster = 16;
 constexpr size_t kMaxSmem = 200 * 1024;
 
@@ -62,22 +62,11 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   const int tid = threadIdx.x;
   const int64_t R = p.max_rank, SR = p.num_slices * R, C = plan.cluster;
   const int64_t member = blockIdx.x % C;
-#ifdef LORA_OPS_PHASE_TRACE  // TEMPORARY: per-phase clock of each CTA of cluster 0
-  long long trace[12] = {};
-  int ntrace = 0;
-  unsigned long long t_start, t_end;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
-  trace[ntrace++] = clock64();
-#define TRACE() trace[ntrace++] = clock64()
-#else
-#define TRACE()
-#endif
 
   // Tiles are counted whatever their slot's rank, so the walk needs no rank load; a rank-0 tile leaves below
   // (every member of the cluster sees the same tile and leaves together).
   Tile tile;
   if (!locate_tile(p.seg, p.num_slots, nullptr, nullptr, 1.f, R, kTileRows, blockIdx.x / C, &tile)) return;
-  TRACE();
   const int nrows = (int)(tile.end - tile.begin);
   if (tid < kTileRows) s_rows[tid] = tid < nrows ? segment_row(p.seg, tile.begin + tid, p.rows) : -1;
   if (tid == 32) {
@@ -87,7 +76,6 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   __syncthreads();
   const int64_t rank = s_rank, E = p.num_slices * rank;  // h columns, compact: e = slice * rank + j
   if (rank == 0) return;
-  TRACE();
 
   T* x_stage = reinterpret_cast<T*>(smem);                                 // [buffers][8][kChunk]
   T* a_stage = x_stage + plan.buffers * kTileRows * kChunk;                // [buffers][stage_rows][kChunk]
@@ -178,7 +166,6 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
   const int groups = (int)plan.stage_rows / kRankRows, lanes = kThreads / groups;
   const int group = tid / lanes, lane = tid % lanes;
   for (int64_t st = 0; st < plan.buffers; ++st) issue_stage(st);
-  TRACE();
   for (int64_t st = 0; st < stages; ++st) {
     if (plan.buffers == 2) {
       cp_async_wait<1>();
@@ -186,7 +173,6 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (st == 0) TRACE();
     const T* xs = x_stage + (st % plan.buffers) * kTileRows * kChunk;
     const T* as = a_stage + (st % plan.buffers) * plan.stage_rows * kChunk + group * kRankRows * kChunk;
     float acc[kTileRows][kRankRows] = {};
@@ -222,15 +208,12 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
     __syncthreads();  // the buffer is refilled next
     issue_stage(st + plan.buffers);
   }
-  TRACE();
   cp_async_wait<0>();
   __syncthreads();
-  TRACE();
 
   // ---- cluster reduction of the partials, in member order ----
   cg::cluster_group cluster = cg::this_cluster();
   if (C > 1) cluster.sync();
-  TRACE();
   for (int i = tid; i < nrows * (int)E; i += kThreads) {
     const int off = (i / (int)E) * (int)SR + i % (int)E;
     float v = 0.f;
@@ -238,7 +221,6 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
     h[off] = v * s_coef;
   }
   __syncthreads();
-  TRACE();
   // Peers may still read this member's partials: signal that ours are read, wait for theirs before leaving.
   if (C > 1) asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 
@@ -284,19 +266,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       }
     }
   }
-  TRACE();
   if (C > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#ifdef LORA_OPS_PHASE_TRACE
-  TRACE();
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_end));
-  if (tid == 0 && blockIdx.x < C) {
-    long long d[11];
-    for (int i = 0; i < 11; ++i) d[i] = i + 1 < ntrace ? trace[i + 1] - trace[i] : 0;
-    printf("TRACE cta %d start %llu dur %llu ns | %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-           (int)blockIdx.x, t_start, t_end - t_start, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9],
-           d[10]);
-  }
-#endif
 #else
   __trap();  // clusters exist from sm_90 on; the host plans this kernel only there
 #endif
@@ -366,7 +336,7 @@ bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPl
   const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
   plan.stage_rows = SR <= 16 ? 16 : 32;
-  plan.staged_rank = std::min<int64_t>((p.max_rank + 7) / 8 * 8, kMaxBStage / (kColsPerPass * es));
+  plan.staged_rank = std::min<int64_t>((p.max_rank + 7) / 8 * 8, kMaxStagedRank);
   plan.x_vec = aligned16(p.x, {p.x_row_stride * es});
   plan.a_vec = aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
   plan.b_vec = aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es});
