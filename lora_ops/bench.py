@@ -139,10 +139,11 @@ def grouped_mm(pb: Problem, y):
     offs = p.seg_indptr[1:]
     xs = p.x.index_select(0, idx)
     coef = (p.lora_scales[pb.token_lora.long()] * p.scale)[idx, None]
+    r = pb.case.rank  # the true rank: rows beyond it in a larger pool are not part of the adapter
     for s in range(len(pb.offsets) - 1):
         lo, hi = pb.offsets[s], pb.offsets[s + 1]
-        h = torch._grouped_mm(xs, p.lora_a[:, s * R:(s + 1) * R].transpose(1, 2), offs=offs)
-        d = torch._grouped_mm(h, p.lora_b[:, lo:hi].transpose(1, 2), offs=offs)
+        h = torch._grouped_mm(xs, p.lora_a[:, s * R:s * R + r].transpose(1, 2), offs=offs)
+        d = torch._grouped_mm(h, p.lora_b[:, lo:hi, :r].transpose(1, 2), offs=offs)
         y[:, lo:hi].index_add_(0, idx, (d * coef).to(y.dtype))
 
 

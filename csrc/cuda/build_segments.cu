@@ -12,9 +12,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -36,23 +33,10 @@ __device__ void block_exclusive_scan(int32_t* a, int64_t n, int32_t* warp_total 
   const int64_t r0 = std::min<int64_t>(n, threadIdx.x * per), r1 = std::min<int64_t>(n, r0 + per);
   int32_t sum = 0;
   for (int64_t i = r0; i < r1; ++i) sum += a[i];
-  int32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int32_t incl = warp_inclusive_scan(sum);
   if (lane == 31) warp_total[warp] = incl;
   __syncthreads();
-  if (warp == 0) {
-    int32_t w = lane < warps ? warp_total[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int32_t v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
-    }
-    warp_total[lane] = w;
-  }
+  if (warp == 0) warp_total[lane] = warp_inclusive_scan(lane < warps ? warp_total[lane] : 0);
   __syncthreads();
   int32_t running = (warp > 0 ? warp_total[warp - 1] : 0) + incl - sum;
   for (int64_t i = r0; i < r1; ++i) {
@@ -112,11 +96,7 @@ __global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsP
       const int64_t i = base + threadIdx.x, b = i / members;
       const int m = (int)(i % members);
       const int32_t c = i < buckets * members ? cluster.map_shared_rank(member_sum, (unsigned)m)[b] : 0;
-      int32_t incl = c;
-      for (int d = 1; d < members; d <<= 1) {
-        const int32_t v = __shfl_up_sync(0xffffffffu, incl, d, members);
-        if (m >= d) incl += v;
-      }
+      const int32_t incl = warp_inclusive_scan(c, members);
       const int32_t total = __shfl_sync(0xffffffffu, incl, members - 1, members);
       if (i < buckets * members && m == member) {
         bucket_start[b] = total;
@@ -170,42 +150,6 @@ __global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsP
 
 size_t smem_bytes(int64_t buckets, int warps) { return (size_t)buckets * (warps + 3) * sizeof(int32_t); }
 
-cudaLaunchConfig_t launch_config(int members, size_t smem, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)members);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = (unsigned)members;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = members > 1 ? 1 : 0;
-  return cfg;
-}
-
-// Whether a cluster of `members` CTAs with this shared memory can be resident (cached per device and shape).
-bool cluster_fits(int members, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, size_t>, bool> known;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, members, smem);
-  if (const auto it = known.find(key); it != known.end()) return it->second;
-  bool fits = members <= 8 || cudaFuncSetAttribute(build_segments_kernel,
-                                                   cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  if (fits) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = launch_config(members, smem, &attr);
-    int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, build_segments_kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  if (!fits) cudaGetLastError();  // a refused attribute or query is an answer here, not a sticky error
-  known[key] = fits;
-  return fits;
-}
-
 }  // namespace
 
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream) {
@@ -220,10 +164,9 @@ cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cu
   }
   int members = 1;  // a power of two (the kernel scans across members with lane shuffles)
   while (cc_major >= 9 && members < kMaxMembers && members * kTokensPerMember < p.num_tokens) members *= 2;
-  while (members > 1 && !cluster_fits(members, smem)) members /= 2;
+  while (members > 1 && !cluster_fits((const void*)build_segments_kernel, kThreads, members, smem)) members /= 2;
   cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = launch_config(members, smem, &attr);
-  cfg.stream = stream;
+  const cudaLaunchConfig_t cfg = cluster_launch_config(members, kThreads, members, smem, stream, &attr);
   return cudaLaunchKernelEx(&cfg, build_segments_kernel, p, warps, members);
 }
 

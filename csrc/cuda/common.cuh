@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "../common/dispatch.h"
@@ -123,6 +125,59 @@ inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   return err;
 }
 
+// Inclusive prefix sum of v over `width` consecutive lanes (a power of two <= 32; all lanes take part).
+template <class V>
+__device__ __forceinline__ V warp_inclusive_scan(V v, int width = 32) {
+  const int lane = threadIdx.x & (width - 1);
+  for (int d = 1; d < width; d <<= 1) {
+    const V u = __shfl_up_sync(0xffffffffu, v, d, width);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
+// Launch configuration of `blocks` CTAs of `threads` in clusters of `cluster` (no cluster attribute for 1).
+inline cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int64_t cluster, size_t smem,
+                                                cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = (unsigned)cluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cluster > 1 ? 1 : 0;
+  return cfg;
+}
+
+// Whether clusters of `cluster` CTAs of `kernel` (`threads` each, `smem` dynamic shared memory) can be resident,
+// raising the attributes that needs (large shared memory, clusters over 8). Cached per device and shape.
+inline bool cluster_fits(const void* kernel, int threads, int64_t cluster, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int64_t, size_t>, bool> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const auto key = std::make_tuple(device, kernel, threads, cluster, smem);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  bool fits = allow_dynamic_smem(kernel, smem) == cudaSuccess;
+  if (fits && cluster > 8) {
+    fits = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+  }
+  if (fits) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, smem, nullptr, &attr);
+    int clusters = 0;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  if (!fits) cudaGetLastError();  // a refused attribute or query is an answer here, not a sticky error
+  known[key] = fits;
+  return fits;
+}
+
 // One tile: up to `tile_rows` consecutive positions of one segment with a valid slot and nonzero rank.
 struct Tile {
   int64_t segment, slot, rank, begin, end;  // positions [begin, end)
@@ -158,12 +213,7 @@ __device__ inline bool locate_tile(const Segments& seg, int64_t num_slots, const
   for (int64_t base = 0; base < seg.num_segments; base += blockDim.x) {
     const int64_t g = base + threadIdx.x;
     const int64_t n = g < seg.num_segments ? segment_tiles(seg, g, num_slots, ranks, max_rank, tile_rows) : 0;
-    int64_t incl = n;  // inclusive scan across the block: warp shuffles, then warp totals
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int64_t incl = warp_inclusive_scan(n);  // across the block: warp shuffles, then warp totals
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     int64_t before = carry;

@@ -13,9 +13,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -287,46 +284,6 @@ decltype(auto) with_kernel(const SgmvParams& p, F&& f) {
   });
 }
 
-cudaLaunchConfig_t launch_config(const ClusterPlan& plan, size_t smem, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(plan.max_tiles * plan.cluster));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = (unsigned)plan.cluster;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-// Whether a cluster of `plan.cluster` CTAs with this shared memory can be resident (cached per device,
-// kernel, size and cluster).
-template <class Kernel>
-bool cluster_fits(Kernel kernel, const ClusterPlan& plan, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, size_t, int64_t>, bool> known;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const auto key = std::make_tuple(device, (const void*)kernel, smem, plan.cluster);
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = known.find(key); it != known.end()) return it->second;
-  bool fits = allow_dynamic_smem((const void*)kernel, smem) == cudaSuccess;
-  if (fits && plan.cluster > 8) {
-    fits = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  }
-  if (fits) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = launch_config(plan, smem, &attr);
-    int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  if (!fits) cudaGetLastError();  // a refused attribute or query is an answer here, not a sticky error
-  known[key] = fits;
-  return fits;
-}
-
 }  // namespace
 
 bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPlan* out) {
@@ -350,7 +307,7 @@ bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPl
     const size_t smem = smem_bytes(p, plan);
     if (smem > kMaxSmem) return false;
     if (plan.max_tiles * c > INT32_MAX) return false;
-    if (with_kernel(p, [&](auto kernel) { return cluster_fits(kernel, plan, smem); })) {
+    if (with_kernel(p, [&](auto kernel) { return cluster_fits((const void*)kernel, kThreads, c, smem); })) {
       *out = plan;
       return true;
     }
@@ -361,8 +318,8 @@ bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPl
 cudaError_t launch_sgmv_cluster(const SgmvParams& p, const ClusterPlan& plan, cudaStream_t stream) {
   return with_kernel(p, [&](auto kernel) {
     cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = launch_config(plan, smem_bytes(p, plan), &attr);
-    cfg.stream = stream;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(plan.max_tiles * plan.cluster, kThreads, plan.cluster,
+                                                         smem_bytes(p, plan), stream, &attr);
     return cudaLaunchKernelEx(&cfg, kernel, p, plan);
   });
 }
