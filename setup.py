@@ -61,8 +61,7 @@ def _extensions(info):
         return [cpp_extension.CppExtension("lora_ops._C", sources, extra_compile_args={"cxx": cxx},
                                            py_limited_api=True)]
     sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
-    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLORA_OPS_WITH_CUDA"] + \
-        os.environ.get("LORA_OPS_NVCC_FLAGS", "").split()  # e.g. a profiling -D flag
+    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLORA_OPS_WITH_CUDA"]
     return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True,
                                         extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc})]
 

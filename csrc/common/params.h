@@ -6,6 +6,7 @@
 namespace lora_ops {
 
 enum class DType : int { F16 = 0, BF16 = 1, F32 = 2 };
+constexpr int64_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
 
 constexpr int kMaxSlices = 8;
 

@@ -152,6 +152,8 @@ size_t smem_bytes(int64_t buckets, int warps) { return (size_t)buckets * (warps 
 
 }  // namespace
 
+int64_t build_segments_max_slots() { return (int64_t)(kMaxSmem / smem_bytes(1, 1)) - 1; }
+
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream) {
   const int64_t buckets = p.num_slots + 1;
   // A histogram row per warp; fewer warps when the slot count is large.

@@ -16,6 +16,7 @@
 
 #include "../common/dispatch.h"
 #include "../common/params.h"
+#include "kernels.h"
 
 namespace lora_ops::cuda {
 
@@ -100,6 +101,13 @@ inline bool aligned16(const void* ptr, std::initializer_list<int64_t> byte_strid
     if (s % 16) return false;
   }
   return true;
+}
+
+inline Vec16Access vec16_access(const SgmvParams& p) {
+  const int64_t es = dtype_size(p.x_dtype);
+  return {aligned16(p.x, {p.x_row_stride * es}), aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es}),
+          aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es}),
+          aligned16(p.y, {p.y_row_stride * dtype_size(p.y_dtype)})};
 }
 
 // Lets `kernel` take more than 48 KB of dynamic shared memory: raised once per (device, kernel) to the

@@ -62,8 +62,9 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
     C10_CUDA_CHECK(cuda::launch_sgmv_cluster(p, cluster_plan, stream));
     return;
   }
-  TORCH_CHECK_VALUE(cuda::sgmv_simt_smem_limit_ok(p), "lora_ops.sgmv: S*R = ", std::to_string(p.num_slices * p.max_rank),
-                    " rank columns exceed what the CUDA kernel stages in shared memory (max 6400)");
+  TORCH_CHECK_VALUE(p.num_slices * p.max_rank <= cuda::sgmv_simt_max_rank_columns(), "lora_ops.sgmv: S*R = ",
+                    std::to_string(p.num_slices * p.max_rank), " rank columns exceed what the CUDA kernel stages ",
+                    "in shared memory (max ", std::to_string(cuda::sgmv_simt_max_rank_columns()), ")");
   const auto plan = cuda::plan_sgmv_simt(p, sms);
   const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
                                    y.options().dtype(at::kFloat));
@@ -72,8 +73,9 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
   const c10::cuda::CUDAGuard guard(token_lora.device());
-  TORCH_CHECK_VALUE(num_slots <= 40000, "lora_ops.build_segments: num_slots = ", std::to_string(num_slots),
-                    " exceeds the CUDA kernel's shared-memory histogram (max 40000)");
+  TORCH_CHECK_VALUE(num_slots <= cuda::build_segments_max_slots(), "lora_ops.build_segments: num_slots = ",
+                    std::to_string(num_slots), " exceeds the CUDA kernel's shared-memory histogram (max ",
+                    std::to_string(cuda::build_segments_max_slots()), ")");
   at::Tensor token_indices, seg_indptr, seg_lora, token_lora_i32;
   const auto p = check_build_segments(token_lora, num_slots, token_indices, seg_indptr, seg_lora, token_lora_i32);
   C10_CUDA_CHECK(cuda::launch_build_segments(

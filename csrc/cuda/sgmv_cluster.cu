@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       const T* src = b_slot + n * p.b_stride1 + j;
       if (valid == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      } else if (plan.b_vec) {
+      } else if (plan.vec.b) {
         cp_async16(dst, src, (int)(valid * sizeof(T)));
       } else {
         for (int e = 0; e < (int)(16 / sizeof(T)); ++e) dst[e] = e < valid ? src[e] : from_f32<T>(0.f);
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
       const TY* src = y + row * p.y_row_stride + n;
       if (valid == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      } else if (plan.y_vec) {
+      } else if (plan.vec.y) {
         cp_async16(dst, src, (int)(valid * sizeof(TY)));
       } else {
         for (int e = 0; e < kYPiece; ++e) dst[e] = e < valid ? src[e] : from_f32<TY>(0.f);
@@ -147,12 +147,12 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
         const int64_t valid = std::clamp<int64_t>(k_end - k, 0, 8);
         if (row < kTileRows) {
           const int64_t x_row = s_rows[row];
-          stage8(xs + row * kChunk + (k - k0), x_row >= 0 ? x + x_row * p.x_row_stride + k : nullptr, plan.x_vec,
+          stage8(xs + row * kChunk + (k - k0), x_row >= 0 ? x + x_row * p.x_row_stride + k : nullptr, plan.vec.x,
                  valid);
         } else {
           const int e = (int)(e0 + row - kTileRows);  // 32-bit: E <= S * R is small, and 64-bit division is slow
           stage8(as + (row - kTileRows) * kChunk + (k - k0),
-                 e < E ? a_slot + ((e / (int)rank) * R + e % (int)rank) * p.a_stride1 + k : nullptr, plan.a_vec,
+                 e < E ? a_slot + ((e / (int)rank) * R + e % (int)rank) * p.a_stride1 + k : nullptr, plan.vec.a,
                  valid);
         }
       }
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
         if (j < staged_rank) {
           load8(b_stage + col * b_pitch + j, true, 8, b);
         } else {
-          load8(b_slot + n * p.b_stride1 + j, plan.b_vec, rank - j, b);
+          load8(b_slot + n * p.b_stride1 + j, plan.vec.b, rank - j, b);
         }
 #pragma unroll
         for (int r = 0; r < kTileRows; ++r) {
@@ -270,8 +270,7 @@ __global__ void __launch_bounds__(kThreads, 4) sgmv_cluster_kernel(SgmvParams p,
 }
 
 size_t smem_bytes(const SgmvParams& p, const ClusterPlan& plan) {
-  const size_t es = p.x_dtype == DType::F32 ? 4 : 2;
-  const size_t ey = p.y_dtype == DType::F32 ? 4 : 2;
+  const size_t es = dtype_size(p.x_dtype), ey = dtype_size(p.y_dtype);
   return plan.buffers * (kTileRows + plan.stage_rows) * kChunk * es + kColsPerPass * (plan.staged_rank * es + 16) +
          kTileRows * kColsPerPass * ey + 2 * kTileRows * p.num_slices * p.max_rank * sizeof(float);
 }
@@ -290,14 +289,10 @@ bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPl
   if (cc_major < 9) return false;
   ClusterPlan plan{};
   const int64_t P = p.seg.positions, SR = p.num_slices * p.max_rank;
-  const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
   plan.stage_rows = SR <= 16 ? 16 : 32;
   plan.staged_rank = std::min<int64_t>((p.max_rank + 7) / 8 * 8, kMaxStagedRank);
-  plan.x_vec = aligned16(p.x, {p.x_row_stride * es});
-  plan.a_vec = aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
-  plan.b_vec = aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es});
-  plan.y_vec = aligned16(p.y, {p.y_row_stride * (p.y_dtype == DType::F32 ? 4 : 2)});
+  plan.vec = vec16_access(p);
   // The largest cluster that keeps >= 128 K elements per member and about 16 CTAs per SM at most.
   for (int64_t c = kMaxCluster; c >= 1; c /= 2) {
     plan.cluster = c;

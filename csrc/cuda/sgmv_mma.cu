@@ -338,11 +338,8 @@ cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStr
 
 bool sgmv_mma_supported(const SgmvParams& p) {
   if (p.x_dtype == DType::F32) return false;
-  const int64_t ey = p.y_dtype == DType::F32 ? 4 : 2;
-  if (!aligned16(p.x, {p.x_row_stride * 2}) || !aligned16(p.lora_a, {p.a_stride0 * 2, p.a_stride1 * 2}) ||
-      !aligned16(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}) || !aligned16(p.y, {p.y_row_stride * ey})) {
-    return false;
-  }
+  const Vec16Access vec = vec16_access(p);
+  if (!vec.x || !vec.a || !vec.b || !vec.y) return false;
   for (int64_t s = 0; s <= p.num_slices; ++s) {
     if (p.slice_offsets[s] % 8) return false;  // 16-byte aligned column starts of every slice
   }

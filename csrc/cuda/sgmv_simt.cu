@@ -57,10 +57,10 @@ __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtP
       const int64_t valid = std::min<int64_t>(8, k_end - k);
       Raw8<T> a_raw[kRankRows], x_raw[kTileRows];
 #pragma unroll
-      for (int j = 0; j < kRankRows; ++j) load_raw8(a_rows + j * p.a_stride1 + k, plan.a_vec, j < nj ? valid : 0, a_raw[j]);
+      for (int j = 0; j < kRankRows; ++j) load_raw8(a_rows + j * p.a_stride1 + k, plan.vec.a, j < nj ? valid : 0, a_raw[j]);
 #pragma unroll
       for (int r = 0; r < kTileRows; ++r) {
-        load_raw8(x + std::max<int64_t>(rows[r], 0) * p.x_row_stride + k, plan.x_vec, rows[r] >= 0 ? valid : 0,
+        load_raw8(x + std::max<int64_t>(rows[r], 0) * p.x_row_stride + k, plan.vec.x, rows[r] >= 0 ? valid : 0,
                   x_raw[r]);
       }
       float a[kRankRows][8];
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) sgmv_simt_kernel(SgmvParams p, SimtP
 #pragma unroll
       for (int c = 0; c < kColsPerThread; ++c) {
         if (cols[c] >= 0) {
-          load8(lora_b + tile.slot * p.b_stride0 + cols[c] * p.b_stride1 + j, plan.b_vec, rank - j, b[c]);
+          load8(lora_b + tile.slot * p.b_stride0 + cols[c] * p.b_stride1 + j, plan.vec.b, rank - j, b[c]);
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) b[c][e] = 0.f;
@@ -227,12 +227,11 @@ int blocks_per_sm(const SgmvParams& p, size_t smem) {
 
 }  // namespace
 
-bool sgmv_simt_smem_limit_ok(const SgmvParams& p) { return expand_smem_bytes(p, 1) <= kMaxSmem; }
+int64_t sgmv_simt_max_rank_columns() { return kMaxSmem / (sizeof(float) * kTileRows); }
 
 SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
   SimtPlan plan{};
   const int64_t P = p.seg.positions, R = p.max_rank, S = p.num_slices;
-  const int64_t es = p.x_dtype == DType::F32 ? 4 : 2;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
   const int64_t rank_chunks = (R + kRankRows - 1) / kRankRows;
   // Split K until the shrink has about one unit per SM, keeping >= 512 elements per chunk.
@@ -249,9 +248,7 @@ SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms) {
   const int64_t want = std::max(plan.shrink_units, plan.expand_units);
   const int max_blocks_per_sm = std::max(1, blocks_per_sm(p, expand_smem_bytes(p, splits)));
   plan.grid = (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)num_sms * std::min(max_blocks_per_sm, 4)));
-  plan.x_vec = aligned16(p.x, {p.x_row_stride * es});
-  plan.a_vec = aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
-  plan.b_vec = aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es});
+  plan.vec = vec16_access(p);
   return plan;
 }
 
