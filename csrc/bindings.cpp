@@ -7,46 +7,60 @@
 
 namespace {
 
-// sgmv and grouped_gemm only mutate y: on Meta there is nothing to compute or allocate.
-void sgmv_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-               const std::optional<at::Tensor>&, at::OptionalIntArrayRef, double) {}
+// The Meta kernels run the host argument checks (everything but reading device values), so that fake tensors
+// (torch.compile, export) and mixed-device calls routed to Meta raise the same errors as a real call.
+// sgmv and grouped_gemm only mutate y: past the checks there is nothing to compute or allocate.
+void sgmv_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+               const at::Tensor& seg_indptr, const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+               const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+               at::OptionalIntArrayRef slice_offsets, double) {
+  lora_ops::check_sgmv_host(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                            slice_offsets);
+}
 
-void grouped_gemm_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&, double, bool) {}
+void grouped_gemm_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
+                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
+                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes, double,
+                       bool) {
+  lora_ops::check_grouped_gemm_host(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_meta(const at::Tensor& token_lora,
                                                                    int64_t num_slots) {
+  lora_ops::check_build_segments_host(token_lora, num_slots);
   const auto opts = token_lora.options().dtype(at::kInt);
   return {at::empty_symint({token_lora.sym_size(0)}, opts), at::empty({num_slots + 1}, opts),
           at::empty({num_slots}, opts)};
 }
 
-// The host-side contract checks as ops of their own, so that Python backends (Triton) run the very same
-// checks as the C++ kernels instead of a copy of them. They read metadata only (and device values under
-// LORA_OPS_DEBUG=1), so one device-agnostic kernel serves every dispatch key.
-void check_sgmv_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                   const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
-                   const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
-                   const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
-                   double scale) {
-  lora_ops::SgmvIndexTensors keep;
-  lora_ops::check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                       slice_offsets, scale, keep);
+std::optional<at::Tensor> if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-void check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
-                           const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
-                           const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& n_sizes,
-                           const std::optional<at::Tensor>& k_sizes, double alpha, bool accumulate) {
-  lora_ops::GroupedGemmIndexTensors keep;
-  lora_ops::check_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate,
-                               keep);
+// The host-side contract checks as ops of their own, so that Python backends (Triton) run the very same checks
+// as the C++ kernels instead of a copy of them, and receive the index tensors from the one conversion
+// (int32, contiguous, int64 saturated; an int32 contiguous input comes back as itself). One device-agnostic
+// kernel serves every dispatch key (on Meta it skips the LORA_OPS_DEBUG value checks).
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> check_sgmv_op(
+    const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+    const at::Tensor& seg_indptr, const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+    const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+    at::OptionalIntArrayRef slice_offsets) {
+  auto t = lora_ops::sgmv_index_tensors(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+                                        lora_scales, slice_offsets);
+  return {t.seg_indptr, t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
 }
 
-void check_build_segments_op(const at::Tensor& token_lora, int64_t num_slots) {
-  lora_ops::check_build_segments_args(token_lora, num_slots);
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
+                      const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
+                      const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes) {
+  auto t = lora_ops::grouped_gemm_index_tensors(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+  return {t.seg_indptr, t.seg_weight, if_defined(t.token_indices), if_defined(t.n_sizes), if_defined(t.k_sizes)};
+}
+
+at::Tensor check_build_segments_op(const at::Tensor& token_lora, int64_t num_slots) {
+  return lora_ops::build_segments_token_lora(token_lora, num_slots);
 }
 
 }  // namespace
@@ -63,15 +77,16 @@ TORCH_LIBRARY(lora_ops, m) {
       "bool accumulate=True) -> ()");
   m.def("build_segments(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, "
         "Tensor seg_lora)");
+  // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
   m.def(
       "_check_sgmv(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
+      "int[]? slice_offsets=None) -> (Tensor, Tensor, Tensor?, Tensor?)");
   m.def(
       "_check_grouped_gemm(Tensor y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
-      "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None, float alpha=1.0, "
-      "bool accumulate=True) -> ()");
-  m.def("_check_build_segments(Tensor token_lora, int num_slots) -> ()");
+      "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None) -> (Tensor, Tensor, Tensor?, "
+      "Tensor?, Tensor?)");
+  m.def("_check_build_segments(Tensor token_lora, int num_slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {

@@ -20,6 +20,11 @@ class Segments(NamedTuple):
     token_indices [T] int32: rows sorted by slot (stable), rows without a valid slot last.
     seg_indptr [G+1] int32: segment g covers token_indices[seg_indptr[g]:seg_indptr[g+1]].
     seg_lora [G] int32: the slot of each segment.
+
+    Any index values are memory-safe (DESIGN §2). Segment g covers positions [m_g, m_{g+1}) with
+    m_i = max over j ≤ i of clamp(seg_indptr[j], 0, P): reversed or overlapping ranges are empty or cut, never
+    covered twice. int64 values beyond int32 behave as their true values (they saturate, never wrap).
+    LORA_OPS_DEBUG=1 raises on any value that would be skipped or clamped instead.
     """
 
     token_indices: torch.Tensor
@@ -37,8 +42,9 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     y [T, N] (x's dtype or float32, unit column stride), x [T, K] (fp16/bf16/fp32),
     lora_a [L, S·R, K], lora_b [L, N, R] (x's dtype, unit last stride), seg_indptr [G+1], seg_lora [G],
     token_indices [P] (rows of the positions; default: position p is row p), lora_ranks [L] int (true ranks
-    r_l ≤ R, only those are read), lora_scales [L] float32, slice_offsets S+1 ints from 0 to N (default [0, N]).
-    Slots outside [0, L) and out-of-range rows are skipped; the intermediate is float32 and stays on chip.
+    r_l ≤ R, only those are read), lora_scales [L] float32 (any stride), slice_offsets S+1 ints from 0 to N
+    (default [0, N]). Slots outside [0, L) and out-of-range rows are skipped; the intermediate is float32 and stays
+    on chip. K = 0 leaves y bitwise unchanged, whatever the scales. Metadata rules: see :class:`Segments`.
     """
     _sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
 
@@ -51,6 +57,8 @@ def grouped_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seg_indptr: 
 
     y [T, N] (w's dtype or float32), x [T, K] (w's dtype or float32), w [L, N, K] (nn.Linear layout per group,
     unit last stride), n_sizes/k_sizes [L] int (per-group sizes, default N and K). Columns ≥ n_l are untouched.
+    An empty reduction (k_l = 0) contributes exactly zero whatever alpha is: the covered rows' first n_l columns
+    become (accumulate ? y : 0). Metadata rules: see :class:`Segments`.
     """
     _grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate)
 

@@ -11,16 +11,20 @@ import torch
 
 
 def _segment_rows(seg_indptr, seg_slot, token_indices, num_rows, num_slots):
-    """Yield (slot, rows) for every segment that names a valid slot, with the §2 skip/clamp rules applied."""
+    """Yield (slot, rows) for every segment that names a valid slot, with the §2 skip/clamp rules applied.
+
+    Values are used as they are (int64 included: the backends' saturation to int32 gives the same result).
+    Segment g covers positions [m_g, m_{g+1}) with m_i = max over j <= i of clamp(indptr[j], 0, P): a running
+    maximum, so reversed or overlapping ranges are empty or cut and no position is covered twice."""
     indptr = seg_indptr.tolist()
     slots = seg_slot.tolist()
     idx = token_indices.tolist() if token_indices is not None else None
     positions = len(idx) if idx is not None else num_rows
+    end = min(max(indptr[0], 0), positions)
     for g, slot in enumerate(slots):
+        start, end = end, max(end, min(max(indptr[g + 1], 0), positions))
         if not 0 <= slot < num_slots:
             continue
-        start = min(max(indptr[g], 0), positions)
-        end = min(max(indptr[g + 1], 0), positions)
         rows = [idx[p] if idx is not None else p for p in range(start, end)]
         rows = [t for t in rows if 0 <= t < num_rows]
         if rows:
@@ -31,8 +35,10 @@ def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ra
          slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> torch.Tensor:
     """Return y (float64) after `y += scale · lora_scales[l] · (x · A_l,sᵀ) · B_l,sᵀ` per row and slice."""
     out = y.detach().to(torch.float64).clone()
-    num_slots, sr, _ = lora_a.shape
+    num_slots, sr, k = lora_a.shape
     n = lora_b.shape[1]
+    if k == 0:  # an empty reduction contributes exactly zero, whatever the scales: y unchanged
+        return out
     offsets = list(slice_offsets) if slice_offsets is not None else [0, n]
     num_slices = len(offsets) - 1
     max_rank = sr // num_slices
@@ -59,8 +65,9 @@ def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=No
     for slot, rows in _segment_rows(seg_indptr, seg_weight, token_indices, x.shape[0], num_groups):
         n_l = n if n_sizes is None else min(max(int(n_sizes[slot]), 0), n)
         k_l = k if k_sizes is None else min(max(int(k_sizes[slot]), 0), k)
-        prod = alpha * (x64[rows, :k_l] @ w64[slot, :n_l, :k_l].T)
-        out[rows, :n_l] = (out[rows, :n_l] if accumulate else 0) + prod
+        kept = out[rows, :n_l] if accumulate else 0
+        # An empty reduction (k_l = 0) contributes exactly zero, whatever alpha is (not alpha · 0).
+        out[rows, :n_l] = kept + alpha * (x64[rows, :k_l] @ w64[slot, :n_l, :k_l].T) if k_l > 0 else kept
     return out
 
 

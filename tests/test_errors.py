@@ -32,7 +32,7 @@ SGMV_ERRORS = {
     "x_dtype": (dict(x=torch.ones(4, 16, dtype=torch.int32)), TypeError, r"x must be float16, bfloat16 or float32, got Int"),
     "a_dtype": (dict(lora_a=torch.randn(3, 4, 16, dtype=torch.float16)), TypeError, r"lora_a must have x's dtype Float, got Half"),
     "b_dtype": (dict(lora_b=torch.randn(3, 12, 4, dtype=torch.bfloat16)), TypeError, r"lora_b must have x's dtype Float, got BFloat16"),
-    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float16)), TypeError, r"y must have x's dtype Float or float32, got Half"),
+    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float16)), TypeError, r"y must be float32 or x's dtype \(Float\), got Half"),
     "rows": (dict(y=torch.randn(5, 12)), ValueError, r"y has 5 rows but x has 4"),
     "a_k": (dict(lora_a=torch.randn(3, 4, 15)), ValueError, r"lora_a must be \[L, S\*R, K\] with K = x.size\(1\) = 16, got shape \[3, 4, 15\]"),
     "b_slots": (dict(lora_b=torch.randn(2, 12, 4)), ValueError, r"lora_b must have L = lora_a.size\(0\) = 3 slots"),
@@ -67,8 +67,8 @@ GG_ERRORS = {
     "w_dim": (dict(w=torch.randn(12, 16)), ValueError, r"w must be 3-D \[L, N, K\]"),
     "w_dtype": (dict(w=torch.ones(3, 12, 16, dtype=torch.int8)), TypeError, r"w must be float16, bfloat16 or float32, got Char"),
     "x_dtype": (dict(x=torch.randn(4, 16, dtype=torch.float16), w=torch.randn(3, 12, 16, dtype=torch.bfloat16),
-                     y=torch.randn(4, 12, dtype=torch.bfloat16)), TypeError, r"x must have w's dtype BFloat16 or float32, got Half"),
-    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float64)), TypeError, r"y must have w's dtype Float or float32, got Double"),
+                     y=torch.randn(4, 12, dtype=torch.bfloat16)), TypeError, r"x must be float32 or w's dtype \(BFloat16\), got Half"),
+    "y_dtype": (dict(y=torch.randn(4, 12, dtype=torch.float64)), TypeError, r"y must be float32 or w's dtype \(Float\), got Double"),
     "rows": (dict(x=torch.randn(3, 16)), ValueError, r"y has 4 rows but x has 3"),
     "w_shape": (dict(w=torch.randn(3, 12, 15)), ValueError, r"w must be \[L, N, K\] with N = y.size\(1\) = 12 and K = x.size\(1\) = 16, got shape \[3, 12, 15\]"),
     "x_stride": (dict(x=torch.randn(16, 4).t()), ValueError, r"x must have unit stride"),
@@ -163,3 +163,57 @@ print(run(lora_ranks=torch.tensor([4, 5], dtype=torch.int32)))
     assert "token_indices[2] = 9 is outside [0, 4)" in out[3]
     assert "row 1 appears in more than one segment position" in out[4]
     assert "lora_ranks[1] = 5 is outside [0, R = 4]" in out[5]
+
+
+def test_debug_mode_checks_original_int64_values_and_group_sizes():
+    """LORA_OPS_DEBUG=1 validates the values as given (int64 beyond int32 included, not their int32 form) and the
+    per-group n_sizes/k_sizes, through the C++ op and through the Triton entry points (same check routine)."""
+    script = r"""
+import os, torch
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+import lora_ops
+mods = [lora_ops]
+if "triton" not in lora_ops.backends.unavailable:
+    import lora_ops.triton
+    mods.append(lora_ops.triton)
+big = 2 ** 32
+i64 = lambda v: torch.tensor(v, dtype=torch.int64)
+def err(fn, **kw):
+    try:
+        fn(**kw)
+        return "ok"
+    except ValueError as e:
+        return str(e).splitlines()[0]
+for mod in mods:
+    def sgmv(**kw):
+        a = dict(y=torch.randn(4, 8), x=torch.randn(4, 8), lora_a=torch.randn(2, 4, 8), lora_b=torch.randn(2, 8, 4),
+                 seg_indptr=i64([0, 2, 4]), seg_lora=i64([0, 1]))
+        a.update(kw)
+        return err(mod.sgmv, **a)
+    def gg(**kw):
+        a = dict(y=torch.randn(4, 8), x=torch.randn(4, 6), w=torch.randn(3, 8, 6), seg_indptr=i64([0, 4]),
+                 seg_weight=i64([2]))
+        a.update(kw)
+        return err(mod.grouped_gemm, **a)
+    print(sgmv())
+    print(sgmv(seg_lora=i64([0, big])))
+    print(sgmv(seg_indptr=i64([0, big + 2, 4])))
+    print(sgmv(token_indices=i64([0, 1, big + 3, 2])))
+    print(sgmv(lora_ranks=i64([4, big + 1])))
+    print(sgmv(seg_indptr=i64([0, 4, 0])))
+    print(gg(n_sizes=i64([8, 8, 99]), k_sizes=i64([6, 6, 6])))
+    print(gg(n_sizes=i64([8, -5, 8])))
+    print(gg(k_sizes=i64([6, 6, big + 2])))
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ, "LORA_OPS_DEBUG": "1"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    expected = ["ok", "seg_lora[1] = 4294967296 is not below the number of slots 2",
+                "seg_indptr[0:2] = [0, 4294967298] is not a non-decreasing range inside [0, 4]",
+                "token_indices[2] = 4294967299 is outside [0, 4)", "lora_ranks[1] = 4294967297 is outside [0, R = 4]",
+                "seg_indptr[1:3] = [4, 0] is not a non-decreasing range",
+                "n_sizes[2] = 99 is outside [0, N = 8]", "n_sizes[1] = -5 is outside [0, N = 8]",
+                "k_sizes[2] = 4294967298 is outside [0, K = 6]"]
+    assert len(out) == len(expected) * len(_backends())
+    for got, want in zip(out, expected * len(_backends())):
+        assert want in got, (got, want)

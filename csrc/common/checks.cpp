@@ -1,25 +1,43 @@
 #include "checks.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/irange.h>
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
 
 #include <cstdlib>
+#include <limits>
+#include <string>
 #include <unordered_set>
+#include <vector>
 
 namespace lora_ops {
 namespace {
+
+constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 // Messages format numbers with std::to_string and never stream them: on the H200 image (torch 2.11) an
 // ostream number insertion made from this library crashed the process instead of raising.
 std::string num(int64_t v) { return std::to_string(v); }
 
-std::string list_str(at::IntArrayRef values) {
+// Sizes are SymInts so that the Meta kernels can run these checks on fake tensors with symbolic sizes.
+std::string num(const c10::SymInt& v) {
+  if (const auto i = v.maybe_as_int()) return std::to_string(*i);
+  return v.toSymNodeImplUnowned()->str();
+}
+
+template <class Values>
+std::string list_str(const Values& values) {
   std::string out = "[";
-  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + num(values[i]);
   return out + "]";
 }
 
-std::string shape_str(const at::Tensor& t) { return list_str(t.sizes()); }
+std::string shape_str(const at::Tensor& t) { return list_str(t.sym_sizes()); }
+
+// A size relation that must hold (TORCH_SYM_CHECK's rule): concrete sizes take the fast path, symbolic ones
+// guard on it, or defer it to a runtime assert when they are data-dependent.
+bool holds(const c10::SymBool& b) { return b.expect_true(__FILE__, __LINE__); }
 
 DType to_dtype(at::ScalarType s) {
   switch (s) {
@@ -49,58 +67,118 @@ void check_device(const char* op, const char* name, const at::Tensor& t, const a
 // Unit stride in the last dimension (a size-1 dimension has no meaningful stride).
 void check_unit_last_stride(const char* op, const char* name, const at::Tensor& t) {
   const int64_t d = t.dim() - 1;
-  TORCH_CHECK_VALUE(t.size(d) <= 1 || t.stride(d) == 1, op, ": ", name,
-                    " must have unit stride in its last dimension, got strides ", list_str(t.strides()));
+  TORCH_CHECK_VALUE(holds(t.sym_size(d).sym_le(1) | t.sym_stride(d).sym_eq(1)), op, ": ", name,
+                    " must have unit stride in its last dimension, got strides ", list_str(t.sym_strides()));
 }
 
 void check_output_rows(const char* op, const at::Tensor& y) {
   // Rows of y must not overlap, or two rows' updates would race on one element.
-  TORCH_CHECK_VALUE(y.size(0) <= 1 || y.size(1) == 0 || y.stride(0) >= y.size(1), op,
-                    ": y rows overlap in memory (row stride ", num(y.stride(0)), " < ", num(y.size(1)),
+  TORCH_CHECK_VALUE(holds(y.sym_size(0).sym_le(1) | y.sym_size(1).sym_eq(0) | y.sym_stride(0).sym_ge(y.sym_size(1))),
+                    op, ": y rows overlap in memory (row stride ", num(y.sym_stride(0)), " < ", num(y.sym_size(1)),
                     " columns); pass a tensor whose rows are disjoint");
 }
 
-// 1-D index tensor of an int type and a given length (-1: any); returned as contiguous int32.
-at::Tensor index_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& y,
-                        int64_t expected_len, const char* len_what) {
+// Index values live on the device as int32 (saturated from int64, see kernel_index). A size they are compared
+// with must fit int32 too, or a saturated INT32_MAX could land inside it. Symbolic sizes are left to the real
+// call, which runs this same check on concrete sizes.
+void check_int32_extent(const char* op, const char* what, const c10::SymInt& size) {
+  const auto v = size.maybe_as_int();
+  TORCH_CHECK_VALUE(!v || *v <= kInt32Max, op, ": ", what, " = ", num(*v),
+                    " exceeds the int32 index range of the metadata (max 2147483647)");
+}
+
+// 1-D index tensor of an int type and a given length (nullopt: any).
+void check_index_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& y,
+                        const std::optional<c10::SymInt>& expected_len, const char* len_what) {
   check_device(op, name, t, y);
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": ", name,
                    " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", shape_str(t));
-  TORCH_CHECK_VALUE(expected_len < 0 || t.size(0) == expected_len, op, ": ", name, " must have ",
-                    num(expected_len), " entries (", len_what, "), got ", num(t.size(0)));
-  return t.scalar_type() == at::kInt ? t.contiguous() : t.to(at::kInt).contiguous();
+  TORCH_CHECK_VALUE(!expected_len || holds(t.sym_size(0).sym_eq(*expected_len)), op, ": ", name, " must have ",
+                    num(*expected_len), " entries (", len_what, "), got ", num(t.sym_size(0)));
 }
 
-Segments check_segments(const char* op, const char* slot_name, const at::Tensor& y,
-                        const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
-                        const std::optional<at::Tensor>& token_indices, at::Tensor& indptr_out,
-                        at::Tensor& slot_out, at::Tensor& idx_out) {
-  indptr_out = index_tensor(op, "seg_indptr", seg_indptr, y, -1, "");
-  TORCH_CHECK_VALUE(indptr_out.size(0) >= 1, op, ": seg_indptr must have num_segments + 1 >= 1 entries, got 0");
-  const int64_t num_segments = indptr_out.size(0) - 1;
-  slot_out = index_tensor(op, slot_name, seg_slot, y, num_segments, "one per segment: len(seg_indptr) - 1");
-  Segments seg{};
-  seg.indptr = indptr_out.data_ptr<int32_t>();
-  seg.slot = slot_out.data_ptr<int32_t>();
-  seg.num_segments = num_segments;
-  seg.positions = y.size(0);
-  if (token_indices.has_value()) {
-    idx_out = index_tensor(op, "token_indices", *token_indices, y, -1, "");
-    seg.token_indices = idx_out.data_ptr<int32_t>();
-    seg.positions = idx_out.size(0);
+// The one conversion of index values for every backend (the Triton backend receives its tensors from here
+// through torch.ops.lora_ops._check_*). int64 values outside the int32 range SATURATE to INT32_MIN/INT32_MAX
+// instead of wrapping: every size they are compared with fits int32 (check_int32_extent), so a saturated value
+// is skipped or clamped exactly as its true value would be. On the tensor's device, no host sync; int32
+// contiguous input costs nothing, int64 pays two elementwise kernels.
+at::Tensor kernel_index(const at::Tensor& t) {
+  if (t.scalar_type() == at::kInt) return t.contiguous();
+  return t.clamp(kInt32Min, kInt32Max).to(at::kInt).contiguous();
+}
+
+// seg_indptr [G+1], the per-segment slots [G], token_indices [P]; returns P (rows when no token_indices).
+c10::SymInt check_segments_host(const char* op, const char* slot_name, const at::Tensor& y, const c10::SymInt& rows,
+                                const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
+                                const std::optional<at::Tensor>& token_indices) {
+  check_index_tensor(op, "seg_indptr", seg_indptr, y, std::nullopt, "");
+  TORCH_CHECK_VALUE(holds(seg_indptr.sym_size(0).sym_ge(1)), op,
+                    ": seg_indptr must have num_segments + 1 >= 1 entries, got 0");
+  check_int32_extent(op, "len(seg_indptr)", seg_indptr.sym_size(0));
+  check_index_tensor(op, slot_name, seg_slot, y, seg_indptr.sym_size(0) - 1, "one per segment: len(seg_indptr) - 1");
+  check_int32_extent(op, "x.size(0)", rows);
+  if (!token_indices.has_value()) return rows;
+  check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");
+  check_int32_extent(op, "len(token_indices)", token_indices->sym_size(0));
+  return token_indices->sym_size(0);
+}
+
+std::vector<int64_t> values_on_host(const at::Tensor& t) {
+  const auto host = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+}
+
+// LORA_OPS_DEBUG=1: the ORIGINAL values (before the int32 conversion), read back with a sync. Raises on any
+// value the kernels would skip or clamp, a non-monotone seg_indptr included, and on a row named twice.
+void debug_validate_segments(const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
+                             const std::optional<at::Tensor>& token_indices, int64_t rows, int64_t num_slots,
+                             const char* slot_name) {
+  const auto ip = values_on_host(seg_indptr);
+  const auto sl = values_on_host(seg_slot);
+  const auto idx = token_indices.has_value() ? values_on_host(*token_indices) : std::vector<int64_t>{};
+  const int64_t positions = token_indices.has_value() ? static_cast<int64_t>(idx.size()) : rows;
+  std::unordered_set<int64_t> seen;
+  for (size_t g = 0; g < sl.size(); ++g) {
+    TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= positions,
+                      "LORA_OPS_DEBUG: seg_indptr[", num(g), ":", num(g + 2), "] = [", num(ip[g]), ", ",
+                      num(ip[g + 1]), "] is not a non-decreasing range inside [0, ", num(positions), "]");
+    TORCH_CHECK_VALUE(sl[g] < num_slots, "LORA_OPS_DEBUG: ", slot_name, "[", num(g), "] = ", num(sl[g]),
+                      " is not below the number of slots ", num(num_slots), " (use -1 for no LoRA)");
+    if (sl[g] < 0) continue;
+    for (int64_t p = ip[g]; p < ip[g + 1]; ++p) {
+      const int64_t t = token_indices.has_value() ? idx[p] : p;
+      TORCH_CHECK_VALUE(t >= 0 && t < rows, "LORA_OPS_DEBUG: token_indices[", num(p), "] = ", num(t),
+                        " is outside [0, ", num(rows), ")");
+      TORCH_CHECK_VALUE(seen.insert(t).second, "LORA_OPS_DEBUG: row ", num(t),
+                        " appears in more than one segment position");
+    }
   }
-  return seg;
+}
+
+// LORA_OPS_DEBUG=1: per-slot sizes (lora_ranks, n_sizes, k_sizes) inside [0, full], original values.
+void debug_validate_sizes(const char* name, const std::optional<at::Tensor>& sizes, const char* full_name,
+                          int64_t full) {
+  if (!sizes.has_value()) return;
+  const auto v = values_on_host(*sizes);
+  for (size_t l = 0; l < v.size(); ++l) {
+    TORCH_CHECK_VALUE(v[l] >= 0 && v[l] <= full, "LORA_OPS_DEBUG: ", name, "[", num(l), "] = ", num(v[l]),
+                      " is outside [0, ", full_name, " = ", num(full), "]");
+  }
+}
+
+bool debug_checks_apply(const at::Tensor& y) { return debug_checks_enabled() && !y.is_meta(); }
+
+int64_t num_slices(at::OptionalIntArrayRef slice_offsets) {
+  return slice_offsets.has_value() ? static_cast<int64_t>(slice_offsets->size()) - 1 : 1;
 }
 
 }  // namespace
 
-SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
-                      const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
-                      const std::optional<at::Tensor>& token_indices,
-                      const std::optional<at::Tensor>& lora_ranks,
-                      const std::optional<at::Tensor>& lora_scales,
-                      at::OptionalIntArrayRef slice_offsets, double scale, SgmvIndexTensors& keep) {
+void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                     const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                     const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
+                     const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets) {
   constexpr const char* op = "lora_ops.sgmv";
   check_dim(op, "y", y, 2, "[T, N]");
   check_dim(op, "x", x, 2, "[T, K]");
@@ -115,34 +193,35 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   TORCH_CHECK_TYPE(lora_b.scalar_type() == x.scalar_type(), op, ": lora_b must have x's dtype ",
                    x.scalar_type(), ", got ", lora_b.scalar_type());
   TORCH_CHECK_TYPE(y.scalar_type() == x.scalar_type() || y.scalar_type() == at::kFloat, op,
-                   ": y must have x's dtype ", x.scalar_type(), " or float32, got ", y.scalar_type());
+                   ": y must be float32 or x's dtype (", x.scalar_type(), "), got ", y.scalar_type());
 
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = lora_a.size(0);
-  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", num(y.size(0)), " rows but x has ", num(T));
-  TORCH_CHECK_VALUE(lora_a.size(2) == K, op, ": lora_a must be [L, S*R, K] with K = x.size(1) = ", num(K),
-                    ", got shape ", shape_str(lora_a));
-  TORCH_CHECK_VALUE(lora_b.size(0) == L, op, ": lora_b must have L = lora_a.size(0) = ", num(L),
+  const c10::SymInt T = x.sym_size(0), K = x.sym_size(1), N = y.sym_size(1), L = lora_a.sym_size(0);
+  TORCH_CHECK_VALUE(holds(y.sym_size(0).sym_eq(T)), op, ": y has ", num(y.sym_size(0)), " rows but x has ", num(T));
+  TORCH_CHECK_VALUE(holds(lora_a.sym_size(2).sym_eq(K)), op, ": lora_a must be [L, S*R, K] with K = x.size(1) = ",
+                    num(K), ", got shape ", shape_str(lora_a));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(0).sym_eq(L)), op, ": lora_b must have L = lora_a.size(0) = ", num(L),
                     " slots, got shape ", shape_str(lora_b));
-  TORCH_CHECK_VALUE(lora_b.size(1) == N, op, ": lora_b must be [L, N, R] with N = y.size(1) = ", num(N),
-                    ", got shape ", shape_str(lora_b));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = y.size(1) = ",
+                    num(N), ", got shape ", shape_str(lora_b));
 
-  std::vector<int64_t> offsets = slice_offsets.has_value()
-                                     ? std::vector<int64_t>(slice_offsets->begin(), slice_offsets->end())
-                                     : std::vector<int64_t>{0, N};
-  const int64_t S = static_cast<int64_t>(offsets.size()) - 1;
+  const int64_t S = num_slices(slice_offsets);
   TORCH_CHECK_VALUE(S >= 1 && S <= kMaxSlices, op, ": slice_offsets must have 2 to ", num(kMaxSlices + 1),
-                    " entries, got ", num((int64_t)offsets.size()));
-  TORCH_CHECK_VALUE(offsets.front() == 0 && offsets.back() == N, op,
-                    ": slice_offsets must start at 0 and end at N = ", num(N), ", got ", list_str(offsets));
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": slice_offsets must be non-decreasing, got ",
-                      list_str(offsets));
+                    " entries, got ", num(S + 1));
+  if (slice_offsets.has_value()) {
+    const auto offsets = *slice_offsets;
+    TORCH_CHECK_VALUE(offsets.front() == 0 && holds(N.sym_eq(offsets.back())), op,
+                      ": slice_offsets must start at 0 and end at N = ", num(N), ", got ", list_str(offsets));
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": slice_offsets must be non-decreasing, got ",
+                        list_str(offsets));
+    }
   }
-  TORCH_CHECK_VALUE(lora_a.size(1) % S == 0, op, ": lora_a.size(1) = ", num(lora_a.size(1)),
+  TORCH_CHECK_VALUE(holds((lora_a.sym_size(1) % S).sym_eq(0)), op, ": lora_a.size(1) = ", num(lora_a.sym_size(1)),
                     " must be S*R for S = ", num(S), " slices");
-  const int64_t R = lora_a.size(1) / S;
-  TORCH_CHECK_VALUE(lora_b.size(2) == R, op, ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R),
-                    ", got shape ", shape_str(lora_b));
+  const c10::SymInt R = lora_a.sym_size(1) / S;
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(2).sym_eq(R)), op,
+                    ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R), ", got shape ",
+                    shape_str(lora_b));
 
   check_unit_last_stride(op, "x", x);
   check_unit_last_stride(op, "y", y);
@@ -150,19 +229,60 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   check_unit_last_stride(op, "lora_b", lora_b);
   check_output_rows(op, y);
 
-  SgmvParams p{};
-  p.seg = check_segments(op, "seg_lora", y, seg_indptr, seg_lora, token_indices, keep.seg_indptr,
-                         keep.seg_lora, keep.token_indices);
+  check_segments_host(op, "seg_lora", y, T, seg_indptr, seg_lora, token_indices);
+  check_int32_extent(op, "lora_a.size(0)", L);
   if (lora_ranks.has_value()) {
-    keep.lora_ranks = index_tensor(op, "lora_ranks", *lora_ranks, y, L, "one per slot: lora_a.size(0)");
-    p.lora_ranks = keep.lora_ranks.data_ptr<int32_t>();
+    check_index_tensor(op, "lora_ranks", *lora_ranks, y, L, "one per slot: lora_a.size(0)");
+    check_int32_extent(op, "R = lora_a.size(1) / S", R);
   }
   if (lora_scales.has_value()) {
     check_device(op, "lora_scales", *lora_scales, y);
     TORCH_CHECK_TYPE(lora_scales->scalar_type() == at::kFloat, op, ": lora_scales must be float32, got ",
                      lora_scales->scalar_type());
-    TORCH_CHECK_VALUE(lora_scales->dim() == 1 && lora_scales->size(0) == L, op,
+    TORCH_CHECK_VALUE(lora_scales->dim() == 1 && holds(lora_scales->sym_size(0).sym_eq(L)), op,
                       ": lora_scales must be 1-D with L = ", num(L), " entries, got shape ", shape_str(*lora_scales));
+  }
+}
+
+SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
+                                    const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+                                    const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+                                    const std::optional<at::Tensor>& lora_ranks,
+                                    const std::optional<at::Tensor>& lora_scales,
+                                    at::OptionalIntArrayRef slice_offsets) {
+  check_sgmv_host(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets);
+  if (debug_checks_apply(y)) {
+    debug_validate_segments(seg_indptr, seg_lora, token_indices, x.size(0), lora_a.size(0), "seg_lora");
+    debug_validate_sizes("lora_ranks", lora_ranks, "R", lora_a.size(1) / num_slices(slice_offsets));
+  }
+  SgmvIndexTensors out;
+  out.seg_indptr = kernel_index(seg_indptr);
+  out.seg_lora = kernel_index(seg_lora);
+  if (token_indices.has_value()) out.token_indices = kernel_index(*token_indices);
+  if (lora_ranks.has_value()) out.lora_ranks = kernel_index(*lora_ranks);
+  return out;
+}
+
+SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
+                      const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                      const std::optional<at::Tensor>& token_indices,
+                      const std::optional<at::Tensor>& lora_ranks,
+                      const std::optional<at::Tensor>& lora_scales,
+                      at::OptionalIntArrayRef slice_offsets, double scale, SgmvIndexTensors& keep) {
+  keep = sgmv_index_tensors(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                            slice_offsets);
+  const int64_t T = x.size(0), S = num_slices(slice_offsets);
+  SgmvParams p{};
+  p.seg.indptr = keep.seg_indptr.data_ptr<int32_t>();
+  p.seg.slot = keep.seg_lora.data_ptr<int32_t>();
+  p.seg.num_segments = keep.seg_lora.size(0);
+  p.seg.positions = T;
+  if (keep.token_indices.defined()) {
+    p.seg.token_indices = keep.token_indices.data_ptr<int32_t>();
+    p.seg.positions = keep.token_indices.size(0);
+  }
+  if (keep.lora_ranks.defined()) p.lora_ranks = keep.lora_ranks.data_ptr<int32_t>();
+  if (lora_scales.has_value()) {
     keep.lora_scales = lora_scales->contiguous();
     p.lora_scales = keep.lora_scales.data_ptr<float>();
   }
@@ -179,33 +299,20 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   p.x_dtype = to_dtype(x.scalar_type());
   p.y_dtype = to_dtype(y.scalar_type());
   p.rows = T;
-  p.k = K;
-  p.n = N;
-  p.num_slots = L;
-  p.max_rank = R;
+  p.k = x.size(1);
+  p.n = y.size(1);
+  p.num_slots = lora_a.size(0);
+  p.max_rank = lora_a.size(1) / S;
   p.num_slices = S;
-  for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = offsets[s];
+  for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : (s ? p.n : 0);
   p.scale = static_cast<float>(scale);
-  if (debug_checks_enabled()) {
-    debug_validate_segments(p.seg, keep.seg_indptr, keep.seg_lora, keep.token_indices, T, L, "seg_lora");
-    if (keep.lora_ranks.defined()) {
-      const auto ranks = keep.lora_ranks.cpu();
-      for (int64_t l = 0; l < L; ++l) {
-        const int32_t r = ranks.data_ptr<int32_t>()[l];
-        TORCH_CHECK_VALUE(r >= 0 && r <= R, "LORA_OPS_DEBUG: lora_ranks[", num(l), "] = ", num(r),
-                          " is outside [0, R = ", num(R), "]");
-      }
-    }
-  }
   return p;
 }
 
-GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
-                                     const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
-                                     const std::optional<at::Tensor>& token_indices,
-                                     const std::optional<at::Tensor>& n_sizes,
-                                     const std::optional<at::Tensor>& k_sizes, double alpha,
-                                     bool accumulate, GroupedGemmIndexTensors& keep) {
+void check_grouped_gemm_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                             const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
+                             const std::optional<at::Tensor>& token_indices,
+                             const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes) {
   constexpr const char* op = "lora_ops.grouped_gemm";
   check_dim(op, "y", y, 2, "[T, N]");
   check_dim(op, "x", x, 2, "[T, K]");
@@ -214,29 +321,69 @@ GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, c
   check_device(op, "w", w, y);
   check_float(op, "w", w);
   TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type() || x.scalar_type() == at::kFloat, op,
-                   ": x must have w's dtype ", w.scalar_type(), " or float32, got ", x.scalar_type());
+                   ": x must be float32 or w's dtype (", w.scalar_type(), "), got ", x.scalar_type());
   TORCH_CHECK_TYPE(y.scalar_type() == w.scalar_type() || y.scalar_type() == at::kFloat, op,
-                   ": y must have w's dtype ", w.scalar_type(), " or float32, got ", y.scalar_type());
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = w.size(0);
-  TORCH_CHECK_VALUE(y.size(0) == T, op, ": y has ", num(y.size(0)), " rows but x has ", num(T));
-  TORCH_CHECK_VALUE(w.size(1) == N && w.size(2) == K, op, ": w must be [L, N, K] with N = y.size(1) = ", num(N),
-                    " and K = x.size(1) = ", num(K), ", got shape ", shape_str(w));
+                   ": y must be float32 or w's dtype (", w.scalar_type(), "), got ", y.scalar_type());
+  const c10::SymInt T = x.sym_size(0), K = x.sym_size(1), N = y.sym_size(1), L = w.sym_size(0);
+  TORCH_CHECK_VALUE(holds(y.sym_size(0).sym_eq(T)), op, ": y has ", num(y.sym_size(0)), " rows but x has ", num(T));
+  TORCH_CHECK_VALUE(holds(w.sym_size(1).sym_eq(N) & w.sym_size(2).sym_eq(K)), op,
+                    ": w must be [L, N, K] with N = y.size(1) = ", num(N), " and K = x.size(1) = ", num(K),
+                    ", got shape ", shape_str(w));
   check_unit_last_stride(op, "x", x);
   check_unit_last_stride(op, "y", y);
   check_unit_last_stride(op, "w", w);
   check_output_rows(op, y);
 
-  GroupedGemmParams p{};
-  p.seg = check_segments(op, "seg_weight", y, seg_indptr, seg_weight, token_indices, keep.seg_indptr,
-                         keep.seg_weight, keep.token_indices);
+  check_segments_host(op, "seg_weight", y, T, seg_indptr, seg_weight, token_indices);
+  check_int32_extent(op, "w.size(0)", L);
   if (n_sizes.has_value()) {
-    keep.n_sizes = index_tensor(op, "n_sizes", *n_sizes, y, L, "one per group: w.size(0)");
-    p.n_sizes = keep.n_sizes.data_ptr<int32_t>();
+    check_index_tensor(op, "n_sizes", *n_sizes, y, L, "one per group: w.size(0)");
+    check_int32_extent(op, "y.size(1)", N);
   }
   if (k_sizes.has_value()) {
-    keep.k_sizes = index_tensor(op, "k_sizes", *k_sizes, y, L, "one per group: w.size(0)");
-    p.k_sizes = keep.k_sizes.data_ptr<int32_t>();
+    check_index_tensor(op, "k_sizes", *k_sizes, y, L, "one per group: w.size(0)");
+    check_int32_extent(op, "x.size(1)", K);
   }
+}
+
+GroupedGemmIndexTensors grouped_gemm_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                                                   const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
+                                                   const std::optional<at::Tensor>& token_indices,
+                                                   const std::optional<at::Tensor>& n_sizes,
+                                                   const std::optional<at::Tensor>& k_sizes) {
+  check_grouped_gemm_host(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+  if (debug_checks_apply(y)) {
+    debug_validate_segments(seg_indptr, seg_weight, token_indices, x.size(0), w.size(0), "seg_weight");
+    debug_validate_sizes("n_sizes", n_sizes, "N", y.size(1));
+    debug_validate_sizes("k_sizes", k_sizes, "K", x.size(1));
+  }
+  GroupedGemmIndexTensors out;
+  out.seg_indptr = kernel_index(seg_indptr);
+  out.seg_weight = kernel_index(seg_weight);
+  if (token_indices.has_value()) out.token_indices = kernel_index(*token_indices);
+  if (n_sizes.has_value()) out.n_sizes = kernel_index(*n_sizes);
+  if (k_sizes.has_value()) out.k_sizes = kernel_index(*k_sizes);
+  return out;
+}
+
+GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                                     const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
+                                     const std::optional<at::Tensor>& token_indices,
+                                     const std::optional<at::Tensor>& n_sizes,
+                                     const std::optional<at::Tensor>& k_sizes, double alpha,
+                                     bool accumulate, GroupedGemmIndexTensors& keep) {
+  keep = grouped_gemm_index_tensors(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+  GroupedGemmParams p{};
+  p.seg.indptr = keep.seg_indptr.data_ptr<int32_t>();
+  p.seg.slot = keep.seg_weight.data_ptr<int32_t>();
+  p.seg.num_segments = keep.seg_weight.size(0);
+  p.seg.positions = x.size(0);
+  if (keep.token_indices.defined()) {
+    p.seg.token_indices = keep.token_indices.data_ptr<int32_t>();
+    p.seg.positions = keep.token_indices.size(0);
+  }
+  if (keep.n_sizes.defined()) p.n_sizes = keep.n_sizes.data_ptr<int32_t>();
+  if (keep.k_sizes.defined()) p.k_sizes = keep.k_sizes.data_ptr<int32_t>();
   p.y = y.data_ptr();
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -247,29 +394,32 @@ GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, c
   p.x_dtype = to_dtype(x.scalar_type());
   p.w_dtype = to_dtype(w.scalar_type());
   p.y_dtype = to_dtype(y.scalar_type());
-  p.rows = T;
-  p.k = K;
-  p.n = N;
-  p.num_groups = L;
+  p.rows = x.size(0);
+  p.k = x.size(1);
+  p.n = y.size(1);
+  p.num_groups = w.size(0);
   p.alpha = static_cast<float>(alpha);
   p.accumulate = accumulate;
-  if (debug_checks_enabled()) {
-    debug_validate_segments(p.seg, keep.seg_indptr, keep.seg_weight, keep.token_indices, T, L, "seg_weight");
-  }
   return p;
 }
 
-at::Tensor check_build_segments_args(const at::Tensor& token_lora, int64_t num_slots) {
+void check_build_segments_host(const at::Tensor& token_lora, int64_t num_slots) {
   constexpr const char* op = "lora_ops.build_segments";
   TORCH_CHECK_VALUE(num_slots >= 0, op, ": num_slots must be >= 0, got ", num(num_slots));
   TORCH_CHECK_VALUE(num_slots < (int64_t{1} << 30), op, ": num_slots must be < 2^30, got ", num(num_slots));
-  return index_tensor(op, "token_lora", token_lora, token_lora, -1, "");
+  check_index_tensor(op, "token_lora", token_lora, token_lora, std::nullopt, "");
+  check_int32_extent(op, "len(token_lora)", token_lora.sym_size(0));
+}
+
+at::Tensor build_segments_token_lora(const at::Tensor& token_lora, int64_t num_slots) {
+  check_build_segments_host(token_lora, num_slots);
+  return kernel_index(token_lora);
 }
 
 BuildSegmentsParams check_build_segments(const at::Tensor& token_lora, int64_t num_slots,
                                          at::Tensor& token_indices, at::Tensor& seg_indptr,
                                          at::Tensor& seg_lora, at::Tensor& token_lora_i32) {
-  token_lora_i32 = check_build_segments_args(token_lora, num_slots);
+  token_lora_i32 = build_segments_token_lora(token_lora, num_slots);
   const auto opts = token_lora.options().dtype(at::kInt);
   token_indices = at::empty({token_lora.size(0)}, opts);
   seg_indptr = at::empty({num_slots + 1}, opts);
@@ -290,37 +440,6 @@ bool debug_checks_enabled() {
     return v != nullptr && std::string(v) == "1";
   }();
   return enabled;
-}
-
-void debug_validate_segments(const Segments& seg, const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
-                             const at::Tensor& token_indices, int64_t rows, int64_t num_slots,
-                             const char* slot_name) {
-  const auto indptr = seg_indptr.cpu();
-  const auto slot = seg_slot.cpu();
-  const auto* ip = indptr.data_ptr<int32_t>();
-  const auto* sl = slot.data_ptr<int32_t>();
-  at::Tensor idx_cpu;
-  const int32_t* idx = nullptr;
-  if (token_indices.defined()) {
-    idx_cpu = token_indices.cpu();
-    idx = idx_cpu.data_ptr<int32_t>();
-  }
-  std::unordered_set<int32_t> seen;
-  for (int64_t g = 0; g < seg.num_segments; ++g) {
-    TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= seg.positions,
-                      "LORA_OPS_DEBUG: seg_indptr[", num(g), ":", num(g + 2), "] = [", num(ip[g]), ", ",
-                      num(ip[g + 1]), "] is not a non-decreasing range inside [0, ", num(seg.positions), "]");
-    TORCH_CHECK_VALUE(sl[g] < num_slots, "LORA_OPS_DEBUG: ", slot_name, "[", num(g), "] = ", num(sl[g]),
-                      " is not below the number of slots ", num(num_slots), " (use -1 for no LoRA)");
-    if (sl[g] < 0) continue;
-    for (int64_t p = ip[g]; p < ip[g + 1]; ++p) {
-      const int32_t t = idx ? idx[p] : static_cast<int32_t>(p);
-      TORCH_CHECK_VALUE(t >= 0 && t < rows, "LORA_OPS_DEBUG: token_indices[", num(p), "] = ", num(t),
-                        " is outside [0, ", num(rows), ")");
-      TORCH_CHECK_VALUE(seen.insert(t).second, "LORA_OPS_DEBUG: row ", num(t),
-                        " appears in more than one segment position");
-    }
-  }
 }
 
 }  // namespace lora_ops

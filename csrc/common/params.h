@@ -10,8 +10,9 @@ constexpr int64_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
 
 constexpr int kMaxSlices = 8;
 
-// Segment metadata as it lives on the device. All values are untrusted (DESIGN §2 Safety):
-// kernels clamp indptr to [0, positions], skip slots outside [0, num_slots) and rows outside [0, rows).
+// Segment metadata as it lives on the device. All values are untrusted (DESIGN §2 Safety): kernels make
+// indptr a clamped running maximum (segment_end below), skip slots outside [0, num_slots) and rows outside
+// [0, rows). Index tensors given as int64 arrive here saturated to int32 (checks.cpp index_tensor).
 struct Segments {
   const int32_t* indptr;         // [num_segments + 1]
   const int32_t* slot;           // [num_segments]
@@ -71,10 +72,17 @@ namespace lora_ops {
 
 LORA_OPS_HD int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Positions [*begin, *end) of segment g, clamped to [0, positions]; empty when reversed.
-LORA_OPS_HD void segment_range(const Segments& s, int64_t g, int64_t* begin, int64_t* end) {
-  *begin = clamp_index(s.indptr[g], 0, s.positions);
-  *end = clamp_index(s.indptr[g + 1], *begin, s.positions);
+// Segment bounds (DESIGN §2): m_i = max over j <= i of clamp(indptr[j], 0, positions), and segment g covers
+// positions [m_g, m_{g+1}). The running maximum makes segments disjoint whatever indptr holds (reversed or
+// overlapping ranges are empty or cut), so the tiles of all segments fit the bound min(P, ceil(P/BM) + G) and
+// the work of every backend is bounded by P + G. Computing m_g needs every earlier entry: walk the segments
+// in order (segment_end) or scan the clamped entries with a running maximum (clamped_indptr).
+LORA_OPS_HD int64_t clamped_indptr(const Segments& s, int64_t i) { return clamp_index(s.indptr[i], 0, s.positions); }
+
+// m_{g+1}, given m_g (m_0 = clamped_indptr(s, 0)): segment g covers [m_g, segment_end(s, g, m_g)).
+LORA_OPS_HD int64_t segment_end(const Segments& s, int64_t g, int64_t segment_begin) {
+  const int64_t bound = clamped_indptr(s, g + 1);
+  return bound > segment_begin ? bound : segment_begin;
 }
 
 // Row of position p, or -1 when token_indices names a row outside [0, rows).

@@ -14,7 +14,9 @@ void grouped_gemm(const GroupedGemmParams& p) {
       const RowBlock& blk = blocks[b];
       const int64_t n_l = slot_size(p.n_sizes, blk.slot, p.n);
       const int64_t k_l = slot_size(p.k_sizes, blk.slot, p.k);
-      if (n_l == 0) continue;
+      // An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (DESIGN §2): the covered
+      // columns become (accumulate ? y : 0), so with accumulate y is left bitwise unchanged.
+      if (n_l == 0 || (k_l == 0 && p.accumulate)) continue;
       for (int64_t i = 0; i < blk.count; ++i) {
         load_floats(p.x_dtype, p.x, blk.rows[i] * p.x_row_stride, k_l, &xf[i * k_l]);
         if (p.accumulate) {
@@ -23,7 +25,7 @@ void grouped_gemm(const GroupedGemmParams& p) {
           std::fill_n(&yf[i * n_l], n_l, 0.f);
         }
       }
-      for (int64_t n = 0; n < n_l; ++n) {
+      for (int64_t n = 0; n < n_l && k_l > 0; ++n) {
         load_floats(p.w_dtype, p.w, blk.slot * p.w_stride0 + n * p.w_stride1, k_l, wf.data());
         for (int64_t i = 0; i < blk.count; ++i) yf[i * n_l + n] += p.alpha * dot(&xf[i * k_l], wf.data(), k_l);
       }

@@ -64,14 +64,17 @@ struct RowBlock {
   int64_t rows[kRowBlock];
 };
 
-// Valid rows of every segment with a valid slot, in segment order, cut into blocks of kRowBlock.
+// Valid rows of every segment with a valid slot, in segment order, cut into blocks of kRowBlock. Segments are
+// walked in order so that each one's bounds follow the running-maximum rule (params.h segment_end), skipped
+// segments included: at most P positions are visited in all.
 inline std::vector<RowBlock> row_blocks(const Segments& seg, int64_t rows, int64_t num_slots) {
   std::vector<RowBlock> blocks;
+  int64_t end = clamped_indptr(seg, 0);
   for (int64_t g = 0; g < seg.num_segments; ++g) {
+    const int64_t begin = end;
+    end = segment_end(seg, g, begin);
     const int64_t slot = segment_slot(seg, g, num_slots);
     if (slot < 0) continue;
-    int64_t begin, end;
-    segment_range(seg, g, &begin, &end);
     RowBlock cur{slot, 0, {}};
     for (int64_t p = begin; p < end; ++p) {
       const int64_t t = segment_row(seg, p, rows);

@@ -133,13 +133,21 @@ inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
   return err;
 }
 
-// Inclusive prefix sum of v over `width` consecutive lanes (a power of two <= 32; all lanes take part).
-template <class V>
-__device__ __forceinline__ V warp_inclusive_scan(V v, int width = 32) {
+struct Sum {
+  template <class V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct Max {
+  template <class V> __device__ __forceinline__ V operator()(V a, V b) const { return a > b ? a : b; }
+};
+
+// Inclusive scan (prefix sum by default) of v over `width` consecutive lanes (a power of two <= 32; all lanes
+// take part).
+template <class V, class Combine = Sum>
+__device__ __forceinline__ V warp_inclusive_scan(V v, int width = 32, Combine combine = {}) {
   const int lane = threadIdx.x & (width - 1);
   for (int d = 1; d < width; d <<= 1) {
     const V u = __shfl_up_sync(0xffffffffu, v, d, width);
-    if (lane >= d) v += u;
+    if (lane >= d) v = combine(v, u);
   }
   return v;
 }
@@ -192,62 +200,71 @@ struct Tile {
   float coef;                               // scale * lora_scales[slot]
 };
 
-// Number of tiles of segment g (0 when its slot is invalid, its rank is 0 or it is empty).
-__device__ __forceinline__ int64_t segment_tiles(const Segments& seg, int64_t g, int64_t num_slots,
-                                                 const int32_t* ranks, int64_t max_rank, int64_t tile_rows) {
+// Number of tiles of segment g, which covers positions [begin, end) (0 when its slot is invalid or its rank 0).
+__device__ __forceinline__ int64_t segment_tiles(const Segments& seg, int64_t g, int64_t begin, int64_t end,
+                                                 int64_t num_slots, const int32_t* ranks, int64_t max_rank,
+                                                 int64_t tile_rows) {
   const int64_t slot = segment_slot(seg, g, num_slots);
   if (slot < 0 || slot_size(ranks, slot, max_rank) == 0) return 0;
-  int64_t begin, end;
-  segment_range(seg, g, &begin, &end);
   return (end - begin + tile_rows - 1) / tile_rows;
 }
 
 // Finds tile number `tile` of the walk over all segments in order (block-wide: every thread must call it
-// with the same arguments). Returns false when there are fewer tiles. The walk scans segments blockDim.x at
-// a time and stops at the chunk that holds the tile, so it costs O(G / blockDim) block scans.
+// with the same arguments; blockDim.x a multiple of 32). Returns false when there are fewer tiles. The walk scans
+// segments blockDim.x at a time and stops at the chunk that holds the tile, so it costs O(G / blockDim) rounds of
+// two block scans: a running maximum of the clamped indptr entries gives each segment its bounds [m_g, m_{g+1})
+// (the running-maximum rule of params.h: segments are disjoint, so the tiles fit the grid's bound
+// min(P, P/tile_rows + G)), then a prefix sum of the segments' tile counts places the tile.
 __device__ inline bool locate_tile(const Segments& seg, int64_t num_slots, const int32_t* ranks,
                             const float* scales, float scale, int64_t max_rank, int64_t tile_rows,
                             int64_t tile, Tile* out) {
-  __shared__ int64_t warp_sums[32];
-  __shared__ int64_t found_segment, found_first;
-  __shared__ int64_t carry;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __shared__ int64_t warp_max[32], warp_sums[32];
+  __shared__ int64_t found_segment, found_first, found_begin, found_end;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   __syncthreads();  // a previous call's readers of found_* are done
-  if (threadIdx.x == 0) {
-    found_segment = -1;
-    carry = 0;
-  }
+  if (threadIdx.x == 0) found_segment = -1;
   __syncthreads();
+  // Carried from chunk to chunk, equal in every thread: m at the chunk's first segment, tiles before the chunk.
+  int64_t bound = clamped_indptr(seg, 0), tiles_before = 0;
   for (int64_t base = 0; base < seg.num_segments; base += blockDim.x) {
     const int64_t g = base + threadIdx.x;
-    const int64_t n = g < seg.num_segments ? segment_tiles(seg, g, num_slots, ranks, max_rank, tile_rows) : 0;
-    const int64_t incl = warp_inclusive_scan(n);  // across the block: warp shuffles, then warp totals
+    const bool live = g < seg.num_segments;
+    // end = m_{g+1}: running maximum within the warp, then over the warps before and the earlier chunks.
+    const int64_t lane_max = warp_inclusive_scan(live ? clamped_indptr(seg, g + 1) : int64_t{0}, 32, Max{});
+    if (lane == 31) warp_max[warp] = lane_max;
+    __syncthreads();
+    int64_t warp_begin = bound;
+    for (int w = 0; w < warp; ++w) warp_begin = Max{}(warp_begin, warp_max[w]);
+    const int64_t end = Max{}(warp_begin, lane_max);
+    const int64_t prev_end = __shfl_up_sync(0xffffffffu, end, 1);
+    const int64_t begin = lane == 0 ? warp_begin : prev_end;  // m_g: the previous segment's end
+    const int64_t n = live ? segment_tiles(seg, g, begin, end, num_slots, ranks, max_rank, tile_rows) : 0;
+    const int64_t incl = warp_inclusive_scan(n);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
-    int64_t before = carry;
-    for (int w = 0; w < warp; ++w) before += warp_sums[w];
-    const int64_t first = before + incl - n;  // this segment's first tile number
+    int64_t first = tiles_before + incl - n;  // this segment's first tile number
+    for (int w = 0; w < warp; ++w) first += warp_sums[w];
     if (n > 0 && tile >= first && tile < first + n) {
       found_segment = g;
       found_first = first;
+      found_begin = begin;
+      found_end = end;
+    }
+    for (int w = 0; w < warps; ++w) {
+      tiles_before += warp_sums[w];
+      bound = Max{}(bound, warp_max[w]);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 0; w < warps; ++w) carry += warp_sums[w];
-    }
-    __syncthreads();
-    if (found_segment >= 0 || carry > tile) break;
+    if (found_segment >= 0 || tiles_before > tile) break;
   }
   const int64_t g = found_segment;
   if (g < 0) return false;
   const int64_t slot = seg.slot[g];
-  int64_t begin, end;
-  segment_range(seg, g, &begin, &end);
   out->segment = g;
   out->slot = slot;
   out->rank = slot_size(ranks, slot, max_rank);
-  out->begin = begin + (tile - found_first) * tile_rows;
-  out->end = std::min<int64_t>(out->begin + tile_rows, end);
+  out->begin = found_begin + (tile - found_first) * tile_rows;
+  out->end = std::min<int64_t>(out->begin + tile_rows, found_end);
   out->coef = scale * (scales ? scales[slot] : 1.f);
   return true;
 }

@@ -1,8 +1,9 @@
 """Triton backend: the three ops with exactly the op signatures, for any tensors Triton can address
 (CUDA/ROCm GPUs, and CPU tensors under TRITON_INTERPRET=1).
 
-Arguments are checked by the same C++ routine as every other backend (torch.ops.lora_ops._check_*), then a
-kernel config is picked from a small table by shape class: no autotuning inside a serving process.
+Arguments are checked by the same C++ routine as every other backend (torch.ops.lora_ops._check_*), which also
+returns the index tensors in the kernels' form (int32, contiguous, int64 values saturated: one conversion for all
+backends); then a kernel config is picked from a small table by shape class: no autotuning inside a serving process.
 """
 from __future__ import annotations
 
@@ -17,13 +18,6 @@ _check_sgmv = torch.ops.lora_ops._check_sgmv.default
 _check_grouped_gemm = torch.ops.lora_ops._check_grouped_gemm.default
 _check_build_segments = torch.ops.lora_ops._check_build_segments.default
 _MAX_SLICES = 8
-
-
-def _i32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
 
 # Programs to aim for: enough to cover an H100/H200-class GPU about twice.
 _TARGET_PROGRAMS = 264
@@ -55,15 +49,16 @@ def sgmv_config(positions: int, segments: int, width: int, max_rank: int, fp32: 
 
 def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
          slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
-    _check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                slice_offsets, scale)
+    seg_indptr, seg_lora, token_indices, lora_ranks = _check_sgmv(
+        y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets)
     launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                 slice_offsets, scale)
 
 
 def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                 slice_offsets, scale, config: Optional[dict] = None) -> None:
-    """sgmv without the argument checks; `config` overrides the shape-class table (for tuning sweeps)."""
+    """sgmv without the argument checks: index tensors already int32 and contiguous (as _check_sgmv returns
+    them); `config` overrides the shape-class table (for tuning sweeps)."""
     T, K = x.shape
     N = y.shape[1]
     offsets = list(slice_offsets) if slice_offsets is not None else [0, N]
@@ -71,6 +66,7 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
     R = lora_a.shape[1] // S
     G = seg_lora.shape[0]
     positions = token_indices.shape[0] if token_indices is not None else T
+    # K = 0 included: an empty reduction contributes exactly zero whatever the scales (y bitwise unchanged).
     if T == 0 or G == 0 or R == 0 or N == 0 or K == 0:
         return
     cfg = config or sgmv_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])), R,
@@ -78,9 +74,10 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
     sgmv_kernel[grid](
-        y, x, lora_a, lora_b, _i32(seg_indptr), _i32(seg_lora), _i32(token_indices), _i32(lora_ranks), lora_scales,
+        y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
         T, K, lora_a.shape[0], R, positions, G, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        lora_b.stride(0), lora_b.stride(1), float(scale), *offsets,
+        lora_b.stride(0), lora_b.stride(1), lora_scales.stride(0) if lora_scales is not None else 0, float(scale),
+        *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
         IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
 
@@ -91,7 +88,8 @@ def _scan_width(segments: int) -> int:
 
 def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
                  alpha: float = 1.0, accumulate: bool = True) -> None:
-    _check_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate)
+    seg_indptr, seg_weight, token_indices, n_sizes, k_sizes = _check_grouped_gemm(
+        y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes)
     T, K = x.shape
     N = y.shape[1]
     G = seg_weight.shape[0]
@@ -103,7 +101,7 @@ def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=No
     block_k = min(64, max(16, triton.next_power_of_2(K)))
     grid = (tile_bound(positions, G, block_m), triton.cdiv(N, block_n))
     grouped_gemm_kernel[grid](
-        y, x, w, _i32(seg_indptr), _i32(seg_weight), _i32(token_indices), _i32(n_sizes), _i32(k_sizes),
+        y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
         T, N, K, w.shape[0], positions, G, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
         HAS_IDX=token_indices is not None, HAS_N=n_sizes is not None, HAS_K=k_sizes is not None,
         ACCUMULATE=bool(accumulate), X_F32=x.dtype != w.dtype, IEEE=w.dtype == torch.float32,
@@ -111,13 +109,13 @@ def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=No
 
 
 def build_segments(token_lora: torch.Tensor, num_slots: int):
-    _check_build_segments(token_lora, num_slots)
+    token_lora = _check_build_segments(token_lora, num_slots)
     T = token_lora.shape[0]
     opts = dict(dtype=torch.int32, device=token_lora.device)
     token_indices = torch.empty(T, **opts)
     seg_indptr = torch.empty(num_slots + 1, **opts)
     seg_lora = torch.empty(num_slots, **opts)
     block_t = min(1024, max(16, triton.next_power_of_2(max(T, 1))))
-    build_segments_kernel[(num_slots + 1,)](_i32(token_lora), token_indices, seg_indptr, seg_lora, T, num_slots,
+    build_segments_kernel[(num_slots + 1,)](token_lora, token_indices, seg_indptr, seg_lora, T, num_slots,
                                             BLOCK_T=block_t, num_warps=4)
     return token_indices, seg_indptr, seg_lora

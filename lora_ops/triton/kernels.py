@@ -8,19 +8,33 @@ import triton.language as tl
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tile, num_segments, num_slots, R, positions, num_rows,
                  HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
     """Tile number `tile` of the walk over all segments (BLOCK_M positions each; segments with a bad slot, rank 0
     or no positions have none): its slot (-1 when there are fewer tiles) and its rows. The program grid is the
-    bound min(P, P/BLOCK_M + G) on the tile count, so no program is launched per (slot, row block) pair."""
-    found_g = -1
+    bound min(P, P/BLOCK_M + G) on the tile count, so no program is launched per (slot, row block) pair.
+
+    Segment bounds follow the running-maximum rule (DESIGN §2, csrc/common/params.h): m_i = max over j <= i of
+    clamp(indptr[j], 0, P), segment g covers [m_g, m_{g+1}). Segments are then disjoint whatever indptr holds,
+    which is what makes the grid bound hold. The maximum runs across SCAN chunks through `bound`."""
+    found_slot = -1
     found_first = 0
+    found_begin = 0
+    found_end = 0
     count = 0
+    bound = tl.minimum(tl.maximum(tl.load(indptr_ptr), 0), positions)  # m_0, then m at the chunk's start
     for g0 in range(0, num_segments, SCAN):
         gg = g0 + tl.arange(0, SCAN)
         gmask = gg < num_segments
-        begin = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg, mask=gmask, other=0), 0), positions)
-        end = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg + 1, mask=gmask, other=0), begin), positions)
+        lo = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg, mask=gmask, other=0), 0), positions)
+        hi = tl.minimum(tl.maximum(tl.load(indptr_ptr + gg + 1, mask=gmask, other=0), 0), positions)
+        begin = tl.maximum(tl.associative_scan(lo, 0, _max_combine), bound)  # m_g
+        end = tl.maximum(tl.associative_scan(hi, 0, _max_combine), begin)  # m_{g+1}
         slot = tl.load(slot_ptr + gg, mask=gmask, other=-1)
         ok = gmask & (slot >= 0) & (slot < num_slots)
         if HAS_RANKS:
@@ -28,21 +42,21 @@ def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tile, num_segments, n
         tiles = tl.where(ok, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
         incl = tl.cumsum(tiles, axis=0) + count
         hit = (tiles > 0) & (incl - tiles <= tile) & (tile < incl)
-        found_g = tl.maximum(found_g, tl.max(tl.where(hit, gg, -1), axis=0))
+        # At most one segment of the whole walk holds the tile: max-reductions pick its values.
+        found_slot = tl.maximum(found_slot, tl.max(tl.where(hit, slot, -1), axis=0))
         found_first = tl.maximum(found_first, tl.max(tl.where(hit, incl - tiles, 0), axis=0))
+        found_begin = tl.maximum(found_begin, tl.max(tl.where(hit, begin, 0), axis=0))
+        found_end = tl.maximum(found_end, tl.max(tl.where(hit, end, 0), axis=0))
         count += tl.sum(tiles, axis=0)
-    g = tl.maximum(found_g, 0)
-    slot = tl.where(found_g >= 0, tl.load(slot_ptr + g), -1)
-    begin = tl.minimum(tl.maximum(tl.load(indptr_ptr + g), 0), positions)
-    end = tl.minimum(tl.maximum(tl.load(indptr_ptr + g + 1), begin), positions)
-    pos = begin + (tile - found_first) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pmask = (pos < end) & (found_g >= 0)
+        bound = tl.maximum(bound, tl.max(end, axis=0))
+    pos = found_begin.to(tl.int64) + (tile - found_first).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pmask = (pos < found_end) & (found_slot >= 0)
     if HAS_IDX:
         rows = tl.load(idx_ptr + pos, mask=pmask, other=-1)
     else:
         rows = pos
     rmask = pmask & (rows >= 0) & (rows < num_rows)
-    return slot, tl.where(rmask, rows, 0).to(tl.int64), rmask
+    return found_slot, tl.where(rmask, rows, 0).to(tl.int64), rmask
 
 
 @triton.jit
@@ -70,7 +84,8 @@ def _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8):
 
 @triton.jit
 def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
-                num_rows, K, num_slots, R, positions, num_segments, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1, scale,
+                num_rows, K, num_slots, R, positions, num_segments, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1,
+                scales_stride, scale,
                 o0, o1, o2, o3, o4, o5, o6, o7, o8,
                 HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, IEEE: tl.constexpr,
                 N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -96,7 +111,7 @@ def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
         return
     coef = scale
     if HAS_SCALES:
-        coef = coef * tl.load(scales_ptr + slot)
+        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)  # expanded or strided scales
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -149,6 +164,11 @@ def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_si
     nmask = nn < n_l
     if nb * BLOCK_N >= n_l:
         return
+    # An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (DESIGN §2): the covered columns
+    # become (accumulate ? y : 0), so with accumulate y is left bitwise unchanged.
+    if ACCUMULATE:
+        if k_l == 0:
+            return
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + slot.to(tl.int64) * w_s0 + nn.to(tl.int64)[None, :] * w_s1
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -165,7 +185,7 @@ def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_si
             acc += tl.dot(xt, wt)
     y_ptrs = y_ptr + rows[:, None] * y_stride + nn[None, :]
     ymask = rmask[:, None] & nmask[None, :]
-    out = alpha * acc
+    out = tl.where(k_l > 0, alpha * acc, 0.0)
     if ACCUMULATE:
         out += tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ymask)
