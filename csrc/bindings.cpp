@@ -18,6 +18,14 @@ void sgmv_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
                             slice_offsets);
 }
 
+void lora_expand_meta(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                      const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                      const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
+                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets, double) {
+  lora_ops::check_lora_expand_host(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                                   slice_offsets);
+}
+
 void grouped_gemm_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                        const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                        const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes, double,
@@ -51,6 +59,16 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   return {t.seg_indptr, t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
 }
 
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> check_lora_expand_op(
+    const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+    const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+    const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+    at::OptionalIntArrayRef slice_offsets) {
+  auto t = lora_ops::lora_expand_index_tensors(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+                                               lora_scales, slice_offsets);
+  return {t.seg_indptr, t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
+}
+
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
 check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
@@ -75,11 +93,21 @@ TORCH_LIBRARY(lora_ops, m) {
       "grouped_gemm(Tensor(a!) y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
       "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None, float alpha=1.0, "
       "bool accumulate=True) -> ()");
+  // y += h·Bᵀ per row with the row's own slot window of h [T, L, S*R] (the shrink done elsewhere, e.g. folded
+  // into the base layer's GEMM).
+  m.def(
+      "lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
+      "int[]? slice_offsets=None, float scale=1.0) -> ()");
   m.def("build_segments(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, "
         "Tensor seg_lora)");
   // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
   m.def(
       "_check_sgmv(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
+      "int[]? slice_offsets=None) -> (Tensor, Tensor, Tensor?, Tensor?)");
+  m.def(
+      "_check_lora_expand(Tensor y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
       "int[]? slice_offsets=None) -> (Tensor, Tensor, Tensor?, Tensor?)");
   m.def(
@@ -92,11 +120,13 @@ TORCH_LIBRARY(lora_ops, m) {
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
   m.impl("_check_build_segments", &check_build_segments_op);
   m.impl("_check_sgmv", &check_sgmv_op);
+  m.impl("_check_lora_expand", &check_lora_expand_op);
   m.impl("_check_grouped_gemm", &check_grouped_gemm_op);
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {
   m.impl("sgmv", &sgmv_meta);
+  m.impl("lora_expand", &lora_expand_meta);
   m.impl("grouped_gemm", &grouped_gemm_meta);
   m.impl("build_segments", &build_segments_meta);
 }

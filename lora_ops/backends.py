@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
-OPS = ("sgmv", "grouped_gemm", "build_segments")
+OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
 
 # Filled by register_triton_where_needed(): which ops have a C++ CUDA kernel (read before Triton registers any),
 # op -> "cuda" | "triton" | None, and why a backend is absent.

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 _sgmv = torch.ops.lora_ops.sgmv.default
+_lora_expand = torch.ops.lora_ops.lora_expand.default
 _grouped_gemm = torch.ops.lora_ops.grouped_gemm.default
 _build_segments = torch.ops.lora_ops.build_segments.default
 
@@ -47,6 +48,20 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     on chip. K = 0 leaves y bitwise unchanged, whatever the scales. Metadata rules: see :class:`Segments`.
     """
     _sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
+                seg_lora: torch.Tensor, token_indices: Optional[torch.Tensor] = None,
+                lora_ranks: Optional[torch.Tensor] = None, lora_scales: Optional[torch.Tensor] = None,
+                slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
+    """The expand half of sgmv, in place, with h computed elsewhere: for each row t of a segment with slot l and
+    each slice s, ``y[t, off_s:off_s+1] += scale · lora_scales[l] · h[t, l, s·R : s·R + r_l] · B[l, off_s:off_s+1, :r_l]ᵀ``.
+
+    h [T, L, S·R] (lora_b's dtype or float32, unit last stride, any other strides): row t's rank vector for every
+    slot, e.g. the extra columns of a base GEMM whose weight is [W; A of every slot] viewed as [T, L, S·R], or one
+    window per row broadcast over the slots with a zero stride. lora_b [L, N, R]; the other arguments as sgmv's.
+    """
+    _lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
 
 
 def grouped_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Float64 oracle for the three ops, written straight from DESIGN.md §2.
+"""Float64 oracle for the ops, written straight from DESIGN.md §2.
 
 Plain PyTorch, slow and obvious on purpose: every backend test and every benchmark correctness check compares
 against these functions. They return new tensors (float64 for the matmul ops) instead of mutating.
@@ -53,6 +53,24 @@ def sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ra
             lo, hi = offsets[s], offsets[s + 1]
             h = xr @ a64[slot, s * max_rank:s * max_rank + rank].T
             out[rows, lo:hi] += coef * (h @ b64[slot, lo:hi, :rank].T)
+    return out
+
+
+def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
+                slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> torch.Tensor:
+    """Return y (float64) after `y[t, off_s:off_s+1] += scale · lora_scales[l] · h[t, l, s·R : s·R + r_l] ·
+    B[l, off_s:off_s+1, :r_l]ᵀ` per row t of a segment with slot l, and slice s."""
+    out = y.detach().to(torch.float64).clone()
+    num_slots, n, max_rank = lora_b.shape
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, n]
+    h64, b64 = h.double(), lora_b.double()
+    for slot, rows in _segment_rows(seg_indptr, seg_lora, token_indices, y.shape[0], num_slots):
+        rank = max_rank if lora_ranks is None else min(max(int(lora_ranks[slot]), 0), max_rank)
+        coef = scale * (1.0 if lora_scales is None else float(lora_scales[slot]))
+        for s in range(len(offsets) - 1):
+            lo, hi = offsets[s], offsets[s + 1]
+            window = h64[rows, slot, s * max_rank:s * max_rank + rank]
+            out[rows, lo:hi] += coef * (window @ b64[slot, lo:hi, :rank].T)
     return out
 
 

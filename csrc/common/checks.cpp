@@ -173,6 +173,79 @@ int64_t num_slices(at::OptionalIntArrayRef slice_offsets) {
   return slice_offsets.has_value() ? static_cast<int64_t>(slice_offsets->size()) - 1 : 1;
 }
 
+// slice_offsets of y's N columns (sgmv, lora_expand); returns the number of slices S.
+int64_t check_slices_host(const char* op, at::OptionalIntArrayRef slice_offsets, const c10::SymInt& N) {
+  const int64_t S = num_slices(slice_offsets);
+  TORCH_CHECK_VALUE(S >= 1 && S <= kMaxSlices, op, ": slice_offsets must have 2 to ", num(kMaxSlices + 1),
+                    " entries, got ", num(S + 1));
+  if (slice_offsets.has_value()) {
+    const auto offsets = *slice_offsets;
+    TORCH_CHECK_VALUE(offsets.front() == 0 && holds(N.sym_eq(offsets.back())), op,
+                      ": slice_offsets must start at 0 and end at N = ", num(N), ", got ", list_str(offsets));
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": slice_offsets must be non-decreasing, got ",
+                        list_str(offsets));
+    }
+  }
+  return S;
+}
+
+// The segments over T rows and the per-slot tensors of L adapter slots of max rank R (sgmv, lora_expand);
+// l_what / r_what say where L and R come from.
+void check_slot_tensors_host(const char* op, const at::Tensor& y, const c10::SymInt& T, const c10::SymInt& L,
+                             const c10::SymInt& R, const char* l_what, const char* r_what,
+                             const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                             const std::optional<at::Tensor>& token_indices,
+                             const std::optional<at::Tensor>& lora_ranks,
+                             const std::optional<at::Tensor>& lora_scales) {
+  check_segments_host(op, "seg_lora", y, T, seg_indptr, seg_lora, token_indices);
+  check_int32_extent(op, l_what, L);
+  if (lora_ranks.has_value()) {
+    check_index_tensor(op, "lora_ranks", *lora_ranks, y, L, (std::string("one per slot: ") + l_what).c_str());
+    check_int32_extent(op, r_what, R);
+  }
+  if (lora_scales.has_value()) {
+    check_device(op, "lora_scales", *lora_scales, y);
+    TORCH_CHECK_TYPE(lora_scales->scalar_type() == at::kFloat, op, ": lora_scales must be float32, got ",
+                     lora_scales->scalar_type());
+    TORCH_CHECK_VALUE(lora_scales->dim() == 1 && holds(lora_scales->sym_size(0).sym_eq(L)), op,
+                      ": lora_scales must be 1-D with L = ", num(L), " entries, got shape ", shape_str(*lora_scales));
+  }
+}
+
+// The index tensors of sgmv and lora_expand in the kernels' form; with LORA_OPS_DEBUG=1 their original values
+// validated first (rows T, L slots, max rank R).
+SgmvIndexTensors slot_index_tensors(const at::Tensor& y, int64_t T, int64_t L, int64_t R,
+                                    const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                    const std::optional<at::Tensor>& token_indices,
+                                    const std::optional<at::Tensor>& lora_ranks) {
+  if (debug_checks_apply(y)) {
+    debug_validate_segments(seg_indptr, seg_lora, token_indices, T, L, "seg_lora");
+    debug_validate_sizes("lora_ranks", lora_ranks, "R", R);
+  }
+  SgmvIndexTensors out;
+  out.seg_indptr = kernel_index(seg_indptr);
+  out.seg_lora = kernel_index(seg_lora);
+  if (token_indices.has_value()) out.token_indices = kernel_index(*token_indices);
+  if (lora_ranks.has_value()) out.lora_ranks = kernel_index(*lora_ranks);
+  return out;
+}
+
+// Segments and per-slot pointers of `keep` into the params of a sgmv or lora_expand call over T rows.
+void fill_slot_params(const SgmvIndexTensors& keep, int64_t T, Segments* seg, const int32_t** ranks,
+                      const float** scales) {
+  seg->indptr = keep.seg_indptr.data_ptr<int32_t>();
+  seg->slot = keep.seg_lora.data_ptr<int32_t>();
+  seg->num_segments = keep.seg_lora.size(0);
+  seg->positions = T;
+  if (keep.token_indices.defined()) {
+    seg->token_indices = keep.token_indices.data_ptr<int32_t>();
+    seg->positions = keep.token_indices.size(0);
+  }
+  if (keep.lora_ranks.defined()) *ranks = keep.lora_ranks.data_ptr<int32_t>();
+  if (keep.lora_scales.defined()) *scales = keep.lora_scales.data_ptr<float>();
+}
+
 }  // namespace
 
 void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
@@ -204,18 +277,7 @@ void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor&
   TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = y.size(1) = ",
                     num(N), ", got shape ", shape_str(lora_b));
 
-  const int64_t S = num_slices(slice_offsets);
-  TORCH_CHECK_VALUE(S >= 1 && S <= kMaxSlices, op, ": slice_offsets must have 2 to ", num(kMaxSlices + 1),
-                    " entries, got ", num(S + 1));
-  if (slice_offsets.has_value()) {
-    const auto offsets = *slice_offsets;
-    TORCH_CHECK_VALUE(offsets.front() == 0 && holds(N.sym_eq(offsets.back())), op,
-                      ": slice_offsets must start at 0 and end at N = ", num(N), ", got ", list_str(offsets));
-    for (int64_t s = 0; s < S; ++s) {
-      TORCH_CHECK_VALUE(offsets[s] <= offsets[s + 1], op, ": slice_offsets must be non-decreasing, got ",
-                        list_str(offsets));
-    }
-  }
+  const int64_t S = check_slices_host(op, slice_offsets, N);
   TORCH_CHECK_VALUE(holds((lora_a.sym_size(1) % S).sym_eq(0)), op, ": lora_a.size(1) = ", num(lora_a.sym_size(1)),
                     " must be S*R for S = ", num(S), " slices");
   const c10::SymInt R = lora_a.sym_size(1) / S;
@@ -229,19 +291,8 @@ void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor&
   check_unit_last_stride(op, "lora_b", lora_b);
   check_output_rows(op, y);
 
-  check_segments_host(op, "seg_lora", y, T, seg_indptr, seg_lora, token_indices);
-  check_int32_extent(op, "lora_a.size(0)", L);
-  if (lora_ranks.has_value()) {
-    check_index_tensor(op, "lora_ranks", *lora_ranks, y, L, "one per slot: lora_a.size(0)");
-    check_int32_extent(op, "R = lora_a.size(1) / S", R);
-  }
-  if (lora_scales.has_value()) {
-    check_device(op, "lora_scales", *lora_scales, y);
-    TORCH_CHECK_TYPE(lora_scales->scalar_type() == at::kFloat, op, ": lora_scales must be float32, got ",
-                     lora_scales->scalar_type());
-    TORCH_CHECK_VALUE(lora_scales->dim() == 1 && holds(lora_scales->sym_size(0).sym_eq(L)), op,
-                      ": lora_scales must be 1-D with L = ", num(L), " entries, got shape ", shape_str(*lora_scales));
-  }
+  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)", "R = lora_a.size(1) / S", seg_indptr, seg_lora,
+                          token_indices, lora_ranks, lora_scales);
 }
 
 SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
@@ -251,16 +302,8 @@ SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, co
                                     const std::optional<at::Tensor>& lora_scales,
                                     at::OptionalIntArrayRef slice_offsets) {
   check_sgmv_host(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets);
-  if (debug_checks_apply(y)) {
-    debug_validate_segments(seg_indptr, seg_lora, token_indices, x.size(0), lora_a.size(0), "seg_lora");
-    debug_validate_sizes("lora_ranks", lora_ranks, "R", lora_a.size(1) / num_slices(slice_offsets));
-  }
-  SgmvIndexTensors out;
-  out.seg_indptr = kernel_index(seg_indptr);
-  out.seg_lora = kernel_index(seg_lora);
-  if (token_indices.has_value()) out.token_indices = kernel_index(*token_indices);
-  if (lora_ranks.has_value()) out.lora_ranks = kernel_index(*lora_ranks);
-  return out;
+  return slot_index_tensors(y, x.size(0), lora_a.size(0), lora_a.size(1) / num_slices(slice_offsets), seg_indptr,
+                            seg_lora, token_indices, lora_ranks);
 }
 
 SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
@@ -272,20 +315,9 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   keep = sgmv_index_tensors(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                             slice_offsets);
   const int64_t T = x.size(0), S = num_slices(slice_offsets);
+  if (lora_scales.has_value()) keep.lora_scales = lora_scales->contiguous();
   SgmvParams p{};
-  p.seg.indptr = keep.seg_indptr.data_ptr<int32_t>();
-  p.seg.slot = keep.seg_lora.data_ptr<int32_t>();
-  p.seg.num_segments = keep.seg_lora.size(0);
-  p.seg.positions = T;
-  if (keep.token_indices.defined()) {
-    p.seg.token_indices = keep.token_indices.data_ptr<int32_t>();
-    p.seg.positions = keep.token_indices.size(0);
-  }
-  if (keep.lora_ranks.defined()) p.lora_ranks = keep.lora_ranks.data_ptr<int32_t>();
-  if (lora_scales.has_value()) {
-    keep.lora_scales = lora_scales->contiguous();
-    p.lora_scales = keep.lora_scales.data_ptr<float>();
-  }
+  fill_slot_params(keep, T, &p.seg, &p.lora_ranks, &p.lora_scales);
   p.y = y.data_ptr();
   p.x = x.data_ptr();
   p.lora_a = lora_a.data_ptr();
@@ -303,6 +335,83 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   p.n = y.size(1);
   p.num_slots = lora_a.size(0);
   p.max_rank = lora_a.size(1) / S;
+  p.num_slices = S;
+  for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : (s ? p.n : 0);
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                            const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                            const std::optional<at::Tensor>& token_indices,
+                            const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+                            at::OptionalIntArrayRef slice_offsets) {
+  constexpr const char* op = "lora_ops.lora_expand";
+  check_dim(op, "y", y, 2, "[T, N]");
+  check_dim(op, "h", h, 3, "[T, L, S*R]");
+  check_dim(op, "lora_b", lora_b, 3, "[L, N, R]");
+  check_device(op, "h", h, y);
+  check_device(op, "lora_b", lora_b, y);
+  check_float(op, "lora_b", lora_b);
+  TORCH_CHECK_TYPE(h.scalar_type() == lora_b.scalar_type() || h.scalar_type() == at::kFloat, op,
+                   ": h must be float32 or lora_b's dtype (", lora_b.scalar_type(), "), got ", h.scalar_type());
+  TORCH_CHECK_TYPE(y.scalar_type() == lora_b.scalar_type() || y.scalar_type() == at::kFloat, op,
+                   ": y must be float32 or lora_b's dtype (", lora_b.scalar_type(), "), got ", y.scalar_type());
+  const c10::SymInt T = y.sym_size(0), N = y.sym_size(1), L = lora_b.sym_size(0), R = lora_b.sym_size(2);
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = y.size(1) = ",
+                    num(N), ", got shape ", shape_str(lora_b));
+  const int64_t S = check_slices_host(op, slice_offsets, N);
+  TORCH_CHECK_VALUE(holds(h.sym_size(0).sym_eq(T) & h.sym_size(1).sym_eq(L) & h.sym_size(2).sym_eq(R * S)), op,
+                    ": h must be [T, L, S*R] with T = y.size(0) = ", num(T), ", L = lora_b.size(0) = ", num(L),
+                    " and S*R = ", num(R * S), ", got shape ", shape_str(h));
+  check_unit_last_stride(op, "y", y);
+  check_unit_last_stride(op, "h", h);
+  check_unit_last_stride(op, "lora_b", lora_b);
+  check_output_rows(op, y);
+  check_slot_tensors_host(op, y, T, L, R, "lora_b.size(0)", "R = lora_b.size(2)", seg_indptr, seg_lora,
+                          token_indices, lora_ranks, lora_scales);
+}
+
+SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                                           const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                           const std::optional<at::Tensor>& token_indices,
+                                           const std::optional<at::Tensor>& lora_ranks,
+                                           const std::optional<at::Tensor>& lora_scales,
+                                           at::OptionalIntArrayRef slice_offsets) {
+  check_lora_expand_host(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets);
+  return slot_index_tensors(y, y.size(0), lora_b.size(0), lora_b.size(2), seg_indptr, seg_lora, token_indices,
+                            lora_ranks);
+}
+
+ExpandParams check_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                               const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                               const std::optional<at::Tensor>& token_indices,
+                               const std::optional<at::Tensor>& lora_ranks,
+                               const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                               double scale, SgmvIndexTensors& keep) {
+  keep = lora_expand_index_tensors(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                                   slice_offsets);
+  if (lora_scales.has_value()) keep.lora_scales = lora_scales->contiguous();
+  const int64_t T = y.size(0), S = num_slices(slice_offsets);
+  ExpandParams p{};
+  fill_slot_params(keep, T, &p.seg, &p.lora_ranks, &p.lora_scales);
+  p.y = y.data_ptr();
+  p.h = h.data_ptr();
+  p.lora_b = lora_b.data_ptr();
+  p.y_row_stride = y.stride(0);
+  p.h_row_stride = h.stride(0);
+  p.h_slot_stride = h.stride(1);
+  p.h_split_stride = 0;
+  p.h_splits = 1;
+  p.b_stride0 = lora_b.stride(0);
+  p.b_stride1 = lora_b.stride(1);
+  p.b_dtype = to_dtype(lora_b.scalar_type());
+  p.h_dtype = to_dtype(h.scalar_type());
+  p.y_dtype = to_dtype(y.scalar_type());
+  p.rows = T;
+  p.n = y.size(1);
+  p.num_slots = lora_b.size(0);
+  p.max_rank = lora_b.size(2);
   p.num_slices = S;
   for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : (s ? p.n : 0);
   p.scale = static_cast<float>(scale);

@@ -32,6 +32,14 @@ void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor&
                      const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets);
 
+// lora_expand: y [T, N], h [T, L, S*R] (every slot's window of each row; any strides in dims 0 and 1),
+// lora_b [L, N, R]. Its index tensors are sgmv's.
+void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                            const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                            const std::optional<at::Tensor>& token_indices,
+                            const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+                            at::OptionalIntArrayRef slice_offsets);
+
 void check_grouped_gemm_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                              const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
                              const std::optional<at::Tensor>& token_indices,
@@ -46,6 +54,13 @@ SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, co
                                     const std::optional<at::Tensor>& lora_ranks,
                                     const std::optional<at::Tensor>& lora_scales,
                                     at::OptionalIntArrayRef slice_offsets);
+
+SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                                           const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                           const std::optional<at::Tensor>& token_indices,
+                                           const std::optional<at::Tensor>& lora_ranks,
+                                           const std::optional<at::Tensor>& lora_scales,
+                                           at::OptionalIntArrayRef slice_offsets);
 
 GroupedGemmIndexTensors grouped_gemm_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                                                    const at::Tensor& seg_indptr, const at::Tensor& seg_weight,
@@ -63,6 +78,13 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
                       const std::optional<at::Tensor>& lora_ranks,
                       const std::optional<at::Tensor>& lora_scales,
                       at::OptionalIntArrayRef slice_offsets, double scale, SgmvIndexTensors& keep);
+
+ExpandParams check_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                               const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                               const std::optional<at::Tensor>& token_indices,
+                               const std::optional<at::Tensor>& lora_ranks,
+                               const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                               double scale, SgmvIndexTensors& keep);
 
 GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                                      const at::Tensor& seg_indptr, const at::Tensor& seg_weight,

@@ -51,6 +51,23 @@ struct GroupedGemmParams {
   bool accumulate;
 };
 
+// lora_expand (and the second step of the CUDA decode sgmv): y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] *
+// B[l, slice s, :r_l]^T. h is read at h + t*h_row_stride + l*h_slot_stride, summed over h_splits partials
+// h_split_stride apart (in split order: deterministic); the public op has one split.
+struct ExpandParams {
+  void* y;
+  const void* h;
+  const void* lora_b;  // [L, N, R]
+  int64_t y_row_stride, h_row_stride, h_slot_stride, h_split_stride, b_stride0, b_stride1;
+  DType b_dtype, h_dtype, y_dtype;
+  Segments seg;
+  const int32_t* lora_ranks;  // [L] or nullptr
+  const float* lora_scales;   // [L] or nullptr
+  int64_t rows, n, num_slots, max_rank, num_slices, h_splits;
+  int64_t slice_offsets[kMaxSlices + 1];
+  float scale;
+};
+
 struct BuildSegmentsParams {
   const int32_t* token_lora;  // [T]
   int32_t* token_indices;     // [T]

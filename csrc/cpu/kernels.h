@@ -5,6 +5,7 @@
 namespace lora_ops::cpu {
 
 void sgmv(const SgmvParams& p);
+void lora_expand(const ExpandParams& p);
 void grouped_gemm(const GroupedGemmParams& p);
 void build_segments(const BuildSegmentsParams& p);
 

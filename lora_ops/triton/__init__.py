@@ -12,9 +12,10 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel
+from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel
 
 _check_sgmv = torch.ops.lora_ops._check_sgmv.default
+_check_lora_expand = torch.ops.lora_ops._check_lora_expand.default
 _check_grouped_gemm = torch.ops.lora_ops._check_grouped_gemm.default
 _check_build_segments = torch.ops.lora_ops._check_build_segments.default
 _MAX_SLICES = 8
@@ -80,6 +81,43 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
         *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
         IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
+
+
+def expand_config(positions: int, segments: int, width: int, max_rank: int, fp32: bool) -> dict:
+    """lora_expand's config: sgmv's tiles without the shrink. A column split re-reads nothing here, so the
+    columns are split while the tiles alone leave the GPU idle, down to one BLOCK_N block per program."""
+    cfg = sgmv_config(positions, segments, width, max_rank, fp32)
+    del cfg["BLOCK_K"]
+    tiles = tile_bound(positions, segments, cfg["BLOCK_M"])
+    splits = 1
+    while splits < 64 and tiles * splits * 2 <= 2 * _TARGET_PROGRAMS and width // (splits * 2) >= cfg["BLOCK_N"]:
+        splits *= 2
+    cfg["N_SPLITS"] = splits
+    return cfg
+
+
+def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ranks=None, lora_scales=None,
+                slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
+    seg_indptr, seg_lora, token_indices, lora_ranks = _check_lora_expand(
+        y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets)
+    T, N = y.shape
+    R = lora_b.shape[2]
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, N]
+    S = len(offsets) - 1
+    G = seg_lora.shape[0]
+    positions = token_indices.shape[0] if token_indices is not None else T
+    if T == 0 or G == 0 or R == 0 or N == 0:
+        return
+    cfg = expand_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])), R,
+                        lora_b.dtype == torch.float32)
+    offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
+    grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
+    lora_expand_kernel[grid](
+        y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+        T, lora_b.shape[0], R, positions, G, y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
+        lora_b.stride(1), lora_scales.stride(0) if lora_scales is not None else 0, float(scale), *offsets,
+        HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
+        IEEE=lora_b.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
 
 
 def _scan_width(segments: int) -> int:

@@ -83,6 +83,45 @@ def _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8):
 
 
 @triton.jit
+def _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split, o0, o1, o2, o3, o4, o5, o6, o7, o8,
+               HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The slot's rank and coefficient (scale · lora_scales[slot]), and the columns [n_begin, n_end) of slice s
+    that column split `split` of N_SPLITS covers (whole BLOCK_N blocks)."""
+    if HAS_RANKS:
+        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)
+    else:
+        rank = R
+    coef = scale
+    if HAS_SCALES:
+        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)  # expanded or strided scales
+    lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
+    n_begin = lo + split * chunk
+    return rank, coef, n_begin, tl.minimum(n_begin + chunk, hi)
+
+
+@triton.jit
+def _expand_into_y(h, y_ptr, b_ptr, slot, rows, rmask, rank, n_begin, n_end, y_stride, b_s0, b_s1,
+                   IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[rows, n_begin:n_end] += h · B[slot, n_begin:n_end, :rank]ᵀ, h [BLOCK_M, BLOCK_R] float32 (scaled, zero
+    past the rank), float32-accurate in every dtype; y read and written once."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    b_base = b_ptr + slot.to(tl.int64) * b_s0 + offs_r[:, None]
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        nn = n0 + offs_n
+        nmask = nn < n_end
+        bt = tl.load(b_base + nn.to(tl.int64)[None, :] * b_s1, mask=(offs_r < rank)[:, None] & nmask[None, :],
+                     other=0.0)
+        delta = _dot_f32_lhs(h, bt, IEEE)
+        y_ptrs = y_ptr + rows[:, None] * y_stride + nn[None, :]
+        ymask = rmask[:, None] & nmask[None, :]
+        yt = tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (yt + delta).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
 def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
                 num_rows, K, num_slots, R, positions, num_segments, y_stride, x_stride, a_s0, a_s1, b_s0, b_s1,
                 scales_stride, scale,
@@ -98,48 +137,54 @@ def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
                                      num_slots, R, positions, num_rows, HAS_IDX, HAS_RANKS, BLOCK_M, SCAN)
     if slot < 0:
         return
-    if HAS_RANKS:
-        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)
-    else:
-        rank = R
-    lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
-    hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
-    n_begin = lo + split * chunk
-    n_end = tl.minimum(n_begin + chunk, hi)
+    rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
+                                            o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_RANKS, HAS_SCALES, N_SPLITS,
+                                            BLOCK_N)
     if (rank == 0) | (n_begin >= n_end):
         return
-    coef = scale
-    if HAS_SCALES:
-        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)  # expanded or strided scales
-
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    rk_mask = offs_r < rank
     a_base = a_ptr + slot.to(tl.int64) * a_s0 + (s * R + offs_r).to(tl.int64)[None, :] * a_s1
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
         xt = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        at = tl.load(a_base + kk[:, None], mask=kmask[:, None] & rk_mask[None, :], other=0.0)
+        at = tl.load(a_base + kk[:, None], mask=kmask[:, None] & (offs_r < rank)[None, :], other=0.0)
         if IEEE:
             h += tl.dot(xt, at, input_precision="ieee")
         else:
             h += tl.dot(xt, at)
-    h = h * coef
+    _expand_into_y(h * coef, y_ptr, b_ptr, slot, rows, rmask, rank, n_begin, n_end, y_stride, b_s0, b_s1, IEEE,
+                   BLOCK_R, BLOCK_N)
 
-    offs_n = tl.arange(0, BLOCK_N)
-    b_base = b_ptr + slot.to(tl.int64) * b_s0 + offs_r[:, None]
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        nn = n0 + offs_n
-        nmask = nn < n_end
-        bt = tl.load(b_base + nn.to(tl.int64)[None, :] * b_s1, mask=rk_mask[:, None] & nmask[None, :], other=0.0)
-        delta = _dot_f32_lhs(h, bt, IEEE)
-        y_ptrs = y_ptr + rows[:, None] * y_stride + nn[None, :]
-        ymask = rmask[:, None] & nmask[None, :]
-        yt = tl.load(y_ptrs, mask=ymask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (yt + delta).to(y_ptr.dtype.element_ty), mask=ymask)
+
+@triton.jit
+def lora_expand_kernel(y_ptr, h_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
+                       num_rows, num_slots, R, positions, num_segments, y_stride, h_s0, h_s1, b_s0, b_s1,
+                       scales_stride, scale,
+                       o0, o1, o2, o3, o4, o5, o6, o7, o8,
+                       HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr,
+                       IEEE: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """Program (tile of BLOCK_M positions of one segment, slice s x column split): the rows' window of h for the
+    tile's slot, scaled in float32, expanded into the program's share of the slice's columns of y."""
+    s = tl.program_id(1) // N_SPLITS
+    split = tl.program_id(1) % N_SPLITS
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tl.program_id(0), num_segments,
+                                     num_slots, R, positions, num_rows, HAS_IDX, HAS_RANKS, BLOCK_M, SCAN)
+    if slot < 0:
+        return
+    rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
+                                            o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_RANKS, HAS_SCALES, N_SPLITS,
+                                            BLOCK_N)
+    if (rank == 0) | (n_begin >= n_end):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    h = tl.load(h_ptr + rows[:, None] * h_s0 + slot.to(tl.int64) * h_s1 + (s * R + offs_r)[None, :],
+                mask=rmask[:, None] & (offs_r < rank)[None, :], other=0.0).to(tl.float32)
+    _expand_into_y(h * coef, y_ptr, b_ptr, slot, rows, rmask, rank, n_begin, n_end, y_stride, b_s0, b_s1, IEEE,
+                   BLOCK_R, BLOCK_N)
 
 
 @triton.jit
