@@ -194,79 +194,100 @@ inline bool cluster_fits(const void* kernel, int threads, int64_t cluster, size_
   return fits;
 }
 
-// One tile: up to `tile_rows` consecutive positions of one segment with a valid slot and nonzero rank.
-struct Tile {
-  int64_t segment, slot, rank, begin, end;  // positions [begin, end)
-  float coef;                               // scale * lora_scales[slot]
+// Up to `tile_rows` consecutive positions [begin, end) of one segment, and the segment's slot.
+struct TileRef {
+  int64_t slot, begin, end;
 };
 
-// Number of tiles of segment g, which covers positions [begin, end) (0 when its slot is invalid or its rank 0).
-__device__ __forceinline__ int64_t segment_tiles(const Segments& seg, int64_t g, int64_t begin, int64_t end,
-                                                 int64_t num_slots, const int32_t* ranks, int64_t max_rank,
-                                                 int64_t tile_rows) {
-  const int64_t slot = segment_slot(seg, g, num_slots);
-  if (slot < 0 || slot_size(ranks, slot, max_rank) == 0) return 0;
-  return (end - begin + tile_rows - 1) / tile_rows;
+// Tile number `tile` of the walk over all segments in order, `tile_rows` positions each. Warp-wide: all 32
+// lanes call it with the same arguments; false when there are fewer tiles.
+// Segment g covers positions [m_g, m_{g+1}) with m_i = max_{j <= i} clamp(seg_indptr[j], 0, P): segments never
+// overlap whatever the metadata, so the tile count is at most min(P, ceil(P / tile_rows) + G), the grid bound.
+// A segment whose slot is outside [0, num_slots) has no tiles. The rank is not consulted (the caller leaves a
+// rank-0 tile), which keeps the walk one dependent load deep: 32 segments per step, two loads per lane.
+__device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t tile,
+                                      TileRef* out) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  int64_t tiles_before = 0, m_carry = clamped_indptr(seg, 0);
+  for (int64_t base = 0; base < seg.num_segments; base += 32) {
+    const int64_t g = base + lane;
+    const bool in = g < seg.num_segments;
+    const int64_t slot = in ? seg.slot[g] : -1;
+    const int64_t bound = in ? clamped_indptr(seg, g + 1) : int64_t{0};
+    const int64_t m_end = Max{}(m_carry, warp_inclusive_scan(bound, 32, Max{}));
+    int64_t m_begin = __shfl_up_sync(kAll, m_end, 1);
+    if (lane == 0) m_begin = m_carry;
+    const int64_t n = (in && slot >= 0 && slot < num_slots) ? (m_end - m_begin + tile_rows - 1) / tile_rows : 0;
+    const int64_t incl = tiles_before + warp_inclusive_scan(n);
+    const unsigned hit = __ballot_sync(kAll, n > 0 && tile >= incl - n && tile < incl);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      const int64_t first = __shfl_sync(kAll, incl - n, src);
+      out->slot = __shfl_sync(kAll, slot, src);
+      out->begin = __shfl_sync(kAll, m_begin, src) + (tile - first) * tile_rows;
+      out->end = std::min(out->begin + tile_rows, (int64_t)__shfl_sync(kAll, m_end, src));
+      return true;
+    }
+    tiles_before = __shfl_sync(kAll, incl, 31);
+    m_carry = __shfl_sync(kAll, m_end, 31);
+  }
+  return false;
 }
 
-// Finds tile number `tile` of the walk over all segments in order (block-wide: every thread must call it
-// with the same arguments; blockDim.x a multiple of 32). Returns false when there are fewer tiles. The walk scans
-// segments blockDim.x at a time and stops at the chunk that holds the tile, so it costs O(G / blockDim) rounds of
-// two block scans: a running maximum of the clamped indptr entries gives each segment its bounds [m_g, m_{g+1})
-// (the running-maximum rule of params.h: segments are disjoint, so the tiles fit the grid's bound
-// min(P, P/tile_rows + G)), then a prefix sum of the segments' tile counts places the tile.
-__device__ inline bool locate_tile(const Segments& seg, int64_t num_slots, const int32_t* ranks,
-                            const float* scales, float scale, int64_t max_rank, int64_t tile_rows,
-                            int64_t tile, Tile* out) {
-  __shared__ int64_t warp_max[32], warp_sums[32];
-  __shared__ int64_t found_segment, found_first, found_begin, found_end;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  __syncthreads();  // a previous call's readers of found_* are done
-  if (threadIdx.x == 0) found_segment = -1;
-  __syncthreads();
-  // Carried from chunk to chunk, equal in every thread: m at the chunk's first segment, tiles before the chunk.
-  int64_t bound = clamped_indptr(seg, 0), tiles_before = 0;
-  for (int64_t base = 0; base < seg.num_segments; base += blockDim.x) {
-    const int64_t g = base + threadIdx.x;
-    const bool live = g < seg.num_segments;
-    // end = m_{g+1}: running maximum within the warp, then over the warps before and the earlier chunks.
-    const int64_t lane_max = warp_inclusive_scan(live ? clamped_indptr(seg, g + 1) : int64_t{0}, 32, Max{});
-    if (lane == 31) warp_max[warp] = lane_max;
-    __syncthreads();
-    int64_t warp_begin = bound;
-    for (int w = 0; w < warp; ++w) warp_begin = Max{}(warp_begin, warp_max[w]);
-    const int64_t end = Max{}(warp_begin, lane_max);
-    const int64_t prev_end = __shfl_up_sync(0xffffffffu, end, 1);
-    const int64_t begin = lane == 0 ? warp_begin : prev_end;  // m_g: the previous segment's end
-    const int64_t n = live ? segment_tiles(seg, g, begin, end, num_slots, ranks, max_rank, tile_rows) : 0;
-    const int64_t incl = warp_inclusive_scan(n);
-    if (lane == 31) warp_sums[warp] = incl;
-    __syncthreads();
-    int64_t first = tiles_before + incl - n;  // this segment's first tile number
-    for (int w = 0; w < warp; ++w) first += warp_sums[w];
-    if (n > 0 && tile >= first && tile < first + n) {
-      found_segment = g;
-      found_first = first;
-      found_begin = begin;
-      found_end = end;
+// Block-wide tile lookup: warp 0 walks (warp_find_tile); the tile, and its rows in `rows` (shared memory; -1
+// past the tile's end or for a row outside [0, num_rows)), are visible to every thread on return. False when
+// there are fewer tiles. Every thread of the block must call it.
+template <int kRows>
+__device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, int64_t num_rows, int64_t tile,
+                                       TileRef* out, int64_t* rows) {
+  __shared__ TileRef s_tile;
+  __shared__ bool s_found;
+  if (threadIdx.x < 32) {
+    TileRef t;
+    const bool found = warp_find_tile(seg, num_slots, kRows, tile, &t);
+    if (threadIdx.x == 0) {
+      s_found = found;
+      s_tile = t;
     }
-    for (int w = 0; w < warps; ++w) {
-      tiles_before += warp_sums[w];
-      bound = Max{}(bound, warp_max[w]);
+    for (int r = threadIdx.x; found && r < kRows; r += 32) {
+      rows[r] = t.begin + r < t.end ? segment_row(seg, t.begin + r, num_rows) : -1;
     }
-    __syncthreads();
-    if (found_segment >= 0 || tiles_before > tile) break;
   }
-  const int64_t g = found_segment;
-  if (g < 0) return false;
-  const int64_t slot = seg.slot[g];
-  out->segment = g;
-  out->slot = slot;
-  out->rank = slot_size(ranks, slot, max_rank);
-  out->begin = found_begin + (tile - found_first) * tile_rows;
-  out->end = std::min<int64_t>(out->begin + tile_rows, found_end);
-  out->coef = scale * (scales ? scales[slot] : 1.f);
-  return true;
+  __syncthreads();
+  *out = s_tile;
+  return s_found;
+}
+
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the previous kernel
+// in the stream still runs; it must call grid_dependency_wait() before reading anything that kernel writes.
+// Both are no-ops on older GPUs and for kernels launched normally.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents_to_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launches kernel<<<grid, threads, 0, stream>>>(args...), programmatically dependent on the previous kernel in
+// the stream when `pdl` (sm_90+).
+template <class... KArgs, class... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, bool pdl, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
 }  // namespace lora_ops::cuda

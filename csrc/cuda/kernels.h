@@ -11,33 +11,18 @@ struct Vec16Access {
   bool x, a, b, y;
 };
 
-// Decode-regime sgmv without clusters (sm_80): one cooperative launch, shrink (split over rank rows and K)
-// -> grid barrier -> expand.
-struct SimtPlan {
-  int64_t k_splits, k_chunk;      // shrink K split (deterministic: partials reduced in order by the expand)
-  int64_t max_tiles;              // upper bound on tiles of 8 positions
-  int64_t shrink_units, expand_units;
-  int grid;
-  Vec16Access vec;
+// Decode-regime sgmv: two short kernels. The shrink writes float32 K-split partials of h
+// ([splits][rows][S*R]); the expand (launch_lora_expand with h = the partials) sums them in split order.
+struct ShrinkPlan {
+  int64_t max_tiles;  // upper bound on tiles of 8 positions
+  int64_t splits, k_chunk;
 };
-SimtPlan plan_sgmv_simt(const SgmvParams& p, int num_sms);
-size_t sgmv_simt_workspace_floats(const SgmvParams& p, const SimtPlan& plan);
-// The expand stages the tile's rank vectors (8 rows x S*R floats) in shared memory: S*R is bounded.
-int64_t sgmv_simt_max_rank_columns();
-cudaError_t launch_sgmv_simt(const SgmvParams& p, const SimtPlan& plan, float* workspace, cudaStream_t stream);
+ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms);
+cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream);
 
-// Decode-regime sgmv from sm_90 on: one cluster of `cluster` CTAs per tile of 8 positions, no grid barrier.
-struct ClusterPlan {
-  int64_t max_tiles;   // upper bound on tiles of 8 positions
-  int64_t cluster;     // CTAs per tile: K split for the shrink, column split for the expand
-  int64_t stage_rows;  // A rows per shared-memory stage (16 or 32)
-  int64_t buffers;     // stages in flight (1 or 2)
-  int64_t staged_rank; // B rank columns staged in shared memory per column pass (a multiple of 8)
-  Vec16Access vec;
-};
-// False when the GPU has no clusters or the shapes do not fit the kernel's shared memory.
-bool plan_sgmv_cluster(const SgmvParams& p, int num_sms, int cc_major, ClusterPlan* plan);
-cudaError_t launch_sgmv_cluster(const SgmvParams& p, const ClusterPlan& plan, cudaStream_t stream);
+// y += h * B^T per segment (the lora_expand op, and step 2 of the decode sgmv). From sm_90 it is launched
+// programmatically dependent on the previous kernel in the stream.
+cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

@@ -22,20 +22,48 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   return value;
 }
 
-// LORA_OPS_CUDA_SGMV_KERNEL=mma|cluster|simt prefers one sgmv kernel where it can take the input (tests use it
-// to cover the kernels the automatic choice does not pick on their GPU); unset or "auto": by regime and GPU.
-enum class SgmvKernel { Auto, Mma, Cluster, Simt };
+// LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
+// cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
+enum class SgmvKernel { Auto, Mma, Split };
 SgmvKernel preferred_sgmv_kernel() {
   const char* v = std::getenv("LORA_OPS_CUDA_SGMV_KERNEL");
   if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return SgmvKernel::Auto;
   if (!std::strcmp(v, "mma")) return SgmvKernel::Mma;
-  if (!std::strcmp(v, "cluster")) return SgmvKernel::Cluster;
-  if (!std::strcmp(v, "simt")) return SgmvKernel::Simt;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma, cluster or simt");
+  if (!std::strcmp(v, "split")) return SgmvKernel::Split;
+  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma or split");
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
 constexpr int64_t kMmaMinPositions = 1024;
+
+// The expand step of a decode sgmv: h is the shrink's float32 partials [splits][rows][S*R], one window per row.
+ExpandParams expand_of_shrink(const SgmvParams& p, const cuda::ShrinkPlan& plan, const float* partials) {
+  ExpandParams e{};
+  e.y = p.y;
+  e.h = partials;
+  e.lora_b = p.lora_b;
+  e.y_row_stride = p.y_row_stride;
+  e.h_row_stride = p.num_slices * p.max_rank;
+  e.h_slot_stride = 0;
+  e.h_split_stride = p.rows * p.num_slices * p.max_rank;
+  e.h_splits = plan.splits;
+  e.b_stride0 = p.b_stride0;
+  e.b_stride1 = p.b_stride1;
+  e.b_dtype = p.x_dtype;
+  e.h_dtype = DType::F32;
+  e.y_dtype = p.y_dtype;
+  e.seg = p.seg;
+  e.lora_ranks = p.lora_ranks;
+  e.lora_scales = p.lora_scales;
+  e.rows = p.rows;
+  e.n = p.n;
+  e.num_slots = p.num_slots;
+  e.max_rank = p.max_rank;
+  e.num_slices = p.num_slices;
+  for (int64_t s = 0; s <= p.num_slices; ++s) e.slice_offsets[s] = p.slice_offsets[s];
+  e.scale = p.scale;
+  return e;
+}
 
 void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
@@ -45,30 +73,38 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   SgmvIndexTensors keep;
   const auto p = check_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                             slice_offsets, scale, keep);
-  if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
+  // An empty reduction (K = 0) contributes exactly zero whatever the scales: nothing to launch.
+  if (p.rows == 0 || p.k == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) {
+    return;
+  }
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int device = y.get_device();
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   const SgmvKernel preferred = preferred_sgmv_kernel();
-  const bool mma_ok = cuda::sgmv_mma_supported(p);
-  if (mma_ok && (preferred == SgmvKernel::Mma ||
-                 (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
+  if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma ||
+                                      (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, stream));
     return;
   }
-  cuda::ClusterPlan cluster_plan;
-  if (preferred != SgmvKernel::Simt && cuda::plan_sgmv_cluster(p, sms, cc_major, &cluster_plan)) {
-    C10_CUDA_CHECK(cuda::launch_sgmv_cluster(p, cluster_plan, stream));
-    return;
-  }
-  TORCH_CHECK_VALUE(p.num_slices * p.max_rank <= cuda::sgmv_simt_max_rank_columns(), "lora_ops.sgmv: S*R = ",
-                    std::to_string(p.num_slices * p.max_rank), " rank columns exceed what the CUDA kernel stages ",
-                    "in shared memory (max ", std::to_string(cuda::sgmv_simt_max_rank_columns()), ")");
-  const auto plan = cuda::plan_sgmv_simt(p, sms);
-  const auto workspace = at::empty({(int64_t)cuda::sgmv_simt_workspace_floats(p, plan)},
-                                   y.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(cuda::launch_sgmv_simt(p, plan, workspace.data_ptr<float>(), stream));
+  const auto plan = cuda::plan_sgmv_shrink(p, sms);
+  const auto partials = at::empty({plan.splits * p.rows * p.num_slices * p.max_rank}, y.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::launch_sgmv_shrink(p, plan, partials.data_ptr<float>(), stream));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), cc_major, stream));
+}
+
+void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                      const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                      const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
+                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                      double scale) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  SgmvIndexTensors keep;
+  const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                                   slice_offsets, scale, keep);
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
+  C10_CUDA_CHECK(cuda::launch_lora_expand(
+      p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), c10::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
@@ -89,5 +125,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Ten
 
 TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("sgmv", &lora_ops::sgmv_cuda);
+  m.impl("lora_expand", &lora_ops::lora_expand_cuda);
   m.impl("build_segments", &lora_ops::build_segments_cuda);
 }

@@ -91,17 +91,12 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
   const int64_t tile_idx = unit / plan.groups, group = unit % plan.groups;
-  Tile tile;
-  if (!locate_tile(p.seg, p.num_slots, p.lora_ranks, p.lora_scales, p.scale, p.max_rank, kTileRows, tile_idx,
-                   &tile)) {
-    return;
-  }
-  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = tile.rank;
+  TileRef tile;
+  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows)) return;
+  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = slot_size(p.lora_ranks, tile.slot, R);
+  if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
+  const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
-  for (int r = tid; r < kTileRows; r += kThreads) {
-    s_rows[r] = tile.begin + r < tile.end ? segment_row(p.seg, tile.begin + r, p.rows) : -1;
-  }
-  __syncthreads();
 
   // ---------------- shrink: h = X A^T ----------------
   auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
@@ -198,8 +193,8 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* c = h[2 * ks + half];
-      split_pack<T>(c[0] * tile.coef, c[1] * tile.coef, &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
-      split_pack<T>(c[2] * tile.coef, c[3] * tile.coef, &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
+      split_pack<T>(c[0] * coef, c[1] * coef, &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
+      split_pack<T>(c[2] * coef, c[3] * coef, &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
     }
   }
 

@@ -1,0 +1,128 @@
+// sgmv, decode regime, step 1 of 2: the shrink h = x * A_l^T of every tile of 8 positions, split over K.
+// CTA (tile, split) dots its K chunk of the tile's x rows with every rank row of the slot's A (all slices) and
+// writes float32 partials [split][row][S*R]; step 2, lora_expand.cu, sums them in split order (deterministic),
+// applies the scales and adds h * B^T into y. Each warp takes 4 A rows at a time; each lane covers 8
+// consecutive K elements of every 256-element step, with all of the step's x and A loads in flight at once,
+// and the 8 row sums of an A row are reduced across the warp by a transposing butterfly (9 shuffles).
+// The CTA lets the expand launch at once (programmatic dependent launch, sm_90): its tile walk and B prefetch
+// overlap this kernel.
+#include <algorithm>
+
+#include "kernels.h"
+#include "common.cuh"
+
+namespace lora_ops::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileRows = 8;
+constexpr int kStep = 32 * 8;  // K elements per warp step
+constexpr int kRowsPerPass = 4;
+
+// After it, lane L holds the warp sum of v[i] for i = (L >> 4 & 1) * 4 + (L >> 3 & 1) * 2 + (L >> 2 & 1).
+__device__ __forceinline__ float warp_reduce8(float v[8], int lane) {
+#pragma unroll
+  for (int half = 4, bit = 16; half >= 1; half >>= 1, bit >>= 1) {
+    const bool upper = lane & bit;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+    }
+  }
+  float s = v[0];
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  return s;
+}
+
+// kVec: x and A rows allow 16-byte loads (checked on the host).
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads) sgmv_shrink_kernel(SgmvParams p, int64_t splits, int64_t k_chunk,
+                                                               float* partials) {
+  __shared__ int64_t s_rows[kTileRows];
+  allow_dependents_to_launch();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t split = blockIdx.x % splits;
+  TileRef tile;
+  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, blockIdx.x / splits, &tile, s_rows)) return;
+  const int64_t slot = tile.slot, rank = slot_size(p.lora_ranks, slot, p.max_rank);
+  const int64_t k0 = split * k_chunk, k1 = std::min(p.k, k0 + k_chunk);
+  const T* x = static_cast<const T*>(p.x);
+  const T* a_slot = static_cast<const T*>(p.lora_a) + slot * p.a_stride0;
+  const int64_t SR = p.num_slices * p.max_rank;
+  int64_t rows[kTileRows];
+#pragma unroll
+  for (int m = 0; m < kTileRows; ++m) rows[m] = s_rows[m];
+
+  for (int64_t e0 = warp * kRowsPerPass; e0 < p.num_slices * rank; e0 += kWarps * kRowsPerPass) {
+    float acc[kRowsPerPass][kTileRows] = {};
+    for (int64_t k = k0 + lane * 8; k < k1; k += kStep) {
+      Raw8<T> xr[kTileRows], ar[kRowsPerPass];
+#pragma unroll
+      for (int m = 0; m < kTileRows; ++m) {
+        if (rows[m] >= 0) load_raw8(x + rows[m] * p.x_row_stride + k, kVec, k1 - k, xr[m]);
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsPerPass; ++i) {
+        const int64_t e = e0 + i;
+        const int64_t a_row = (e / rank) * p.max_rank + e % rank;
+        load_raw8(a_slot + a_row * p.a_stride1 + k, kVec, e < p.num_slices * rank ? k1 - k : 0, ar[i]);
+      }
+#pragma unroll
+      for (int m = 0; m < kTileRows; ++m) {
+        if (rows[m] < 0) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xv = to_f32(xr[m].v[j]);
+#pragma unroll
+          for (int i = 0; i < kRowsPerPass; ++i) acc[i][m] += xv * to_f32(ar[i].v[j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerPass; ++i) {
+      const float sum = warp_reduce8(acc[i], lane);
+      const int m = (lane >> 4 & 1) * 4 + (lane >> 3 & 1) * 2 + (lane >> 2 & 1);
+      const int64_t e = e0 + i;
+      const int64_t row = s_rows[m];  // m depends on the lane: shared memory, not the register copy
+      if ((lane & 3) == 0 && row >= 0 && e < p.num_slices * rank) {
+        partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = sum;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms) {
+  ShrinkPlan plan{};
+  const int64_t P = p.seg.positions;
+  plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  // About four CTAs per SM: split K while the tiles alone do not fill the GPU, whole 256-element steps each.
+  const int64_t steps = std::max<int64_t>(1, (p.k + kStep - 1) / kStep);
+  const int64_t want = std::clamp<int64_t>((4 * num_sms + plan.max_tiles - 1) / std::max<int64_t>(plan.max_tiles, 1),
+                                           1, steps);
+  plan.k_chunk = (steps + want - 1) / want * kStep;
+  plan.splits = std::max<int64_t>(1, (p.k + plan.k_chunk - 1) / plan.k_chunk);
+  return plan;
+}
+
+cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream) {
+  const int64_t blocks = plan.max_tiles * plan.splits;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const int64_t es = dtype_size(p.x_dtype);
+  const bool vec = aligned16(p.x, {p.x_row_stride * es}) && aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
+  auto launch = [&](auto tag) {
+    using T = typename ElemOf<decltype(tag)::value>::type;
+    auto kernel = vec ? sgmv_shrink_kernel<T, true> : sgmv_shrink_kernel<T, false>;
+    kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(p, plan.splits, plan.k_chunk, partials);
+    return cudaGetLastError();
+  };
+  return dispatch_dtype(p.x_dtype, launch);
+}
+
+}  // namespace lora_ops::cuda
