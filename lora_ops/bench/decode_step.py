@@ -1,0 +1,228 @@
+"""`python -m lora_ops.bench --decode-step`: the LoRA overhead of a whole model's decode step.
+
+Every linear layer of the model (fused qkv with GQA slices, o, fused gate_up, down; attention is left out: LoRA
+does not change it) runs once per layer, captured as ONE CUDA graph per step and replayed; weights rotate
+through HBM as in a real step (a step's weights are many times the L2). Each row of the batch is on a random
+adapter of a 32-slot pool. Routes:
+
+- base:        the base GEMMs alone (cuBLAS).
+- sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
+- fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
+               the lora_expand op adds each row's own window of h times its B (backend <b>).
+
+The LoRA routes also run build_segments once per step. Reported per route: µs per step, the overhead over base
+in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
+be read, at the same bandwidth), and the relative error of the first layer's outputs against the float64 oracle
+(`base` shows the bf16 GEMM's own error).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import lora_ops
+from lora_ops import backends, reference, testing
+
+from .timing import capture, time_loop
+
+POOL_SLOTS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int        # K of qkv and gate_up, N of o and down
+    q: int             # width of the q slice, K of o
+    kv: int            # width of the k and v slices
+    intermediate: int  # width of the gate and up slices, K of down
+    layers: int
+
+    def modules(self) -> List[Tuple[str, int, Tuple[int, ...]]]:
+        """(name, K, slice widths) of one layer's LoRA-wrapped linear layers."""
+        return [("qkv", self.hidden, (self.q, self.kv, self.kv)), ("o", self.q, (self.hidden,)),
+                ("gate_up", self.hidden, (self.intermediate, self.intermediate)),
+                ("down", self.intermediate, (self.hidden,))]
+
+
+MODELS = {
+    "llama3-8b": ModelShape("llama3-8b", 4096, 4096, 1024, 14336, 32),
+    "qwen2-7b": ModelShape("qwen2-7b", 3584, 3584, 512, 18944, 28),
+    # one GPU's shard of Llama-3-70B under tensor parallelism 8: column-parallel qkv/gate_up, row-parallel o/down
+    "llama3-70b-tp8": ModelShape("llama3-70b-tp8", 8192, 1024, 128, 3584, 80),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    T: int
+    adapters: int
+    rank: int
+
+
+STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64)]
+
+
+class Module:
+    """One linear layer with its LoRA pool in the fold layout: w_cat = [W; A of every slot] (W and the pool's
+    lora_a are views of it, nothing duplicated), lora_b [L, N, R]."""
+
+    def __init__(self, K: int, widths: Sequence[int], rank: int, device, gen_seed: int):
+        self.K, self.N, self.S, self.R = K, sum(widths), len(widths), rank
+        self.offsets = [0]
+        for w in widths:
+            self.offsets.append(self.offsets[-1] + w)
+        g = torch.Generator(device=device).manual_seed(gen_seed)
+        rows = self.N + POOL_SLOTS * self.S * rank
+        self.w_cat = (torch.randn(rows, K, generator=g, device=device) / K ** 0.5).to(torch.bfloat16)
+        self.w = self.w_cat[:self.N]
+        self.lora_a = self.w_cat[self.N:].view(POOL_SLOTS, self.S * rank, K)
+        self.lora_b = (torch.randn(POOL_SLOTS, self.N, rank, generator=g, device=device) / rank ** 0.5).to(
+            torch.bfloat16)
+        self.slice_offsets = self.offsets if self.S > 1 else None
+
+    def base_bytes(self) -> int:
+        return self.N * self.K * 2
+
+    def adapter_bytes(self, rank: int) -> int:
+        return rank * (self.S * self.K + self.N) * 2
+
+
+class Setup:
+    """The model's layers for one step shape, the step's activations and routing, and the output buffers."""
+
+    def __init__(self, model: ModelShape, step: Step, device, seed: int = 0):
+        self.model, self.step = model, step
+        gen = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(POOL_SLOTS, generator=gen)[:step.adapters].tolist()
+        self.token_lora = testing.random_token_slots(step.T, slots, gen).to(device)
+        self.ranks = torch.full((POOL_SLOTS,), step.rank, dtype=torch.int32, device=device)
+        self.scales = (torch.rand(POOL_SLOTS, generator=gen) * 2 + 0.5).to(device)
+        shapes = model.modules()
+        self.layers = [[Module(K, widths, step.rank, device, seed * 100003 + i * 7 + j)
+                        for j, (_, K, widths) in enumerate(shapes)] for i in range(model.layers)]
+        self.x = {name: torch.randn(step.T, K, generator=gen).to(torch.bfloat16).to(device)
+                  for name, K, _ in shapes}
+        first = self.layers[0]
+        self.y = {name: torch.empty(step.T, m.N, dtype=torch.bfloat16, device=device)
+                  for (name, _, _), m in zip(shapes, first)}
+        self.out = {name: torch.empty(step.T, m.w_cat.shape[0], dtype=torch.bfloat16, device=device)
+                    for (name, _, _), m in zip(shapes, first)}
+        self.names = [name for name, _, _ in shapes]
+        self.seg: Optional[lora_ops.Segments] = None
+
+    def floor_pct(self) -> float:
+        m = self.layers[0]
+        base = sum(mod.base_bytes() for mod in m)
+        lora = self.step.adapters * sum(mod.adapter_bytes(self.step.rank) for mod in m)
+        return 100.0 * lora / base
+
+    def build_segments(self):
+        self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
+
+    # ---- the routes: each returns the calls of one step, and the first layer's outputs ----
+    def base_calls(self) -> List[Callable[[], None]]:
+        return [lambda m=m, n=n: torch.mm(self.x[n], m.w.t(), out=self.y[n])
+                for layer in self.layers for n, m in zip(self.names, layer)]
+
+    def sgmv_calls(self, sgmv) -> List[Callable[[], None]]:
+        def one(m, n):
+            torch.mm(self.x[n], m.w.t(), out=self.y[n])
+            sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
+                 self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
+        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+                                        for n, m in zip(self.names, layer)]
+
+    def fold_calls(self, expand) -> List[Callable[[], None]]:
+        def one(m, n):
+            out = self.out[n]
+            torch.mm(self.x[n], m.w_cat.t(), out=out)
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
+                   self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices, self.ranks, self.scales,
+                   m.slice_offsets, 1.0)
+        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+                                        for n, m in zip(self.names, layer)]
+
+    def outputs(self, route: str) -> Dict[str, torch.Tensor]:
+        """The first layer's outputs as the route leaves them: valid after build_segments and layer 0's calls
+        ran alone (every layer writes the same buffers)."""
+        if route.startswith("fold"):
+            return {n: self.out[n][:, :m.N] for n, m in zip(self.names, self.layers[0])}
+        return self.y
+
+    def reference(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        """float64 (base output, base + LoRA) of the first layer, on the device."""
+        seg = reference.build_segments(self.token_lora.cpu(), POOL_SLOTS)
+        out = {}
+        for n, m in zip(self.names, self.layers[0]):
+            x = self.x[n].double()
+            base = x @ m.w.double().t()
+            full = reference.sgmv(base, x, m.lora_a, m.lora_b, *[t.to(x.device) for t in seg[1:]],
+                                  seg[0].to(x.device), self.ranks, self.scales, m.slice_offsets, 1.0)
+            out[n] = (base, full)
+        return out
+
+
+def routes() -> Dict[str, Tuple[str, Callable]]:
+    """route name -> (kind, op) for every available backend."""
+    out = {}
+    if backends.cuda_served_by.get("sgmv") == "cuda":
+        out["sgmv-cuda"] = ("sgmv", torch.ops.lora_ops.sgmv.default)
+    if backends.cuda_served_by.get("lora_expand") == "cuda":
+        out["fold-cuda"] = ("fold", torch.ops.lora_ops.lora_expand.default)
+    if "triton" not in backends.unavailable:
+        import lora_ops.triton as lt
+        out["sgmv-triton"] = ("sgmv", lt.sgmv)
+        out["fold-triton"] = ("fold", lt.lora_expand)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
+               only: Optional[Sequence[str]] = None) -> None:
+    s = Setup(model, step, device)
+    ref = s.reference()
+    floor = s.floor_pct()
+    row = dict(op="decode_step", model=model.name, T=step.T, adapters=step.adapters, rank=step.rank,
+               floor_pct=round(floor, 2))
+    log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%")
+    base_calls = s.base_calls()
+    base_ms = time_loop(capture(base_calls).replay, min_ms=100)
+    for f in base_calls[:len(s.names)]:
+        f()
+    base_err = max(_rel(s.y[n], ref[n][0]) for n in s.names)
+    records.append(dict(row, backend="base", base_us=round(base_ms * 1e3, 1), us=round(base_ms * 1e3, 1),
+                        overhead_pct=0.0, err=base_err))
+    log(f"  {'base':<12} {base_ms * 1e3:9.1f} us                   err {base_err:.1e}")
+    for name, (kind, op) in routes().items():
+        if only and name not in only:
+            continue
+        try:
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(op)
+            for f in calls[:1 + len(s.names)]:  # build_segments and the first layer, eagerly: the checked outputs
+                f()
+            outs = s.outputs(name)
+            err = max(_rel(outs[n], ref[n][1]) for n in s.names)
+            ms = time_loop(capture(calls).replay, min_ms=100)
+        except Exception as exc:
+            failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
+            log(f"  {name:<12} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            continue
+        if not err <= 2 * max(base_err, 1e-3):
+            failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")
+        overhead = 100.0 * (ms - base_ms) / base_ms
+        records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms * 1e3, 1),
+                            overhead_pct=round(overhead, 2), err=err))
+        log(f"  {name:<12} {ms * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
+    del s
+    torch.cuda.empty_cache()
+
+
+def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS):
+    for name in models:
+        for step in steps:
+            bench_step(MODELS[name], step, device, records, failures, log, only)

@@ -1,0 +1,234 @@
+"""The op bench: sgmv and build_segments on every available backend against baselines (docs/design.md §6): a
+PyTorch per-adapter loop, gather+bmm, and torch._grouped_mm where present.
+
+Every implementation is checked against the float64 oracle before it is timed; a wrong or crashing
+implementation of lora_ops (or a wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each
+case is timed as CUDA-graph replay and eagerly, rotating among enough input sets to exceed twice the L2 (each
+layer of a real model has its own activations and weights, so they are not L2-resident; the segment metadata,
+built once per step for all layers, is shared), and reported as µs, GB/s and % of the memory roofline: minimum
+bytes (x read, the true-rank rows of the adapters present, y read and written) over the device-to-device copy
+bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import lora_ops
+from lora_ops import backends, reference, testing
+
+from .timing import time_cpu, time_cuda
+
+# Our implementations: a wrong result or an exception from one of these fails the bench.
+OURS = ("cpu", "cuda", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    T: int
+    adapters: int
+    rank: int
+    K: int = 4096
+    N: int = 4096
+    slices: int = 1
+    pool_rank: Optional[int] = None  # pool's max rank R (default: rank)
+    pool_slots: int = 32
+
+    @property
+    def R(self):
+        return self.pool_rank or self.rank
+
+
+# The decode and prefill target tables (H200, bf16, K = N = 4096, 32-slot pool, one slice), then the decode
+# step's own module shapes, true-rank cost, fused QKV, wider layers and rank 128.
+GPU_CASES = [Case(1, 1, 16), Case(16, 4, 16), Case(64, 16, 16), Case(256, 32, 16), Case(256, 32, 64),
+             Case(4096, 4, 16), Case(16384, 8, 16), Case(16384, 8, 64),
+             Case(32, 8, 16, K=14336, N=4096), Case(32, 8, 16, K=4096, N=28672, slices=2),  # down_proj, gate_up
+             Case(256, 32, 8, pool_rank=8), Case(256, 32, 8, pool_rank=64),                 # true-rank cost
+             Case(64, 16, 16, K=4096, N=6144, slices=3), Case(1024, 8, 16, K=4096, N=6144, slices=3),  # fused QKV
+             Case(32, 8, 32, K=8192, N=8192), Case(32, 8, 16, K=16384, N=16384), Case(4096, 8, 128)]
+CPU_CASES = [Case(1, 1, 16, K=1024, N=1024), Case(8, 4, 16, K=1024, N=1024), Case(32, 8, 16, K=1024, N=1024),
+             Case(8, 4, 8, K=1024, N=1024, pool_rank=64)]
+
+
+class Problem:
+    """One input set of a case on a device: pool, batch, segments, and the baselines' host-side metadata.
+
+    Sets made with `like=` share its batch composition and segment tensors, as every layer of a model shares the
+    step's one build_segments output, while their activations and adapter weights are their own."""
+
+    def __init__(self, case: Case, dtype, device, seed, like: Optional["Problem"] = None):
+        gen = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(case.pool_slots, generator=gen)[:case.adapters].tolist()
+        token_lora = testing.random_token_slots(case.T, slots, gen)
+        if like is not None:
+            slots, token_lora = like.slots, like.token_lora.cpu()
+        width = case.N // case.slices
+        offsets = [s * width for s in range(case.slices)] + [case.N]
+        ranks = [case.rank] * case.pool_slots
+        self.p = testing.make_sgmv(token_lora, num_slots=case.pool_slots, K=case.K, N=case.N, max_rank=case.R,
+                                   dtype=dtype, device=device, gen=gen, ranks=ranks, scales=True,
+                                   slice_offsets=offsets if case.slices > 1 else None)
+        self.slots = slots
+        if like is not None:
+            self.token_lora = like.token_lora
+            self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = \
+                like.p.token_indices, like.p.seg_indptr, like.p.seg_lora
+            self.p.lora_ranks, self.p.lora_scales = like.p.lora_ranks, like.p.lora_scales
+        else:
+            self.token_lora = token_lora.to(device)
+            seg = lora_ops.build_segments(self.token_lora, case.pool_slots)
+            self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = seg
+        self.offsets = offsets
+        self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
+        self.case = case
+
+    def min_bytes(self) -> int:
+        c, p = self.case, self.p
+        e, ey = p.x.element_size(), p.y.element_size()
+        weights = c.adapters * c.rank * (c.slices * c.K + c.N) * e
+        return c.T * c.K * e + weights + 2 * c.T * c.N * ey
+
+
+# ---- implementations: each is f(problem, y) -> None, adding the LoRA delta into y ----
+
+def _ours(module):
+    def run(pb: Problem, y):
+        module.sgmv(*pb.p.args(y))
+    return run
+
+
+def torch_loop(pb: Problem, y):
+    """PEFT's mixed batch: per adapter, gather its rows, two matmuls, scatter-add."""
+    p = pb.p
+    R = pb.case.R
+    for slot, rows in pb.rows_by_slot:
+        xs = p.x.index_select(0, rows)
+        coef = p.lora_scales[slot] * p.scale
+        for s in range(len(pb.offsets) - 1):
+            lo, hi = pb.offsets[s], pb.offsets[s + 1]
+            h = xs @ p.lora_a[slot, s * R: s * R + pb.case.rank].T
+            y[:, lo:hi].index_add_(0, rows, ((h @ p.lora_b[slot, lo:hi, :pb.case.rank].T) * coef).to(y.dtype))
+
+
+def gather_bmm(pb: Problem, y):
+    """Per-token weight gather + bmm (the simple BGMV); every row is assumed to have an adapter."""
+    p = pb.p
+    R = pb.case.R
+    slot = pb.token_lora.long()
+    coef = (p.lora_scales[slot] * p.scale)[:, None, None]
+    for s in range(len(pb.offsets) - 1):
+        lo, hi = pb.offsets[s], pb.offsets[s + 1]
+        a = p.lora_a[slot, s * R: s * R + pb.case.rank]            # [T, r, K]
+        b = p.lora_b[slot, lo:hi, :pb.case.rank]                   # [T, n, r]
+        h = torch.bmm(p.x[:, None, :], a.transpose(1, 2))          # [T, 1, r]
+        y[:, lo:hi] += torch.bmm((h * coef).to(b.dtype), b.transpose(1, 2))[:, 0].to(y.dtype)
+
+
+def grouped_mm(pb: Problem, y):
+    """torch._grouped_mm shrink + expand over rows sorted by slot (bf16 intermediate), then scatter-add."""
+    p = pb.p
+    R = pb.case.R
+    idx = p.token_indices.long()
+    offs = p.seg_indptr[1:]
+    xs = p.x.index_select(0, idx)
+    coef = (p.lora_scales[pb.token_lora.long()] * p.scale)[idx, None]
+    r = pb.case.rank  # the true rank: rows beyond it in a larger pool are not part of the adapter
+    for s in range(len(pb.offsets) - 1):
+        lo, hi = pb.offsets[s], pb.offsets[s + 1]
+        h = torch._grouped_mm(xs, p.lora_a[:, s * R:s * R + r].transpose(1, 2), offs=offs)
+        d = torch._grouped_mm(h, p.lora_b[:, lo:hi, :r].transpose(1, 2), offs=offs)
+        y[:, lo:hi].index_add_(0, idx, (d * coef).to(y.dtype))
+
+
+def implementations(device) -> Dict[str, Callable]:
+    impls: Dict[str, Callable] = {}
+    if device == "cpu":
+        impls["cpu"] = _ours(lora_ops.ops)
+    else:
+        if backends.cuda_served_by.get("sgmv") == "cuda":
+            impls["cuda"] = _ours(lora_ops.ops)
+        if "triton" not in backends.unavailable:
+            import lora_ops.triton as lt
+            impls["triton"] = _ours(lt)
+    impls["torch_loop"] = torch_loop
+    impls["gather_bmm"] = gather_bmm
+    if device != "cpu" and hasattr(torch, "_grouped_mm"):
+        impls["grouped_mm"] = grouped_mm
+    return impls
+
+
+def host_overhead_us(device, n=2000) -> float:
+    """Enqueue cost of one eager lora_ops.sgmv call on a problem too small to keep the GPU busy."""
+    pb = Problem(Case(1, 1, 8, K=64, N=64, pool_slots=4), torch.bfloat16, device, seed=0)
+    args = pb.p.args()
+    for _ in range(100):
+        lora_ops.sgmv(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        lora_ops.sgmv(*args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
+               log) -> None:
+    pb0 = Problem(case, dtype, device, seed=1)
+    set_bytes = pb0.min_bytes() + pb0.p.lora_a.numel() * pb0.p.lora_a.element_size() * 2
+    n_sets = 1 if device == "cpu" else int(min(16, max(1, (2 * l2_bytes) // max(set_bytes, 1) + 1)))
+    sets = [pb0] + [Problem(case, dtype, device, seed=2 + i, like=pb0) for i in range(n_sets - 1)]
+    ref = reference.sgmv(*pb0.p.args())
+    before = pb0.p.y.clone()
+    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
+           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+    for name, fn in impls.items():
+        y = before.clone()
+        try:
+            fn(pb0, y)
+        except Exception as exc:
+            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
+            if name in OURS:
+                failures.append(f"sgmv {name} {row}: raised {msg}")
+            log(f"  {name:<11} {'FAILED' if name in OURS else 'unavailable'}: {msg}")
+            continue
+        bad = testing.check_against_reference(y, before, ref, dtype)
+        if bad:
+            failures.append(f"sgmv {name} {row}: WRONG vs the float64 oracle: {bad}")
+            log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
+            continue
+        ys = [pb.p.y.clone() for pb in sets]
+        calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
+        got = []
+        for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+            try:
+                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph=(mode == "graph"))
+            except Exception as exc:  # e.g. a baseline that syncs cannot be captured
+                if name in OURS:
+                    failures.append(f"sgmv {name} {row} {mode}: {type(exc).__name__}")
+                log(f"  {name:<11} {mode}: not timed ({type(exc).__name__})")
+                continue
+            gbps = pb0.min_bytes() / (us * 1e-6) / 1e9
+            rec = dict(op="sgmv", backend=name, mode=mode, us=round(us, 3), gbps=round(gbps, 1),
+                       pct_roofline=round(100 * gbps / (copy_tbps * 1e3), 1) if copy_tbps else None, **row)
+            records.append(rec)
+            got.append(rec)
+        log("  " + f"{name:<11}" + "  ".join(f"{r['mode']} {r['us']:9.2f} us" +
+                                             (f" ({r['pct_roofline']}% roofline)" if r["pct_roofline"] else "")
+                                             for r in got))
+
+
+def bench_build_segments(device, records, log):
+    for T in (1, 256, 4096, 16384):
+        token_lora = torch.randint(-1, 32, (T,), dtype=torch.int32, device=device)
+        fn = lambda: lora_ops.build_segments(token_lora, 32)
+        for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+            us = time_cpu(fn) if device == "cpu" else time_cuda([fn], graph=(mode == "graph"))
+            records.append(dict(op="build_segments", backend=backends.cuda_served_by.get("build_segments", "cpu")
+                                if device != "cpu" else "cpu", mode=mode, dtype="int32", T=T, adapters=32, rank=0,
+                                K=0, N=0, slices=0, us=round(us, 3), pct_roofline=None))
+            log(f"  build_segments T={T:<6} {mode:<5} {us:8.2f} us")

@@ -1,0 +1,188 @@
+"""Results files of the benchmarks, and the README's benchmark section rendered from one of them, so that the
+table and its claims cannot drift from the data:
+
+    python -m lora_ops.bench.report benchmarks/results/2026-11-30-h200.json --readme README.md
+
+rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+from typing import Dict, List
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+OURS = ("cuda", "triton")
+BASELINES = ("grouped_mm", "torch_loop", "gather_bmm")
+
+
+def write(result: dict, out: str) -> None:
+    """<out>.json, <out>.csv and, with matplotlib, <out>.png."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    records = result["records"]
+    keys = sorted({k for r in records for k in r})
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(records)
+    _plot(records, out + ".png")
+
+
+def _plot(records: List[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in records if r["op"] == "sgmv" and r["mode"] in ("graph", "eager")]
+    mode = "graph" if any(r["mode"] == "graph" for r in rows) else "eager"  # CPU runs have eager only
+    rows = [r for r in rows if r["mode"] == mode]
+    if not rows:
+        return
+    key = lambda r: (r["T"], r["adapters"], r["rank"], r["pool_rank"], r["K"], r["N"], r["slices"])
+    labels = sorted({key(r) for r in rows})
+    names = sorted({r["backend"] for r in rows})
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.9), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        us = {key(r): r["us"] for r in rows if r["backend"] == name}
+        ax.bar([j + i * width for j in range(len(labels))], [us.get(l, 0) for l in labels], width, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"µs per call, {mode} (log)")
+    ax.set_xticks([j + 0.4 for j in range(len(labels))])
+    ax.set_xticklabels([f"T{l[0]} a{l[1]} r{l[2]}/{l[3]}\n{l[4]}x{l[5]} s{l[6]}" for l in labels], fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _decode_table(records: List[dict]) -> List[str]:
+    rows = [r for r in records if r["op"] == "decode_step"]
+    if not rows:
+        return []
+    routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton")
+              if any(r["backend"] == b for r in rows)]
+    out = ["| model | T | adapters | rank | base step | floor | " + " | ".join(routes) + " |",
+           "|---|---|---|---|---|---|" + "---|" * len(routes)]
+    steps: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r
+    for (model, T, adapters, rank), by in steps.items():
+        base = by.get("base")
+        if base is None:
+            continue
+        best = min((by[b]["overhead_pct"] for b in routes if b in by), default=None)
+        cells = []
+        for b in routes:
+            if b not in by:
+                cells.append("—")
+                continue
+            v = f"+{by[b]['overhead_pct']:.0f}%"
+            cells.append(f"**{v}**" if by[b]["overhead_pct"] == best else v)
+        out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | +{base['floor_pct']:.1f}% | "
+                   + " | ".join(cells) + " |")
+    return out
+
+
+def _op_table(records: List[dict]) -> List[str]:
+    rows = [r for r in records if r["op"] == "sgmv" and r["mode"] == "graph"]
+    if not rows:
+        return []
+    key = lambda r: (r["T"], r["adapters"], r["rank"], r["pool_rank"], r["K"], r["N"], r["slices"])
+    cases: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        cases.setdefault(key(r), {})[r["backend"]] = r
+    names = [n for n in OURS + BASELINES if any(n in by for by in cases.values())]
+    out = ["| T | adapters | rank (pool) | K × N, slices | " + " | ".join(names) + " | fastest |",
+           "|---|---|---|---|" + "---|" * (len(names) + 1)]
+    for (T, a, r, R, K, N, S), by in cases.items():
+        cells = []
+        for n in names:
+            if n not in by:
+                cells.append("—")
+            elif n in OURS and by[n].get("pct_roofline") is not None:
+                cells.append(f"{by[n]['us']:.1f} ({by[n]['pct_roofline']:.0f}%)")
+            else:
+                cells.append(f"{by[n]['us']:.1f}")
+        fastest = min(by, key=lambda n: by[n]["us"])
+        out.append(f"| {T} | {a} | {r} ({R}) | {K} × {N}, {S} | " + " | ".join(cells) + f" | {fastest} |")
+    return out
+
+
+def _claims(records: List[dict]) -> List[str]:
+    rows = [r for r in records if r["op"] == "sgmv" and r["mode"] == "graph"]
+    key = lambda r: (r["T"], r["adapters"], r["rank"], r["pool_rank"], r["K"], r["N"], r["slices"])
+    cases: Dict[tuple, Dict[str, float]] = {}
+    for r in rows:
+        cases.setdefault(key(r), {})[r["backend"]] = r["us"]
+    ours_best = [c for c, by in cases.items() if min(by, key=by.get) in OURS]
+    lost = [(c, min(by, key=by.get)) for c, by in cases.items() if min(by, key=by.get) not in OURS]
+    out = []
+    if cases:
+        out.append(f"- lora_ops (CUDA or Triton) is the fastest implementation on {len(ours_best)} of {len(cases)} "
+                   "op cases" + ("." if not lost else ", and slower than a baseline on: " + "; ".join(
+                       f"T={c[0]}, {c[1]} adapters, rank {c[2]} ({w})" for c, w in lost) + "."))
+    both = [by for by in cases.values() if "cuda" in by and "triton" in by]
+    if both:
+        cuda_wins = sum(by["cuda"] <= by["triton"] for by in both)
+        out.append(f"- CUDA beats Triton on {cuda_wins} of {len(both)} op cases.")
+    seg = [r for r in records if r["op"] == "build_segments" and r["mode"] == "graph"]
+    if seg:
+        out.append("- `build_segments` (graph replay): " + ", ".join(f"{r['us']:.1f} µs at T = {r['T']}" for r in seg)
+                   + ".")
+    return out
+
+
+def readme_section(result: dict) -> str:
+    records = result["records"]
+    floor = next((r["us"] for r in records if r["op"] == "launch_floor"), None)
+    head = [f"{result['gpu']}, {result['date']}, commit `{result['git_sha'][:7]}`, torch {result['torch']}."
+            + (f" Copy bandwidth measured in the same run: {result['copy_tbps']:.2f} TB/s." if result.get("copy_tbps")
+               else "") + (f" A one-element add costs {floor:.2f} µs per graph node." if floor else "")]
+    decode = _decode_table(records)
+    if decode:
+        head += ["", "**Decode step** (every linear layer of the model in one CUDA graph, bf16, 32-slot pool, each "
+                 "row on a random adapter; LoRA overhead over the base step, beside its floor: the adapters' bytes "
+                 "over the base weights' bytes; best route in bold):", ""] + decode
+    op = _op_table(records)
+    if op:
+        head += ["", "**sgmv op** (bf16, graph replay, µs; in brackets % of the memory roofline):", ""] + op
+    claims = _claims(records)
+    if claims:
+        head += [""] + claims
+    return "\n".join(head)
+
+
+def update_readme(readme: str, result: dict) -> None:
+    with open(readme) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} section to rewrite")
+    section = f"{BEGIN}\n{readme_section(result)}\n{END}"
+    text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: section, text, flags=re.S)
+    with open(readme, "w") as f:
+        f.write(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="a results JSON written by python -m lora_ops.bench --out")
+    ap.add_argument("--readme", default=None, help="rewrite this file's bench section (default: print it)")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
+        result = json.load(f)
+    if args.readme:
+        update_readme(args.readme, result)
+    else:
+        print(readme_section(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

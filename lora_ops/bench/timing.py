@@ -1,0 +1,89 @@
+"""Timing primitives shared by the op bench and the decode-step bench (docs/design.md §6).
+
+On CUDA a call list is timed as CUDA-graph replay or as eager launches, with device events, after a warm-up;
+on the CPU with the wall clock."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List
+
+import torch
+
+
+def copy_bandwidth_tbps(device) -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read plus written."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * 20 / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
+def capture(calls: List[Callable[[], None]]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph replaying `calls` in order (captured on a side stream, as torch requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    return g
+
+
+def time_loop(run: Callable[[], None], min_ms: float = 30.0) -> float:
+    """ms per run() (device events), doubling the repetitions until they take at least min_ms."""
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 1
+    while True:
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        if ms >= min_ms or reps >= 1 << 14:
+            return ms / reps
+        reps *= 2 if ms * 4 < min_ms else max(2, int(min_ms / max(ms, 1e-3)) + 1)
+
+
+def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30.0) -> float:
+    """µs per call: mean over calls cycling through the input sets, as graph replay or eager launches."""
+    calls = fn_sets * max(1, 20 // len(fn_sets))
+    for f in calls[:len(fn_sets) * 2]:
+        f()
+    torch.cuda.synchronize()
+    if graph:
+        run = capture(calls).replay
+    else:
+        def run():
+            for f in calls:
+                f()
+    return time_loop(run, min_ms) * 1e3 / len(calls)
+
+
+def time_cpu(fn: Callable[[], None], min_s: float = 0.2) -> float:
+    """µs per call on the host clock."""
+    fn()
+    reps, elapsed = 0, 0.0
+    t0 = time.perf_counter()
+    while elapsed < min_s:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - t0
+    return elapsed / reps * 1e6
+
+
+def launch_floor_us(device) -> float:
+    """Graph replay of a one-element add: the per-kernel floor that every CUDA row includes."""
+    t = torch.zeros(1, device=device)
+    return time_cuda([lambda: t.add_(1)], graph=True)
