@@ -1,0 +1,170 @@
+"""lora_expand against the float64 oracle on every backend: the sgmv parity grid with a random h in place of the
+shrink (every slot's window, or one window per row broadcast over the slots), float32 or half h, garbage
+metadata, determinism, opcheck, argument errors, and compile."""
+import zlib
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import lora_ops
+from lora_ops import reference, testing
+
+from grid import SGMV_CASES, SGMV_LARGE_CASES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _problem(case, impl, dtype, seed, h_fp32=False, broadcast=False):
+    """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a."""
+    gen = torch.Generator().manual_seed(seed)
+    token_lora, kw = case(gen)
+    kw.setdefault("num_slots", 6)
+    p = testing.make_sgmv(token_lora, dtype=dtype, device=impl.device, gen=gen, **kw)
+    T, (L, SR, _) = p.x.shape[0], p.lora_a.shape
+    h_dtype = torch.float32 if h_fp32 else dtype
+    if broadcast:  # one window per row, the same for every slot: a zero slot stride
+        h = torch.randn(T, 1, SR, generator=gen).to(h_dtype).to(impl.device).expand(T, L, SR)
+    else:
+        h = torch.randn(T, L, SR, generator=gen).to(h_dtype).to(impl.device)
+    return (p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
+            p.slice_offsets, p.scale if p.scale != 1.0 else 0.625)
+
+
+def _run_and_check(impl, args, dtype):
+    y = args[0]
+    before = y.clone()
+    ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    impl.module.lora_expand(*args)
+    return testing.check_against_reference(y, before, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SGMV_CASES))
+def test_lora_expand_parity(impl, name, dtype):
+    if dtype not in impl.dtypes:
+        pytest.skip(f"{impl.name} is tested in {impl.dtypes} only")
+    seed = zlib.crc32(name.encode())
+    assert _run_and_check(impl, _problem(SGMV_CASES[name], impl, dtype, seed), dtype) == ""
+
+
+@pytest.mark.parametrize("variant", ["h_fp32", "broadcast"])
+def test_lora_expand_h_layouts(impl, variant):
+    dtype = impl.dtypes[-1]
+    args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, seed=7, h_fp32=variant == "h_fp32",
+                    broadcast=variant == "broadcast")
+    assert _run_and_check(impl, args, dtype) == ""
+
+
+def test_lora_expand_folded_gemm_layout(impl):
+    """h as the extra columns of a base GEMM against [W; A of every slot]: y and h are views of one output."""
+    dtype = impl.dtypes[0]
+    gen = torch.Generator().manual_seed(3)
+    T, K, N, L, S, R = 11, 24, 40, 4, 2, 8
+    token_lora = testing.random_token_slots(T, [0, 3, -1, 1], gen)
+    w_cat = torch.randn(N + L * S * R, K, generator=gen).to(dtype).to(impl.device)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(impl.device)
+    lora_b = torch.randn(L, N, R, generator=gen).to(dtype).to(impl.device)
+    seg = lora_ops.build_segments(token_lora.to(impl.device), L)
+    out = x @ w_cat.t()
+    args = (out[:, :N], out[:, N:].view(T, L, S * R), lora_b, seg.seg_indptr, seg.seg_lora, seg.token_indices,
+            None, None, [0, 25, N], 1.0)
+    before_h = out[:, N:].clone()
+    assert _run_and_check(impl, args, dtype) == ""
+    assert torch.equal(out[:, N:], before_h)  # h, beside y in the same rows, is left alone
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SGMV_LARGE_CASES))
+def test_lora_expand_parity_large(impl, name, dtype):
+    if impl.device != "cuda":
+        pytest.skip("GPU-sized case")
+    seed = zlib.crc32(name.encode())
+    assert _run_and_check(impl, _problem(SGMV_LARGE_CASES[name], impl, dtype, seed), dtype) == ""
+
+
+def test_lora_expand_garbage_metadata(impl):
+    """Out-of-range and overlapping indptr, rows outside [0, T), huge slots (int64 too): skipped or clamped."""
+    dtype = impl.dtypes[0]
+    args = list(_problem(SGMV_CASES["basic"], impl, dtype, seed=5))
+    dev = impl.device
+    T = args[0].shape[0]
+    args[5] = torch.tensor([3, -5, 7, T + 7, 1, 2, 1 << 30] + list(range(8, T)), dtype=torch.int32, device=dev)
+    args[3] = torch.tensor([-4, 3, 1, 9, 2, 1 << 30, 5], dtype=torch.int32, device=dev)
+    args[4] = torch.tensor([0, 1, -1, 2, 4, 1], dtype=torch.int32, device=dev)
+    args[6] = torch.tensor([16, 99, -3, 4, 7, 2], dtype=torch.int32, device=dev)
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+    args[4] = torch.tensor([1 << 40, -(1 << 40), 7, 3, 2 ** 32, 0], dtype=torch.int64, device=dev)
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+
+
+def test_lora_expand_deterministic(impl):
+    dtype = impl.dtypes[-1]
+    args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, seed=21)
+    outs = []
+    for _ in range(3):
+        y = args[0].clone()
+        impl.module.lora_expand(y, *args[1:])
+        outs.append(y)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_opcheck_lora_expand(device):
+    from conftest import Impl
+    args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, seed=2)
+    torch.library.opcheck(torch.ops.lora_ops.lora_expand.default, args)
+
+
+def _args(**change):
+    a = dict(y=torch.randn(4, 12), h=torch.randn(4, 3, 4), lora_b=torch.randn(3, 12, 4),
+             seg_indptr=torch.tensor([0, 2, 4], dtype=torch.int32), seg_lora=torch.tensor([0, 2], dtype=torch.int32))
+    a.update(change)
+    return a
+
+
+@pytest.mark.parametrize("change,exc,msg", [
+    (dict(h=torch.randn(4, 12)), ValueError, r"h must be 3-D \[T, L, S\*R\]"),
+    (dict(h=torch.randn(4, 2, 4)), ValueError, r"h must be \[T, L, S\*R\] with T = y.size\(0\) = 4, L = lora_b.size\(0\) = 3"),
+    (dict(h=torch.randn(4, 3, 8)), ValueError, r"h must be .* and S\*R = 4, got shape \[4, 3, 8\]"),
+    (dict(h=torch.randn(4, 3, 4, dtype=torch.float64)), TypeError, r"h must be float32 or lora_b's dtype \(Float\)"),
+    (dict(h=torch.randn(4, 4, 3).transpose(1, 2)), ValueError, r"h must have unit stride in its last dimension"),
+    (dict(lora_b=torch.randn(3, 11, 4)), ValueError, r"lora_b must be \[L, N, R\] with N = y.size\(1\) = 12"),
+    (dict(y=torch.randn(4, 12, dtype=torch.float16)), TypeError, r"y must be float32 or lora_b's dtype"),
+    (dict(h=torch.randn(4, 3, 4).to("meta")), ValueError, r"h is on meta but y is on cpu"),
+    (dict(lora_ranks=torch.zeros(2, dtype=torch.int32)), ValueError, r"lora_ranks must have 3 entries"),
+])
+def test_lora_expand_argument_error(change, exc, msg):
+    mods = [lora_ops.ops]
+    if "triton" not in lora_ops.backends.unavailable:
+        import lora_ops.triton as lt
+        mods.append(lt)
+    for mod in mods:
+        with pytest.raises(exc, match=r"lora_ops\.lora_expand: " + msg):
+            mod.lora_expand(**_args(**change))
+
+
+def test_lora_expand_compiles_without_breaks_or_recompiles():
+    torch._dynamo.reset()
+    L, S, R, K, N = 4, 2, 8, 16, 24
+    w_cat = torch.randn(N + L * S * R, K)
+    lora_b = torch.randn(L, N, R)
+    ranks = torch.tensor([8, 3, 0, 5], dtype=torch.int32)
+
+    def folded_layer(x, token_lora):
+        seg = lora_ops.build_segments(token_lora, L)
+        out = x @ w_cat.t()
+        y = out[:, :N]
+        lora_ops.lora_expand(y, out[:, N:].view(x.shape[0], L, S * R), lora_b, seg.seg_indptr, seg.seg_lora,
+                             seg.token_indices, ranks, None, [0, 10, N], 0.5)
+        return y * 2
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(folded_layer, backend=counter, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(1)
+    for T in (3, 7, 12):
+        x = torch.randn(T, K, generator=gen)
+        token_lora = testing.random_token_slots(T, [0, 1, -1, 3], gen)
+        torch.testing.assert_close(compiled(x, token_lora), folded_layer(x, token_lora), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
