@@ -98,7 +98,7 @@ def test_sgmv_deterministic(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["simt", "cluster", "mma"])
+@pytest.mark.parametrize("kernel", ["split", "mma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):

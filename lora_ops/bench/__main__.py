@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-step", action="store_true", help="the decode-step bench (CUDA only; see decode_step.py)")
     ap.add_argument("--models", default="llama3-8b",
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")
+    ap.add_argument("--routes", default=None, metavar="PATH",
+                    help="with --decode-step: time every route per regime and write the serving layer's table "
+                         "(lora_ops/routes.json)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
@@ -77,9 +80,12 @@ def main(argv=None) -> int:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = decode_step.STEPS[:1] if args.quick else decode_step.STEPS
         decode_step.run(models, device, records, failures, log, only, steps)
-    result = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "copy_tbps": round(copy_tbps, 3) if copy_tbps else None,
-              "records": records}
+    meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    if args.routes:
+        if not args.decode_step:
+            ap.error("--routes needs --decode-step")
+        decode_step.write_routes(args.routes, device, records, failures, log, meta)
+    result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, records=records)
     if args.out:
         report.write(result, args.out)
         log(f"wrote {args.out}.json / .csv")

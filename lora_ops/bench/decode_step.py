@@ -214,6 +214,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             continue
         if not err <= 2 * max(base_err, 1e-3):
             failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")
+            log(f"  {name:<12} WRONG: relative error {err:.2e} vs the float64 oracle; not recorded")
+            continue
         overhead = 100.0 * (ms - base_ms) / base_ms
         records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms * 1e3, 1),
                             overhead_pct=round(overhead, 2), err=err))
@@ -226,3 +228,27 @@ def run(models: Sequence[str], device, records, failures, log, only=None, steps:
     for name in models:
         for step in steps:
             bench_step(MODELS[name], step, device, records, failures, log, only)
+
+
+def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
+    """Times every route at each regime's sample T (llama3-8b, 32 adapters of rank 16) and writes the table of
+    the fastest correct route per regime to `path` (lora_ops/routes.json)."""
+    import json
+
+    from lora_ops import routes as table_format
+    regimes = []
+    for bound, T in zip(table_format.REGIME_BOUNDS, table_format.REGIME_SAMPLES):
+        first = len(records)
+        bench_step(MODELS["llama3-8b"], Step(T, 32, 16), device, records, failures, log)
+        timed = {r["backend"]: r["us"] for r in records[first:]}
+        lora = {k: v for k, v in timed.items() if k != "base"}
+        if not lora:
+            failures.append(f"routes: no route ran correctly at T={T}")
+            return
+        route, backend = min(lora, key=lora.get).split("-")
+        regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
+    table = dict(meta, model="llama3-8b", adapters=32, rank=16, regimes=regimes)
+    table_format.validate(table)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    log(f"wrote {path}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}" for r in regimes))

@@ -1,0 +1,60 @@
+"""Which LoRA route and backend the serving layer uses for a forward of T tokens on a CUDA device: data, not code.
+
+The table (routes.json beside this file) is written by the decode-step bench, which times every route on every
+regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes lora_ops/routes.json`):
+
+- route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
+- route "fold": one GEMM against [W; A of every slot] gives y and every slot's h, then the lora_expand op;
+- backend "cuda" (the C++ kernels) or "triton".
+
+Regimes are ranges of T, the rows of the layer's input; each entry covers T up to its max_tokens (the last one
+has none: every larger T). The file records the GPU, commit and date of the measurement.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional, Tuple
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
+ROUTES = ("sgmv", "fold")
+BACKENDS = ("cuda", "triton")
+# The upper bounds of the regimes and the T at which the bench measures each one.
+REGIME_BOUNDS = (16, 64, 256, 1024, None)
+REGIME_SAMPLES = (16, 64, 256, 1024, 4096)
+
+_table: Optional[List[dict]] = None
+
+
+def load(path: str = PATH) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def validate(table: dict) -> None:
+    """Raises ValueError unless the regimes cover every T >= 1 in order with known routes and backends."""
+    regimes = table.get("regimes")
+    if not regimes:
+        raise ValueError("routes table: no regimes")
+    bounds = [r.get("max_tokens") for r in regimes]
+    if bounds[-1] is not None or any(b is None for b in bounds[:-1]):
+        raise ValueError(f"routes table: only the last regime may be open-ended, got bounds {bounds}")
+    finite = bounds[:-1]
+    if any(b < 1 for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):
+        raise ValueError(f"routes table: bounds must increase from 1, got {bounds}")
+    for r in regimes:
+        if r.get("route") not in ROUTES or r.get("backend") not in BACKENDS:
+            raise ValueError(f"routes table: unknown route/backend in {r}")
+
+
+def pick(tokens: int) -> Tuple[str, str]:
+    """(route, backend) for a forward of `tokens` rows."""
+    global _table
+    if _table is None:
+        table = load()
+        validate(table)
+        _table = table["regimes"]
+    for r in _table:
+        if r["max_tokens"] is None or tokens <= r["max_tokens"]:
+            return r["route"], r["backend"]
+    raise AssertionError("validate() guarantees an open-ended last regime")
