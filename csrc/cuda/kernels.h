@@ -29,6 +29,17 @@ cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t
 bool sgmv_mma_supported(const SgmvParams& p);
 cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream);
 
+// grouped_gemm, K loop over tiles of positions x columns of one group, on tensor cores (fp16/bf16 w) or FMA
+// (fp32 w); any alignment. `narrow`: 64-row tiles holding every column of an N <= kGroupedGemmNarrowMaxN problem
+// (a LoRA shrink streams x once; larger N takes several column tiles); otherwise 128 x 128 tiles.
+constexpr int kGroupedGemmNarrowMaxN = 128;
+cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream);
+
+// grouped_gemm with K <= kGroupedGemmExpandMaxK (the LoRA expand): each CTA stages its rows' x once and streams
+// w and y through its share of the columns; any alignment.
+constexpr int kGroupedGemmExpandMaxK = 128;
+cudaError_t launch_grouped_gemm_expand(const GroupedGemmParams& p, int num_sms, cudaStream_t stream);
+
 // The largest num_slots whose histograms fit the kernel's shared memory.
 int64_t build_segments_max_slots();
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream);

@@ -107,6 +107,41 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
       p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), c10::cuda::getCurrentCUDAStream()));
 }
 
+// LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
+// over the whole grid); unset or "auto": by shape.
+enum class GroupedGemmKernel { Auto, Mma, Skinny };
+GroupedGemmKernel preferred_grouped_gemm_kernel() {
+  const char* v = std::getenv("LORA_OPS_CUDA_GG_KERNEL");
+  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return GroupedGemmKernel::Auto;
+  if (!std::strcmp(v, "mma")) return GroupedGemmKernel::Mma;
+  if (!std::strcmp(v, "skinny")) return GroupedGemmKernel::Skinny;
+  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_GG_KERNEL = '", v, "': expected auto, mma or skinny");
+}
+
+void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
+                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
+                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
+                       double alpha, bool accumulate) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  GroupedGemmIndexTensors keep;
+  const auto p = check_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
+                                    accumulate, keep);
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.num_groups == 0 || p.n == 0 || p.seg.positions == 0) return;
+  if (p.k == 0 && p.accumulate) return;  // every reduction is empty: y stays as it is
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const GroupedGemmKernel preferred = preferred_grouped_gemm_kernel();
+  // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
+  const bool skinny = preferred == GroupedGemmKernel::Skinny ||
+                      (preferred == GroupedGemmKernel::Auto &&
+                       (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));
+  if (skinny && p.k <= cuda::kGroupedGemmExpandMaxK) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, y.get_device());
+    C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
+    return;
+  }
+  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
   const c10::cuda::CUDAGuard guard(token_lora.device());
   TORCH_CHECK_VALUE(num_slots <= cuda::build_segments_max_slots(), "lora_ops.build_segments: num_slots = ",
@@ -126,5 +161,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Ten
 TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("sgmv", &lora_ops::sgmv_cuda);
   m.impl("lora_expand", &lora_ops::lora_expand_cuda);
+  m.impl("grouped_gemm", &lora_ops::grouped_gemm_cuda);
   m.impl("build_segments", &lora_ops::build_segments_cuda);
 }

@@ -15,7 +15,7 @@
 
 #include <algorithm>
 
-#include "common.cuh"
+#include "mma.cuh"
 #include "kernels.h"
 
 namespace lora_ops::cuda {
@@ -28,39 +28,6 @@ constexpr int kBN = 64;
 constexpr int kStages = 3;
 constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxRankTile = 128;
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-template <class T>
-__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Two floats -> packed pair of T (hi), and the rounding remainders -> packed pair (lo).
-template <class T>
-__device__ __forceinline__ void split_pack(float v0, float v1, uint32_t* hi, uint32_t* lo) {
-  const T h0 = from_f32<T>(v0), h1 = from_f32<T>(v1);
-  const T l0 = from_f32<T>(v0 - to_f32(h0)), l1 = from_f32<T>(v1 - to_f32(h1));
-  *hi = (uint32_t)__builtin_bit_cast(uint16_t, h0) | ((uint32_t)__builtin_bit_cast(uint16_t, h1) << 16);
-  *lo = (uint32_t)__builtin_bit_cast(uint16_t, l0) | ((uint32_t)__builtin_bit_cast(uint16_t, l1) << 16);
-}
 
 struct MmaPlan {
   int64_t rank_pad;          // per-slice rank rounded up to 16
@@ -144,8 +111,8 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
       for (int np = 0; np < RT / 16; ++np) {
         uint32_t bf[4];
         ldmatrix_x4(bf, A + (np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk + ((lane / 8) % 2) * 8);
-        mma16816<T>(h[2 * np], af, bf[0], bf[1]);
-        mma16816<T>(h[2 * np + 1], af, bf[2], bf[3]);
+        mma16816<T>(h[2 * np], af, &bf[0]);
+        mma16816<T>(h[2 * np + 1], af, &bf[2]);
       }
     }
   }
@@ -193,8 +160,8 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* c = h[2 * ks + half];
-      split_pack<T>(c[0] * coef, c[1] * coef, &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
-      split_pack<T>(c[2] * coef, c[3] * coef, &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
+      split_pack<T>(make_float2(c[0] * coef, c[1] * coef), &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
+      split_pack<T>(make_float2(c[2] * coef, c[3] * coef), &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
     }
   }
 
@@ -245,11 +212,11 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
       for (int np = 0; np < kBN / 16; ++np) {
         uint32_t bf[4];
         ldmatrix_x4(bf, B + (np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 + ((lane / 8) % 2) * 8);
-        mma16816<T>(acc[2 * np], h_hi[ks], bf[0], bf[1]);
-        mma16816<T>(acc[2 * np + 1], h_hi[ks], bf[2], bf[3]);
+        mma16816<T>(acc[2 * np], h_hi[ks], &bf[0]);
+        mma16816<T>(acc[2 * np + 1], h_hi[ks], &bf[2]);
         if constexpr (kSplit) {
-          mma16816<T>(acc[2 * np], h_lo[ks], bf[0], bf[1]);
-          mma16816<T>(acc[2 * np + 1], h_lo[ks], bf[2], bf[3]);
+          mma16816<T>(acc[2 * np], h_lo[ks], &bf[0]);
+          mma16816<T>(acc[2 * np + 1], h_lo[ks], &bf[2]);
         }
       }
     }

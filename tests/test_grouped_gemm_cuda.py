@@ -1,0 +1,134 @@
+"""The CUDA grouped_gemm kernels, each forced with LORA_OPS_CUDA_GG_KERNEL over the whole parity grid, and the
+cases the grid does not reach: rows that are not 16-byte aligned (element-wise staging), an empty reduction with a
+NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CUDA-graph replay.
+
+`mma`: the 128 x 128 tile kernel for every input; `skinny`: the expand kernel where K <= 128, else the narrow
+tiles of the tile kernel (several column tiles where N > 128)."""
+import zlib
+
+import pytest
+import torch
+
+import lora_ops
+from lora_ops import backends, reference, testing
+
+import test_grouped_gemm as gg
+from conftest import Impl
+from grid import GG_CASES, GG_LARGE_CASES
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["mma", "skinny"])
+def kernel(request, monkeypatch):
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", request.param)
+    return request.param
+
+
+def _cuda(dtype):
+    return Impl("cuda", "cuda", lora_ops.ops, (dtype,))
+
+
+def _check(problem, dtype):
+    before = problem.y.clone()
+    ref = reference.grouped_gemm(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in problem.args()])
+    lora_ops.ops.grouped_gemm(*problem.args())
+    return testing.check_against_reference(problem.y, before, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(GG_CASES) + list(GG_LARGE_CASES) + ["garbage_metadata"])
+def test_each_kernel_over_the_grid(kernel, name, dtype):
+    if name == "garbage_metadata":
+        gg.test_grouped_gemm_garbage_metadata(_cuda(dtype))  # runs in the Impl's only dtype
+        return
+    problem = gg._problem({**GG_CASES, **GG_LARGE_CASES}[name], _cuda(dtype), dtype, seed=zlib.crc32(name.encode()))
+    assert _check(problem, dtype) == ""
+
+
+def _misaligned(t):
+    """t's values in a tensor whose data starts one element past a 16-byte boundary (same strides)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = flat[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K, N", [(72, 200), (264, 40), (264, 200)], ids=["short_k", "few_cols", "general"])
+@pytest.mark.parametrize("which", ["x", "w", "y"])
+def test_unaligned_rows_take_element_loads(kernel, dtype, K, N, which):
+    """Shapes whose rows are whole 16-byte vectors, with one tensor's base pointer off by one element."""
+    gen = torch.Generator().manual_seed(K + N)
+    token_lora = testing.random_token_slots(300, [0, 1, 2, -1], gen)
+    problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=N, dtype=dtype, device="cuda", gen=gen,
+                                        n_sizes=[N, N // 2, 9], k_sizes=[K, 40, K - 3])
+    setattr(problem, which, _misaligned(getattr(problem, which)))
+    assert _check(problem, dtype) == ""
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K", [24, 300, 0])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_empty_reduction_contributes_exactly_zero(kernel, dtype, K, accumulate):
+    """k_l = 0 (or K = 0): y[t, :n_l] becomes 0 (accumulate=False) or stays bitwise as it was, even with alpha NaN."""
+    gen = torch.Generator().manual_seed(5)
+    n_sizes = [20, 7, 13]
+    token_lora = testing.random_token_slots(40, [0, 1, 2, -1], gen)
+    problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=20, dtype=dtype, device="cuda", gen=gen,
+                                        n_sizes=n_sizes, k_sizes=[0, 0, 0], alpha=float("nan"), accumulate=accumulate)
+    expected = problem.y.clone()
+    if not accumulate:
+        for slot, n_l in enumerate(n_sizes):
+            expected[(token_lora == slot).nonzero().flatten().cuda(), :n_l] = 0
+    lora_ops.ops.grouped_gemm(*problem.args())
+    assert torch.equal(problem.y.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("K, N", [(16, 4096), (100, 300), (1000, 16), (1000, 777)],
+                         ids=["expand", "short_k", "shrink", "general"])
+def test_fp32_x_with_half_w_keeps_fp32_accuracy(kernel, w_dtype, K, N):
+    """The fp32 intermediate of a shrink meets the fp32 tolerance (x split hi + lo on the tensor cores)."""
+    gen = torch.Generator().manual_seed(K * N)
+    token_lora = testing.random_token_slots(300, [0, 1, 2], gen)
+    problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=N, dtype=w_dtype, device="cuda", gen=gen,
+                                        x_dtype=torch.float32, y_dtype=torch.float32)
+    assert _check(problem, torch.float32) == ""
+
+
+@pytest.mark.parametrize("name", ["odd_gemm", "shrink_4096", "expand_4096"])
+def test_bitwise_deterministic(kernel, name):
+    problem = gg._problem(GG_LARGE_CASES[name], _cuda(torch.bfloat16), torch.bfloat16, seed=7)
+    outs = []
+    for _ in range(3):
+        y = problem.y.clone()
+        lora_ops.ops.grouped_gemm(*problem.args(y))
+        outs.append(y)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("name", ["odd_gemm", "expand_4096"])
+def test_cuda_graph_replay(kernel, name):
+    """Captured once (no host sync, no host read of device metadata), replayed on fresh y values."""
+    dtype = torch.bfloat16
+    problem = gg._problem(GG_LARGE_CASES[name], _cuda(dtype), dtype, seed=11)
+    y = problem.y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # first call outside the capture (sets kernel attributes)
+        lora_ops.ops.grouped_gemm(*problem.args(y.clone()))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_ops.ops.grouped_gemm(*problem.args(y))
+    fresh = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
+    y.copy_(fresh)
+    graph.replay()
+    expected = fresh.clone()
+    lora_ops.ops.grouped_gemm(*problem.args(expected))
+    assert torch.equal(y, expected)
