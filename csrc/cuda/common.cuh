@@ -194,9 +194,10 @@ inline bool cluster_fits(const void* kernel, int threads, int64_t cluster, size_
   return fits;
 }
 
-// Up to `tile_rows` consecutive positions [begin, end) of one segment, and the segment's slot.
+// Up to `tile_rows` consecutive positions [begin, end) of one segment, the segment's slot, and the slot's size
+// (rank, n_l, ...) when the lookup was given per-slot sizes.
 struct TileRef {
-  int64_t slot, begin, end;
+  int64_t slot, begin, end, size;
 };
 
 // Tile number `tile` of the walk over all segments in order, `tile_rows` positions each. Warp-wide: all 32
@@ -235,23 +236,26 @@ __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, in
   return false;
 }
 
-// Block-wide tile lookup: warp 0 walks (warp_find_tile); the tile, and its rows in `rows` (shared memory; -1
-// past the tile's end or for a row outside [0, num_rows)), are visible to every thread on return. False when
-// there are fewer tiles. Every thread of the block must call it.
+// Block-wide tile lookup: warp 0 walks (warp_find_tile); the tile with its slot's size (slot_size(sizes, slot,
+// full)), and its rows in `rows` (shared memory; -1 past the tile's end or for a row outside [0, num_rows)), are
+// visible to every thread on return: one round trip for the walk, one for the rows and the size together.
+// False when there are fewer tiles. Every thread of the block must call it; callers that call it again
+// __syncthreads() first (the readers of `rows` and of the previous result are done).
 template <int kRows>
 __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, int64_t num_rows, int64_t tile,
-                                       TileRef* out, int64_t* rows) {
+                                       TileRef* out, int64_t* rows, const int32_t* sizes, int64_t full) {
   __shared__ TileRef s_tile;
   __shared__ bool s_found;
   if (threadIdx.x < 32) {
     TileRef t;
     const bool found = warp_find_tile(seg, num_slots, kRows, tile, &t);
-    if (threadIdx.x == 0) {
-      s_found = found;
-      s_tile = t;
-    }
     for (int r = threadIdx.x; found && r < kRows; r += 32) {
       rows[r] = t.begin + r < t.end ? segment_row(seg, t.begin + r, num_rows) : -1;
+    }
+    if (threadIdx.x == 0) {
+      if (found) t.size = slot_size(sizes, t.slot, full);
+      s_found = found;
+      s_tile = t;
     }
   }
   __syncthreads();

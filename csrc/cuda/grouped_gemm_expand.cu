@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (int64_t unit = blockIdx.x; unit < plan.units; unit += gridDim.x) {
     __syncthreads();  // the previous unit's readers of s_rows and of the shared tiles are done
     TileRef tile;  // later units never have a tile either
-    if (!block_find_tile<kBM>(p.seg, p.num_groups, p.rows, unit / plan.n_splits, &tile, s_rows)) break;
-    const int64_t n_l = slot_size(p.n_sizes, tile.slot, p.n), k_l = slot_size(p.k_sizes, tile.slot, p.k);
+    if (!block_find_tile<kBM>(p.seg, p.num_groups, p.rows, unit / plan.n_splits, &tile, s_rows, p.n_sizes, p.n)) break;
+    const int64_t n_l = tile.size, k_l = slot_size(p.k_sizes, tile.slot, p.k);
     int64_t c_begin, c_end;
     split_range((n_l + kBN - 1) / kBN, plan.n_splits, unit % plan.n_splits, &c_begin, &c_end);
     if (c_begin >= c_end || (k_l == 0 && p.accumulate)) continue;  // nothing to write

@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
   for (int64_t unit = blockIdx.x; unit < plan.units; unit += gridDim.x) {
     __syncthreads();  // the previous unit's readers of s_rows and of the shared tiles are done
     TileRef tile;  // later units never have a tile either
-    if (!block_find_tile<S::BM>(p.seg, p.num_groups, p.rows, unit / plan.col_tiles, &tile, s_rows)) break;
-    const int64_t n_l = slot_size(p.n_sizes, tile.slot, p.n), k_l = slot_size(p.k_sizes, tile.slot, p.k);
+    if (!block_find_tile<S::BM>(p.seg, p.num_groups, p.rows, unit / plan.col_tiles, &tile, s_rows, p.n_sizes, p.n)) break;
+    const int64_t n_l = tile.size, k_l = slot_size(p.k_sizes, tile.slot, p.k);
     const int64_t n0 = unit % plan.col_tiles * S::BN;
     if (n0 >= n_l || (k_l == 0 && p.accumulate)) continue;  // nothing to write
 

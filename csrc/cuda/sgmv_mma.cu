@@ -59,8 +59,10 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
   const int64_t tile_idx = unit / plan.groups, group = unit % plan.groups;
   TileRef tile;
-  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows)) return;
-  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = slot_size(p.lora_ranks, tile.slot, R);
+  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
+    return;
+  }
+  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = tile.size;
   if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);

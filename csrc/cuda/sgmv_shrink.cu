@@ -40,56 +40,61 @@ __device__ __forceinline__ float warp_reduce8(float v[8], int lane) {
 
 // kVec: x and A rows allow 16-byte loads (checked on the host).
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads) sgmv_shrink_kernel(SgmvParams p, int64_t splits, int64_t k_chunk,
+__global__ void __launch_bounds__(kThreads) sgmv_shrink_kernel(SgmvParams p, int64_t max_tiles, int64_t k_chunk,
                                                                float* partials) {
   __shared__ int64_t s_rows[kTileRows];
   allow_dependents_to_launch();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t split = blockIdx.x % splits;
-  TileRef tile;
-  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, blockIdx.x / splits, &tile, s_rows)) return;
-  const int64_t slot = tile.slot, rank = slot_size(p.lora_ranks, slot, p.max_rank);
-  const int64_t k0 = split * k_chunk, k1 = std::min(p.k, k0 + k_chunk);
-  const T* x = static_cast<const T*>(p.x);
-  const T* a_slot = static_cast<const T*>(p.lora_a) + slot * p.a_stride0;
-  const int64_t SR = p.num_slices * p.max_rank;
-  int64_t rows[kTileRows];
-#pragma unroll
-  for (int m = 0; m < kTileRows; ++m) rows[m] = s_rows[m];
+  const int64_t split = blockIdx.x;
+  for (int64_t t = blockIdx.y; t < max_tiles; t += gridDim.y) {
+    __syncthreads();  // a previous tile's readers of s_rows are done
+    TileRef tile;
+    if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, t, &tile, s_rows, p.lora_ranks, p.max_rank)) {
+      return;
+    }
+    const int64_t slot = tile.slot, rank = tile.size;
+    const int64_t k0 = split * k_chunk, k1 = std::min(p.k, k0 + k_chunk);
+    const T* x = static_cast<const T*>(p.x);
+    const T* a_slot = static_cast<const T*>(p.lora_a) + slot * p.a_stride0;
+    const int64_t SR = p.num_slices * p.max_rank;
+    int64_t rows[kTileRows];
+  #pragma unroll
+    for (int m = 0; m < kTileRows; ++m) rows[m] = s_rows[m];
 
-  for (int64_t e0 = warp * kRowsPerPass; e0 < p.num_slices * rank; e0 += kWarps * kRowsPerPass) {
-    float acc[kRowsPerPass][kTileRows] = {};
-    for (int64_t k = k0 + lane * 8; k < k1; k += kStep) {
-      Raw8<T> xr[kTileRows], ar[kRowsPerPass];
-#pragma unroll
-      for (int m = 0; m < kTileRows; ++m) {
-        if (rows[m] >= 0) load_raw8(x + rows[m] * p.x_row_stride + k, kVec, k1 - k, xr[m]);
-      }
-#pragma unroll
-      for (int i = 0; i < kRowsPerPass; ++i) {
-        const int64_t e = e0 + i;
-        const int64_t a_row = (e / rank) * p.max_rank + e % rank;
-        load_raw8(a_slot + a_row * p.a_stride1 + k, kVec, e < p.num_slices * rank ? k1 - k : 0, ar[i]);
-      }
-#pragma unroll
-      for (int m = 0; m < kTileRows; ++m) {
-        if (rows[m] < 0) continue;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float xv = to_f32(xr[m].v[j]);
-#pragma unroll
-          for (int i = 0; i < kRowsPerPass; ++i) acc[i][m] += xv * to_f32(ar[i].v[j]);
+    for (int64_t e0 = warp * kRowsPerPass; e0 < p.num_slices * rank; e0 += kWarps * kRowsPerPass) {
+      float acc[kRowsPerPass][kTileRows] = {};
+      for (int64_t k = k0 + lane * 8; k < k1; k += kStep) {
+        Raw8<T> xr[kTileRows], ar[kRowsPerPass];
+  #pragma unroll
+        for (int m = 0; m < kTileRows; ++m) {
+          if (rows[m] >= 0) load_raw8(x + rows[m] * p.x_row_stride + k, kVec, k1 - k, xr[m]);
+        }
+  #pragma unroll
+        for (int i = 0; i < kRowsPerPass; ++i) {
+          const int64_t e = e0 + i;
+          const int64_t a_row = (e / rank) * p.max_rank + e % rank;
+          load_raw8(a_slot + a_row * p.a_stride1 + k, kVec, e < p.num_slices * rank ? k1 - k : 0, ar[i]);
+        }
+  #pragma unroll
+        for (int m = 0; m < kTileRows; ++m) {
+          if (rows[m] < 0) continue;
+  #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float xv = to_f32(xr[m].v[j]);
+  #pragma unroll
+            for (int i = 0; i < kRowsPerPass; ++i) acc[i][m] += xv * to_f32(ar[i].v[j]);
+          }
         }
       }
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerPass; ++i) {
-      const float sum = warp_reduce8(acc[i], lane);
-      const int m = (lane >> 4 & 1) * 4 + (lane >> 3 & 1) * 2 + (lane >> 2 & 1);
-      const int64_t e = e0 + i;
-      const int64_t row = s_rows[m];  // m depends on the lane: shared memory, not the register copy
-      if ((lane & 3) == 0 && row >= 0 && e < p.num_slices * rank) {
-        partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = sum;
+  #pragma unroll
+      for (int i = 0; i < kRowsPerPass; ++i) {
+        const float sum = warp_reduce8(acc[i], lane);
+        const int m = (lane >> 4 & 1) * 4 + (lane >> 3 & 1) * 2 + (lane >> 2 & 1);
+        const int64_t e = e0 + i;
+        const int64_t row = s_rows[m];  // m depends on the lane: shared memory, not the register copy
+        if ((lane & 3) == 0 && row >= 0 && e < p.num_slices * rank) {
+          partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = sum;
+        }
       }
     }
   }
@@ -111,15 +116,16 @@ ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms) {
 }
 
 cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream) {
-  const int64_t blocks = plan.max_tiles * plan.splits;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  if (plan.max_tiles == 0) return cudaSuccess;
+  if (plan.splits > INT32_MAX) return cudaErrorInvalidConfiguration;
   const int64_t es = dtype_size(p.x_dtype);
   const bool vec = aligned16(p.x, {p.x_row_stride * es}) && aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
   auto launch = [&](auto tag) {
     using T = typename ElemOf<decltype(tag)::value>::type;
     auto kernel = vec ? sgmv_shrink_kernel<T, true> : sgmv_shrink_kernel<T, false>;
-    kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(p, plan.splits, plan.k_chunk, partials);
+    // Splits fastest: a tile's CTAs start together, and tiles that do not exist come last.
+    const dim3 grid((unsigned)plan.splits, (unsigned)std::min<int64_t>(plan.max_tiles, 65535));
+    kernel<<<grid, kThreads, 0, stream>>>(p, plan.max_tiles, plan.k_chunk, partials);
     return cudaGetLastError();
   };
   return dispatch_dtype(p.x_dtype, launch);

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="with --decode-step: time every route per regime and write the serving layer's table "
                          "(lora_ops/routes.json)")
+    ap.add_argument("--parts", action="store_true",
+                    help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = decode_step.STEPS[:1] if args.quick else decode_step.STEPS
-        decode_step.run(models, device, records, failures, log, only, steps)
+        decode_step.run(models, device, records, failures, log, only, steps, args.parts)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if args.routes:
         if not args.decode_step:

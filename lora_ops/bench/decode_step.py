@@ -144,6 +144,27 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
+    # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
+    def fold_gemm_calls(self) -> List[Callable[[], None]]:
+        return [lambda m=m, n=n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n])
+                for layer in self.layers for n, m in zip(self.names, layer)]
+
+    def expand_only_calls(self, expand) -> List[Callable[[], None]]:
+        def one(m, n):
+            out = self.out[n]
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
+                   self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices, self.ranks, self.scales,
+                   m.slice_offsets, 1.0)
+        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+                                        for n, m in zip(self.names, layer)]
+
+    def sgmv_only_calls(self, sgmv) -> List[Callable[[], None]]:
+        def one(m, n):
+            sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
+                 self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
+        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+                                        for n, m in zip(self.names, layer)]
+
     def outputs(self, route: str) -> Dict[str, torch.Tensor]:
         """The first layer's outputs as the route leaves them: valid after build_segments and layer 0's calls
         ran alone (every layer writes the same buffers)."""
@@ -183,7 +204,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
-               only: Optional[Sequence[str]] = None) -> None:
+               only: Optional[Sequence[str]] = None, parts: bool = False) -> None:
     s = Setup(model, step, device)
     ref = s.reference()
     floor = s.floor_pct()
@@ -220,14 +241,36 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms * 1e3, 1),
                             overhead_pct=round(overhead, 2), err=err))
         log(f"  {name:<12} {ms * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
+    if parts:
+        bench_parts(s, base_ms, row, records, log, only)
     del s
     torch.cuda.empty_cache()
 
 
-def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS):
+def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
+    """Each route's parts alone (op "decode_step_part"): the fold GEMMs, the expand kernels on their output, and
+    the sgmv kernels without the base GEMM; µs per step and as % of the base step."""
+    parts = {"fold-gemm": s.fold_gemm_calls()}
+    for name, (kind, op) in routes().items():
+        if only and name not in only:
+            continue
+        backend = name.split("-")[1]
+        parts[f"{'expand' if kind == 'fold' else 'sgmv'}-only-{backend}"] = \
+            s.expand_only_calls(op) if kind == "fold" else s.sgmv_only_calls(op)
+    for name, calls in parts.items():
+        for f in calls:  # eagerly once: the expand parts read the fold GEMMs' outputs as they are
+            f()
+        ms = time_loop(capture(calls).replay, min_ms=50)
+        records.append(dict(row, op="decode_step_part", backend=name, base_us=round(base_ms * 1e3, 1),
+                            us=round(ms * 1e3, 1), pct_of_base=round(100 * ms / base_ms, 2)))
+        log(f"  part {name:<16} {ms * 1e3:9.1f} us = {100 * ms / base_ms:5.1f}% of base")
+
+
+def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS,
+        parts: bool = False):
     for name in models:
         for step in steps:
-            bench_step(MODELS[name], step, device, records, failures, log, only)
+            bench_step(MODELS[name], step, device, records, failures, log, only, parts)
 
 
 def write_routes(path: str, device, records, failures, log, meta: dict) -> None:

@@ -83,16 +83,12 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
         IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
 
 
-def expand_config(positions: int, segments: int, width: int, max_rank: int, fp32: bool) -> dict:
-    """lora_expand's config: sgmv's tiles without the shrink. A column split re-reads nothing here, so the
-    columns are split while the tiles alone leave the GPU idle, down to one BLOCK_N block per program."""
-    cfg = sgmv_config(positions, segments, width, max_rank, fp32)
+def expand_config(positions: int, segments: int, max_rank: int, fp32: bool) -> dict:
+    """lora_expand's config: sgmv's tiles without the shrink, one BLOCK_N column block per program. A column split
+    re-reads nothing here, and at decode sizes the cost is each program's chain of dependent loads, not their
+    number."""
+    cfg = sgmv_config(positions, segments, 0, max_rank, fp32)
     del cfg["BLOCK_K"]
-    tiles = tile_bound(positions, segments, cfg["BLOCK_M"])
-    splits = 1
-    while splits < 64 and tiles * splits * 2 <= 2 * _TARGET_PROGRAMS and width // (splits * 2) >= cfg["BLOCK_N"]:
-        splits *= 2
-    cfg["N_SPLITS"] = splits
     return cfg
 
 
@@ -108,8 +104,8 @@ def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ran
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or R == 0 or N == 0:
         return
-    cfg = expand_config(positions, G, max(b - a for a, b in zip(offsets, offsets[1:])), R,
-                        lora_b.dtype == torch.float32)
+    cfg = expand_config(positions, G, R, lora_b.dtype == torch.float32)
+    cfg["N_SPLITS"] = triton.cdiv(max(b - a for a, b in zip(offsets, offsets[1:])), cfg["BLOCK_N"])
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
     lora_expand_kernel[grid](

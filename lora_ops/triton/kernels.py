@@ -13,10 +13,11 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tile, num_segments, num_slots, R, positions, num_rows,
-                 HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
-    """Tile number `tile` of the walk over all segments (BLOCK_M positions each; segments with a bad slot, rank 0
-    or no positions have none): its slot (-1 when there are fewer tiles) and its rows. The program grid is the
+def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tile, num_segments, num_slots, positions, num_rows,
+                 HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
+    """Tile number `tile` of the walk over all segments (BLOCK_M positions each; segments with a bad slot or no
+    positions have none): its slot (-1 when there are fewer tiles) and its rows. Per-slot sizes (rank, n_l) are
+    not consulted, which keeps the walk one dependent load deep; the caller leaves a tile whose size is 0. The program grid is the
     bound min(P, P/BLOCK_M + G) on the tile count, so no program is launched per (slot, row block) pair.
 
     Segment bounds follow the running-maximum rule (DESIGN §2, csrc/common/params.h): m_i = max over j <= i of
@@ -37,8 +38,6 @@ def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tile, num_segments, n
         end = tl.maximum(tl.associative_scan(hi, 0, _max_combine), begin)  # m_{g+1}
         slot = tl.load(slot_ptr + gg, mask=gmask, other=-1)
         ok = gmask & (slot >= 0) & (slot < num_slots)
-        if HAS_RANKS:
-            ok = ok & (tl.load(ranks_ptr + slot, mask=ok, other=0) > 0)
         tiles = tl.where(ok, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
         incl = tl.cumsum(tiles, axis=0) + count
         hit = (tiles > 0) & (incl - tiles <= tile) & (tile < incl)
@@ -133,8 +132,8 @@ def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
     h [BLOCK_M, rank] in float32 registers, then expand h into its share of the slice's columns of y."""
     s = tl.program_id(1) // N_SPLITS
     split = tl.program_id(1) % N_SPLITS
-    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tl.program_id(0), num_segments,
-                                     num_slots, R, positions, num_rows, HAS_IDX, HAS_RANKS, BLOCK_M, SCAN)
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_slots,
+                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
     if slot < 0:
         return
     rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
@@ -171,8 +170,8 @@ def lora_expand_kernel(y_ptr, h_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
     tile's slot, scaled in float32, expanded into the program's share of the slice's columns of y."""
     s = tl.program_id(1) // N_SPLITS
     split = tl.program_id(1) % N_SPLITS
-    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, tl.program_id(0), num_segments,
-                                     num_slots, R, positions, num_rows, HAS_IDX, HAS_RANKS, BLOCK_M, SCAN)
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_slots,
+                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
     if slot < 0:
         return
     rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
@@ -195,8 +194,8 @@ def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_si
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
     """Program (tile of BLOCK_M positions of one segment, block of BLOCK_N columns): one output tile."""
     nb = tl.program_id(1)
-    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, n_sizes_ptr, tl.program_id(0), num_segments,
-                                     num_groups, N, positions, num_rows, HAS_IDX, False, BLOCK_M, SCAN)
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_groups,
+                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
     if slot < 0:
         return
     n_l = N
