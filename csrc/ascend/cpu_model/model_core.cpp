@@ -148,17 +148,20 @@ bool Core::AutoSynced(int a, int b) const {
   return other == V || other == MTE2 || other == MTE3;
 }
 
-bool Core::Knows(int pipe, int agent, uint32_t time) const {
+bool Core::Knows(int pipe, int agent, uint32_t time) {
   if (agent == Agent(pipe)) {
     // In-order issue orders S, V (the compiler inserts PIPE_V barriers) and M; a DMA pipe's own transfers may
     // overlap until a PipeBarrier (or a sync from a pipe that saw them complete).
     return !IsDma(pipe) || clock_[pipe][agent] >= time;
   }
-  if (agent / kPipeCount == index && AutoSynced(pipe, agent % kPipeCount)) return true;
+  if (agent / kPipeCount == index && AutoSynced(pipe, agent % kPipeCount)) {
+    Merge(pipe, Record(agent % kPipeCount));  // the SetFlag/WaitFlag pair the compiler inserts
+    return true;
+  }
   return clock_[pipe][agent] >= time;
 }
 
-bool Core::Ordered(int pipe, int writer_pipe, uint32_t write_time) const {
+bool Core::Ordered(int pipe, int writer_pipe, uint32_t write_time) {
   return Knows(pipe, Agent(writer_pipe), write_time);
 }
 
@@ -171,25 +174,26 @@ void Core::Check(int pipe, uint32_t time, Mem m, uint64_t addr, uint64_t bytes, 
   };
   for (uint64_t b = addr / kBlock; b <= (addr + bytes - 1) / kBlock; ++b) {
     Shadow& sh = shadow[b];
+    // Readers first: a compiler-synced reader (see AutoSynced) may be what orders this write after the last one.
+    for (int q = 0; write && q < kPipeCount; ++q) {
+      if (q != pipe && sh.read_time[q] != 0 && !Ordered(pipe, q, sh.read_time[q])) {
+        Fail("WAR hazard on " + where(b) + ": " + PipeName(pipe) + " #" + std::to_string(time) + " overwrites what " +
+             PipeName(q) + " #" + std::to_string(sh.read_time[q]) + " reads, with no sync ordering them");
+      }
+    }
     if (sh.write_time != 0 && !Ordered(pipe, sh.write_pipe, sh.write_time)) {
       Fail(std::string(write ? "WAW" : "RAW") + " hazard on " + where(b) + ": " + PipeName(pipe) + " #" +
            std::to_string(time) + (write ? " overwrites" : " reads") + " what " + PipeName(sh.write_pipe) + " #" +
            std::to_string(sh.write_time) + " wrote, with no sync ordering them (SetFlag/WaitFlag, a queue, or " +
            "PipeBarrier)");
     }
-    if (!write) {
+    if (write) {
+      sh = Shadow{};
+      sh.write_time = time;
+      sh.write_pipe = static_cast<uint8_t>(pipe);
+    } else {
       sh.read_time[pipe] = time;
-      continue;
     }
-    for (int q = 0; q < kPipeCount; ++q) {
-      if (q != pipe && sh.read_time[q] != 0 && !Ordered(pipe, q, sh.read_time[q])) {
-        Fail("WAR hazard on " + where(b) + ": " + PipeName(pipe) + " #" + std::to_string(time) + " overwrites what " +
-             PipeName(q) + " #" + std::to_string(sh.read_time[q]) + " reads, with no sync ordering them");
-      }
-    }
-    sh = Shadow{};
-    sh.write_time = time;
-    sh.write_pipe = static_cast<uint8_t>(pipe);
   }
 }
 
@@ -461,6 +465,13 @@ void Machine::AccessGm(Core& core, int pipe, uint32_t time, const uint8_t* ptr, 
     for (uint64_t e = first; e < first + bytes / g.elem_bytes; ++e) {
       GmShadow& sh = gm_shadow_[r][e];
       auto where = [&] { return "'" + g.name + "' element " + std::to_string(e); };
+      for (int k = 0; write && k < 2; ++k) {
+        if (sh.read_agent[k] != 0 && int(sh.read_agent[k] - 1) != me &&
+            !core.Knows(pipe, int(sh.read_agent[k] - 1), sh.read_time[k])) {
+          Fail("WAR hazard on " + where() + ": " + PipeName(pipe) + " of " + core.Name() +
+               " overwrites it before a read by agent " + std::to_string(sh.read_agent[k] - 1) + " is known done");
+        }
+      }
       if (sh.write_agent != 0 && !core.Knows(pipe, int(sh.write_agent - 1), sh.write_time)) {
         Fail(std::string(write ? "WAW" : "RAW") + " hazard on " + where() + ": " + PipeName(pipe) + " of " +
              core.Name() + " is not ordered after the write by agent " + std::to_string(sh.write_agent - 1) +
@@ -468,13 +479,6 @@ void Machine::AccessGm(Core& core, int pipe, uint32_t time, const uint8_t* ptr, 
              PipeName(int(sh.write_agent - 1) % kPipeCount) + ")");
       }
       if (write) {
-        for (int k = 0; k < 2; ++k) {
-          if (sh.read_agent[k] != 0 && int(sh.read_agent[k] - 1) != me &&
-              !core.Knows(pipe, int(sh.read_agent[k] - 1), sh.read_time[k])) {
-            Fail("WAR hazard on " + where() + ": " + PipeName(pipe) + " of " + core.Name() +
-                 " overwrites it before a read by agent " + std::to_string(sh.read_agent[k] - 1) + " is known done");
-          }
-        }
         sh = GmShadow{};
         sh.write_agent = uint32_t(me + 1);
         sh.write_time = time;

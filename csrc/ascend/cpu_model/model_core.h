@@ -102,8 +102,9 @@ class Core {
   // RAW on L0C between accumulating Mmads: ordered only after PipeBarrier<PIPE_M> unless the tile is large.
   void ReadAccumulator(uint32_t time, uint64_t addr, uint64_t bytes, bool large_tile);
 
-  // Whether `pipe` knows that `agent`'s instruction at `time` completed.
-  bool Knows(int pipe, int agent, uint32_t time) const;
+  // Whether `pipe` is ordered after `agent`'s instruction at `time`. A pipe pair the compiler syncs on its own
+  // (see AutoSynced) gets that sync here: `pipe` learns all `agent` has done.
+  bool Knows(int pipe, int agent, uint32_t time);
   int Agent(int pipe) const;
 
   SyncToken Record(int pipe) const;  // everything `pipe` knows, including all its own issued instructions
@@ -124,7 +125,7 @@ class Core {
     uint32_t read_time[kPipeCount] = {};
   };
   bool AutoSynced(int a, int b) const;
-  bool Ordered(int pipe, int writer_pipe, uint32_t write_time) const;
+  bool Ordered(int pipe, int writer_pipe, uint32_t write_time);
   void Check(int pipe, uint32_t time, Mem m, uint64_t addr, uint64_t bytes, bool write);
 
   std::vector<uint8_t> mem_[kMemCount];
