@@ -19,7 +19,7 @@ namespace cm = AscendC::cpu_model;
 namespace {
 
 // Runs `body` on `block_dim` cores of `type`; returns the model's error ("" when the kernel ran clean).
-std::string Run(KernelMetaType type, uint32_t block_dim, const std::function<void()>& body) {
+std::string RunKernel(KernelMetaType type, uint32_t block_dim, const std::function<void()>& body) {
   try {
     cm::Launch(type, block_dim, body);
   } catch (const cm::ModelError& e) {
@@ -95,20 +95,20 @@ TEST(AscendModelTypes, NarrowingRoundsToNearestEvenLikeTorch) {
 // ------------------------------------------------------------------------------------------- buffers and cores
 
 TEST(AscendModelBuffers, UnifiedBufferCapacityIsEnforced) {
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
               TPipe pipe;
               TBuf<TPosition::VECCALC> a, b;
               pipe.InitBuffer(a, 100 * 1024);
               pipe.InitBuffer(b, cm::kMemSpec[0].usable - 100 * 1024);  // exactly what is left
             }),
             "");
-  const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
     TPipe pipe;
     TBuf<TPosition::VECCALC> a;
     pipe.InitBuffer(a, cm::kMemSpec[0].usable + 32);
   });
   EXPECT_NE(err.find("UB capacity exceeded"), std::string::npos) << err;
-  EXPECT_NE(Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  EXPECT_NE(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
               TPipe pipe;
               TBuf<TPosition::A1> l1;  // an AIV has no L1
               pipe.InitBuffer(l1, 64);
@@ -118,7 +118,7 @@ TEST(AscendModelBuffers, UnifiedBufferCapacityIsEnforced) {
 
 TEST(AscendModelBuffers, LocalMemoryStartsPoisonedAndTensorsAreBoundsChecked) {
   std::vector<float> seen(1);
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
               TPipe pipe;
               TBuf<TPosition::VECCALC> buf;
               pipe.InitBuffer(buf, 64);
@@ -126,7 +126,7 @@ TEST(AscendModelBuffers, LocalMemoryStartsPoisonedAndTensorsAreBoundsChecked) {
             }),
             "");
   EXPECT_TRUE(std::isnan(seen[0]));
-  const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
     TPipe pipe;
     TBuf<TPosition::VECCALC> buf;
     pipe.InitBuffer(buf, 64);
@@ -137,14 +137,14 @@ TEST(AscendModelBuffers, LocalMemoryStartsPoisonedAndTensorsAreBoundsChecked) {
 
 TEST(AscendModelBuffers, CoresRunOneAfterAnotherInBlockOrder) {
   std::vector<std::string> order;
-  EXPECT_EQ(Run(KERNEL_TYPE_MIX_AIC_1_2, 2,
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_MIX_AIC_1_2, 2,
                 [&] { order.push_back((ASCEND_IS_AIC ? "c" : "v") + std::to_string(GetBlockIdx())); }),
             "");
   EXPECT_EQ(order, (std::vector<std::string>{"c0", "v0", "v1", "c1", "v2", "v3"}));
 }
 
 TEST(AscendModelBuffers, KernelTypeMustMatchTheLaunch) {
-  const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [] { KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2); });
+  const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] { KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2); });
   EXPECT_NE(err.find("differs from the launched kernel type"), std::string::npos) << err;
 }
 
@@ -152,7 +152,7 @@ TEST(AscendModelBuffers, KernelTypeMustMatchTheLaunch) {
 
 TEST(AscendModelQueues, FreeListDepthAndOwnershipAreEnforced) {
   auto fails_with = [](const std::function<void(TQue<TPosition::VECIN, 1>&)>& f, const char* what) {
-    const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+    const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
       TPipe pipe;
       TQue<TPosition::VECIN, 1> q;
       pipe.InitBuffer(q, 2, 64);
@@ -178,7 +178,7 @@ TEST(AscendModelQueues, FreeListDepthAndOwnershipAreEnforced) {
     q.FreeTensor(a);
   }, "free or still enqueued");
   // Freed buffers come back in FIFO order.
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
               TPipe pipe;
               TQue<TPosition::VECIN, 2> q;
               pipe.InitBuffer(q, 2, 64);
@@ -200,7 +200,7 @@ TEST(AscendModelCopies, DataCopyPadPadsWithTheFirstElementAndChecksAlignment) {
   std::vector<float> ub(16);
   Declare(src, false, "src");
   Declare(dst, true, "dst");
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
               TPipe pipe;
               TQue<TPosition::VECIN, 1> q;
               pipe.InitBuffer(q, 1, 64);
@@ -218,7 +218,7 @@ TEST(AscendModelCopies, DataCopyPadPadsWithTheFirstElementAndChecksAlignment) {
   EXPECT_EQ(ub, (std::vector<float>{2, 3, 4, 5, 6, 2, 2, 2, 10, 11, 12, 13, 14, 10, 10, 10}));
   EXPECT_EQ(dst, (std::vector<float>{-1, -1, 2, 3, 4, 5, 6, -1, 10, 11, 12, 13, 14, -1, -1, -1, -1, -1, -1, -1}));
   Declare(src, false, "src");
-  const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+  const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
     TPipe pipe;
     TQue<TPosition::VECIN, 1> q;
     pipe.InitBuffer(q, 1, 64);
@@ -233,7 +233,7 @@ TEST(AscendModelCopies, GlobalAccessesStayInsideDeclaredBuffers) {
   auto run = [&](int first, int count, bool write) {
     Declare(a, false, "a");
     Declare(b, true, "b");
-    return Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+    return RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
       TPipe pipe;
       TQue<TPosition::VECIN, 1> q;
       pipe.InitBuffer(q, 1, 64);
@@ -258,7 +258,7 @@ TEST(AscendModelCopies, Nd2NzPlacesRowsInFractalsAndZeroPadsTheLastGroup) {
   for (int i = 0; i < 60; ++i) src[i] = half(float(i));
   std::vector<float> got(2 * 16 * 16);
   Declare(src, false, "src");
-  EXPECT_EQ(Run(KERNEL_TYPE_AIC_ONLY, 1, [&] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIC_ONLY, 1, [&] {
               TPipe pipe;
               TQue<TPosition::A1, 1> q;
               pipe.InitBuffer(q, 1, 2 * 16 * 16 * 2);
@@ -284,7 +284,7 @@ TEST(AscendModelCopies, Nd2NzPlacesRowsInFractalsAndZeroPadsTheLastGroup) {
 
 TEST(AscendModelVector, MaskRepeatAndStridesSelectLanes) {
   std::vector<float> out(256);
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
               TPipe pipe;
               TBuf<TPosition::VECCALC> buf;
               pipe.InitBuffer(buf, 3 * 256 * 4);
@@ -311,7 +311,7 @@ TEST(AscendModelVector, MaskRepeatAndStridesSelectLanes) {
 
 TEST(AscendModelVector, CastCountsLanesByTheWiderTypeAndRoundsToNearestEven) {
   std::vector<uint16_t> bits(80);
-  EXPECT_EQ(Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
               TPipe pipe;
               TBuf<TPosition::VECCALC> f, h;
               pipe.InitBuffer(f, 80 * 4);
@@ -329,7 +329,7 @@ TEST(AscendModelVector, CastCountsLanesByTheWiderTypeAndRoundsToNearestEven) {
   for (int i = 0; i < 80; ++i) {
     EXPECT_EQ(bits[i], i < 40 ? c10::Half(1.f + float(i) / 4096.f).x : c10::Half(-2.f).x) << i;
   }
-  const std::string err = Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  const std::string err = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
     TPipe pipe;
     TBuf<TPosition::VECCALC> f, h;
     pipe.InitBuffer(f, 256);
@@ -356,7 +356,7 @@ std::string CubeMatmul(std::vector<T>& a, std::vector<T>& w, std::vector<float>&
   Declare(a, false, "a");
   Declare(w, false, "w");
   Declare(c, true, "c");
-  return Run(KERNEL_TYPE_AIC_ONLY, 1, [&] {
+  return RunKernel(KERNEL_TYPE_AIC_ONLY, 1, [&] {
     constexpr int c0 = 32 / sizeof(T), frac = 512 / sizeof(T);
     const int mp = (m + 15) / 16 * 16, np = (n + 15) / 16 * 16, kf = (k + c0 - 1) / c0;
     TPipe pipe;
@@ -463,7 +463,7 @@ TEST(AscendModelCube, OneRowSelectsGemvAndFp32ChannelSplitToL1IsRejected) {
   EXPECT_EQ(c[0], reference(16));
   ASSERT_EQ(CubeMatmul(a, w, c, 1, 16, 32, CubeOptions{1, false, true}), "");
   EXPECT_FALSE(c[0] == reference(32));
-  const std::string err = Run(KERNEL_TYPE_AIC_ONLY, 1, [] {
+  const std::string err = RunKernel(KERNEL_TYPE_AIC_ONLY, 1, [] {
     TPipe pipe;
     TQue<TPosition::CO1, 1> co1;
     TBuf<TPosition::A1> l1;
@@ -482,7 +482,7 @@ TEST(AscendModelHazards, MissingSyncBetweenPipesIsReported) {
   std::vector<float> src(64, 1.f);
   auto run = [&](bool sync) {
     Declare(src, false, "src");
-    return Run(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+    return RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
       TPipe pipe;
       TBuf<TPosition::VECIN> in;  // a TBuf has no queue: ordering is the kernel's job
       pipe.InitBuffer(in, 256);
@@ -503,11 +503,11 @@ TEST(AscendModelHazards, MissingSyncBetweenPipesIsReported) {
 }
 
 TEST(AscendModelHazards, FlagsMustPair) {
-  EXPECT_NE(Run(KERNEL_TYPE_AIV_ONLY, 1, [] { WaitFlag<HardEvent::V_MTE3>(EVENT_ID1); }).find("stall forever"),
+  EXPECT_NE(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] { WaitFlag<HardEvent::V_MTE3>(EVENT_ID1); }).find("stall forever"),
             std::string::npos);
-  EXPECT_NE(Run(KERNEL_TYPE_AIV_ONLY, 1, [] { SetFlag<HardEvent::V_MTE3>(EVENT_ID1); }).find("never waited"),
+  EXPECT_NE(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] { SetFlag<HardEvent::V_MTE3>(EVENT_ID1); }).find("never waited"),
             std::string::npos);
-  EXPECT_NE(Run(KERNEL_TYPE_AIV_ONLY, 1, [] {
+  EXPECT_NE(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
               SetFlag<HardEvent::V_MTE3>(EVENT_ID1);
               SetFlag<HardEvent::V_MTE3>(EVENT_ID1);
             }).find("set twice"),
@@ -518,7 +518,7 @@ TEST(AscendModelHazards, CrossCoreFlagsOrderGlobalMemoryAndDeadlocksAreReported)
   std::vector<float> ws(64);
   auto run = [&](bool wait) {
     Declare(ws, true, "ws");
-    return Run(KERNEL_TYPE_MIX_AIC_1_2, 1, [&] {
+    return RunKernel(KERNEL_TYPE_MIX_AIC_1_2, 1, [&] {
       if (ASCEND_IS_AIC) {
         TPipe pipe;
         TQue<TPosition::CO1, 1> co1;
@@ -540,12 +540,12 @@ TEST(AscendModelHazards, CrossCoreFlagsOrderGlobalMemoryAndDeadlocksAreReported)
   EXPECT_EQ(run(true), "");
   const std::string race = run(false);
   EXPECT_NE(race.find("RAW hazard on 'ws'"), std::string::npos) << race;
-  const std::string deadlock = Run(KERNEL_TYPE_MIX_AIC_1_2, 1, [] {
+  const std::string deadlock = RunKernel(KERNEL_TYPE_MIX_AIC_1_2, 1, [] {
     if (ASCEND_IS_AIV) CrossCoreWaitFlag(3);
   });
   EXPECT_NE(deadlock.find("deadlock"), std::string::npos) << deadlock;
   EXPECT_NE(deadlock.find("CrossCoreWaitFlag(3)"), std::string::npos) << deadlock;
-  const std::string overflow = Run(KERNEL_TYPE_MIX_AIC_1_2, 1, [] {
+  const std::string overflow = RunKernel(KERNEL_TYPE_MIX_AIC_1_2, 1, [] {
     if (ASCEND_IS_AIC) {
       for (int i = 0; i < 16; ++i) CrossCoreSetFlag<2, PIPE_FIX>(1);
     }
