@@ -32,44 +32,53 @@ class BuildSegmentsKernel {
     pipe.InitBuffer(window_buf_, t_.window * sizeof(int32_t));
     counts_ = counts_buf_.Get<int32_t>();
     next_ = next_buf_.Get<int32_t>();
+    chunk_ = chunk_buf_.Get<int32_t>();
+    LocalTensor<int32_t> window = window_buf_.Get<int32_t>();
     Duplicate(counts_, int32_t(0), static_cast<int32_t>(bins));
-    ForEachToken([&](int64_t, int64_t bin) { counts_.SetValue(bin, counts_.GetValue(bin) + 1); });
+    for (int64_t t0 = 0; t0 < t_.num_tokens; t0 += t_.chunk) {
+      const int64_t len = LoadChunk(t0);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t bin = Bin(chunk_.GetValue(i));
+        counts_.SetValue(bin, counts_.GetValue(bin) + 1);
+      }
+    }
     Offsets();
     // seg_indptr[s] = tokens before slot s; seg_indptr[num_slots] = tokens with a valid slot.
     DataCopyPad(seg_indptr_, next_, DataCopyExtParams{1, static_cast<uint32_t>(bins * sizeof(int32_t)), 0, 0, 0});
-    LocalTensor<int32_t> window = window_buf_.Get<int32_t>();
     for (int64_t s0 = 0; s0 < t_.num_slots; s0 += t_.window) {
       const int64_t len = Min(t_.window, t_.num_slots - s0);
       for (int64_t i = 0; i < len; ++i) window.SetValue(i, static_cast<int32_t>(s0 + i));
       DataCopyPad(seg_lora_[s0], window, DataCopyExtParams{1, static_cast<uint32_t>(len * sizeof(int32_t)), 0, 0, 0});
     }
     for (int64_t w0 = 0; w0 < t_.num_tokens; w0 += t_.window) {
-      const int64_t len = Min(t_.window, t_.num_tokens - w0);
+      const int64_t w_len = Min(t_.window, t_.num_tokens - w0);
       if (w0 > 0) Offsets();
-      ForEachToken([&](int64_t token, int64_t bin) {
-        const int64_t pos = next_.GetValue(bin);
-        next_.SetValue(bin, static_cast<int32_t>(pos + 1));
-        if (pos >= w0 && pos < w0 + len) window.SetValue(pos - w0, static_cast<int32_t>(token));
-      });
+      for (int64_t t0 = 0; t0 < t_.num_tokens; t0 += t_.chunk) {
+        const int64_t len = LoadChunk(t0);
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t bin = Bin(chunk_.GetValue(i));
+          const int64_t pos = next_.GetValue(bin);
+          next_.SetValue(bin, static_cast<int32_t>(pos + 1));
+          if (pos >= w0 && pos < w0 + w_len) window.SetValue(pos - w0, static_cast<int32_t>(t0 + i));
+        }
+      }
       DataCopyPad(token_indices_[w0], window,
-                  DataCopyExtParams{1, static_cast<uint32_t>(len * sizeof(int32_t)), 0, 0, 0});
+                  DataCopyExtParams{1, static_cast<uint32_t>(w_len * sizeof(int32_t)), 0, 0, 0});
     }
   }
 
  private:
-  // f(token, bin) for every token in order; bin = its slot, or num_slots when the slot is outside [0, num_slots).
-  template <typename F>
-  __aicore__ inline void ForEachToken(F f) {
-    LocalTensor<int32_t> chunk = chunk_buf_.Get<int32_t>();
-    for (int64_t t0 = 0; t0 < t_.num_tokens; t0 += t_.chunk) {
-      const int64_t len = Min(t_.chunk, t_.num_tokens - t0);
-      DataCopyPad(chunk, token_lora_[t0], DataCopyExtParams{1, static_cast<uint32_t>(len * sizeof(int32_t)), 0, 0, 0},
-                  DataCopyPadExtParams<int32_t>{false, 0, 0, 0});
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t slot = chunk.GetValue(i);
-        f(t0 + i, (slot >= 0 && slot < t_.num_slots) ? slot : t_.num_slots);
-      }
-    }
+  // Tokens [t0, t0 + chunk) into UB; returns how many there are.
+  __aicore__ inline int64_t LoadChunk(int64_t t0) {
+    const int64_t len = Min(t_.chunk, t_.num_tokens - t0);
+    DataCopyPad(chunk_, token_lora_[t0], DataCopyExtParams{1, static_cast<uint32_t>(len * sizeof(int32_t)), 0, 0, 0},
+                DataCopyPadExtParams<int32_t>{false, 0, 0, 0});
+    return len;
+  }
+
+  // A token's bin: its slot, or num_slots when the slot is outside [0, num_slots).
+  __aicore__ inline int64_t Bin(int64_t slot) const {
+    return (slot >= 0 && slot < t_.num_slots) ? slot : t_.num_slots;
   }
 
   // next[s] = tokens in bins before s (an exclusive prefix sum of the counts).
@@ -87,7 +96,7 @@ class BuildSegmentsKernel {
   TBuf<TPosition::VECCALC> counts_buf_, next_buf_;
   TBuf<TPosition::VECIN> chunk_buf_;
   TBuf<TPosition::VECOUT> window_buf_;
-  LocalTensor<int32_t> counts_, next_;
+  LocalTensor<int32_t> counts_, next_, chunk_;
 };
 
 }  // namespace

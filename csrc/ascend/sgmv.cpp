@@ -36,19 +36,24 @@ class SgmvKernel {
     LocalTensor<T> h = h_buf.Get<T>();
     SlotWriter slots(workspace_, block, t_.tiles);
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, tile_rows);
-    SetFlag<HardEvent::MTE1_FIX>(0);  // h is free
+    // h is written by Fixpipe (FIX) and read by LoadData (MTE1): order the two both ways.
+    const TEventID h_written = pipe.AllocEventID<HardEvent::FIX_MTE1>();
+    const TEventID h_read = pipe.AllocEventID<HardEvent::MTE1_FIX>();
+    SetFlag<HardEvent::MTE1_FIX>(h_read);  // nothing reads h yet
     while (walk.Next()) {
       const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
       if (rank == 0) continue;
       const int64_t m_pad = RoundUp(walk.count, kFrac), rank_pad = RoundUp(rank, kFrac);
-      WaitFlag<HardEvent::MTE1_FIX>(0);
+      WaitFlag<HardEvent::MTE1_FIX>(h_read);
       Shrink(cube, walk, h, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
-      SetFlag<HardEvent::FIX_MTE1>(0);
-      WaitFlag<HardEvent::FIX_MTE1>(0);
+      SetFlag<HardEvent::FIX_MTE1>(h_written);
+      WaitFlag<HardEvent::FIX_MTE1>(h_written);
       Expand(cube, slots, walk, h, b_[walk.slot * t_.b_stride0], rank, rank_pad, m_pad);
-      SetFlag<HardEvent::MTE1_FIX>(0);
+      SetFlag<HardEvent::MTE1_FIX>(h_read);
     }
-    WaitFlag<HardEvent::MTE1_FIX>(0);
+    WaitFlag<HardEvent::MTE1_FIX>(h_read);
+    pipe.ReleaseEventID<HardEvent::FIX_MTE1>(h_written);
+    pipe.ReleaseEventID<HardEvent::MTE1_FIX>(h_read);
     slots.Drain();
   }
 

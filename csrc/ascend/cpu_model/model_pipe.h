@@ -243,6 +243,26 @@ class TPipe {
     return true;
   }
 
+  // Event ids handed out per src_dst pair, lowest first, so a kernel's own flags never collide.
+  template <HardEvent evt>
+  TEventID AllocEventID() {
+    uint8_t& used = event_ids_[static_cast<int>(evt)];
+    for (int id = 0; id < 8; ++id) {
+      if (!(used & (1u << id))) {
+        used |= uint8_t(1u << id);
+        return static_cast<TEventID>(id);
+      }
+    }
+    cpu_model::Fail("TPipe::AllocEventID: all 8 event ids of this pipe pair are allocated");
+  }
+
+  template <HardEvent evt>
+  void ReleaseEventID(TEventID id) {
+    uint8_t& used = event_ids_[static_cast<int>(evt)];
+    if (id < 0 || id >= 8 || !(used & (1u << id))) cpu_model::Fail("TPipe::ReleaseEventID of an id not allocated");
+    used &= uint8_t(~(1u << id));
+  }
+
  private:
   uint32_t Allocate(cpu_model::Mem m, uint32_t bytes) {
     const int i = static_cast<int>(m);
@@ -260,6 +280,7 @@ class TPipe {
     return start;
   }
   uint32_t next_[cpu_model::kMemCount] = {};
+  uint8_t event_ids_[64] = {};
 };
 
 template <HardEvent event>
