@@ -8,12 +8,15 @@ static_assert(kMaxSlices == lora_ops::kMaxSlices, "tiling.h and params.h disagre
 
 namespace {
 
-constexpr int64_t kNd2NzMaxStride = 65535;  // Nd2NzParams::srcDValue, in elements
+constexpr int64_t kNd2NzMaxStride = 65535;  // Nd2NzParams::srcDValue, in elements (at least 1)
 constexpr int64_t kMaxMmadDim = 4080;       // Mmad m, n, k <= 4095, kept a multiple of 16
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t round_down(int64_t v, int64_t m) { return v / m * m; }
 int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
+
+// Weight rows are read by one ND->NZ DMA per block of rows, which takes the row stride as srcDValue.
+bool nd2nz_stride_ok(int64_t stride) { return stride >= 1 && stride <= kNd2NzMaxStride; }
 
 DTypeCode code(DType d) { return d == DType::F16 ? kHalf : (d == DType::BF16 ? kBf16 : kFloat); }
 
@@ -40,7 +43,8 @@ static_assert(kL0CStage / 4 / 2 * 4 * 4 <= kUbBytes, "RowUpdater buffers exceed 
 
 // The reduction chunk of one L0A load of tile_rows rows (a fractal multiple, at most 256 and the reduction).
 int64_t k_chunk_for(int64_t tile_rows, int64_t elem, int64_t k) {
-  return std::clamp<int64_t>(round_down(kL0AStage / (tile_rows * elem), 16), 16, std::min<int64_t>(256, round_up(k, 16)));
+  const int64_t fits = round_down(kL0AStage / (tile_rows * elem), 16);
+  return std::clamp<int64_t>(fits, 16, std::min<int64_t>(256, round_up(k, 16)));
 }
 
 }  // namespace
@@ -52,9 +56,9 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
                  "intermediate cannot stay on chip in the cube's layout";
     return plan;
   }
-  if (p.a_stride1 > kNd2NzMaxStride || p.b_stride1 > kNd2NzMaxStride) {
+  if (!nd2nz_stride_ok(p.a_stride1) || !nd2nz_stride_ok(p.b_stride1)) {
     plan.error = "lora_ops.sgmv on Ascend: the row strides of lora_a (" + std::to_string(p.a_stride1) +
-                 ") and lora_b (" + std::to_string(p.b_stride1) + ") must be at most 65535 elements (Nd2Nz)";
+                 ") and lora_b (" + std::to_string(p.b_stride1) + ") must be in [1, 65535] elements (Nd2Nz)";
     return plan;
   }
   // No row, segment, reduction, column or rank: y is unchanged, nothing to launch.
@@ -115,9 +119,9 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
                  "operand dtype); pass x in w's dtype";
     return plan;
   }
-  if (p.w_stride1 > kNd2NzMaxStride) {
+  if (!nd2nz_stride_ok(p.w_stride1)) {
     plan.error = "lora_ops.grouped_gemm on Ascend: the row stride of w (" + std::to_string(p.w_stride1) +
-                 ") must be at most 65535 elements (Nd2Nz)";
+                 ") must be in [1, 65535] elements (Nd2Nz)";
     return plan;
   }
   // Nothing to write: no row, segment or column, or an empty reduction added to y (K = 0 with accumulate).

@@ -9,7 +9,8 @@ constexpr int kMaxSlices = 8;  // = lora_ops::kMaxSlices (static_assert in plan.
 constexpr int kMaxTileRows = 128;
 
 // Local buffers of NPU arch 2201 (Atlas A2/A3, "910B") as a kernel may use them (asc-devkit, NPU架构版本2201): UB
-// and L1 less what the framework reserves. The matmul kernels double-buffer L0A, L0B and L0C (half each).
+// and L1 less what the framework reserves. The matmul kernels double-buffer L0A, L0B and L0C (half each). The CPU
+// model keeps its own copy as the hardware (cpu_model/model_core.h), so a kernel that outgrows it fails there.
 constexpr uint32_t kUbBytes = 192 * 1024 - 256 - 8 * 1024;
 constexpr uint32_t kL1Bytes = 512 * 1024 - 256;
 constexpr uint32_t kL0AStage = 64 * 1024 / 2;

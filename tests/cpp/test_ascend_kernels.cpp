@@ -75,7 +75,8 @@ at::Tensor ref_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
     for (int64_t s = 0; s < S; ++s) {
       if (offsets[s] == offsets[s + 1]) continue;
       const at::Tensor h = xr.matmul(ad[slot].narrow(0, s * R, r).t());
-      const at::Tensor delta = h.matmul(bd[slot].narrow(0, offsets[s], offsets[s + 1] - offsets[s]).narrow(1, 0, r).t());
+      const at::Tensor b_s = bd[slot].narrow(0, offsets[s], offsets[s + 1] - offsets[s]).narrow(1, 0, r);
+      const at::Tensor delta = h.matmul(b_s.t());
       at::Tensor cols = out.narrow(1, offsets[s], offsets[s + 1] - offsets[s]);
       cols.index_copy_(0, idx, cols.index_select(0, idx) + coef * delta);
     }
@@ -94,7 +95,8 @@ at::Tensor ref_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::
     const int64_t k = k_sizes.empty() ? K : std::clamp<int64_t>(k_sizes[slot], 0, K);
     if (rows.empty() || n == 0) continue;
     const at::Tensor idx = rows_of(rows);
-    const at::Tensor prod = alpha * xd.index_select(0, idx).narrow(1, 0, k).matmul(wd[slot].narrow(0, 0, n).narrow(1, 0, k).t());
+    const at::Tensor w_l = wd[slot].narrow(0, 0, n).narrow(1, 0, k);
+    const at::Tensor prod = alpha * xd.index_select(0, idx).narrow(1, 0, k).matmul(w_l.t());
     at::Tensor cols = out.narrow(1, 0, n);
     cols.index_copy_(0, idx, (accumulate ? cols.index_select(0, idx) : at::zeros_like(prod)) + prod);
   }
@@ -128,7 +130,8 @@ std::string compare(const at::Tensor& out, const at::Tensor& before, const at::T
 std::vector<int32_t> random_slots(std::mt19937& gen, int64_t T, const std::vector<int32_t>& adapters,
                                   std::vector<int64_t> sizes = {}) {
   if (sizes.empty()) {
-    for (size_t i = 0; i < adapters.size(); ++i) sizes.push_back(T / int64_t(adapters.size()) + (int64_t(i) < T % int64_t(adapters.size())));
+    const int64_t n = int64_t(adapters.size());
+    for (int64_t i = 0; i < n; ++i) sizes.push_back(T / n + (i < T % n));
   }
   std::vector<int32_t> slots;
   for (size_t i = 0; i < adapters.size(); ++i) slots.insert(slots.end(), sizes[i], adapters[i]);
@@ -198,20 +201,17 @@ std::string run_sgmv(const SgmvCase& c, at::ScalarType dtype, at::ScalarType y_d
   const double scale = 0.75;
   const at::Tensor ref = ref_sgmv(y, x, a, b, m, c.ranks, scales, offsets, scale);
   const at::Tensor before_full = y_full.clone();
-  const std::optional<at::Tensor> scales_t =
-      scales.empty() ? std::nullopt
-                     : std::optional<at::Tensor>(at::tensor(at::ArrayRef<float>(scales), at::TensorOptions().dtype(at::kFloat)));
+  std::optional<at::Tensor> scales_t;
+  if (!scales.empty()) scales_t = at::tensor(at::ArrayRef<float>(scales), at::TensorOptions().dtype(at::kFloat));
   lora_ops::ascend::run_sgmv(y, x, a, b, i32(m.indptr), i32(m.slots), opt_i32(m.idx), opt_i32(c.ranks), scales_t,
                              c.offsets.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(c.offsets),
                              scale, model_device(cores));
   // The columns of the wider tensor around y are untouched.
-  if (c.y_col_pad > 0) {
-    const at::Tensor outside = at::cat({y_full.narrow(1, 0, c.y_col_pad / 2),
-                                        y_full.narrow(1, c.y_col_pad / 2 + c.N, c.y_col_pad - c.y_col_pad / 2)}, 1);
-    const at::Tensor outside_before = at::cat({before_full.narrow(1, 0, c.y_col_pad / 2),
-                                               before_full.narrow(1, c.y_col_pad / 2 + c.N, c.y_col_pad - c.y_col_pad / 2)}, 1);
-    if (!at::equal(outside, outside_before)) return "columns outside the y view changed";
-  }
+  auto outside = [&](const at::Tensor& t) {
+    const int64_t left = c.y_col_pad / 2;
+    return at::cat({t.narrow(1, 0, left), t.narrow(1, left + c.N, c.y_col_pad - left)}, 1);
+  };
+  if (c.y_col_pad > 0 && !at::equal(outside(y_full), outside(before_full))) return "columns outside the y view changed";
   return compare(y, before_full.narrow(1, c.y_col_pad / 2, c.N), ref, dtype);
 }
 

@@ -304,7 +304,9 @@ TEST(AscendModelVector, MaskRepeatAndStridesSelectLanes) {
             "");
   std::vector<float> want(256, -1.f);
   for (int r = 0; r < 2; ++r) {
-    for (int lane : {0, 1, 2, 3, 60, 61, 62, 63}) want[r * 128 + (lane / 8) * 16 + lane % 8] = float(r * 64 + lane) + 1000.f;
+    for (int lane : {0, 1, 2, 3, 60, 61, 62, 63}) {
+      want[r * 128 + (lane / 8) * 16 + lane % 8] = float(r * 64 + lane) + 1000.f;
+    }
   }
   EXPECT_EQ(out, want);
 }

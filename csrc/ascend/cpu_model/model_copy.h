@@ -76,7 +76,8 @@ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, cons
       const T* row = src.Span(uint64_t(n) * p.srcNdMatrixStride + uint64_t(r) * p.srcDValue, p.dValue, api);
       AccessGm(kPipeMte2, t, row, p.dValue * sizeof(T), false);
       for (uint32_t g = 0; g < groups; ++g) {
-        const uint64_t first = uint64_t(n) * p.dstNzMatrixStride + (uint64_t(g) * p.dstNzC0Stride + r * p.dstNzNStride) * c0;
+        const uint64_t first =
+            uint64_t(n) * p.dstNzMatrixStride + (uint64_t(g) * p.dstNzC0Stride + r * p.dstNzNStride) * c0;
         const uint32_t addr = dst.ref.At(first, c0, sizeof(T), api);
         core.Write(kPipeMte2, t, Mem::L1, addr, 32);
         T* out = reinterpret_cast<T*>(core.Bytes(Mem::L1, addr, 32));

@@ -209,7 +209,9 @@ inline void Mmad(const LocalTensor<float>& dst, const LocalTensor<T>& fm, const 
   auto a_at = [&](uint32_t i, uint32_t kk) {
     return p.m == 1 ? Widen(A[kk]) : Widen(A[((i / 16) * k1 + kk / c0) * 16 * c0 + (i % 16) * c0 + kk % c0]);
   };
-  auto b_at = [&](uint32_t kk, uint32_t j) { return Widen(B[((kk / c0) * n1 + j / 16) * 16 * c0 + (j % 16) * c0 + kk % c0]); };
+  auto b_at = [&](uint32_t kk, uint32_t j) {
+    return Widen(B[((kk / c0) * n1 + j / 16) * 16 * c0 + (j % 16) * c0 + kk % c0]);
+  };
   for (uint32_t i = 0; i < m1 * 16; ++i) {
     for (uint32_t j = 0; j < n1 * 16; ++j) {
       float& out = C[((j / 16) * m1 + i / 16) * 256 + (i % 16) * 16 + j % 16];
@@ -220,7 +222,8 @@ inline void Mmad(const LocalTensor<float>& dst, const LocalTensor<T>& fm, const 
       float acc = p.cmatrixInitVal ? 0.f : out;
       for (uint32_t kb = 0; kb < k1; ++kb) {
         float part = 0.f;
-        for (uint32_t kk = kb * c0; kk < std::min<uint32_t>((kb + 1) * c0, p.k); ++kk) part += a_at(i, kk) * b_at(kk, j);
+        const uint32_t end = std::min<uint32_t>((kb + 1) * c0, p.k);
+        for (uint32_t kk = kb * c0; kk < end; ++kk) part += a_at(i, kk) * b_at(kk, j);
         acc += part;
       }
       out = acc;
@@ -237,9 +240,10 @@ inline const float* FixpipeSource(Core& core, const LocalTensor<float>& src, con
   if (src.ref.mem() != Mem::L0C) Fail(std::string(api) + ": src must be in L0C");
   CheckAligned(src.ref.addr, 64, api, "src");
   const uint32_t groups = (p.nSize + 15) / 16;
-  const uint32_t base = src.ref.At(0, (uint64_t(groups - 1) * p.srcStride + p.mSize) * 16, sizeof(float), api);
+  const uint64_t rows = uint64_t(groups - 1) * p.srcStride + p.mSize;  // 16-float rows spanned
+  const uint32_t base = src.ref.At(0, rows * 16, sizeof(float), api);
   for (uint32_t g = 0; g < groups; ++g) core.Read(kPipeFix, t, Mem::L0C, base + g * p.srcStride * 64u, p.mSize * 64u);
-  return reinterpret_cast<const float*>(core.Bytes(Mem::L0C, base, (uint64_t(groups - 1) * p.srcStride + p.mSize) * 64));
+  return reinterpret_cast<const float*>(core.Bytes(Mem::L0C, base, rows * 64));
 }
 
 }  // namespace cpu_model

@@ -105,10 +105,23 @@ void VectorInstr(const char* api, VecOperand dst, uint64_t repeats, const LaneMa
   for (const auto& [addr, v] : out) std::memcpy(core.Bytes(Mem::UB, addr, sizeof(D)), &v, sizeof(D));
 }
 
-// Counter-mode operand layout of the "first count elements" prototypes.
+// Operands of a vector instruction: strided (blocks, repeats) or, for the "first count elements" prototypes,
+// contiguous in counter mode.
 template <typename T>
-VecOperand Contiguous(const LocalRef& ref, uint32_t lanes) {
-  return VecOperand{&ref, uint32_t(sizeof(T)), 1, uint32_t(lanes * sizeof(T) / 32)};
+VecOperand Dest(const LocalTensor<T>& t, uint32_t blk, uint32_t rep) {
+  return VecOperand{&t.ref, uint32_t(sizeof(T)), blk, rep};
+}
+template <typename T>
+VecOperand Dest(const LocalTensor<T>& t, uint32_t lanes) {
+  return Dest(t, 1, uint32_t(lanes * sizeof(T) / 32));
+}
+template <typename T>
+std::pair<VecOperand, const T*> Src(const LocalTensor<T>& t, uint32_t blk, uint32_t rep) {
+  return {Dest(t, blk, rep), nullptr};
+}
+template <typename T>
+std::pair<VecOperand, const T*> Src(const LocalTensor<T>& t, uint32_t lanes) {
+  return {Dest(t, lanes), nullptr};
 }
 
 template <typename... T>
@@ -167,18 +180,16 @@ template <typename T, typename U, bool isSetMask = true>
 inline void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode& roundMode,
                  const uint64_t mask[], const uint8_t repeatTime, const UnaryRepeatParams& p) {
   using namespace cpu_model;
-  VectorInstr<T>("Cast", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime, BitsMask(mask),
-                 [&](U v) { return Convert<T>(v, roundMode, "Cast"); },
-                 std::pair<VecOperand, const U*>{VecOperand{&src.ref, sizeof(U), p.srcBlkStride, p.srcRepStride}, nullptr});
+  VectorInstr<T>("Cast", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, BitsMask(mask),
+                 [&](U v) { return Convert<T>(v, roundMode, "Cast"); }, Src(src, p.srcBlkStride, p.srcRepStride));
 }
 
 template <typename T, typename U, bool isSetMask = true>
 inline void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode& roundMode,
                  const uint64_t mask, const uint8_t repeatTime, const UnaryRepeatParams& p) {
   using namespace cpu_model;
-  VectorInstr<T>("Cast", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime,
-                 NormalMask(mask, LanesOf<T, U>()), [&](U v) { return Convert<T>(v, roundMode, "Cast"); },
-                 std::pair<VecOperand, const U*>{VecOperand{&src.ref, sizeof(U), p.srcBlkStride, p.srcRepStride}, nullptr});
+  VectorInstr<T>("Cast", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, NormalMask(mask, LanesOf<T, U>()),
+                 [&](U v) { return Convert<T>(v, roundMode, "Cast"); }, Src(src, p.srcBlkStride, p.srcRepStride));
 }
 
 template <typename T, typename U>
@@ -186,9 +197,8 @@ inline void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const Rou
                  const uint32_t count) {
   using namespace cpu_model;
   const uint32_t lanes = LanesOf<T, U>();
-  VectorInstr<T>("Cast", Contiguous<T>(dst.ref, lanes), (count + lanes - 1) / lanes, CountMask(count),
-                 [&](U v) { return Convert<T>(v, roundMode, "Cast"); },
-                 std::pair<VecOperand, const U*>{Contiguous<U>(src.ref, lanes), nullptr});
+  VectorInstr<T>("Cast", Dest(dst, lanes), (count + lanes - 1) / lanes, CountMask(count),
+                 [&](U v) { return Convert<T>(v, roundMode, "Cast"); }, Src(src, lanes));
 }
 
 // ------------------------------------------------------------------------------------------------ Muls
@@ -196,30 +206,28 @@ inline void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const Rou
 template <typename T, bool isSetMask = true>
 inline void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, uint64_t mask[],
                  const uint8_t repeatTime, const UnaryRepeatParams& p) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
-  VectorInstr<T>("Muls", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime, BitsMask(mask),
-                 [&](T v) { return T(v * scalarValue); },
-                 std::pair<VecOperand, const T*>{VecOperand{&src.ref, sizeof(T), p.srcBlkStride, p.srcRepStride}, nullptr});
+  FloatArithmetic<T>();
+  VectorInstr<T>("Muls", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, BitsMask(mask),
+                 [&](T v) { return T(v * scalarValue); }, Src(src, p.srcBlkStride, p.srcRepStride));
 }
 
 template <typename T, bool isSetMask = true>
 inline void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, uint64_t mask,
                  const uint8_t repeatTime, const UnaryRepeatParams& p) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
-  VectorInstr<T>("Muls", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime,
-                 NormalMask(mask, LanesOf<T>()), [&](T v) { return T(v * scalarValue); },
-                 std::pair<VecOperand, const T*>{VecOperand{&src.ref, sizeof(T), p.srcBlkStride, p.srcRepStride}, nullptr});
+  FloatArithmetic<T>();
+  VectorInstr<T>("Muls", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, NormalMask(mask, LanesOf<T>()),
+                 [&](T v) { return T(v * scalarValue); }, Src(src, p.srcBlkStride, p.srcRepStride));
 }
 
 template <typename T>
 inline void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, const int32_t& count) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
+  FloatArithmetic<T>();
   const uint32_t lanes = LanesOf<T>();
-  VectorInstr<T>("Muls", Contiguous<T>(dst.ref, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
-                 [&](T v) { return T(v * scalarValue); }, std::pair<VecOperand, const T*>{Contiguous<T>(src.ref, lanes), nullptr});
+  VectorInstr<T>("Muls", Dest(dst, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
+                 [&](T v) { return T(v * scalarValue); }, Src(src, lanes));
 }
 
 // ------------------------------------------------------------------------------------------------ Add
@@ -227,34 +235,31 @@ inline void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& 
 template <typename T, bool isSetMask = true>
 inline void Add(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, uint64_t mask[],
                 const uint8_t repeatTime, const BinaryRepeatParams& p) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
-  VectorInstr<T>("Add", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime, BitsMask(mask),
-                 [](T a, T b) { return T(a + b); },
-                 std::pair<VecOperand, const T*>{VecOperand{&src0.ref, sizeof(T), p.src0BlkStride, p.src0RepStride}, nullptr},
-                 std::pair<VecOperand, const T*>{VecOperand{&src1.ref, sizeof(T), p.src1BlkStride, p.src1RepStride}, nullptr});
+  FloatArithmetic<T>();
+  VectorInstr<T>("Add", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, BitsMask(mask),
+                 [](T a, T b) { return T(a + b); }, Src(src0, p.src0BlkStride, p.src0RepStride),
+                 Src(src1, p.src1BlkStride, p.src1RepStride));
 }
 
 template <typename T, bool isSetMask = true>
 inline void Add(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, uint64_t mask,
                 const uint8_t repeatTime, const BinaryRepeatParams& p) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
-  VectorInstr<T>("Add", VecOperand{&dst.ref, sizeof(T), p.dstBlkStride, p.dstRepStride}, repeatTime,
-                 NormalMask(mask, LanesOf<T>()), [](T a, T b) { return T(a + b); },
-                 std::pair<VecOperand, const T*>{VecOperand{&src0.ref, sizeof(T), p.src0BlkStride, p.src0RepStride}, nullptr},
-                 std::pair<VecOperand, const T*>{VecOperand{&src1.ref, sizeof(T), p.src1BlkStride, p.src1RepStride}, nullptr});
+  FloatArithmetic<T>();
+  VectorInstr<T>("Add", Dest(dst, p.dstBlkStride, p.dstRepStride), repeatTime, NormalMask(mask, LanesOf<T>()),
+                 [](T a, T b) { return T(a + b); }, Src(src0, p.src0BlkStride, p.src0RepStride),
+                 Src(src1, p.src1BlkStride, p.src1RepStride));
 }
 
 template <typename T>
 inline void Add(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
                 const int32_t& count) {
-  cpu_model::FloatArithmetic<T>();
   using namespace cpu_model;
+  FloatArithmetic<T>();
   const uint32_t lanes = LanesOf<T>();
-  VectorInstr<T>("Add", Contiguous<T>(dst.ref, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
-                 [](T a, T b) { return T(a + b); }, std::pair<VecOperand, const T*>{Contiguous<T>(src0.ref, lanes), nullptr},
-                 std::pair<VecOperand, const T*>{Contiguous<T>(src1.ref, lanes), nullptr});
+  VectorInstr<T>("Add", Dest(dst, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
+                 [](T a, T b) { return T(a + b); }, Src(src0, lanes), Src(src1, lanes));
 }
 
 // ------------------------------------------------------------------------------------------------ Duplicate
@@ -263,15 +268,15 @@ template <typename T, bool isSetMask = true>
 inline void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, uint64_t mask, const uint8_t repeatTime,
                       const uint16_t dstBlockStride, const uint8_t dstRepeatStride) {
   using namespace cpu_model;
-  VectorInstr<T>("Duplicate", VecOperand{&dst.ref, sizeof(T), dstBlockStride, dstRepeatStride}, repeatTime,
-                 NormalMask(mask, LanesOf<T>()), [&] { return scalarValue; });
+  VectorInstr<T>("Duplicate", Dest(dst, dstBlockStride, dstRepeatStride), repeatTime, NormalMask(mask, LanesOf<T>()),
+                 [&] { return scalarValue; });
 }
 
 template <typename T>
 inline void Duplicate(const LocalTensor<T>& dst, const T& scalarValue, const int32_t& count) {
   using namespace cpu_model;
   const uint32_t lanes = LanesOf<T>();
-  VectorInstr<T>("Duplicate", Contiguous<T>(dst.ref, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
+  VectorInstr<T>("Duplicate", Dest(dst, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
                  [&] { return scalarValue; });
 }
 
