@@ -177,6 +177,14 @@ TEST(AscendModelQueues, FreeListDepthAndOwnershipAreEnforced) {
     q.FreeTensor(a);
     q.FreeTensor(a);
   }, "free or still enqueued");
+  // Every queue buffer holds an event id of its pipe pair: 8 per pair.
+  const std::string ids = RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
+    TPipe pipe;
+    TQue<TPosition::VECIN, 1> a, b;
+    pipe.InitBuffer(a, 5, 64);
+    pipe.InitBuffer(b, 4, 64);
+  });
+  EXPECT_NE(ids.find("all 8 event ids of PIPE_MTE2->PIPE_V are taken"), std::string::npos) << ids;
   // Freed buffers come back in FIFO order.
   EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] {
               TPipe pipe;

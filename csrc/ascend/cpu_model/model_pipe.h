@@ -229,9 +229,16 @@ class TPipe {
  public:
   TPipe() = default;
 
+  // Each queue buffer holds a sync event of its pipe pair in each direction: at most 8 per pair on arch 2201
+  // (TQue buffer limit), shared with AllocEventID.
   template <class T>
   bool InitBuffer(T& que, uint8_t num, uint32_t len) {
     const uint32_t rounded = (len + 31) / 32 * 32;
+    const cpu_model::EventPipes p = cpu_model::QueuePipes(T::kPosition);
+    for (uint8_t i = 0; i < num; ++i) {
+      TakeEventId(p.src, p.dst, "TPipe::InitBuffer (queue buffers)");
+      TakeEventId(p.dst, p.src, "TPipe::InitBuffer (queue buffers)");
+    }
     que.state_.Init(T::kPosition, T::kDepth, num, rounded, Allocate(cpu_model::MemOf(T::kPosition), num * rounded));
     return true;
   }
@@ -243,27 +250,34 @@ class TPipe {
     return true;
   }
 
-  // Event ids handed out per src_dst pair, lowest first, so a kernel's own flags never collide.
+  // Event ids handed out per src_dst pair, lowest first, so a kernel's own flags never collide with the queues'.
   template <HardEvent evt>
   TEventID AllocEventID() {
-    uint8_t& used = event_ids_[static_cast<int>(evt)];
+    const cpu_model::EventPipes p = cpu_model::PipesOf(evt);
+    return TakeEventId(p.src, p.dst, "TPipe::AllocEventID");
+  }
+
+  template <HardEvent evt>
+  void ReleaseEventID(TEventID id) {
+    const cpu_model::EventPipes p = cpu_model::PipesOf(evt);
+    uint8_t& used = event_ids_[p.src][p.dst];
+    if (id < 0 || id >= 8 || !(used & (1u << id))) cpu_model::Fail("TPipe::ReleaseEventID of an id not allocated");
+    used &= uint8_t(~(1u << id));
+  }
+
+ private:
+  TEventID TakeEventId(int src, int dst, const char* api) {
+    uint8_t& used = event_ids_[src][dst];
     for (int id = 0; id < 8; ++id) {
       if (!(used & (1u << id))) {
         used |= uint8_t(1u << id);
         return static_cast<TEventID>(id);
       }
     }
-    cpu_model::Fail("TPipe::AllocEventID: all 8 event ids of this pipe pair are allocated");
+    cpu_model::Fail(std::string(api) + ": all 8 event ids of " + cpu_model::PipeName(src) + "->" +
+                    cpu_model::PipeName(dst) + " are taken");
   }
 
-  template <HardEvent evt>
-  void ReleaseEventID(TEventID id) {
-    uint8_t& used = event_ids_[static_cast<int>(evt)];
-    if (id < 0 || id >= 8 || !(used & (1u << id))) cpu_model::Fail("TPipe::ReleaseEventID of an id not allocated");
-    used &= uint8_t(~(1u << id));
-  }
-
- private:
   uint32_t Allocate(cpu_model::Mem m, uint32_t bytes) {
     const int i = static_cast<int>(m);
     if (!cpu_model::Current().Has(m)) {
@@ -280,7 +294,7 @@ class TPipe {
     return start;
   }
   uint32_t next_[cpu_model::kMemCount] = {};
-  uint8_t event_ids_[64] = {};
+  uint8_t event_ids_[cpu_model::kPipeCount][cpu_model::kPipeCount] = {};
 };
 
 template <HardEvent event>
