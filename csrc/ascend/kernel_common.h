@@ -267,6 +267,7 @@ class RowUpdater {
     int32_t first, mine;
     Share(count, first, mine);
     const int64_t pitch = RoundUp(n, kFrac);  // UB row pitch: 32-byte aligned for float and 16-bit rows
+    if (accumulate && mine > 0) LoadY(rows + first, mine, n0, n, pitch);  // while the AIC may still compute
     CrossCoreWaitFlag(kReadyFlag + slot_);
     LocalTensor<float> d;
     if (mine > 0) {
@@ -282,7 +283,6 @@ class RowUpdater {
     CrossCoreSetFlag<2, PIPE_MTE2>(kFreeFlag + slot_);
     slot_ ^= 1;
     if (mine == 0) return;
-    if (accumulate) LoadY(rows + first, mine, n0, n, pitch);
     d = delta_.DeQue<float>();
     LocalTensor<Y> out = y_out_.AllocTensor<Y>();
     const int32_t elems = static_cast<int32_t>(mine * pitch);
