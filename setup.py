@@ -1,4 +1,6 @@
-"""Builds lora_ops._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found (DESIGN §4).
+"""Builds lora_ops._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found, the Ascend backend when
+ASCEND_HOME_PATH names a CANN toolkit and torch_npu is installed (DESIGN §4). Also builds lora_ops._ascend_model,
+a test-only library that runs the Ascend host code and kernels on a CPU model of the AscendC API.
 
 _C is a plain shared library of op registrations (no Python symbols): lora_ops/__init__.py loads it with
 torch.ops.load_library, and the C++ unit tests link against the same file.
@@ -23,6 +25,35 @@ def _cuda_home():
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
 
 
+def _configure_ascend():
+    """The Ascend backend builds when ASCEND_HOME_PATH names a CANN toolkit and torch_npu is importable."""
+    cann = os.environ.get("ASCEND_HOME_PATH")
+    if not cann:
+        print("lora_ops: CANN not found (ASCEND_HOME_PATH unset); building without the Ascend backend")
+        return {"built": False, "reason": "CANN not found at build time (ASCEND_HOME_PATH unset); the AscendC "
+                                          "kernels were only tested on the CPU model (lora_ops._ascend_model)"}
+    try:
+        import torch_npu  # noqa: F401  (registers the "npu" PrivateUse1 backend the kernels serve)
+    except ImportError as exc:
+        print(f"lora_ops: CANN found but torch_npu is not importable ({exc}); building without the Ascend backend")
+        return {"built": False, "reason": f"torch_npu not importable at build time: {exc}"}
+    return {"built": True, "cann": cann, "torch_npu": os.path.dirname(torch_npu.__file__),
+            "soc": os.environ.get("LORA_OPS_ASCEND_SOC", "Ascend910B1")}
+
+
+def _build_ascend_kernels(ascend, out_dir):
+    """Compiles csrc/ascend's kernels with CANN's AscendC cmake modules into liblora_ops_ascend_kernels.so."""
+    import subprocess
+
+    build = os.path.join(ROOT, "build", "ascend")
+    subprocess.check_call(["cmake", "-S", os.path.join(ROOT, "csrc", "ascend"), "-B", build,
+                           "-DCMAKE_BUILD_TYPE=Release", f"-DSOC_VERSION={ascend['soc']}",
+                           f"-DASCEND_HOME_PATH={ascend['cann']}"])
+    subprocess.check_call(["cmake", "--build", build, "-j", os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))])
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copy2(os.path.join(build, "lib", "liblora_ops_ascend_kernels.so"), out_dir)
+
+
 def _configure():
     """Pick the backends to build; returns the build_info dict (also written to lora_ops/_build_info.json)."""
     import torch
@@ -43,11 +74,7 @@ def _configure():
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
                                         "cuda_home": cuda_home, "torch_cuda": torch.version.cuda}
-    if os.environ.get("ASCEND_HOME_PATH"):
-        info["backends"]["ascend"] = {"built": False, "reason": "AscendC kernels are not written yet"}
-    else:
-        info["backends"]["ascend"] = {"built": False, "reason": "CANN not found (ASCEND_HOME_PATH unset)"}
-        print("lora_ops: CANN not found (ASCEND_HOME_PATH unset); building without the Ascend backend")
+    info["backends"]["ascend"] = _configure_ascend()
     return info
 
 
@@ -57,29 +84,67 @@ def _extensions(info):
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/bindings.cpp") + rel("csrc/common/*.cpp") + rel("csrc/cpu/*.cpp")
     cxx = ["-O3"]
+    # Test-only: the Ascend host path and kernels on the CPU model of the AscendC API, as lora_ops_ascend_model::*
+    # ops on CPU tensors (tests/test_ascend_model.py). registration.cpp is compiled against stand-ins for
+    # torch_npu and ACL.
+    model = cpp_extension.CppExtension(
+        "lora_ops._ascend_model",
+        rel("csrc/common/*.cpp") + rel("csrc/ascend/cpu_model/*.cpp") + rel("csrc/ascend/*.cpp"),
+        include_dirs=[os.path.join(ROOT, "csrc", "ascend", "cpu_model"),
+                      os.path.join(ROOT, "csrc", "ascend", "cpu_model", "standin")],
+        define_macros=[("LORA_OPS_ASCEND_CPU_MODEL", None), ("LORA_OPS_ASCEND_LIBRARY", "lora_ops_ascend_model"),
+                       ("LORA_OPS_ASCEND_DISPATCH_KEY", "CPU")],
+        extra_compile_args={"cxx": ["-O2", "-fno-strict-aliasing"]}, py_limited_api=True)
+    ascend = info["backends"]["ascend"]
+    ext_kwargs = {}
+    if ascend["built"]:
+        # Host side of the real backend in _C; the kernels come from liblora_ops_ascend_kernels.so (CANN build).
+        sources += [f"csrc/ascend/{name}.cpp" for name in ("plan", "launcher", "registration")]
+        ext_kwargs = dict(include_dirs=[os.path.join(ascend["torch_npu"], "include"),
+                                        os.path.join(ascend["cann"], "include")],
+                          library_dirs=[os.path.join(ROOT, "lora_ops"), os.path.join(ascend["torch_npu"], "lib"),
+                                        os.path.join(ascend["cann"], "lib64")],
+                          libraries=["lora_ops_ascend_kernels", "torch_npu", "ascendcl"],
+                          extra_link_args=["-Wl,-rpath,$ORIGIN"])
     if not info["backends"]["cuda"]["built"]:
         return [cpp_extension.CppExtension("lora_ops._C", sources, extra_compile_args={"cxx": cxx},
-                                           py_limited_api=True)]
+                                           py_limited_api=True, **ext_kwargs), model]
     sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
     nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLORA_OPS_WITH_CUDA"]
-    return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True,
-                                        extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc})]
+    return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True, **ext_kwargs,
+                                        extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc}),
+            model]
+
+
+def _build_ext(info):
+    """torch's BuildExtension; with CANN it first builds the AscendC kernel library that _C links."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    base = BuildExtension.with_options(no_python_abi_suffix=True)
+    ascend = info["backends"]["ascend"]
+    if not ascend["built"]:
+        return base
+
+    class BuildWithAscendKernels(base):
+        def run(self):
+            _build_ascend_kernels(ascend, os.path.join(ROOT, "lora_ops"))
+            super().run()
+
+    return BuildWithAscendKernels
 
 
 def main():
     info = _configure()
-    # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
-    from torch.utils.cpp_extension import BuildExtension
-
+    # torch.utils.cpp_extension is imported only now (in _build_ext): it reads CUDA_HOME when first imported.
     with open(os.path.join(ROOT, "lora_ops", "_build_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     setup(
         name="lora_ops",
         version="0.1.0",
         packages=find_packages(include=["lora_ops", "lora_ops.*"]),
-        package_data={"lora_ops": ["_build_info.json"]},
+        package_data={"lora_ops": ["_build_info.json", "liblora_ops_ascend_kernels.so"]},
         ext_modules=_extensions(info),
-        cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},
+        cmdclass={"build_ext": _build_ext(info)},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.6"],

@@ -1,7 +1,8 @@
 """Which backend serves which op on which device, as data (xformers style), and the Triton registration.
 
 Dispatch (DESIGN §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
-forces Triton on CUDA. Every refusal carries a reason, printed by `python -m lora_ops.info`.
+forces Triton on CUDA; PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
+reason, printed by `python -m lora_ops.info`.
 """
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ def build_info() -> dict:
         return {"backends": {}}
 
 
-def _has_cuda_kernel(op: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::{op}", "CUDA")
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::{op}", key)
+
+
+def npu_served_by(op: str) -> Optional[str]:
+    """"ascend" when csrc/ascend's kernel serves the op on NPUs (PrivateUse1, torch_npu's "npu"), else None."""
+    return "ascend" if _has_kernel(op, "PrivateUse1") else None
 
 
 def forced_backend() -> str:
@@ -45,7 +51,7 @@ def register_triton_where_needed() -> None:
     for name, entry in build_info().get("backends", {}).items():
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
-    cuda_compiled.update({op: _has_cuda_kernel(op) for op in OPS})
+    cuda_compiled.update({op: _has_kernel(op, "CUDA") for op in OPS})
     force = forced_backend() == "triton"
     try:
         from . import triton as triton_backend

@@ -26,6 +26,12 @@ def report() -> str:
         where = {"cuda": "cuda (csrc/cuda)", "triton": "triton (lora_ops/triton)"}.get(served, "none")
         lines.append(f"{'cuda':<8} {op:<16} {where}")
     lines.append(f"CUDA device: {gpu}")
+    if info.get("backends", {}).get("ascend", {}).get("built"):
+        for op in backends.OPS:
+            served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none"
+            lines.append(f"{'npu':<8} {op:<16} {served}")
+        lines.append("Ascend kernels: fp16/bf16 (grouped_gemm also fp32); tested on a CPU model of the AscendC API, "
+                     "not yet on Ascend hardware")
     if backends.forced_backend():
         lines.append(f"LORA_OPS_BACKEND={backends.forced_backend()}")
     if backends.unavailable:

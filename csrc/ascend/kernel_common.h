@@ -1,0 +1,357 @@
+// Device code shared by the AscendC matmul kernels (sgmv, grouped_gemm): the tile walk over untrusted segment
+// metadata, the cube staging path (GM -> L1 (NZ) -> L0A/L0B -> Mmad), and the vector update of y rows.
+//
+// A MIX kernel runs one AIC and two AIVs per block. Both walk the same tiles in the same order: the AIC computes an
+// output block of tile_rows x n_block floats into one of its two workspace slots and raises kReady[slot]; each AIV
+// waits on it, reads its half of the rows, raises kFree[slot] once its reads are done, and adds the block into y.
+#pragma once
+#include <type_traits>
+
+#include "kernel_operator.h"
+#include "tiling.h"
+
+namespace lora_ops::ascend {
+
+using namespace AscendC;
+
+constexpr uint16_t kReadyFlag = 0;  // + slot: AIC -> AIVs, the slot holds a block
+constexpr uint16_t kFreeFlag = 2;   // + slot: AIVs -> AIC, the slot was read
+constexpr int64_t kFrac = 16;       // fractal rows
+
+__aicore__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+__aicore__ inline int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
+__aicore__ inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+__aicore__ inline int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+__aicore__ inline int64_t CeilDiv(int64_t v, int64_t m) { return (v + m - 1) / m; }
+
+template <typename T>
+constexpr int64_t C0 = 32 / sizeof(T);  // elements per 32-byte fractal row
+
+// A size from a per-slot table clamped to [0, full]; `full` without a table (DESIGN §2).
+__aicore__ inline int64_t SlotSize(GM_ADDR table, bool present, int64_t slot, int64_t full) {
+  if (!present) return full;
+  GlobalTensor<int32_t> t;
+  t.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(table));
+  return Clamp(t.GetValue(slot), 0, full);
+}
+
+// The tiles of one block: segments with a slot in [0, L), cut into tiles of tile_rows positions, dealt round-robin
+// to the blocks. seg_indptr is clamped to [0, positions] and made non-decreasing by a running maximum; rows outside
+// [0, T) are dropped. Every core of a block walks the same tiles.
+class TileWalk {
+ public:
+  __aicore__ inline TileWalk(GM_ADDR seg_indptr, GM_ADDR seg_slot, GM_ADDR token_indices, const SegmentShape& seg,
+                             int64_t block, int64_t num_blocks, int64_t tile_rows)
+      : seg_(seg), block_(block), num_blocks_(num_blocks), tile_rows_(tile_rows) {
+    indptr_.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(seg_indptr));
+    slots_.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(seg_slot));
+    if (seg.gathered) token_indices_.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(token_indices));
+    seg_end_ = Clamp(indptr_.GetValue(0), 0, seg.positions);
+    pos_ = seg_end_;
+  }
+
+  // Moves to this block's next tile with at least one valid row: fills slot, count and rows[0, count).
+  __aicore__ inline bool Next() {
+    for (;;) {
+      if (slot >= 0 && pos_ < seg_end_) {
+        const int64_t first = pos_, last = Min(pos_ + tile_rows_, seg_end_);
+        pos_ = last;
+        if (tile_index_++ % num_blocks_ != block_) continue;
+        count = 0;
+        for (int64_t p = first; p < last; ++p) {
+          const int64_t row = seg_.gathered ? int64_t(token_indices_.GetValue(p)) : p;
+          if (row >= 0 && row < seg_.rows) rows[count++] = static_cast<int32_t>(row);
+        }
+        if (count > 0) return true;
+        continue;
+      }
+      if (segment_ + 1 >= seg_.num_segments) return false;
+      ++segment_;
+      pos_ = seg_end_;
+      seg_end_ = Max(seg_end_, Clamp(indptr_.GetValue(segment_ + 1), 0, seg_.positions));
+      const int64_t s = slots_.GetValue(segment_);
+      slot = (s >= 0 && s < seg_.num_slots) ? s : -1;
+    }
+  }
+
+  int64_t slot = -1;
+  int32_t count = 0;
+  int32_t rows[kMaxTileRows];
+
+ private:
+  SegmentShape seg_;
+  int64_t block_, num_blocks_, tile_rows_;
+  GlobalTensor<int32_t> indptr_, slots_, token_indices_;
+  int64_t segment_ = -1, seg_end_ = 0, pos_ = 0, tile_index_ = 0;
+};
+
+// The AIC's staging buffers and the moves between them. NZ layouts in L1 keep `tile_rows` (x, the intermediate) or
+// round16(rows) (weights) rows per 16-column group; Mmad reads L0A as Zz and L0B as Zn.
+template <typename T>
+class Cube {
+ public:
+  __aicore__ inline void Init(TPipe& pipe, int64_t tile_rows, int64_t k_chunk) {
+    tile_rows_ = tile_rows;
+    pipe.InitBuffer(x_l1_, 2, tile_rows * k_chunk * sizeof(T));
+    pipe.InitBuffer(w_l1_, 2, kL0BStage);
+    pipe.InitBuffer(a_l0_, 2, kL0AStage);
+    pipe.InitBuffer(b_l0_, 2, kL0BStage);
+    pipe.InitBuffer(c_l0_, 2, kL0CStage);
+    // Rows past a tile's last row and columns past a weight's last row still enter the cube as fractal padding:
+    // keep them finite (stale L1 could hold NaN patterns, which Mmad must not be fed).
+    ZeroL1(x_l1_, tile_rows * k_chunk);
+    ZeroL1(w_l1_, kL0BStage / sizeof(T));
+    PipeBarrier<PIPE_MTE2>();
+  }
+
+  // Rows rows[0, count) of a [*, row_stride] GM matrix, columns [k0, k0 + k_len), into L0A as the left operand.
+  __aicore__ inline LocalTensor<T> LoadRows(const GlobalTensor<T>& gm, const int32_t* rows, int32_t count,
+                                            int64_t row_stride, int64_t k0, int64_t k_len) {
+    LocalTensor<T> l1 = x_l1_.template AllocTensor<T>();
+    for (int32_t i = 0; i < count; ++i) {
+      DataCopy(l1[i * C0<T>], gm[rows[i] * row_stride + k0],
+               Nd2NzParams{1, 1, static_cast<uint16_t>(k_len), 0, static_cast<uint16_t>(k_len),
+                           static_cast<uint16_t>(tile_rows_), 1, 0});
+    }
+    x_l1_.EnQue(l1);
+    l1 = x_l1_.template DeQue<T>();
+    LocalTensor<T> a = ToLeft(l1, 0, CeilDiv(count, kFrac), CeilDiv(k_len, C0<T>));
+    x_l1_.FreeTensor(l1);
+    return a;
+  }
+
+  // Columns [col0, col0 + k_len) of an NZ matrix held in L1 with tile_rows rows per column group, into L0A.
+  __aicore__ inline LocalTensor<T> LoadLeftFromL1(const LocalTensor<T>& l1, int64_t col0, int32_t count,
+                                                  int64_t k_len) {
+    return ToLeft(l1, col0, CeilDiv(count, kFrac), CeilDiv(k_len, C0<T>));
+  }
+
+  // Rows [row0, row0 + n_rows) of a GM matrix with row_stride, columns [k0, k0 + k_len), into L0B as the right
+  // operand of x * W^T (W in nn.Linear layout: its rows are the output columns).
+  __aicore__ inline LocalTensor<T> LoadWeight(const GlobalTensor<T>& gm, int64_t row0, int64_t n_rows,
+                                              int64_t row_stride, int64_t k0, int64_t k_len) {
+    const int64_t n_pad = RoundUp(n_rows, kFrac);
+    LocalTensor<T> l1 = w_l1_.template AllocTensor<T>();
+    DataCopy(l1, gm[row0 * row_stride + k0],
+             Nd2NzParams{1, static_cast<uint16_t>(n_rows), static_cast<uint16_t>(k_len), 0,
+                         static_cast<uint16_t>(n_rows > 1 ? row_stride : k_len), static_cast<uint16_t>(n_pad), 1, 0});
+    w_l1_.EnQue(l1);
+    l1 = w_l1_.template DeQue<T>();
+    LocalTensor<T> b = b_l0_.template AllocTensor<T>();
+    // W's NZ fractals (n, k) are already B = W^T's Zn fractals, in the same order: a plain fractal copy.
+    const int64_t n_frac = n_pad / kFrac, k_frac = CeilDiv(k_len, C0<T>);
+    for (int64_t kb = 0; kb < k_frac; ++kb) {
+      LoadData(b[kb * n_frac * kFracElems], l1[kb * n_frac * kFracElems],
+               LoadData2DParams{0, static_cast<uint8_t>(n_frac), 1, 0, 0, false, 0});
+    }
+    b_l0_.EnQue(b);
+    w_l1_.FreeTensor(l1);
+    return b_l0_.template DeQue<T>();
+  }
+
+  // C (+)= A * B over an m x n tile; small tiles need a PIPE_M barrier before accumulating (Mmad docs).
+  __aicore__ inline void Mmad(const LocalTensor<float>& c, const LocalTensor<T>& a, const LocalTensor<T>& b, int64_t m,
+                              int64_t n, int64_t k, bool accumulate) {
+    if (accumulate && (m / 16) * (n / 16) < 10) PipeBarrier<PIPE_M>();
+    AscendC::Mmad(c, a, b, MmadParams{static_cast<uint16_t>(m), static_cast<uint16_t>(n), static_cast<uint16_t>(k),
+                                      0, false, !accumulate});
+  }
+
+  __aicore__ inline void FreeLeft(LocalTensor<T>& a) { a_l0_.FreeTensor(a); }
+  __aicore__ inline void FreeRight(LocalTensor<T>& b) { b_l0_.FreeTensor(b); }
+  __aicore__ inline LocalTensor<float> AllocAcc() { return c_l0_.template AllocTensor<float>(); }
+  // Hands an accumulator from the cube (M) to Fixpipe (FIX).
+  __aicore__ inline LocalTensor<float> Finish(LocalTensor<float>& c) {
+    c_l0_.EnQue(c);
+    return c_l0_.template DeQue<float>();
+  }
+  __aicore__ inline void FreeAcc(LocalTensor<float>& c) { c_l0_.FreeTensor(c); }
+
+  static constexpr int64_t kFracElems = 512 / sizeof(T);
+
+ private:
+  template <class Q>
+  __aicore__ inline void ZeroL1(Q& que, int64_t elems) {
+    LocalTensor<T> t0 = que.template AllocTensor<T>();
+    LocalTensor<T> t1 = que.template AllocTensor<T>();
+    const uint16_t blocks = static_cast<uint16_t>(elems * sizeof(T) / 32);
+    Fill(t0, InitConstValueParams<T>{1, blocks, 0, T(0)});
+    Fill(t1, InitConstValueParams<T>{1, blocks, 0, T(0)});
+    que.FreeTensor(t0);
+    que.FreeTensor(t1);
+  }
+
+  // NZ (tile_rows rows per column group) starting at column col0 -> Zz in L0A: one LoadData per 16-row band.
+  __aicore__ inline LocalTensor<T> ToLeft(const LocalTensor<T>& l1, int64_t col0, int64_t m_frac, int64_t k_frac) {
+    LocalTensor<T> a = a_l0_.template AllocTensor<T>();
+    const int64_t group0 = col0 / C0<T> * tile_rows_ * C0<T>;
+    for (int64_t mb = 0; mb < m_frac; ++mb) {
+      LoadData(a[mb * k_frac * kFracElems], l1[group0 + mb * kFracElems],
+               LoadData2DParams{0, static_cast<uint8_t>(k_frac), static_cast<uint16_t>(tile_rows_ / kFrac), 0, 0,
+                                false, 0});
+    }
+    a_l0_.EnQue(a);
+    return a_l0_.template DeQue<T>();
+  }
+
+  int64_t tile_rows_ = 0;
+  TQue<TPosition::A1, 1> x_l1_;
+  TQue<TPosition::B1, 1> w_l1_;
+  TQue<TPosition::A2, 1> a_l0_;
+  TQue<TPosition::B2, 1> b_l0_;
+  TQue<TPosition::CO1, 1> c_l0_;
+};
+
+// The AIC side of the workspace hand-off: two slots per block, reused once both AIVs freed them.
+class SlotWriter {
+ public:
+  __aicore__ inline SlotWriter(GM_ADDR workspace, int64_t block, const MatmulTiles& tiles)
+      : slot_elems_(int64_t(tiles.tile_rows) * tiles.n_block), n_block_(tiles.n_block) {
+    ws_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(workspace) + block * 2 * slot_elems_);
+  }
+
+  // Writes rows [0, count) x columns [0, n) of the accumulator (m_pad rows in L0C) and hands them to the AIVs.
+  __aicore__ inline void Write(const LocalTensor<float>& c, int32_t count, int64_t m_pad, int64_t n) {
+    if (used_[slot_]) CrossCoreWaitFlag(kFreeFlag + slot_);
+    used_[slot_] = true;
+    Fixpipe(ws_[slot_ * slot_elems_], c,
+            FixpipeParamsV220{static_cast<uint16_t>(n), static_cast<uint16_t>(count), static_cast<uint16_t>(m_pad),
+                              static_cast<uint32_t>(n_block_), false, QuantMode_t::NoQuant, 0, 1, 0, 0, 0});
+    CrossCoreSetFlag<2, PIPE_FIX>(kReadyFlag + slot_);
+    slot_ ^= 1;
+  }
+
+  // Waits for the AIVs' last reads, so that every flag raised is consumed before the kernel ends.
+  __aicore__ inline void Drain() {
+    for (int s = 0; s < 2; ++s) {
+      if (used_[s]) CrossCoreWaitFlag(kFreeFlag + s);
+    }
+  }
+
+ private:
+  GlobalTensor<float> ws_;
+  int64_t slot_elems_, n_block_;
+  int slot_ = 0;
+  bool used_[2] = {false, false};
+};
+
+// The AIV side: reads its half of a slot's rows, then updates those rows of y:
+// y = (accumulate ? y : 0) + coef * block, in float, rounded once to y's dtype.
+template <typename Y>
+class RowUpdater {
+ public:
+  __aicore__ inline void Init(TPipe& pipe, GM_ADDR workspace, GM_ADDR y, int64_t y_row_stride, int64_t block,
+                              const MatmulTiles& tiles) {
+    slot_elems_ = int64_t(tiles.tile_rows) * tiles.n_block;
+    n_block_ = tiles.n_block;
+    ws_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(workspace) + block * 2 * slot_elems_);
+    y_.SetGlobalBuffer(reinterpret_cast<__gm__ Y*>(y));
+    y_row_stride_ = y_row_stride;
+    const int64_t half_rows = CeilDiv(tiles.tile_rows, 2);
+    pipe.InitBuffer(delta_, 1, half_rows * tiles.n_block * sizeof(float));
+    pipe.InitBuffer(y_in_, 1, half_rows * tiles.n_block * sizeof(Y));
+    pipe.InitBuffer(y_out_, 1, half_rows * tiles.n_block * sizeof(Y));
+    if constexpr (!std::is_same_v<Y, float>) pipe.InitBuffer(acc_, half_rows * tiles.n_block * sizeof(float));
+  }
+
+  // This AIV's share of a tile's rows: the first half (rounded up) for sub-block 0, the rest for sub-block 1.
+  __aicore__ inline void Share(int32_t count, int32_t& first, int32_t& mine) const {
+    const int32_t half = (count + 1) / 2;
+    first = GetSubBlockIdx() == 0 ? 0 : half;
+    mine = GetSubBlockIdx() == 0 ? half : count - half;
+  }
+
+  // Consumes the next slot: rows[first, first + mine) of the tile's block of columns [n0, n0 + n) of y.
+  __aicore__ inline void Apply(const int32_t* rows, int32_t count, int64_t n0, int64_t n, float coef,
+                               bool accumulate) {
+    int32_t first, mine;
+    Share(count, first, mine);
+    const int64_t pitch = RoundUp(n, kFrac);  // UB row pitch: 32-byte aligned for float and 16-bit rows
+    if (accumulate && mine > 0) LoadY(rows + first, mine, n0, n, pitch);  // while the AIC may still compute
+    CrossCoreWaitFlag(kReadyFlag + slot_);
+    LocalTensor<float> d;
+    if (mine > 0) {
+      d = delta_.AllocTensor<float>();
+      const uint32_t row_bytes = static_cast<uint32_t>(n * sizeof(float));
+      DataCopyPad(d, ws_[slot_ * slot_elems_ + first * n_block_],
+                  DataCopyExtParams{static_cast<uint16_t>(mine), row_bytes,
+                                    static_cast<uint32_t>((n_block_ - n) * sizeof(float)),
+                                    static_cast<uint32_t>((pitch - RoundUp(n, 8)) / 8), 0},
+                  DataCopyPadExtParams<float>{false, 0, 0, 0.f});
+      delta_.EnQue(d);
+    }
+    CrossCoreSetFlag<2, PIPE_MTE2>(kFreeFlag + slot_);
+    slot_ ^= 1;
+    if (mine == 0) return;
+    d = delta_.DeQue<float>();
+    LocalTensor<Y> out = y_out_.AllocTensor<Y>();
+    const int32_t elems = static_cast<int32_t>(mine * pitch);
+    if constexpr (std::is_same_v<Y, float>) {
+      if (accumulate) {
+        Muls(d, d, coef, elems);
+        LocalTensor<float> y = y_in_.DeQue<float>();
+        Add(out, y, d, elems);
+        y_in_.FreeTensor(y);
+      } else {
+        Muls(out, d, coef, elems);
+      }
+    } else {
+      Muls(d, d, coef, elems);
+      if (accumulate) {
+        LocalTensor<float> acc = acc_.Get<float>();
+        LocalTensor<Y> y = y_in_.DeQue<Y>();
+        Cast(acc, y, RoundMode::CAST_NONE, elems);
+        y_in_.FreeTensor(y);
+        Add(acc, acc, d, elems);
+        Cast(out, acc, RoundMode::CAST_RINT, elems);
+      } else {
+        Cast(out, d, RoundMode::CAST_RINT, elems);
+      }
+    }
+    delta_.FreeTensor(d);
+    StoreY(out, rows + first, mine, n0, n, pitch);
+  }
+
+  // y rows [n0, n0 + n) = 0, without a workspace block (an empty reduction with accumulate = false).
+  __aicore__ inline void Zero(const int32_t* rows, int32_t count, int64_t n0, int64_t n) {
+    int32_t first, mine;
+    Share(count, first, mine);
+    if (mine == 0) return;
+    const int64_t pitch = RoundUp(n, kFrac);
+    LocalTensor<Y> out = y_out_.AllocTensor<Y>();
+    Duplicate(out, Y(0.f), static_cast<int32_t>(mine * pitch));
+    StoreY(out, rows + first, mine, n0, n, pitch);
+  }
+
+ private:
+  __aicore__ inline void LoadY(const int32_t* rows, int32_t count, int64_t n0, int64_t n, int64_t pitch) {
+    LocalTensor<Y> y = y_in_.AllocTensor<Y>();
+    for (int32_t i = 0; i < count; ++i) {
+      DataCopyPad(y[i * pitch], y_[rows[i] * y_row_stride_ + n0],
+                  DataCopyExtParams{1, static_cast<uint32_t>(n * sizeof(Y)), 0, 0, 0},
+                  DataCopyPadExtParams<Y>{false, 0, 0, Y(0.f)});
+    }
+    y_in_.EnQue(y);
+  }
+
+  __aicore__ inline void StoreY(LocalTensor<Y>& out, const int32_t* rows, int32_t count, int64_t n0, int64_t n,
+                                int64_t pitch) {
+    y_out_.EnQue(out);
+    out = y_out_.DeQue<Y>();
+    for (int32_t i = 0; i < count; ++i) {
+      DataCopyPad(y_[rows[i] * y_row_stride_ + n0], out[i * pitch],
+                  DataCopyExtParams{1, static_cast<uint32_t>(n * sizeof(Y)), 0, 0, 0});
+    }
+    y_out_.FreeTensor(out);
+  }
+
+  GlobalTensor<float> ws_;
+  GlobalTensor<Y> y_;
+  int64_t slot_elems_ = 0, n_block_ = 0, y_row_stride_ = 0;
+  int slot_ = 0;
+  TQue<TPosition::VECIN, 1> delta_, y_in_;
+  TQue<TPosition::VECOUT, 1> y_out_;
+  TBuf<TPosition::VECCALC> acc_;
+};
+
+}  // namespace lora_ops::ascend

@@ -1,0 +1,30 @@
+// Plain-C++ launch functions of the AscendC kernels (implemented at the end of each kernel file, called by
+// launcher.cpp). `stream` is the aclrtStream to enqueue on (unused by the CPU model).
+#pragma once
+#include "tiling.h"
+
+namespace lora_ops::ascend {
+
+struct SgmvBuffers {
+  void* y;
+  const void *x, *lora_a, *lora_b, *seg_indptr, *seg_lora;
+  const void *token_indices, *lora_ranks, *lora_scales;  // nullptr when absent
+  void* workspace;  // tiles.block_dim * 2 * tile_rows * n_block floats
+};
+void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& buffers, void* stream);
+
+struct GroupedGemmBuffers {
+  void* y;
+  const void *x, *w, *seg_indptr, *seg_weight;
+  const void *token_indices, *n_sizes, *k_sizes;  // nullptr when absent
+  void* workspace;
+};
+void launch_grouped_gemm(const GroupedGemmTiling& tiling, const GroupedGemmBuffers& buffers, void* stream);
+
+struct BuildSegmentsBuffers {
+  const void* token_lora;
+  void *token_indices, *seg_indptr, *seg_lora;
+};
+void launch_build_segments(const BuildSegmentsTiling& tiling, const BuildSegmentsBuffers& buffers, void* stream);
+
+}  // namespace lora_ops::ascend

@@ -1,0 +1,178 @@
+#include "plan.h"
+
+#include <algorithm>
+
+namespace lora_ops::ascend {
+
+static_assert(kMaxSlices == lora_ops::kMaxSlices, "tiling.h and params.h disagree on the slice limit");
+
+namespace {
+
+constexpr int64_t kNd2NzMaxStride = 65535;  // Nd2NzParams::srcDValue, in elements (at least 1)
+constexpr int64_t kMaxMmadDim = 4080;       // Mmad m, n, k <= 4095, kept a multiple of 16
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t round_down(int64_t v, int64_t m) { return v / m * m; }
+int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
+
+// Weight rows are read by one ND->NZ DMA per block of rows, which takes the row stride as srcDValue.
+bool nd2nz_stride_ok(int64_t stride) { return stride >= 1 && stride <= kNd2NzMaxStride; }
+
+DTypeCode code(DType d) { return d == DType::F16 ? kHalf : (d == DType::BF16 ? kBf16 : kFloat); }
+
+SegmentShape segment_shape(const Segments& s, int64_t rows, int64_t num_slots) {
+  return SegmentShape{s.positions, s.num_segments, rows, num_slots, s.token_indices != nullptr ? 1u : 0u};
+}
+
+// Rows per tile: the mean segment length rounded up to a fractal, between 16 and kMaxTileRows. A tile never mixes
+// segments, so per-token routing (one row per segment) gets 16-row tiles and prefill gets the largest.
+int64_t tile_rows_for(const Segments& s) {
+  const int64_t mean = ceil_div(s.positions, std::max<int64_t>(s.num_segments, 1));
+  return std::clamp<int64_t>(round_up(mean, 16), 16, kMaxTileRows);
+}
+
+// Tiles of tile_rows positions over all segments are at most G + P / tile_rows: launch no more blocks than that.
+uint32_t blocks_for(const Segments& s, int64_t tile_rows, const Target& target) {
+  const int64_t tiles = s.num_segments + ceil_div(s.positions, tile_rows);
+  return static_cast<uint32_t>(std::clamp<int64_t>(tiles, 1, std::max<uint32_t>(target.ai_cores, 1)));
+}
+
+// An output block is at most one L0C stage of floats (tile_rows * n_block <= kL0CStage / 4); an AIV holds half of
+// its rows in at most four buffers of 4-byte elements (kernel_common.h RowUpdater), which UB always fits.
+static_assert(kL0CStage / 4 / 2 * 4 * 4 <= kUbBytes, "RowUpdater buffers exceed UB");
+
+// The reduction chunk of one L0A load of tile_rows rows (a fractal multiple, at most 256 and the reduction).
+int64_t k_chunk_for(int64_t tile_rows, int64_t elem, int64_t k) {
+  const int64_t fits = round_down(kL0AStage / (tile_rows * elem), 16);
+  return std::clamp<int64_t>(fits, 16, std::min<int64_t>(256, round_up(k, 16)));
+}
+
+}  // namespace
+
+Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
+  Plan<SgmvTiling> plan;
+  if (p.x_dtype == DType::F32) {
+    plan.error = "lora_ops.sgmv on Ascend: x float32 is not supported (fp16 and bf16 are): on NPU arch 2201 an fp32 "
+                 "intermediate cannot stay on chip in the cube's layout";
+    return plan;
+  }
+  if (!nd2nz_stride_ok(p.a_stride1) || !nd2nz_stride_ok(p.b_stride1)) {
+    plan.error = "lora_ops.sgmv on Ascend: the row strides of lora_a (" + std::to_string(p.a_stride1) +
+                 ") and lora_b (" + std::to_string(p.b_stride1) + ") must be in [1, 65535] elements (Nd2Nz)";
+    return plan;
+  }
+  // No row, segment, reduction, column or rank: y is unchanged, nothing to launch.
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.seg.positions == 0 || p.k == 0 || p.n == 0 || p.max_rank == 0) {
+    return plan;
+  }
+  constexpr int64_t elem = 2;
+  const int64_t rank_pad = round_up(p.max_rank, 16), h_cols = p.num_slices * rank_pad;
+  SgmvTiling& t = plan.tiling;
+  int64_t tile_rows = tile_rows_for(p.seg);
+  for (;; tile_rows /= 2) {
+    const int64_t k_chunk = k_chunk_for(tile_rows, elem, p.k);
+    const int64_t l0c_cols = std::min<int64_t>(round_down(kL0CStage / (tile_rows * 4), 16), kMaxMmadDim);
+    t.tiles.k_chunk = static_cast<uint32_t>(k_chunk);
+    t.part_cols = static_cast<uint32_t>(std::min<int64_t>(round_down(kL0BStage / (k_chunk * elem), 16), rank_pad));
+    t.group_cols = static_cast<uint32_t>(std::min<int64_t>(l0c_cols, h_cols));
+    t.tiles.n_block = static_cast<uint32_t>(std::min<int64_t>({l0c_cols, 256, round_up(p.n, 16)}));
+    t.rank_chunk = static_cast<uint32_t>(std::min<int64_t>(
+        {round_down(kL0BStage / (t.tiles.n_block * elem), 16), round_down(kL0AStage / (tile_rows * elem), 16),
+         rank_pad, kMaxMmadDim}));
+    const int64_t l1 = 2 * tile_rows * k_chunk * elem + 2 * int64_t(kL0BStage) + tile_rows * h_cols * elem;
+    if (l1 <= kL1Bytes) break;
+    if (tile_rows == 16) {
+      plan.error = "lora_ops.sgmv on Ascend: S*R = " + std::to_string(h_cols) +
+                   " intermediate columns (slices x rank rounded up to 16) do not fit in L1 even with 16-row tiles";
+      return plan;
+    }
+  }
+  t.tiles.tile_rows = static_cast<uint32_t>(tile_rows);
+  t.tiles.block_dim = blocks_for(p.seg, tile_rows, target);
+  t.seg = segment_shape(p.seg, p.rows, p.num_slots);
+  t.k = p.k;
+  t.n = p.n;
+  t.max_rank = p.max_rank;
+  t.num_slices = p.num_slices;
+  t.y_row_stride = p.y_row_stride;
+  t.x_row_stride = p.x_row_stride;
+  t.a_stride0 = p.a_stride0;
+  t.a_stride1 = p.a_stride1;
+  t.b_stride0 = p.b_stride0;
+  t.b_stride1 = p.b_stride1;
+  std::copy(p.slice_offsets, p.slice_offsets + p.num_slices + 1, t.slice_offsets);
+  t.scale = p.scale;
+  t.x_dtype = code(p.x_dtype);
+  t.y_dtype = code(p.y_dtype);
+  t.has_ranks = p.lora_ranks != nullptr;
+  t.has_scales = p.lora_scales != nullptr;
+  t.h_cols = static_cast<uint32_t>(h_cols);
+  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  plan.launch = true;
+  return plan;
+}
+
+Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Target& target) {
+  Plan<GroupedGemmTiling> plan;
+  if (p.x_dtype != p.w_dtype) {
+    plan.error = "lora_ops.grouped_gemm on Ascend: x float32 with a 16-bit w is not supported (the cube takes one "
+                 "operand dtype); pass x in w's dtype";
+    return plan;
+  }
+  if (!nd2nz_stride_ok(p.w_stride1)) {
+    plan.error = "lora_ops.grouped_gemm on Ascend: the row stride of w (" + std::to_string(p.w_stride1) +
+                 ") must be in [1, 65535] elements (Nd2Nz)";
+    return plan;
+  }
+  // Nothing to write: no row, segment or column, or an empty reduction added to y (K = 0 with accumulate).
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.seg.positions == 0 || p.n == 0 || (p.k == 0 && p.accumulate)) {
+    return plan;
+  }
+  const int64_t elem = dtype_size(p.x_dtype);
+  GroupedGemmTiling& t = plan.tiling;
+  const int64_t tile_rows = tile_rows_for(p.seg);
+  const int64_t k_chunk = k_chunk_for(tile_rows, elem, std::max<int64_t>(p.k, 1));
+  t.tiles.tile_rows = static_cast<uint32_t>(tile_rows);
+  t.tiles.k_chunk = static_cast<uint32_t>(k_chunk);
+  t.tiles.n_block = static_cast<uint32_t>(std::min<int64_t>(
+      {round_down(kL0BStage / (k_chunk * elem), 16), round_down(kL0CStage / (tile_rows * 4), 16), 256,
+       round_up(p.n, 16)}));
+  t.tiles.block_dim = blocks_for(p.seg, tile_rows, target);
+  t.seg = segment_shape(p.seg, p.rows, p.num_groups);
+  t.k = p.k;
+  t.n = p.n;
+  t.y_row_stride = p.y_row_stride;
+  t.x_row_stride = p.x_row_stride;
+  t.w_stride0 = p.w_stride0;
+  t.w_stride1 = p.w_stride1;
+  t.alpha = p.alpha;
+  t.accumulate = p.accumulate;
+  t.x_dtype = code(p.x_dtype);
+  t.y_dtype = code(p.y_dtype);
+  t.has_n_sizes = p.n_sizes != nullptr;
+  t.has_k_sizes = p.k_sizes != nullptr;
+  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  plan.launch = true;
+  return plan;
+}
+
+Plan<BuildSegmentsTiling> plan_build_segments(const BuildSegmentsParams& p, const Target&) {
+  Plan<BuildSegmentsTiling> plan;
+  constexpr int64_t chunk = 1024, min_window = 64;
+  const int64_t histograms = 2 * round_up((p.num_slots + 1) * 4, 32);
+  const int64_t window = round_down((int64_t(kUbBytes) - histograms - chunk * 4) / 4, 8);
+  if (window < min_window) {
+    plan.error = "lora_ops.build_segments on Ascend: num_slots = " + std::to_string(p.num_slots) +
+                 " exceeds what the kernel's two UB histograms hold (max " +
+                 std::to_string((kUbBytes - chunk * 4 - min_window * 4) / 8 - 8) + ")";
+    return plan;
+  }
+  plan.tiling.num_tokens = p.num_tokens;
+  plan.tiling.num_slots = p.num_slots;
+  plan.tiling.chunk = static_cast<uint32_t>(chunk);
+  plan.tiling.window = static_cast<uint32_t>(std::min<int64_t>(window, 8192));
+  plan.launch = true;  // seg_indptr and seg_lora are always written, even for T = 0
+  return plan;
+}
+
+}  // namespace lora_ops::ascend

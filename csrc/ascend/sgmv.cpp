@@ -1,0 +1,195 @@
+// sgmv on the cube unit (DESIGN §2): for each tile of up to tile_rows rows of one segment (slot l, rank r),
+//   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1
+//         (rounded once to x's dtype, the expand's operand type); then for every slice and block of its columns,
+//         delta = h_s . B[l, block, :r]^T in fp32 -> workspace slot;
+//   AIVs: y[rows, block] += scale * lora_scales[l] * delta, in fp32, rounded once to y's dtype.
+// Only the true rank is read and computed. Every slice is handled in the one launch.
+#include <type_traits>
+
+#include "kernel_common.h"
+#include "kernels.h"
+#include "launch.h"
+
+namespace lora_ops::ascend {
+namespace {
+
+template <typename T, typename Y>
+class SgmvKernel {
+ public:
+  __aicore__ inline SgmvKernel(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
+                               GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices, GM_ADDR lora_ranks,
+                               GM_ADDR lora_scales, GM_ADDR workspace)
+      : t_(t), y_(y), indptr_(seg_indptr), slots_(seg_lora), token_indices_(token_indices), ranks_(lora_ranks),
+        scales_(lora_scales), workspace_(workspace) {
+    x_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(x));
+    a_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(lora_a));
+    b_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(lora_b));
+  }
+
+  __aicore__ inline void RunCube() {
+    const int64_t block = GetBlockIdx(), tile_rows = t_.tiles.tile_rows;
+    TPipe pipe;
+    Cube<T> cube;
+    cube.Init(pipe, tile_rows, t_.tiles.k_chunk);
+    TBuf<TPosition::A1> h_buf;  // the intermediate, NZ with tile_rows rows per 16-column group
+    pipe.InitBuffer(h_buf, tile_rows * t_.h_cols * sizeof(T));
+    LocalTensor<T> h = h_buf.Get<T>();
+    SlotWriter slots(workspace_, block, t_.tiles);
+    TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, tile_rows);
+    // h is written by Fixpipe (FIX) and read by LoadData (MTE1): order the two both ways.
+    const TEventID h_written = pipe.AllocEventID<HardEvent::FIX_MTE1>();
+    const TEventID h_read = pipe.AllocEventID<HardEvent::MTE1_FIX>();
+    SetFlag<HardEvent::MTE1_FIX>(h_read);  // nothing reads h yet
+    while (walk.Next()) {
+      const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
+      if (rank == 0) continue;
+      const int64_t m_pad = RoundUp(walk.count, kFrac), rank_pad = RoundUp(rank, kFrac);
+      WaitFlag<HardEvent::MTE1_FIX>(h_read);
+      Shrink(cube, walk, h, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+      SetFlag<HardEvent::FIX_MTE1>(h_written);
+      WaitFlag<HardEvent::FIX_MTE1>(h_written);
+      Expand(cube, slots, walk, h, b_[walk.slot * t_.b_stride0], rank, rank_pad, m_pad);
+      SetFlag<HardEvent::MTE1_FIX>(h_read);
+    }
+    WaitFlag<HardEvent::MTE1_FIX>(h_read);
+    pipe.ReleaseEventID<HardEvent::FIX_MTE1>(h_written);
+    pipe.ReleaseEventID<HardEvent::MTE1_FIX>(h_read);
+    slots.Drain();
+  }
+
+  __aicore__ inline void RunVector() {
+    const int64_t block = GetBlockIdx() / GetSubBlockNum();
+    TPipe pipe;
+    RowUpdater<Y> rows;
+    rows.Init(pipe, workspace_, y_, t_.y_row_stride, block, t_.tiles);
+    TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, t_.tiles.tile_rows);
+    GlobalTensor<float> scales;
+    if (t_.has_scales) scales.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(scales_));
+    while (walk.Next()) {
+      if (SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank) == 0) continue;
+      const float coef = t_.scale * (t_.has_scales ? scales.GetValue(walk.slot) : 1.0f);
+      for (int64_t s = 0; s < t_.num_slices; ++s) {
+        const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
+        for (int64_t n0 = lo; n0 < hi; n0 += t_.tiles.n_block) {
+          rows.Apply(walk.rows, walk.count, n0, Min(t_.tiles.n_block, hi - n0), coef, true);
+        }
+      }
+    }
+  }
+
+ private:
+  // h[:, s * rank_pad + j] = x[rows] . A[s * R + j]^T for j < rank, in passes of group_cols columns of L0C.
+  __aicore__ inline void Shrink(Cube<T>& cube, const TileWalk& walk, LocalTensor<T>& h, const GlobalTensor<T>& a,
+                                int64_t rank, int64_t rank_pad, int64_t m_pad) {
+    const int64_t h_cols = t_.num_slices * rank_pad;
+    constexpr QuantMode_t to_t = std::is_same_v<T, half> ? QuantMode_t::F322F16 : QuantMode_t::F322BF16;
+    for (int64_t c0 = 0; c0 < h_cols; c0 += t_.group_cols) {
+      const int64_t c1 = Min(c0 + t_.group_cols, h_cols);
+      LocalTensor<float> acc = cube.AllocAcc();
+      for (int64_t k0 = 0; k0 < t_.k; k0 += t_.tiles.k_chunk) {
+        const int64_t k_len = Min(t_.tiles.k_chunk, t_.k - k0);
+        LocalTensor<T> xa = cube.LoadRows(x_, walk.rows, walk.count, t_.x_row_stride, k0, k_len);
+        for (int64_t s = c0 / rank_pad; s * rank_pad < c1; ++s) {
+          if (t_.slice_offsets[s] == t_.slice_offsets[s + 1]) continue;  // an empty slice needs no h
+          const int64_t j0 = Max(c0 - s * rank_pad, 0), j1 = Min(Min(c1 - s * rank_pad, rank_pad), rank);
+          for (int64_t p0 = j0; p0 < j1; p0 += t_.part_cols) {
+            const int64_t cols = Min(t_.part_cols, j1 - p0);
+            LocalTensor<T> wb = cube.LoadWeight(a, s * t_.max_rank + p0, cols, t_.a_stride1, k0, k_len);
+            cube.Mmad(acc[(s * rank_pad + p0 - c0) / kFrac * m_pad * kFrac], xa, wb, m_pad, cols, k_len, k0 > 0);
+            cube.FreeRight(wb);
+          }
+        }
+        cube.FreeLeft(xa);
+      }
+      acc = cube.Finish(acc);
+      Fixpipe<T, float, CFG_NZ>(h[c0 / kFrac * t_.tiles.tile_rows * kFrac], acc,
+                                FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(m_pad),
+                                                  static_cast<uint16_t>(m_pad),
+                                                  static_cast<uint32_t>(t_.tiles.tile_rows), false, to_t, 0, 1, 0, 0,
+                                                  0});
+      cube.FreeAcc(acc);
+    }
+  }
+
+  // For every slice and block of n_block of its columns: delta = h_s . B[block, :rank]^T -> a workspace slot.
+  __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const TileWalk& walk, const LocalTensor<T>& h,
+                                const GlobalTensor<T>& b, int64_t rank, int64_t rank_pad, int64_t m_pad) {
+    for (int64_t s = 0; s < t_.num_slices; ++s) {
+      const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
+      for (int64_t n0 = lo; n0 < hi; n0 += t_.tiles.n_block) {
+        const int64_t n = Min(t_.tiles.n_block, hi - n0);
+        LocalTensor<float> acc = cube.AllocAcc();
+        for (int64_t r0 = 0; r0 < rank; r0 += t_.rank_chunk) {
+          const int64_t r_len = Min(t_.rank_chunk, rank - r0);
+          LocalTensor<T> ha = cube.LoadLeftFromL1(h, s * rank_pad + r0, walk.count, r_len);
+          LocalTensor<T> wb = cube.LoadWeight(b, n0, n, t_.b_stride1, r0, r_len);
+          cube.Mmad(acc, ha, wb, m_pad, n, r_len, r0 > 0);
+          cube.FreeLeft(ha);
+          cube.FreeRight(wb);
+        }
+        acc = cube.Finish(acc);
+        slots.Write(acc, walk.count, m_pad, n);
+        cube.FreeAcc(acc);
+      }
+    }
+  }
+
+  const SgmvTiling& t_;
+  // GM_ADDR is a pointer macro: one declarator each.
+  GM_ADDR y_;
+  GM_ADDR indptr_;
+  GM_ADDR slots_;
+  GM_ADDR token_indices_;
+  GM_ADDR ranks_;
+  GM_ADDR scales_;
+  GM_ADDR workspace_;
+  GlobalTensor<T> x_, a_, b_;
+};
+
+template <typename T, typename Y>
+__aicore__ inline void RunSgmv(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
+                               GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices, GM_ADDR lora_ranks,
+                               GM_ADDR lora_scales, GM_ADDR workspace) {
+  SgmvKernel<T, Y> kernel(t, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                          workspace);
+  if ASCEND_IS_AIC {
+    kernel.RunCube();
+  }
+  if ASCEND_IS_AIV {
+    kernel.RunVector();
+  }
+}
+
+}  // namespace
+}  // namespace lora_ops::ascend
+
+extern "C" __global__ __aicore__ void lora_ops_sgmv(GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
+                                                    GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices,
+                                                    GM_ADDR lora_ranks, GM_ADDR lora_scales, GM_ADDR workspace,
+                                                    lora_ops::ascend::SgmvTiling tiling) {
+  using namespace lora_ops::ascend;
+  KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
+  const bool f32_y = tiling.y_dtype == kFloat;
+  if (tiling.x_dtype == kHalf) {
+    f32_y ? RunSgmv<half, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+                                 lora_scales, workspace)
+          : RunSgmv<half, half>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+                                lora_scales, workspace);
+  } else {
+    f32_y ? RunSgmv<bfloat16_t, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
+                                       lora_ranks, lora_scales, workspace)
+          : RunSgmv<bfloat16_t, bfloat16_t>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
+                                            lora_ranks, lora_scales, workspace);
+  }
+}
+
+namespace lora_ops::ascend {
+
+void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& b, void* stream) {
+  auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
+  LORA_OPS_ASCEND_LAUNCH(lora_ops_sgmv, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, gm(b.y), gm(b.x),
+                         gm(b.lora_a), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora), gm(b.token_indices),
+                         gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), tiling);
+}
+
+}  // namespace lora_ops::ascend

@@ -1,0 +1,72 @@
+// What the host hands each AscendC kernel by value: the problem (from the lora_ops params structs) and the tile
+// sizes chosen by plan.cpp. Plain data, no torch: included by the kernels and by the host.
+#pragma once
+#include <cstdint>
+
+namespace lora_ops::ascend {
+
+constexpr int kMaxSlices = 8;  // = lora_ops::kMaxSlices (static_assert in plan.cpp)
+constexpr int kMaxTileRows = 128;
+
+// Local buffers of NPU arch 2201 (Atlas A2/A3, "910B") as a kernel may use them (asc-devkit, NPU架构版本2201): UB
+// and L1 less what the framework reserves. The matmul kernels double-buffer L0A, L0B and L0C (half each). The CPU
+// model keeps its own copy as the hardware (cpu_model/model_core.h), so a kernel that outgrows it fails there.
+constexpr uint32_t kUbBytes = 192 * 1024 - 256 - 8 * 1024;
+constexpr uint32_t kL1Bytes = 512 * 1024 - 256;
+constexpr uint32_t kL0AStage = 64 * 1024 / 2;
+constexpr uint32_t kL0BStage = 64 * 1024 / 2;
+constexpr uint32_t kL0CStage = 128 * 1024 / 2;
+
+enum DTypeCode : uint32_t { kHalf = 0, kBf16 = 1, kFloat = 2 };
+
+// Segment metadata shared by sgmv and grouped_gemm (DESIGN §2): positions, segments, rows, slots.
+struct SegmentShape {
+  int64_t positions;     // len(token_indices), else the number of rows
+  int64_t num_segments;  // len(seg_indptr) - 1
+  int64_t rows;          // T
+  int64_t num_slots;     // L
+  uint32_t gathered;     // token_indices given
+};
+
+// MIX kernel geometry common to both matmul ops: tiles of tile_rows positions of one segment, output blocks of
+// n_block columns, handed from each AIC to its two AIVs through two workspace slots of tile_rows x n_block floats.
+struct MatmulTiles {
+  uint32_t block_dim;  // AI cores (one AIC + two AIVs each)
+  uint32_t tile_rows;  // positions per tile, a multiple of 16 (<= kMaxTileRows)
+  uint32_t k_chunk;    // reduction elements per L0A/L0B load
+  uint32_t n_block;    // output columns per L0C tile and workspace slot
+};
+
+struct SgmvTiling {
+  SegmentShape seg;
+  MatmulTiles tiles;
+  int64_t k, n, max_rank, num_slices;
+  int64_t y_row_stride, x_row_stride, a_stride0, a_stride1, b_stride0, b_stride1;
+  int64_t slice_offsets[kMaxSlices + 1];
+  float scale;
+  uint32_t x_dtype, y_dtype;  // DTypeCode; the weights share x's dtype
+  uint32_t has_ranks, has_scales;
+  uint32_t part_cols;   // shrink: rank columns per L0B load
+  uint32_t group_cols;  // shrink: intermediate columns per L0C pass
+  uint32_t rank_chunk;  // expand: rank per L0A/L0B load
+  uint32_t h_cols;      // L1 intermediate capacity: num_slices * max_rank rounded up to 16
+};
+
+struct GroupedGemmTiling {
+  SegmentShape seg;
+  MatmulTiles tiles;
+  int64_t k, n;
+  int64_t y_row_stride, x_row_stride, w_stride0, w_stride1;
+  float alpha;
+  uint32_t accumulate;
+  uint32_t x_dtype, y_dtype;  // DTypeCode; w shares x's dtype
+  uint32_t has_n_sizes, has_k_sizes;
+};
+
+struct BuildSegmentsTiling {
+  int64_t num_tokens, num_slots;
+  uint32_t chunk;   // tokens read per UB load
+  uint32_t window;  // output positions placed per pass over the tokens
+};
+
+}  // namespace lora_ops::ascend
