@@ -14,7 +14,8 @@ def main() -> int:
     p.add_argument("--cases", type=str, default=None, help="comma-separated case seeds to replay instead")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--backends", type=str, default=None,
-                   help="comma-separated: cpu, triton, cuda, cuda:simt, cuda:cluster, cuda:mma (default: all here)")
+                   help="comma-separated: cpu, triton, cuda, and cuda kernels forced as in "
+                        "child.FORCED_CUDA_KERNELS (default: all here)")
     p.add_argument("--large", action="store_true", help="GPU-sized shapes too (K, N up to 4096, thousands of rows)")
     p.add_argument("--debug", action="store_true", help="LORA_OPS_DEBUG=1: bad metadata must raise instead")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one call may take before it is a HANG")

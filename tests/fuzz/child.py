@@ -22,25 +22,30 @@ from lora_ops import backends as lora_backends
 from . import cases
 
 PREFIX = "FUZZ "
-# Backend name -> (device of its tensors, LORA_OPS_CUDA_SGMV_KERNEL value or None).
-BACKENDS = {"cpu": ("cpu", None), "cuda": ("cuda", None), "cuda:simt": ("cuda", "simt"),
-            "cuda:cluster": ("cuda", "cluster"), "cuda:mma": ("cuda", "mma")}
+# The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value);
+# an op without an entry gets the automatic choice. "cuda" is the automatic choice for every op.
+FORCED_CUDA_KERNELS = {
+    "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma")},
+    "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split")},
+    "cuda:skinny": {"grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "skinny")},
+}
+_KERNEL_VARIABLES = {var for forced in FORCED_CUDA_KERNELS.values() for var, _ in forced.values()}
 
 
 def available_backends(device: str):
     """Every backend this process can run for tensors on `device` ("cpu" or "cuda")."""
     names = ["cpu"]
     if device == "cuda" and torch.cuda.is_available():
-        names += ["cuda"]
-        if lora_backends.cuda_served_by.get("sgmv") == "cuda":
-            names += ["cuda:simt", "cuda:cluster", "cuda:mma"]
+        names.append("cuda")
+        names += [name for name, forced in FORCED_CUDA_KERNELS.items()
+                  if any(lora_backends.cuda_served_by.get(op) == "cuda" for op in forced)]
     if "triton" not in lora_backends.unavailable:
         names.append("triton")
     return names
 
 
 def backend_device(name: str, device: str) -> str:
-    return device if name == "triton" else BACKENDS[name][0]
+    return device if name == "triton" else name.split(":")[0]
 
 
 def _call(name: str, case: cases.Case):
@@ -48,11 +53,11 @@ def _call(name: str, case: cases.Case):
         import lora_ops.triton as module
     else:
         module = lora_ops.ops
-    kernel = BACKENDS.get(name, (None, None))[1]
-    if kernel:
-        os.environ["LORA_OPS_CUDA_SGMV_KERNEL"] = kernel
-    else:
-        os.environ.pop("LORA_OPS_CUDA_SGMV_KERNEL", None)
+    for var in _KERNEL_VARIABLES:
+        os.environ.pop(var, None)
+    forced = FORCED_CUDA_KERNELS.get(name, {}).get(case.op)
+    if forced:
+        os.environ[forced[0]] = forced[1]
     out = getattr(module, case.op)(**case.kwargs)
     if case.device == "cuda":
         torch.cuda.synchronize()  # an asynchronous kernel fault belongs to this call
