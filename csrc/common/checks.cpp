@@ -108,20 +108,20 @@ at::Tensor kernel_index(const at::Tensor& t) {
   return t.clamp(kInt32Min, kInt32Max).to(at::kInt).contiguous();
 }
 
-// seg_indptr [G+1], the per-segment slots [G], token_indices [P]; returns P (rows when no token_indices).
-c10::SymInt check_segments_host(const char* op, const char* slot_name, const at::Tensor& y, const c10::SymInt& rows,
-                                const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
-                                const std::optional<at::Tensor>& token_indices) {
+// seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P).
+void check_segments_host(const char* op, const char* slot_name, const at::Tensor& y, const c10::SymInt& rows,
+                         const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
+                         const std::optional<at::Tensor>& token_indices) {
   check_index_tensor(op, "seg_indptr", seg_indptr, y, std::nullopt, "");
   TORCH_CHECK_VALUE(holds(seg_indptr.sym_size(0).sym_ge(1)), op,
                     ": seg_indptr must have num_segments + 1 >= 1 entries, got 0");
   check_int32_extent(op, "len(seg_indptr)", seg_indptr.sym_size(0));
   check_index_tensor(op, slot_name, seg_slot, y, seg_indptr.sym_size(0) - 1, "one per segment: len(seg_indptr) - 1");
   check_int32_extent(op, "x.size(0)", rows);
-  if (!token_indices.has_value()) return rows;
-  check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");
-  check_int32_extent(op, "len(token_indices)", token_indices->sym_size(0));
-  return token_indices->sym_size(0);
+  if (token_indices.has_value()) {
+    check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");
+    check_int32_extent(op, "len(token_indices)", token_indices->sym_size(0));
+  }
 }
 
 std::vector<int64_t> values_on_host(const at::Tensor& t) {
