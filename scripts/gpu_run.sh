@@ -47,8 +47,8 @@ if want sanitizer; then
     2>&1 | tee "$OUT/sanitizer.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if [ -d tests/fuzz ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m tests.fuzz --device cuda --seconds 120 \
-      2>&1 | tee "$OUT/fuzz-sanitizer.log" | tail -8
+    compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 $PY -m tests.fuzz --device cuda \
+      --seconds ${FUZZ_SECONDS:-120} --timeout 900 --batch 100 2>&1 | tee "$OUT/fuzz-sanitizer.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
 fi
