@@ -40,10 +40,20 @@ class MultiLoRALinear(nn.Module):
         batch = self._pool.current
         if batch is None:
             return y
-        m = self._slots
-        ops.sgmv(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), m.lora_a, m.lora_b, batch.seg_indptr,
-                 batch.seg_lora, batch.token_indices, m.ranks, m.scales, m.offsets_arg)
+        x2d, y2d = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        # Sizes known on the host, so no sync: a routing for another batch would silently mix rows up.
+        if x2d.shape[0] != batch.token_indices.shape[0]:
+            raise ValueError(f"{self._slots.name}: the LoRA batch routes {batch.token_indices.shape[0]} tokens but "
+                             f"this layer's input {list(x.shape)} has {x2d.shape[0]}; set the batch with "
+                             "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
+        self._add_sgmv(y2d, x2d, batch)
         return y
+
+    def _add_sgmv(self, y: torch.Tensor, x: torch.Tensor, batch) -> None:
+        """y += the LoRA delta of every token's slot: shrink and expand in one sgmv over the step's segments."""
+        m = self._slots
+        ops.sgmv(y, x, m.lora_a, m.lora_b, batch.seg_indptr, batch.seg_lora, batch.token_indices, m.ranks,
+                 m.scales, m.offsets_arg)
 
 
 def patch_model(model: nn.Module, pool: "AdapterPool") -> nn.Module:

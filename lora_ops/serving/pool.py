@@ -174,31 +174,48 @@ class AdapterPool:
             if entry is None:  # not a target of this adapter: rank 0 skips it
                 mod.ranks[slot] = 0
                 continue
-            a, b, rank, scale = entry
-            mod.lora_a[slot].copy_(a)  # A is staged at full [S*R, K], zeros included
+            mod.lora_a[slot].copy_(entry.lora_a)  # A is staged at full [S*R, K], zeros included
             mod.lora_b[slot].zero_()
-            mod.lora_b[slot, :, :rank].copy_(b)
-            mod.ranks[slot] = rank
-            mod.scales[slot] = scale
+            mod.lora_b[slot, :, :entry.rank].copy_(entry.lora_b)
+            mod.ranks[slot] = entry.rank
+            mod.scales[slot] = entry.scale
         self._slot_of[name] = slot
         return slot
 
     # ---- per-step batch ----
-    def set_batch(self, adapters: Sequence[Optional[str]], tokens_per_row: int = 1) -> LoRABatch:
-        """Route row i (and its tokens_per_row tokens) to adapters[i] (None: base model) for the next forwards."""
+    def set_batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
+                  lengths: Optional[Sequence[int]] = None) -> LoRABatch:
+        """Route the next forwards' tokens: row i runs adapters[i] (None: the base model only).
+
+        Every patched layer sees its input flattened to [T, K] tokens, rows one after another. Row i covers
+        `lengths[i]` consecutive tokens (a packed ragged batch, T = sum(lengths)), or `tokens_per_row` of them
+        (a [B, L] batch, T = B*L; the default is 1, a decode step). A padded [B, L] batch of ragged prompts (HF's
+        forward with an attention_mask) has L tokens in every row, padding included: pass tokens_per_row=L. The
+        padding positions then run their row's adapter, and the attention mask discards them as it discards any
+        padding. A layer whose input does not have T tokens raises ValueError."""
+        if tokens_per_row is not None and lengths is not None:
+            raise ValueError("pass tokens_per_row or lengths, not both")
+        if lengths is None:
+            lengths = [1 if tokens_per_row is None else tokens_per_row] * len(adapters)
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != len(adapters) or any(n < 0 for n in lengths):
+            raise ValueError(f"lengths must be {len(adapters)} counts >= 0 (one per row of adapters), got {lengths}")
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
+        token_slots = slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64))
         device = next(iter(self.modules.values())).ranks.device
-        self._batch.set(slots.repeat_interleave(tokens_per_row).to(device, non_blocking=True), self.num_slots)
+        self._batch.set(token_slots.to(device, non_blocking=True), self.num_slots)
         return self._batch
 
     def clear_batch(self) -> None:
         self._batch.active = False
 
     @contextlib.contextmanager
-    def batch(self, adapters: Sequence[Optional[str]], tokens_per_row: int = 1):
+    def batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
+              lengths: Optional[Sequence[int]] = None):
+        """set_batch for the duration of a `with` block, with the batch's adapters pinned."""
         names = [a for a in adapters if a is not None]
         with self.pinned(*names):
-            self.set_batch(adapters, tokens_per_row)
+            self.set_batch(adapters, tokens_per_row, lengths)
             try:
                 yield self.current
             finally:
