@@ -71,6 +71,16 @@ def main():
     # Imported only now: torch.utils.cpp_extension reads CUDA_HOME when it is first imported.
     from torch.utils.cpp_extension import BuildExtension
 
+    class IncrementalBuildExtension(BuildExtension.with_options(no_python_abi_suffix=True)):
+        """pip's editable install compiles in a fresh temporary directory, i.e. everything every time. One fixed
+        object directory lets ninja rebuild only the objects whose sources or included headers changed; `force`
+        hands that decision to ninja (setuptools would compare .cpp times only and miss a changed header)."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(ROOT, "build", "temp")
+            self.force = True
+
     with open(os.path.join(ROOT, "lora_ops", "_build_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     setup(
@@ -79,7 +89,7 @@ def main():
         packages=find_packages(include=["lora_ops", "lora_ops.*"]),
         package_data={"lora_ops": ["_build_info.json"]},
         ext_modules=_extensions(info),
-        cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},
+        cmdclass={"build_ext": IncrementalBuildExtension},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.6"],

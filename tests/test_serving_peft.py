@@ -166,6 +166,8 @@ def test_unknown_config_field_raises_when_set(base, tmp_path):
     _refused(base, directory, "unknown LoraConfig field future_option=2")
 
 
+# PEFT warns about what these adapters are; the test is that the pool refuses them.
+@pytest.mark.filterwarnings("ignore:.*(lora_bias|LoRA tensor|aLoRA is currently)")
 @pytest.mark.parametrize("kwargs", [dict(lora_bias=True), dict(alora_invocation_tokens=[5, 6]),
                                     dict(trainable_token_indices=[3, 4])], ids=lambda k: next(iter(k)))
 def test_unsupported_adapters_saved_by_peft_raise(base, tmp_path, kwargs):
