@@ -1,4 +1,4 @@
-"""Builds lora_ops._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found (DESIGN §4).
+"""Builds lora_ops._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found (docs/design.md §4).
 
 _C is a plain shared library of op registrations (no Python symbols): lora_ops/__init__.py loads it with
 torch.ops.load_library, and the C++ unit tests link against the same file.
@@ -38,7 +38,7 @@ def _configure():
         if cuda_home is None:
             info["backends"]["cuda"] = {"built": False, "reason": "nvcc not found (set CUDA_HOME)"}
         else:
-            # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (DESIGN §4).
+            # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (docs/design.md §4).
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],

@@ -1,6 +1,6 @@
 """Which backend serves which op on which device, as data (xformers style), and the Triton registration.
 
-Dispatch (DESIGN §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
+Dispatch (docs/design.md §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
 forces Triton on CUDA. Every refusal carries a reason, printed by `python -m lora_ops.info`.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m lora_ops.bench`: time every available backend of sgmv / build_segments against baselines
-(DESIGN §6): a PyTorch per-adapter loop, gather+bmm, and torch._grouped_mm where present.
+(docs/design.md §6): a PyTorch per-adapter loop, gather+bmm, and torch._grouped_mm where present.
 
 Every implementation is checked against the float64 oracle before it is timed. On CUDA each case is timed as
 CUDA-graph replay and eagerly, rotating among enough input sets to exceed twice the L2 (each layer of a real

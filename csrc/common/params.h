@@ -1,5 +1,5 @@
 // Plain-C++ descriptions of one op call, shared by every backend's kernels. No torch headers here:
-// CUDA kernel files include this and must stay cheap to compile (DESIGN §4).
+// CUDA kernel files include this and must stay cheap to compile (docs/design.md §4).
 #pragma once
 #include <cstdint>
 
@@ -10,7 +10,7 @@ constexpr int64_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
 
 constexpr int kMaxSlices = 8;
 
-// Segment metadata as it lives on the device. All values are untrusted (DESIGN §2 Safety):
+// Segment metadata as it lives on the device. All values are untrusted (docs/design.md §2 Safety):
 // kernels clamp indptr to [0, positions], skip slots outside [0, num_slots) and rows outside [0, rows).
 struct Segments {
   const int32_t* indptr;         // [num_segments + 1]
@@ -60,7 +60,7 @@ struct BuildSegmentsParams {
 
 }  // namespace lora_ops
 
-// Segment walking with the DESIGN §2 safety rules, shared by the CPU and CUDA kernels.
+// Segment walking with the docs/design.md §2 safety rules, shared by the CPU and CUDA kernels.
 #if defined(__CUDACC__)
 #define LORA_OPS_HD __host__ __device__ __forceinline__
 #else

@@ -1,4 +1,4 @@
-"""Triton kernels for sgmv, grouped_gemm and build_segments (DESIGN §2).
+"""Triton kernels for sgmv, grouped_gemm and build_segments (docs/design.md §2).
 
 Index-based addressing only (offsets from each pool's base pointer, never loaded pointers), so every kernel also
 runs under TRITON_INTERPRET=1. Device metadata is untrusted: indptr is clamped, bad slots/rows are masked out.
