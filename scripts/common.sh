@@ -33,16 +33,18 @@ select_python() {
     say "$base not found: install Python >= 3.10 (Debian/Ubuntu: apt-get install python3 python3-venv)"
     exit 1
   fi
-  if "$base" -c 'import os, sys; sys.exit(not (sys.prefix != sys.base_prefix or os.environ.get("CONDA_PREFIX") == sys.prefix))'; then
+  local venv='import os, sys; sys.exit(sys.prefix == sys.base_prefix and os.environ.get("CONDA_PREFIX") != sys.prefix)'
+  if "$base" -c "$venv"; then
     PY=$("$base" -c 'import sys; print(sys.executable)')
   else
     if [ ! -x .venv/bin/python ]; then
-      say "creating .venv from $("$base" -c 'import sys; print(sys.executable)') (python -m venv); everything installs there"
+      say "creating .venv from $(command -v "$base") (python -m venv); everything installs there"
       if ! quietly "$base" -m venv --system-site-packages .venv; then
         rm -rf .venv
         local version
         version=$("$base" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-        say "$base -m venv failed: its venv module or ensurepip is missing; on Debian/Ubuntu: apt-get install python$version-venv"
+        say "$base -m venv failed: its venv module or ensurepip is missing." \
+          "On Debian/Ubuntu: apt-get install python$version-venv"
         exit 1
       fi
     fi

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import sys
+import urllib.parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMP = os.path.join(ROOT, "build", "extension-stamp.json")
@@ -55,7 +56,8 @@ def _installed_from_here():
         url = json.loads(importlib.metadata.distribution("lora_ops").read_text("direct_url.json") or "{}")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return url.get("url") == f"file://{ROOT}" and url.get("dir_info", {}).get("editable", False)
+    where = urllib.parse.unquote(urllib.parse.urlparse(url.get("url", "")).path)
+    return url.get("dir_info", {}).get("editable", False) and os.path.realpath(where) == os.path.realpath(ROOT)
 
 
 def _reasons(state, old):

@@ -9,7 +9,8 @@ source scripts/common.sh
 select_python
 
 # The C++ tests: configured once per Python and torch, then built incrementally (they link lora_ops/_C.so).
-configured_for=$("$PY" -c 'import json; s = json.load(open("build/extension-stamp.json")); print(s["python"], s["torch"])')
+read_stamp='import json; stamp = json.load(open("build/extension-stamp.json")); print(stamp["python"], stamp["torch"])'
+configured_for=$("$PY" -c "$read_stamp")
 if [ "$(cat build/cpp-tests/configured-for 2>/dev/null)" != "$configured_for" ]; then
   say "configuring the C++ tests (cmake, build/cpp-tests) for $configured_for"
   quietly cmake -S . -B build/cpp-tests -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$PY"

@@ -40,14 +40,16 @@ PATTERNS = {
                              rank_pattern={"q_proj|v_proj": 4}),
     "alpha_alternation": dict(r=8, lora_alpha=16, target_modules=ALL7, alpha_pattern={"k_proj|o_proj": 5}),
     "layer_qualified": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                            rank_pattern={"layers.1.self_attn.q_proj": 2}, alpha_pattern={"layers.0.mlp.down_proj": 32}),
+                            rank_pattern={"layers.1.self_attn.q_proj": 2},
+                            alpha_pattern={"layers.0.mlp.down_proj": 32}),
     "full_path": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
                       rank_pattern={"model.layers.0.self_attn.v_proj": 12},
                       alpha_pattern={"model.layers.1.self_attn.k_proj": 1}),
     "first_key_wins": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                            rank_pattern={"layers.0.self_attn.q_proj": 2, "q_proj": 6},
                            alpha_pattern={"o_proj": 3, "layers.1.self_attn.o_proj": 30}),
-    "rslora_with_rank_pattern": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+    "rslora_with_rank_pattern": dict(r=4, lora_alpha=8, use_rslora=True,
+                                     target_modules=["q_proj", "v_proj", "down_proj"],
                                      rank_pattern={"down_proj": 16, "v_proj": 2}),
 }
 
