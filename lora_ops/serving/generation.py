@@ -31,6 +31,7 @@ def greedy_generate(model: nn.Module, pool: AdapterPool, input_ids: torch.Tensor
             pool.set_batch(adapters, tokens_per_row=L)
             out = model(input_ids, use_cache=True, **extra)
             logits = [out.logits]
+            pool.set_batch(adapters, tokens_per_row=1)  # every decode step: one token per row, the same routing
             for step in range(max_new_tokens):
                 nxt = logits[-1][:, -1].argmax(-1, keepdim=True)
                 tokens = torch.cat([tokens, nxt], 1)
@@ -39,7 +40,6 @@ def greedy_generate(model: nn.Module, pool: AdapterPool, input_ids: torch.Tensor
                 if attention_mask is not None:
                     extra["attention_mask"] = torch.cat([extra["attention_mask"], attention_mask.new_ones(B, 1)], 1)
                     extra["position_ids"] = extra["position_ids"][:, -1:] + 1
-                pool.set_batch(adapters, tokens_per_row=1)
                 out = model(nxt, use_cache=True, **{cache_kw: _cache_of(out)}, **extra)
                 logits.append(out.logits)
                 if progress is not None:
