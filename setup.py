@@ -1,5 +1,5 @@
 """Builds lora_ops._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found, the Ascend backend when
-ASCEND_HOME_PATH names a CANN toolkit and torch_npu is installed (DESIGN §4). Also builds lora_ops._ascend_model,
+ASCEND_HOME_PATH names a CANN toolkit and torch_npu is installed (docs/design.md §4). Also builds lora_ops._ascend_model,
 a test-only library that runs the Ascend host code and kernels on a CPU model of the AscendC API.
 
 _C is a plain shared library of op registrations (no Python symbols): lora_ops/__init__.py loads it with
@@ -69,7 +69,7 @@ def _configure():
         if cuda_home is None:
             info["backends"]["cuda"] = {"built": False, "reason": "nvcc not found (set CUDA_HOME)"}
         else:
-            # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (DESIGN §4).
+            # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (docs/design.md §4).
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
@@ -117,15 +117,24 @@ def _extensions(info):
 
 
 def _build_ext(info):
-    """torch's BuildExtension; with CANN it first builds the AscendC kernel library that _C links."""
+    """torch's BuildExtension, incremental; with CANN it first builds the AscendC kernel library that _C links."""
     from torch.utils.cpp_extension import BuildExtension
 
-    base = BuildExtension.with_options(no_python_abi_suffix=True)
+    class IncrementalBuildExtension(BuildExtension.with_options(no_python_abi_suffix=True)):
+        """pip's editable install compiles in a fresh temporary directory, i.e. everything every time. One fixed
+        object directory lets ninja rebuild only the objects whose sources or included headers changed; `force`
+        hands that decision to ninja (setuptools would compare .cpp times only and miss a changed header)."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(ROOT, "build", "temp")
+            self.force = True
+
     ascend = info["backends"]["ascend"]
     if not ascend["built"]:
-        return base
+        return IncrementalBuildExtension
 
-    class BuildWithAscendKernels(base):
+    class BuildWithAscendKernels(IncrementalBuildExtension):
         def run(self):
             _build_ascend_kernels(ascend, os.path.join(ROOT, "lora_ops"))
             super().run()

@@ -1,4 +1,4 @@
-"""Does merging a batch's single adapter into the base weights (DESIGN seed 003 §4.4, "dynamic merge") pay?
+"""Does merging a batch's single adapter into the base weights ("dynamic merge", docs/design.md §8) pay?
 
 For a batch whose rows all use one adapter, times greedy decoding through the sgmv path against decoding with
 W' = W + s·B·A merged into every target layer (merge and unmerge included), and measures how far the base weights

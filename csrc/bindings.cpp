@@ -1,4 +1,4 @@
-// The one place the ops are defined (DESIGN §1): schemas, Meta kernels, and the Python module that holds
+// The one place the ops are defined (docs/design.md §1): schemas, Meta kernels, and the Python module that holds
 // their fake/autograd registrations. Device kernels register themselves from csrc/<backend>/registration.cpp.
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -1,6 +1,6 @@
 """Which backend serves which op on which device, as data (xformers style), and the Triton registration.
 
-Dispatch (DESIGN §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
+Dispatch (docs/design.md §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
 forces Triton on CUDA; PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
 reason, printed by `python -m lora_ops.info`.
 """

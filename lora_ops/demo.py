@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--adapter-dir", default=None, help="where to write the PEFT adapters (default: a temp dir)")
+    ap.add_argument("-v", "--verbose", action="store_true", default=os.environ.get("LORA_OPS_VERBOSE") == "1",
+                    help="show library warnings and progress bars (also LORA_OPS_VERBOSE=1)")
     args = ap.parse_args(argv)
     try:
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -51,6 +54,11 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"the demo needs the [hf] extra (transformers, peft, safetensors, tqdm): {exc}")
         return 2
+    if not args.verbose:  # peft 0.21 calls transformers 5 APIs that warn of their deprecation, mid progress bar
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        import transformers
+        transformers.logging.set_verbosity_error()
+    bars = dict(file=sys.stdout, disable=None if args.verbose else True)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     print(f"lora_ops demo on {device} ({args.dtype}); sgmv served by "
@@ -59,7 +67,7 @@ def main(argv=None) -> int:
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
     base = LlamaForCausalLM(cfg).eval()
     adapter_dir = args.adapter_dir or tempfile.mkdtemp(prefix="lora_ops_demo_")
-    for name, kw in tqdm(ADAPTERS.items(), desc="creating PEFT adapters", file=sys.stdout):
+    for name, kw in tqdm(ADAPTERS.items(), desc="creating PEFT adapters", **bars):
         get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **kw)).save_pretrained(
             os.path.join(adapter_dir, name))
 
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     ids = torch.randint(0, cfg.vocab_size, (len(BATCH), args.prompt_len), device=device)
     peft_names = [n or "__base__" for n in BATCH]
     for _ in range(2):  # warm-up (kernel compilation, caches), then timed
-        bar = tqdm(total=args.new_tokens - 1, desc="lora_ops prefill + decode", file=sys.stdout, leave=False)
+        bar = tqdm(total=args.new_tokens - 1, desc="lora_ops prefill + decode", leave=False, **bars)
         _sync(device)
         t0 = time.perf_counter()
         tokens, logits = greedy_generate(ours, pool, ids, BATCH, args.new_tokens, progress=bar)

@@ -22,7 +22,7 @@ class Segments(NamedTuple):
     seg_indptr [G+1] int32: segment g covers token_indices[seg_indptr[g]:seg_indptr[g+1]].
     seg_lora [G] int32: the slot of each segment.
 
-    Any index values are memory-safe (DESIGN §2). Segment g covers positions [m_g, m_{g+1}) with
+    Any index values are memory-safe (docs/design.md §2). Segment g covers positions [m_g, m_{g+1}) with
     m_i = max over j ≤ i of clamp(seg_indptr[j], 0, P): reversed or overlapping ranges are empty or cut, never
     covered twice. int64 values beyond int32 behave as their true values (they saturate, never wrap).
     LORA_OPS_DEBUG=1 raises on any value that would be skipped or clamped instead.

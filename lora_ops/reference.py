@@ -1,4 +1,4 @@
-"""Float64 oracle for the ops, written straight from DESIGN.md §2.
+"""Float64 oracle for the ops, written straight from docs/design.md §2.
 
 Plain PyTorch, slow and obvious on purpose: every backend test and every benchmark correctness check compares
 against these functions. They return new tensors (float64 for the matmul ops) instead of mutating.

@@ -1,23 +1,57 @@
 #!/usr/bin/env bash
-# Installs everything lora_ops needs on a fresh Debian/Ubuntu machine (CPU or GPU) and builds the package:
-# torch, build tools, gtest, then `pip install --no-build-isolation -e .` (CUDA kernels when nvcc is found).
+# Installs what lora_ops needs and builds it, doing only what is missing or changed, one line per action:
+#   - system packages g++, cmake, libgtest-dev (apt-get), when absent;
+#   - Python packages (pip: torch==2.14.1 unless a torch is there, the build tools, pytest, the [hf] extras),
+#     when one is missing;
+#   - lora_ops/_C.so (`pip install --no-build-isolation --no-deps -e .`: CPU kernels, and the CUDA kernels when
+#     torch has CUDA and nvcc is found), when scripts/extension_stamp.py finds a reason, which it prints; the
+#     compiler then recompiles only the changed files.
+# Which Python and how verbose: scripts/common.sh (the active virtualenv, else .venv; LORA_OPS_VERBOSE=1 or -v).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/common.sh
+select_python
 
-if ! $PY -c "import torch" 2>/dev/null; then
-  $PY -m pip install -q "torch==2.14.1"
-fi
-$PY -m pip install -q ninja pytest numpy "setuptools>=64" wheel transformers peft safetensors tqdm
-
-if [ ! -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
-  if command -v apt-get >/dev/null; then
+missing=()
+command -v c++ >/dev/null || missing+=(g++)
+command -v cmake >/dev/null || missing+=(cmake)
+[ -e /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; }; then
     SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev cmake >/dev/null
+    say "installing system packages with apt-get: ${missing[*]}"
+    quietly $SUDO apt-get update -qq
+    quietly $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  else
+    say "missing system packages: ${missing[*]}; install them (Debian/Ubuntu: apt-get install ${missing[*]})"
+    exit 1
   fi
 fi
 
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
-export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-$PY -m pip install -q --no-build-isolation -e .
-$PY -m lora_ops.info
+PACKAGES="ninja pytest numpy setuptools>=64 wheel transformers peft safetensors tqdm"
+to_install=$("$PY" - $PACKAGES <<'PYCODE'
+import importlib.metadata, importlib.util, sys
+wanted = ["torch==2.14.1"] + sys.argv[1:]
+def present(requirement):
+    name, _, minimum = requirement.partition(">=")
+    name = name.partition("==")[0]
+    if importlib.util.find_spec(name) is None:
+        return False
+    return not minimum or int(importlib.metadata.version(name).split(".")[0]) >= int(minimum)
+print(" ".join(r for r in wanted if not present(r)))
+PYCODE
+)
+if [ -n "$to_install" ]; then
+  say "installing Python packages into $("$PY" -c 'import sys; print(sys.prefix)'): $to_install"
+  quietly "$PY" -m pip install $to_install
+fi
+
+if line=$("$PY" scripts/extension_stamp.py check); then
+  say "$line"
+else
+  say "$line"
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  quietly "$PY" -m pip install --no-build-isolation --no-deps -e .
+  "$PY" scripts/extension_stamp.py record
+  if [ "$LORA_OPS_VERBOSE" = 1 ]; then "$PY" -m lora_ops.info; fi
+fi

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The README's main command: install + build, then the multi-LoRA demo (lora_ops vs PEFT) on whatever device is present.
+# The README's main command: install + build (only what changed, scripts/install.sh), then the multi-LoRA demo
+# (lora_ops vs PEFT; arguments go to `python -m lora_ops.demo`) on whatever device is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-bash scripts/install.sh
-$PY -m lora_ops.demo "$@"
+bash scripts/install.sh "$@"
+source scripts/common.sh
+select_python
+"$PY" -m lora_ops.demo "$@"

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run under the interpreter (DESIGN §5); this must precede importing triton.
+# Without a GPU the Triton kernels run under the interpreter (docs/design.md §5); this must precede importing triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -32,7 +32,7 @@ def _impls():
         if HAS_CUDA:
             impls.append(pytest.param(Impl("triton", "cuda", lt, all_dtypes), id="triton", marks=pytest.mark.gpu))
         else:
-            # The interpreter mishandles bf16 (DESIGN §5): fp32 only there.
+            # The interpreter mishandles bf16 (docs/design.md §5): fp32 only there.
             impls.append(pytest.param(Impl("triton-interpret", "cpu", lt, (torch.float32,)), id="triton-interpret"))
     impls.append(pytest.param(Impl("cuda", "cuda", lora_ops.ops, all_dtypes), id="cuda", marks=pytest.mark.gpu))
     return impls

@@ -1,4 +1,4 @@
-"""The DESIGN §5 parity grid: named cases, each a function of (gen, large) returning the token slots and the
+"""The docs/design.md §5 parity grid: named cases, each a function of (gen, large) returning the token slots and the
 problem keyword arguments. `large` adds GPU-sized shapes (K = N = 4096, thousands of rows)."""
 import torch
 

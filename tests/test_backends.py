@@ -1,4 +1,4 @@
-"""Backend selection as data (DESIGN §3): what serves the CUDA key by default and with LORA_OPS_BACKEND=triton."""
+"""Backend selection as data (docs/design.md §3): what serves the CUDA key by default and with LORA_OPS_BACKEND=triton."""
 import os
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Contract rules of DESIGN §2 that issue 9 made precise, on every backend (the `impl` fixture):
+"""Contract rules of docs/design.md §2 that issue 9 made precise, on every backend (the `impl` fixture):
 
 - int64 index values saturate to int32 (they behave as their true values), never wrap;
 - segment g covers [m_g, m_{g+1}), m_i = max over j <= i of clamp(seg_indptr[j], 0, P) (a running maximum);

@@ -1,4 +1,4 @@
-"""Every host-side check of DESIGN §2: the error type and a message naming the argument and the expectation.
+"""Every host-side check of docs/design.md §2: the error type and a message naming the argument and the expectation.
 
 The checks live once in csrc/common/checks.cpp; they are exercised through the CPU op and, for a sample,
 through the Triton entry points (which call the same routine via torch.ops.lora_ops._check_*)."""

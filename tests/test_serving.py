@@ -1,18 +1,19 @@
-"""Serving layer: PEFT parity, pool slots (LRU, pin), every load error (pool unchanged), fused slices, compile."""
+"""Serving layer: PEFT parity, pool slots (LRU, pin), every load error (pool unchanged), fused slices, compile,
+and the step's routing (row lengths, its size check, cleared when generation fails).
+
+transformers, peft and safetensors are imported, not skipped when absent: a broken install must fail the suite."""
 import copy
 import json
-import os
 
+import peft
 import pytest
 import torch
 import torch._dynamo.testing
+import transformers
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-pytest.importorskip("safetensors")
-
-from lora_ops.serving import (AdapterFormatError, AdapterPool, AdapterShapeError, PoolFullError,  # noqa: E402
+from lora_ops.serving import (AdapterFormatError, AdapterPool, AdapterShapeError, PoolFullError,
                               UnsupportedAdapterError, greedy_generate, patch_model)
+from serving_models import rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SPECS = {
@@ -242,3 +243,84 @@ def test_compile_patched_model_cuda_reduce_overhead(adapters):
     first, total = _compile_run(adapters, "cuda")
     assert first >= 1 and total == first
     _compile_run(adapters, "cuda", mode="reduce-overhead")
+
+
+def test_greedy_generate_clears_the_batch_when_it_raises(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    ids = torch.randint(0, 256, (2, 5))
+    ids[1, 2] = 256 + 7  # outside the vocabulary: the embedding raises
+    with pytest.raises(IndexError):
+        greedy_generate(model, pool, ids, ["a", "b"], max_new_tokens=3)
+    assert pool.current is None and pool._pins == {}
+    ids = torch.randint(0, 256, (1, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+
+
+def test_routing_that_does_not_match_the_input_raises(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    ids = torch.randint(0, 256, (3, 4))
+    with torch.no_grad():
+        with pool.batch(["a", None, "b"]):  # the default: one token per row, a decode step
+            with pytest.raises(ValueError, match=r"q_proj: the LoRA batch routes 3 tokens but this layer's input "
+                                                 r"\[3, 4, 64\] has 12; set the batch with tokens_per_row=L"):
+                model(ids)
+        with pool.batch(["a", None, "b"], lengths=[4, 4, 3]):
+            with pytest.raises(ValueError, match="routes 11 tokens"):
+                model(ids)
+
+
+def test_set_batch_rejects_bad_lengths(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a"])
+    with pytest.raises(ValueError, match="not both"):
+        pool.set_batch(["a"], tokens_per_row=2, lengths=[2])
+    with pytest.raises(ValueError, match=r"lengths must be 2 counts >= 0 \(one per row of adapters\), got \[2\]"):
+        pool.set_batch(["a", None], lengths=[2])
+    with pytest.raises(ValueError, match="lengths must be 2 counts"):
+        pool.set_batch(["a", None], lengths=[2, -1])
+    assert pool.current is None
+
+
+def test_packed_ragged_rows_match_peft_layers(adapters):
+    """lengths=[...]: rows of different lengths packed one after another, as serving engines lay out prefill."""
+    base, root = adapters
+    names = ["a", "b", "c"]
+    ref = _peft_model(base, root, names)
+    model, pool = _pool_model(base, root, names)
+    rows, lengths = ["b", None, "a", "c", "b"], [3, 5, 1, 0, 4]
+    per_token = [r or "__base__" for r, n in zip(rows, lengths) for _ in range(n)]
+    for path in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        ours, theirs = model.get_submodule(path), ref.base_model.model.get_submodule(path)
+        x = torch.randn(sum(lengths), ours.in_features)
+        with torch.no_grad(), pool.batch(rows, lengths=lengths):
+            got = ours(x)
+        with torch.no_grad():
+            want = theirs(x, adapter_names=per_token)
+        assert rel_err(got, want) < 1e-5, path
+
+
+def test_left_padded_ragged_prompts_match_peft_and_each_row_alone(adapters):
+    base, root = adapters
+    names = ["a", "b", "c"]
+    model, pool = _pool_model(base, root, names)
+    rows, lengths, new = ["a", None, "c", "b"], [3, 7, 5, 1], 4
+    L = max(lengths)
+    prompts = [torch.randint(1, 256, (n,)) for n in lengths]
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):], mask[i, L - len(p):] = p, 1
+    tokens, logits = greedy_generate(model, pool, ids, rows, new, attention_mask=mask)
+    full_mask = torch.cat([mask, torch.ones(len(rows), new - 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        want = _peft_model(base, root, names)(tokens[:, :-1], attention_mask=full_mask,
+                                             position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0),
+                                             adapter_names=[r or "__base__" for r in rows]).logits
+    real = full_mask.bool()
+    assert rel_err(logits[real], want[real]) < 1e-5
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        alone, _ = greedy_generate(model, pool, prompt[None], [row], new)
+        assert torch.equal(tokens[i, L - len(prompt):], alone[0]), i

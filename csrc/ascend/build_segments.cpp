@@ -1,4 +1,4 @@
-// build_segments on one AIV (DESIGN §2): a stable counting sort of the tokens by slot. Tokens with a slot outside
+// build_segments on one AIV (docs/design.md §2): a stable counting sort of the tokens by slot. Tokens with a slot outside
 // [0, num_slots) go last, uncovered by any segment. Outputs have fixed sizes: token_indices [T],
 // seg_indptr [num_slots + 1], seg_lora [num_slots] = arange.
 //

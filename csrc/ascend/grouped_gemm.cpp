@@ -1,4 +1,4 @@
-// grouped_gemm on the cube unit (DESIGN §2): for each tile of up to tile_rows rows of one segment (group l),
+// grouped_gemm on the cube unit (docs/design.md §2): for each tile of up to tile_rows rows of one segment (group l),
 //   AIC:  acc = x[rows, :k_l] . w[l, block, :k_l]^T in fp32, per block of n_block of the first n_l columns,
 //         -> workspace slot;
 //   AIVs: y[rows, block] = (accumulate ? y : 0) + alpha * acc, rounded once to y's dtype.

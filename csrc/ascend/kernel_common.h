@@ -27,7 +27,7 @@ __aicore__ inline int64_t CeilDiv(int64_t v, int64_t m) { return (v + m - 1) / m
 template <typename T>
 constexpr int64_t C0 = 32 / sizeof(T);  // elements per 32-byte fractal row
 
-// A size from a per-slot table clamped to [0, full]; `full` without a table (DESIGN §2).
+// A size from a per-slot table clamped to [0, full]; `full` without a table (docs/design.md §2).
 __aicore__ inline int64_t SlotSize(GM_ADDR table, bool present, int64_t slot, int64_t full) {
   if (!present) return full;
   GlobalTensor<int32_t> t;

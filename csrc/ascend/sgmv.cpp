@@ -1,4 +1,4 @@
-// sgmv on the cube unit (DESIGN §2): for each tile of up to tile_rows rows of one segment (slot l, rank r),
+// sgmv on the cube unit (docs/design.md §2): for each tile of up to tile_rows rows of one segment (slot l, rank r),
 //   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1
 //         (rounded once to x's dtype, the expand's operand type); then for every slice and block of its columns,
 //         delta = h_s . B[l, block, :r]^T in fp32 -> workspace slot;

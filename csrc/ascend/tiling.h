@@ -19,7 +19,7 @@ constexpr uint32_t kL0CStage = 128 * 1024 / 2;
 
 enum DTypeCode : uint32_t { kHalf = 0, kBf16 = 1, kFloat = 2 };
 
-// Segment metadata shared by sgmv and grouped_gemm (DESIGN §2): positions, segments, rows, slots.
+// Segment metadata shared by sgmv and grouped_gemm (docs/design.md §2): positions, segments, rows, slots.
 struct SegmentShape {
   int64_t positions;     // len(token_indices), else the number of rows
   int64_t num_segments;  // len(seg_indptr) - 1

@@ -1,4 +1,4 @@
-// Host-side argument checks shared by every backend (DESIGN §2 "Safety"). Each check fails with a
+// Host-side argument checks shared by every backend (docs/design.md §2 "Safety"). Each check fails with a
 // c10::Error / ValueError naming the argument, the value seen and what was expected, then the
 // launcher receives a fully filled params struct.
 //

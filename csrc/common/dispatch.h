@@ -1,4 +1,4 @@
-// Runtime DType -> compile-time tag, torch-free so CUDA kernel files can use it (DESIGN §4).
+// Runtime DType -> compile-time tag, torch-free so CUDA kernel files can use it (docs/design.md §4).
 // Each backend maps the tag to its own element type (c10::BFloat16 on CPU, __nv_bfloat16 on CUDA).
 #pragma once
 #include <type_traits>

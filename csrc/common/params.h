@@ -1,5 +1,5 @@
 // Plain-C++ descriptions of one op call, shared by every backend's kernels. No torch headers here:
-// CUDA kernel files include this and must stay cheap to compile (DESIGN §4).
+// CUDA kernel files include this and must stay cheap to compile (docs/design.md §4).
 #pragma once
 #include <cstdint>
 
@@ -10,7 +10,7 @@ constexpr int64_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
 
 constexpr int kMaxSlices = 8;
 
-// Segment metadata as it lives on the device. All values are untrusted (DESIGN §2 Safety): kernels make
+// Segment metadata as it lives on the device. All values are untrusted (docs/design.md §2 Safety): kernels make
 // indptr a clamped running maximum (segment_end below), skip slots outside [0, num_slots) and rows outside
 // [0, rows). Index tensors given as int64 arrive here saturated to int32 (checks.cpp index_tensor).
 struct Segments {
@@ -78,7 +78,7 @@ struct BuildSegmentsParams {
 
 }  // namespace lora_ops
 
-// Segment walking with the DESIGN §2 safety rules, shared by the CPU and CUDA kernels.
+// Segment walking with the docs/design.md §2 safety rules, shared by the CPU and CUDA kernels.
 #if defined(__CUDACC__)
 #define LORA_OPS_HD __host__ __device__ __forceinline__
 #else
@@ -89,7 +89,7 @@ namespace lora_ops {
 
 LORA_OPS_HD int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Segment bounds (DESIGN §2): m_i = max over j <= i of clamp(indptr[j], 0, positions), and segment g covers
+// Segment bounds (docs/design.md §2): m_i = max over j <= i of clamp(indptr[j], 0, positions), and segment g covers
 // positions [m_g, m_{g+1}). The running maximum makes segments disjoint whatever indptr holds (reversed or
 // overlapping ranges are empty or cut), so the tiles of all segments fit the bound min(P, ceil(P/BM) + G) and
 // the work of every backend is bounded by P + G. Computing m_g needs every earlier entry: walk the segments

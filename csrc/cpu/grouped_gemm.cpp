@@ -14,7 +14,7 @@ void grouped_gemm(const GroupedGemmParams& p) {
       const RowBlock& blk = blocks[b];
       const int64_t n_l = slot_size(p.n_sizes, blk.slot, p.n);
       const int64_t k_l = slot_size(p.k_sizes, blk.slot, p.k);
-      // An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (DESIGN §2): the covered
+      // An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (docs/design.md §2): the covered
       // columns become (accumulate ? y : 0), so with accumulate y is left bitwise unchanged.
       if (n_l == 0 || (k_l == 0 && p.accumulate)) continue;
       for (int64_t i = 0; i < blk.count; ++i) {

@@ -10,7 +10,7 @@ namespace lora_ops::cpu {
 // Per row block: x rows to float once; each A row converted once and dotted with every row (shrink, h in
 // float32); then each B row converted once and applied to every row's h (expand).
 void sgmv(const SgmvParams& p) {
-  // An empty reduction contributes exactly zero whatever the scales (DESIGN §2): K = 0 leaves y bitwise
+  // An empty reduction contributes exactly zero whatever the scales (docs/design.md §2): K = 0 leaves y bitwise
   // unchanged, even with a NaN or infinite scale (0 * NaN would write NaN; -0.0 + 0 would flip a sign bit).
   if (p.k == 0) return;
   const auto blocks = row_blocks(p.seg, p.rows, p.num_slots);

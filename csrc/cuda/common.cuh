@@ -1,5 +1,5 @@
 // Device helpers shared by the CUDA kernels: element types, conversions, vector loads, and the tile walk
-// over segments. Torch-free (DESIGN §4).
+// over segments. Torch-free (docs/design.md §4).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,6 +1,6 @@
 // Device code shared by the two grouped_gemm kernels (grouped_gemm_tile.cu, grouped_gemm_expand.cu): the warp
 // product of one 16-wide K step, staging of tiles into shared memory, and the epilogue through shared memory.
-// Torch-free (DESIGN §4).
+// Torch-free (docs/design.md §4).
 //
 // Warp tiles use the mma.sync m16n8k16 fragment layout for every dtype: lane (g = lane / 4, t = lane % 4) holds
 // acc[mi][ni][e] = C[mi*16 + g + (e/2)*8][ni*8 + 2t + e%2]. fp16/bf16 w runs on tensor cores; an fp32 x with a

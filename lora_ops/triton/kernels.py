@@ -1,4 +1,4 @@
-"""Triton kernels for sgmv, grouped_gemm and build_segments (DESIGN §2).
+"""Triton kernels for sgmv, grouped_gemm and build_segments (docs/design.md §2).
 
 Index-based addressing only (offsets from each pool's base pointer, never loaded pointers), so every kernel also
 runs under TRITON_INTERPRET=1. Device metadata is untrusted: indptr is clamped, bad slots/rows are masked out.
@@ -20,7 +20,7 @@ def _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tile, num_segments, num_slots, p
     not consulted, which keeps the walk one dependent load deep; the caller leaves a tile whose size is 0. The program grid is the
     bound min(P, P/BLOCK_M + G) on the tile count, so no program is launched per (slot, row block) pair.
 
-    Segment bounds follow the running-maximum rule (DESIGN §2, csrc/common/params.h): m_i = max over j <= i of
+    Segment bounds follow the running-maximum rule (docs/design.md §2, csrc/common/params.h): m_i = max over j <= i of
     clamp(indptr[j], 0, P), segment g covers [m_g, m_{g+1}). Segments are then disjoint whatever indptr holds,
     which is what makes the grid bound hold. The maximum runs across SCAN chunks through `bound`."""
     found_slot = -1
@@ -208,7 +208,7 @@ def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_si
     nmask = nn < n_l
     if nb * BLOCK_N >= n_l:
         return
-    # An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (DESIGN §2): the covered columns
+    # An empty reduction (k_l = 0) contributes exactly zero whatever alpha is (docs/design.md §2): the covered columns
     # become (accumulate ? y : 0), so with accumulate y is left bitwise unchanged.
     if ACCUMULATE:
         if k_l == 0:

@@ -1,5 +1,5 @@
 // The Ascend kernels and host path (csrc/ascend: launcher -> plan -> kernels) run on the CPU model of the AscendC
-// API, against a float64 reference written from DESIGN §2 (seg_indptr clamped to [0, P] and made non-decreasing by
+// API, against a float64 reference written from docs/design.md §2 (seg_indptr clamped to [0, P] and made non-decreasing by
 // a running maximum; an empty reduction contributes exactly zero). Grids over shapes, ranks, slices, dtypes, K/N
 // tails, garbage metadata and core counts, including the inputs that break vllm-ascend's kernels (rank 128,
 // rank 24, hidden 4095).
@@ -24,7 +24,7 @@ Device model_device(uint32_t cores) { return Device{Target{cores}, nullptr}; }
 
 double tolerance(at::ScalarType t) { return t == at::kFloat ? 1e-5 : (t == at::kHalf ? 2e-3 : 1e-2); }
 
-// Positions of segment g under the DESIGN §2 rules: [m_g, m_g+1), m_i = max_{j <= i} clamp(indptr[j], 0, P).
+// Positions of segment g under the docs/design.md §2 rules: [m_g, m_g+1), m_i = max_{j <= i} clamp(indptr[j], 0, P).
 std::vector<std::pair<int64_t, int64_t>> segment_ranges(const std::vector<int32_t>& indptr, int64_t positions) {
   std::vector<std::pair<int64_t, int64_t>> out;
   int64_t m = std::clamp<int64_t>(indptr[0], 0, positions);

@@ -7,7 +7,7 @@ strided or expanded lora_scales), metadata from valid to garbage (every index te
 strided view, values up to ±2^40, reversed and overlapping seg_indptr ranges), and in a share of the cases one
 invalid host argument, whose error must name it.
 
-Outcomes of one call (DESIGN §2): OK (matches the float64 oracle within the dtype's tolerance, every element the
+Outcomes of one call (docs/design.md §2): OK (matches the float64 oracle within the dtype's tolerance, every element the
 oracle leaves alone bitwise unchanged, the rest of y's storage too), ERROR (an expected error that names the
 argument, y bitwise unchanged), FAIL (anything else: a wrong result, a missed or unexpected error, an error that
 names no argument or left y changed). CRASH and HANG are decided by the parent process (run.py).

@@ -1,0 +1,222 @@
+"""The adapter pool: preallocated stacked LoRA weights per target module, slots reused least-recently-used,
+pins for in-flight batches, and the per-step routing (LoRABatch) that every patched layer reads."""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import ops
+from .layer import MultiLoRALinear
+from .peft_format import FUSED_SLICES, AdapterShapeError, PoolFullError, read_config, read_weights, stage
+
+# Per-module LoRA names of common decoder models (and the fused modules of Phi-3 style models).
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                  "gate_up_proj")
+
+
+class ModuleSlots:
+    """Stacked LoRA weights of one target module in the op layout: lora_a [L, S*R, K], lora_b [L, N, R]."""
+
+    def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
+                 num_slots: int, max_rank: int):
+        self.name, self.slice_names, self.slice_offsets = name, slice_names, slice_offsets
+        self.in_features, self.out_features = base.in_features, base.out_features
+        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        S = len(slice_names)
+        self.lora_a = torch.zeros(num_slots, S * max_rank, base.in_features, **kw)
+        self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, **kw)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
+        self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
+        self.offsets_arg = slice_offsets if S > 1 else None
+
+
+class LoRABatch:
+    """One step's routing, shared by every layer: each token's slot and the segments built from it once.
+
+    A pool keeps ONE of these and swaps its tensors every step: torch.compile guards on the identity of the
+    objects a graph reads, so a new object per step would recompile the model."""
+
+    def __init__(self):
+        self.active = False
+        self.token_slots = self.token_indices = self.seg_indptr = self.seg_lora = None
+
+    def set(self, token_slots: torch.Tensor, num_slots: int) -> None:
+        self.token_slots = token_slots
+        self.token_indices, self.seg_indptr, self.seg_lora = ops.build_segments(token_slots, num_slots)
+        # Their sizes depend on the pool only: static, so that torch.compile's duck sizing never ties them to a
+        # batch dimension that happens to be equal (which recompiles when the batch changes).
+        torch._dynamo.mark_static(self.seg_indptr)
+        torch._dynamo.mark_static(self.seg_lora)
+        self.active = True
+
+
+class AdapterPool:
+    """A fixed number of adapter slots for a model's LoRA target modules, on the model's device and dtype.
+
+    Slots are reused least-recently-used; `pin`/`unpin` (or `pinned(...)`) keep an adapter of an in-flight
+    batch from being evicted."""
+
+    def __init__(self, model: nn.Module, num_slots: int = 8, max_rank: int = 64,
+                 target_modules: Optional[Iterable[str]] = None):
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
+        self.num_slots, self.max_rank = num_slots, max_rank
+        targets = set(target_modules or LINEAR_TARGETS)
+        self.modules: Dict[str, ModuleSlots] = {}
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in targets and isinstance(module, (nn.Linear, MultiLoRALinear)):
+                base = module.base if isinstance(module, MultiLoRALinear) else module
+                slice_names, offsets = self._slices(model, leaf, base)
+                self.modules[name] = ModuleSlots(name, base, slice_names, offsets, num_slots, max_rank)
+        if not self.modules:
+            raise AdapterShapeError(f"the model has no nn.Linear named any of {sorted(targets)}")
+        self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
+        self._pins: Dict[str, int] = {}
+        self._batch = LoRABatch()
+
+    @property
+    def current(self) -> Optional[LoRABatch]:
+        """The active step's routing, or None (every layer then runs as its base layer)."""
+        return self._batch if self._batch.active else None
+
+    @staticmethod
+    def _slices(model, leaf, base) -> Tuple[Tuple[str, ...], List[int]]:
+        """Slice names and column offsets of a fused module (Phi-3 style qkv_proj / gate_up_proj)."""
+        if leaf not in FUSED_SLICES:
+            return (leaf,), [0, base.out_features]
+        cfg = getattr(model, "config", None)
+        if leaf == "qkv_proj" and cfg is not None:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            q = cfg.num_attention_heads * head_dim
+            kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim
+            widths = [q, kv, kv]
+        else:
+            widths = [base.out_features // 2] * 2
+        if sum(widths) != base.out_features:
+            raise AdapterShapeError(f"cannot split {leaf} of {base.out_features} outputs into slices {widths}")
+        return FUSED_SLICES[leaf], [0] + list(torch.tensor(widths).cumsum(0).tolist())
+
+    # ---- slots ----
+    @property
+    def loaded(self) -> List[str]:
+        return list(self._slot_of)
+
+    def slot(self, name: Optional[str]) -> int:
+        """The slot of a loaded adapter (-1 for None: base model only)."""
+        if name is None:
+            return -1
+        if name not in self._slot_of:
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {self.loaded})")
+        self._slot_of.move_to_end(name)
+        return self._slot_of[name]
+
+    def pin(self, name: str) -> None:
+        self.slot(name)
+        self._pins[name] = self._pins.get(name, 0) + 1
+
+    def unpin(self, name: str) -> None:
+        if self._pins.get(name, 0) == 0:
+            raise ValueError(f"adapter {name!r} is not pinned")
+        self._pins[name] -= 1
+        if self._pins[name] == 0:
+            del self._pins[name]
+
+    @contextlib.contextmanager
+    def pinned(self, *names: str):
+        done = []
+        try:
+            for n in names:
+                self.pin(n)
+                done.append(n)
+            yield
+        finally:
+            for n in done:
+                self.unpin(n)
+
+    def unload(self, name: str) -> None:
+        if self._pins.get(name):
+            raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
+        slot = self._slot_of.pop(name)
+        for m in self.modules.values():
+            m.ranks[slot] = 0
+
+    def _free_slot(self) -> Tuple[int, Optional[str]]:
+        used = set(self._slot_of.values())
+        for s in range(self.num_slots):
+            if s not in used:
+                return s, None
+        for name, s in self._slot_of.items():  # oldest first
+            if not self._pins.get(name):
+                return s, name
+        raise PoolFullError(f"all {self.num_slots} slots hold pinned adapters ({sorted(self._pins)})")
+
+    # ---- loading ----
+    def load(self, name: str, path: str) -> int:
+        """Load a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) into a slot.
+
+        Everything is read and validated before the pool changes, so a failed load leaves it as it was.
+        Returns the slot."""
+        if name in self._slot_of:
+            raise ValueError(f"adapter {name!r} is already loaded; unload it first")
+        config = read_config(path)
+        weights = read_weights(path)
+        staged = stage(config, weights, self.modules, self.max_rank, path)
+        slot, evict = self._free_slot()
+        if evict is not None:
+            del self._slot_of[evict]
+        for mod in self.modules.values():
+            entry = staged.get(mod.name)
+            if entry is None:  # not a target of this adapter: rank 0 skips it
+                mod.ranks[slot] = 0
+                continue
+            mod.lora_a[slot].copy_(entry.lora_a)  # A is staged at full [S*R, K], zeros included
+            mod.lora_b[slot].zero_()
+            mod.lora_b[slot, :, :entry.rank].copy_(entry.lora_b)
+            mod.ranks[slot] = entry.rank
+            mod.scales[slot] = entry.scale
+        self._slot_of[name] = slot
+        return slot
+
+    # ---- per-step batch ----
+    def set_batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
+                  lengths: Optional[Sequence[int]] = None) -> LoRABatch:
+        """Route the next forwards' tokens: row i runs adapters[i] (None: the base model only).
+
+        Every patched layer sees its input flattened to [T, K] tokens, rows one after another. Row i covers
+        `lengths[i]` consecutive tokens (a packed ragged batch, T = sum(lengths)), or `tokens_per_row` of them
+        (a [B, L] batch, T = B*L; the default is 1, a decode step). A padded [B, L] batch of ragged prompts (HF's
+        forward with an attention_mask) has L tokens in every row, padding included: pass tokens_per_row=L. The
+        padding positions then run their row's adapter, and the attention mask discards them as it discards any
+        padding. A layer whose input does not have T tokens raises ValueError."""
+        if tokens_per_row is not None and lengths is not None:
+            raise ValueError("pass tokens_per_row or lengths, not both")
+        if lengths is None:
+            lengths = [1 if tokens_per_row is None else tokens_per_row] * len(adapters)
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != len(adapters) or any(n < 0 for n in lengths):
+            raise ValueError(f"lengths must be {len(adapters)} counts >= 0 (one per row of adapters), got {lengths}")
+        slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
+        token_slots = slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64))
+        device = next(iter(self.modules.values())).ranks.device
+        self._batch.set(token_slots.to(device, non_blocking=True), self.num_slots)
+        return self._batch
+
+    def clear_batch(self) -> None:
+        self._batch.active = False
+
+    @contextlib.contextmanager
+    def batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
+              lengths: Optional[Sequence[int]] = None):
+        """set_batch for the duration of a `with` block, with the batch's adapters pinned."""
+        names = [a for a in adapters if a is not None]
+        with self.pinned(*names):
+            self.set_batch(adapters, tokens_per_row, lengths)
+            try:
+                yield self.current
+            finally:
+                self.clear_batch()
