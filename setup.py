@@ -151,7 +151,7 @@ def main():
         name="lora_ops",
         version="0.1.0",
         packages=find_packages(include=["lora_ops", "lora_ops.*"]),
-        package_data={"lora_ops": ["_build_info.json", "liblora_ops_ascend_kernels.so"]},
+        package_data={"lora_ops": ["_build_info.json", "routes.json", "liblora_ops_ascend_kernels.so"]},
         ext_modules=_extensions(info),
         cmdclass={"build_ext": _build_ext(info)},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},

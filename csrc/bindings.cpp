@@ -102,6 +102,16 @@ TORCH_LIBRARY(lora_ops, m) {
   m.def("build_segments(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, "
         "Tensor seg_lora)");
   // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
+  // The Triton kernels of sgmv and lora_expand under names of their own (registered for CUDA from Python), so
+  // that a caller choosing the backend per regime (lora_ops/routes.py) reaches either one through the dispatcher.
+  m.def(
+      "_triton_sgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
+      "int[]? slice_offsets=None, float scale=1.0) -> ()");
+  m.def(
+      "_triton_lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
+      "int[]? slice_offsets=None, float scale=1.0) -> ()");
   m.def(
       "_check_sgmv(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
@@ -127,6 +137,8 @@ TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {
   m.impl("sgmv", &sgmv_meta);
   m.impl("lora_expand", &lora_expand_meta);
+  m.impl("_triton_sgmv", &sgmv_meta);
+  m.impl("_triton_lora_expand", &lora_expand_meta);
   m.impl("grouped_gemm", &grouped_gemm_meta);
   m.impl("build_segments", &build_segments_meta);
 }

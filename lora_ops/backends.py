@@ -14,6 +14,8 @@ from typing import Dict, Optional
 import torch
 
 OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
+# Ops whose Triton kernel is also registered as lora_ops::_triton_<op>, so a route can choose it explicitly.
+TRITON_BY_NAME = ("sgmv", "lora_expand")
 
 # Filled by register_triton_where_needed(): which ops have a C++ CUDA kernel (read before Triton registers any),
 # op -> "cuda" | "triton" | None, and why a backend is absent.
@@ -60,13 +62,14 @@ def register_triton_where_needed() -> None:
         for op in OPS:
             cuda_served_by[op] = "cuda" if cuda_compiled[op] else None
         return
+    _lib = torch.library.Library("lora_ops", "IMPL")
     for op in OPS:
         if cuda_compiled[op] and not force:
             cuda_served_by[op] = "cuda"
             continue
-        if _lib is None:
-            _lib = torch.library.Library("lora_ops", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" when forced
             _lib.impl(op, getattr(triton_backend, op), "CUDA")
         cuda_served_by[op] = "triton"
+    for op in TRITON_BY_NAME:  # reachable by name whatever serves the CUDA key (lora_ops/routes.py picks them)
+        _lib.impl(f"_triton_{op}", getattr(triton_backend, op), "CUDA")

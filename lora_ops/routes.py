@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
+
+import torch
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
 ROUTES = ("sgmv", "fold")
@@ -47,14 +49,39 @@ def validate(table: dict) -> None:
             raise ValueError(f"routes table: unknown route/backend in {r}")
 
 
-def pick(tokens: int) -> Tuple[str, str]:
-    """(route, backend) for a forward of `tokens` rows."""
+def pick(tokens: int, device_type: str = "cuda") -> Tuple[str, str]:
+    """(route, backend) for a forward of `tokens` rows on a device of this type: the table's choice on CUDA,
+    the sgmv route elsewhere. LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton, sgmv-cuda) forces one on any
+    device, for tests and comparisons."""
+    forced = os.environ.get("LORA_OPS_ROUTE")
+    if forced:
+        route, _, backend = forced.partition("-")
+        if route not in ROUTES or backend not in BACKENDS:
+            raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend> with route in {ROUTES} and "
+                             f"backend in {BACKENDS}")
+    elif device_type == "cuda":
+        route, backend = next((r["route"], r["backend"]) for r in _regimes()
+                              if r["max_tokens"] is None or tokens <= r["max_tokens"])
+    else:
+        route, backend = "sgmv", "cuda"
+    # Off CUDA, "cuda" stands for the public op, whose dispatch serves the tensors' device.
+    return route, backend if device_type == "cuda" else "cuda"
+
+
+def _regimes() -> List[dict]:
     global _table
     if _table is None:
         table = load()
         validate(table)
         _table = table["regimes"]
-    for r in _table:
-        if r["max_tokens"] is None or tokens <= r["max_tokens"]:
-            return r["route"], r["backend"]
-    raise AssertionError("validate() guarantees an open-ended last regime")
+    return _table
+
+
+def op(kind: str, backend: str) -> Callable:
+    """The op that runs `kind` ("sgmv" or "lora_expand") on `backend`: lora_ops::_triton_<kind> for "triton" when
+    Triton is available; otherwise the public op, whose dispatch serves the tensors' device (on CUDA: the C++
+    kernels, or Triton where they are not built or LORA_OPS_BACKEND=triton)."""
+    from . import backends
+    if backend == "triton" and "triton" not in backends.unavailable:
+        return getattr(torch.ops.lora_ops, f"_triton_{kind}").default
+    return getattr(torch.ops.lora_ops, kind).default

@@ -4,16 +4,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from .. import routes
 
 if TYPE_CHECKING:  # the pool imports this module
     from .pool import AdapterPool, ModuleSlots
 
 
 class MultiLoRALinear(nn.Module):
-    """A base nn.Linear plus the pool's per-row LoRA delta: y = base(x) + one sgmv over the step's segments.
+    """A base nn.Linear plus the pool's per-row LoRA delta, by one of two routes (lora_ops/routes.py picks the
+    route and backend per regime of tokens, from the decode-step bench's measurements):
+
+    - "sgmv": y = base(x), then one sgmv over the step's segments (shrink and expand of the adapters present);
+    - "fold": one GEMM against the module's [W; A of every slot] gives y and every slot's h, then lora_expand adds
+      each row's own window of h times its B. h is rounded to the activation dtype there (the sgmv route keeps it
+      in float32); y is returned as a view of the wider GEMM output.
 
     With no batch active (pool.current is None) it is exactly the base layer."""
 
@@ -36,24 +43,28 @@ class MultiLoRALinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         batch = self._pool.current
         if batch is None:
-            return y
-        x2d, y2d = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+            return self.base(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        tokens = x2d.shape[0]
         # Sizes known on the host, so no sync: a routing for another batch would silently mix rows up.
-        if x2d.shape[0] != batch.token_indices.shape[0]:
+        if tokens != batch.token_indices.shape[0]:
             raise ValueError(f"{self._slots.name}: the LoRA batch routes {batch.token_indices.shape[0]} tokens but "
-                             f"this layer's input {list(x.shape)} has {x2d.shape[0]}; set the batch with "
+                             f"this layer's input {list(x.shape)} has {tokens}; set the batch with "
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
-        self._add_sgmv(y2d, x2d, batch)
-        return y
-
-    def _add_sgmv(self, y: torch.Tensor, x: torch.Tensor, batch) -> None:
-        """y += the LoRA delta of every token's slot: shrink and expand in one sgmv over the step's segments."""
+        route, backend = routes.pick(tokens, x.device.type)
         m = self._slots
-        ops.sgmv(y, x, m.lora_a, m.lora_b, batch.seg_indptr, batch.seg_lora, batch.token_indices, m.ranks,
-                 m.scales, m.offsets_arg)
+        args = (batch.seg_indptr, batch.seg_lora, batch.token_indices, m.ranks, m.scales, m.offsets_arg)
+        if route == "fold":
+            out = F.linear(x, m.w_cat, m.bias_cat)
+            N, out2d = m.out_features, out.view(tokens, out.shape[-1])
+            h = out2d[:, N:].view(tokens, m.lora_b.shape[0], -1)
+            routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *args)
+            return out[..., :N]
+        y = self.base(x)
+        routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, *args)
+        return y
 
 
 def patch_model(model: nn.Module, pool: "AdapterPool") -> nn.Module:

@@ -19,15 +19,28 @@ LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 
 class ModuleSlots:
-    """Stacked LoRA weights of one target module in the op layout: lora_a [L, S*R, K], lora_b [L, N, R]."""
+    """Stacked LoRA weights of one target module in the op layout: lora_a [L, S*R, K], lora_b [L, N, R].
+
+    The base weight and every slot's A share one tensor, w_cat = [W; A of slot 0; ...; A of slot L-1]
+    ([N + L*S*R, K]): the base layer's weight (and bias, with zeros after it in bias_cat) become views of its first
+    N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every slot's h at
+    once, and nothing is stored twice. Create the pool after moving the model to its device and dtype."""
 
     def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
                  num_slots: int, max_rank: int):
         self.name, self.slice_names, self.slice_offsets = name, slice_names, slice_offsets
         self.in_features, self.out_features = base.in_features, base.out_features
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
-        S = len(slice_names)
-        self.lora_a = torch.zeros(num_slots, S * max_rank, base.in_features, **kw)
+        N, S = base.out_features, len(slice_names)
+        self.w_cat = torch.zeros(N + num_slots * S * max_rank, base.in_features, **kw)
+        self.bias_cat = None if base.bias is None else torch.zeros(self.w_cat.shape[0], **kw)
+        with torch.no_grad():
+            self.w_cat[:N].copy_(base.weight)
+            base.weight = nn.Parameter(self.w_cat[:N], requires_grad=base.weight.requires_grad)
+            if base.bias is not None:
+                self.bias_cat[:N].copy_(base.bias)
+                base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
+        self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, **kw)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
