@@ -19,6 +19,10 @@ OPS = ("sgmv", "grouped_gemm", "build_segments")
 cuda_compiled: Dict[str, bool] = {}
 cuda_served_by: Dict[str, Optional[str]] = {}
 unavailable: Dict[str, str] = {}
+# The error of a Triton backend that is installed but failed to import or register (None when it loaded, or when
+# triton is simply not installed). Importing lora_ops survives it (CPU and CUDA kernels still work); the tests
+# re-raise it, so that a broken backend fails the suite instead of vanishing from it.
+triton_error: Optional[BaseException] = None
 _lib = None
 
 
@@ -41,19 +45,27 @@ def forced_backend() -> str:
 
 def register_triton_where_needed() -> None:
     """Serve the CUDA key with Triton for every op without a C++ CUDA kernel (or all, when forced)."""
-    global _lib
     for name, entry in build_info().get("backends", {}).items():
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
     cuda_compiled.update({op: _has_cuda_kernel(op) for op in OPS})
     force = forced_backend() == "triton"
     try:
-        from . import triton as triton_backend
-    except Exception as exc:  # triton missing or broken: CUDA ops without a C++ kernel stay unserved
-        unavailable["triton"] = f"import failed: {exc}"
-        for op in OPS:
-            cuda_served_by[op] = "cuda" if cuda_compiled[op] else None
-        return
+        _register_triton(force)
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            _triton_failed(exc)
+        else:  # not installed: a supported setup (CPU-only serving); ops without a C++ CUDA kernel stay unserved
+            unavailable["triton"] = "not installed (pip install triton)"
+            _unserve_triton()
+    except Exception as exc:  # installed but broken: keep lora_ops importable, but say so loudly
+        _triton_failed(exc)
+
+
+def _register_triton(force: bool) -> None:
+    global _lib
+    from . import triton as triton_backend
+    kernels = {op: getattr(triton_backend, op) for op in OPS}  # all found before any is registered
     for op in OPS:
         if cuda_compiled[op] and not force:
             cuda_served_by[op] = "cuda"
@@ -62,5 +74,18 @@ def register_triton_where_needed() -> None:
             _lib = torch.library.Library("lora_ops", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" when forced
-            _lib.impl(op, getattr(triton_backend, op), "CUDA")
+            _lib.impl(op, kernels[op], "CUDA")
         cuda_served_by[op] = "triton"
+
+
+def _triton_failed(exc: BaseException) -> None:
+    global triton_error
+    triton_error = exc
+    unavailable["triton"] = f"installed but failed to load: {type(exc).__name__}: {exc}"
+    _unserve_triton()
+    warnings.warn(f"lora_ops: the Triton backend is {unavailable['triton']}", RuntimeWarning)
+
+
+def _unserve_triton() -> None:
+    for op in OPS:
+        cuda_served_by[op] = "cuda" if cuda_compiled[op] else None
