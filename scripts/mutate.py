@@ -19,7 +19,9 @@ naming the other files where the snippet now occurs), rebuild the extension in t
 only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the test command, restore the file.
 
 The test command is the pytest part of the README's (scripts/test.sh): `python -m pytest tests -q`, plus -x
-(stop at the first failure: a caught bug costs seconds, and the verdict is the same) and -p no:cacheprovider.
+(stop at the first failure: a caught bug costs seconds, and the verdict is the same) and -p no:cacheprovider,
+with the test files named one by one, the mutation's own first, so that a caught bug fails early. Every
+tests/**/test_*.py file runs, as under `pytest tests`.
 ctest is not run, so a bug that only the C++ unit tests catch reports as survived. A non-zero pytest exit status
 is "caught" (1: a test failed; a negative status: the process crashed, e.g. on an out-of-bounds access), zero is
 "survived". Every pytest run of one invocation uses the same LORA_OPS_TEST_SEED (printed; taken from the
@@ -277,6 +279,9 @@ def tracked_files(root: str) -> List[str]:
 
 def stale_reason(m: Mutation, root: str, files: Sequence[str]) -> Optional[str]:
     """None if m's snippet occurs exactly once in its file, else why the list is stale (and where it moved)."""
+    missing_tests = [t for t in m.tests if not os.path.isfile(os.path.join(root, t))]
+    if missing_tests:
+        return f"its test files {missing_tests} do not exist"
     path = os.path.join(root, m.file)
     count = _read(path).count(m.original) if os.path.isfile(path) else 0
     if count == 1:
@@ -317,9 +322,18 @@ def build(scratch: str, env: dict, log_path: str) -> bool:
     return run.returncode == 0
 
 
+def test_files(scratch: str, first: Sequence[str], only_first: bool) -> List[str]:
+    """The files `pytest tests` collects, `first` leading (only those with only_first)."""
+    if only_first and first:
+        return list(first)
+    found = sorted(os.path.relpath(p, scratch) for pattern in ("test_*.py", "*_test.py")
+                   for p in glob.glob(os.path.join(scratch, "tests", "**", pattern), recursive=True))
+    return list(first) + [f for f in found if f not in first]
+
+
 def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float):
     """(pytest exit status or None on timeout, first failing test ids)."""
-    cmd = [sys.executable, "-m", "pytest", *(test_paths or ["tests"]), "-q", "-x", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *test_paths, "-q", "-x", "-p", "no:cacheprovider"]
     with open(log_path, "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -374,11 +388,12 @@ def main(argv=None) -> int:
     make_scratch(ROOT, scratch, files)
     pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}
     lines = [f"mutate: {ROOT} -> {scratch}; LORA_OPS_TEST_SEED={seed}; "
-             f"{'--fast (own test files)' if args.fast else 'pytest tests -q -x'}; {'GPU' if args.gpu else 'CPU'}"]
+             f"{'--fast (own test files)' if args.fast else 'every test file, -q -x'}; {'GPU' if args.gpu else 'CPU'}"]
     print(lines[0], flush=True)
 
     t0 = time.time()
-    rc, failed = run_tests(scratch, env, [], os.path.join(logs, "baseline.log"), args.timeout)
+    rc, failed = run_tests(scratch, env, test_files(scratch, [], False), os.path.join(logs, "baseline.log"),
+                           args.timeout)
     if rc != 0:
         print(f"mutate: the UNMUTATED suite fails (exit {rc}: {failed[:3]}); see {logs}/baseline.log")
         return 2
@@ -419,8 +434,8 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
         _write(path, original.replace(m.original, m.replacement, 1))
         if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
             return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
-        rc, failed = run_tests(scratch, env, m.tests if args.fast else [], os.path.join(logs, f"{m.id}.log"),
-                               args.timeout)
+        rc, failed = run_tests(scratch, env, test_files(scratch, m.tests, args.fast),
+                               os.path.join(logs, f"{m.id}.log"), args.timeout)
     finally:
         _write(path, original)
         if cpp:  # back to this checkout's build; the next C++ build recompiles the restored file as well
