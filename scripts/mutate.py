@@ -2,34 +2,35 @@
 """Mutation check of the test suite: plant one known bug at a time in a scratch copy of the repository, run the
 tests, and report whether they caught it. On demand, not in CI (a full run takes tens of minutes on 2 cores).
 
-    python scripts/mutate.py                  # every CPU mutation; the full pytest command per mutation
+    python scripts/mutate.py                  # every CPU mutation; the whole pytest suite per mutation
     python scripts/mutate.py --fast           # each mutation runs only the test files listed with it
     python scripts/mutate.py --only ID ...    # chosen mutations (ids from --list)
-    python scripts/mutate.py --gpu            # the GPU-only mutations (on the GPU box, after a CUDA build)
-    python scripts/mutate.py --check          # only check that every snippet still applies, run nothing
+    python scripts/mutate.py --gpu            # the GPU-only mutations (on the GPU box, after its CUDA build)
+    python scripts/mutate.py --check          # only check that every snippet still applies; runs nothing
     python scripts/mutate.py --list           # the documented list of planted bugs
-    options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ build
-             across runs), --skip-stale (run the mutations whose snippet applies, report the others as stale)
+    options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ objects
+             across runs), --skip-stale (run the mutations that apply, report the others as stale)
 
-Each mutation is (id, file, exact original snippet, replacement, description, needs_gpu, test files for --fast).
-The scratch copy holds the working tree's tracked files plus the built lora_ops/_C*.so and _build_info.json of
-this checkout (build it first: see README). The unmutated copy must pass first. Then, per mutation: replace the
-snippet (it must occur exactly once in its file, else the list is stale and the script stops with exit status 2,
-naming the other files where the snippet now occurs), rebuild the extension in the copy if the file is C++ (CPU
-only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the test command, restore the file.
+A mutation is (id, file, exact original snippet, replacement, description, needs_gpu, its test files).
 
-The test command is the pytest part of the README's (scripts/test.sh): `python -m pytest tests -q`, plus -x
-(stop at the first failure: a caught bug costs seconds, and the verdict is the same) and -p no:cacheprovider,
-with the test files named one by one, the mutation's own first, so that a caught bug fails early. Every
-tests/**/test_*.py file runs, as under `pytest tests`.
-ctest is not run, so a bug that only the C++ unit tests catch reports as survived. A non-zero pytest exit status
-is "caught" (1: a test failed; a negative status: the process crashed, e.g. on an out-of-bounds access), zero is
-"survived". Every pytest run of one invocation uses the same LORA_OPS_TEST_SEED (printed; taken from the
-environment when set).
+The scratch copy holds the working tree's files (tracked, or untracked but not ignored) and this checkout's
+built lora_ops/_C*.so and _build_info.json (build first: see README). The unmutated copy must pass first. Then,
+per mutation: replace the snippet (it must occur exactly once in its file, else the list is stale: the script
+stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the copy when the file
+is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore the file.
 
-Refreshing the list after a refactor: run --check; for each stale mutation it prints where else its snippet
-occurs (a moved function), else find the new code of the same logic and copy its exact text into `original`.
-Exit status: 0 all caught, 1 some survived (or a mutation broke the build), 2 stale list or failing baseline.
+The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
+with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
+the test files named one by one with the mutation's own first, so that a caught bug fails early: every
+tests/**/test_*.py file runs, as under `pytest tests`. ctest is not run: a bug only the C++ unit tests catch
+reports as survived. A non-zero pytest exit status is "caught" (1: a test failed; negative: the process crashed,
+e.g. on an out-of-bounds access); zero is "survived". All pytest runs of one invocation share one
+LORA_OPS_TEST_SEED (printed; taken from the environment when set).
+
+Refreshing the list after a refactor: run --check. For a stale mutation it names the files where its snippet
+now occurs (a moved function: update `file`); otherwise copy the exact text of the new code with the same logic
+into `original` and adapt `replacement`.
+Exit status: 0 all caught, 1 some survived (or a mutation did not compile), 2 stale list or failing baseline.
 """
 from __future__ import annotations
 
@@ -272,8 +273,10 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def tracked_files(root: str) -> List[str]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True, check=True).stdout
+def worktree_files(root: str) -> List[str]:
+    """The working tree's files that git tracks or would track (untracked but not ignored)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
     return [p for p in out.split("\0") if p and os.path.isfile(os.path.join(root, p))]
 
 
@@ -295,15 +298,20 @@ def stale_reason(m: Mutation, root: str, files: Sequence[str]) -> Optional[str]:
 
 
 def make_scratch(root: str, scratch: str, files: Sequence[str]) -> None:
+    """Copy the tracked files and this checkout's build into scratch. A reused scratch keeps the files whose content
+    is unchanged (their mtimes, so its C++ objects stay valid); a changed file gets a fresh mtime (rebuilt)."""
     for rel in files:
-        dst = os.path.join(scratch, rel)
+        src, dst = os.path.join(root, rel), os.path.join(scratch, rel)
+        if os.path.isfile(dst) and open(src, "rb").read() == open(dst, "rb").read():
+            continue
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.copy2(os.path.join(root, rel), dst)
+        shutil.copyfile(src, dst)
+        shutil.copymode(src, dst)
     built = [p for pattern in BUILT for p in glob.glob(os.path.join(root, pattern))]
     if not any(os.path.basename(p).startswith("_C") for p in built):
         sys.exit(f"mutate: no built lora_ops/_C*.so in {root}: build the extension first (see README)")
     for path in built:
-        shutil.copy2(path, os.path.join(scratch, os.path.relpath(path, root)))
+        shutil.copyfile(path, os.path.join(scratch, os.path.relpath(path, root)))
 
 
 def _env(seed: int, gpu: bool) -> dict:
@@ -322,12 +330,13 @@ def build(scratch: str, env: dict, log_path: str) -> bool:
     return run.returncode == 0
 
 
-def test_files(scratch: str, first: Sequence[str], only_first: bool) -> List[str]:
-    """The files `pytest tests` collects, `first` leading (only those with only_first)."""
+def test_files(files: Sequence[str], first: Sequence[str], only_first: bool) -> List[str]:
+    """The tracked files `pytest tests` collects (tests/**/test_*.py, *_test.py), `first` leading (only those with
+    only_first)."""
     if only_first and first:
         return list(first)
-    found = sorted(os.path.relpath(p, scratch) for pattern in ("test_*.py", "*_test.py")
-                   for p in glob.glob(os.path.join(scratch, "tests", "**", pattern), recursive=True))
+    found = sorted(f for f in files if f.startswith("tests/") and f.endswith(".py")
+                   and (os.path.basename(f).startswith("test_") or f.endswith("_test.py")))
     return list(first) + [f for f in found if f not in first]
 
 
@@ -368,7 +377,7 @@ def main(argv=None) -> int:
         sys.exit(f"mutate: unknown mutation ids {unknown} (see --list)")
     chosen = [m for m in MUTATIONS if (not args.only or m.id in args.only)]
 
-    files = tracked_files(ROOT)
+    files = worktree_files(ROOT)
     stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}
     for mid, why in stale.items():
         print(f"STALE {mid}: {why}")
@@ -392,7 +401,7 @@ def main(argv=None) -> int:
     print(lines[0], flush=True)
 
     t0 = time.time()
-    rc, failed = run_tests(scratch, env, test_files(scratch, [], False), os.path.join(logs, "baseline.log"),
+    rc, failed = run_tests(scratch, env, test_files(files, [], False), os.path.join(logs, "baseline.log"),
                            args.timeout)
     if rc != 0:
         print(f"mutate: the UNMUTATED suite fails (exit {rc}: {failed[:3]}); see {logs}/baseline.log")
@@ -408,7 +417,7 @@ def main(argv=None) -> int:
             why = "needs a GPU (--gpu)" if m.needs_gpu else "CPU mutation (run without --gpu)"
             results.append((m, "not run", 0.0, why))
         else:
-            results.append(_run_one(m, scratch, env, logs, args, pristine))
+            results.append(_run_one(m, scratch, env, logs, args, pristine, files))
         m_, verdict, secs, detail = results[-1]
         print(f"{verdict:<9} {m.id:<38} {secs:5.0f} s  {detail}", flush=True)
 
@@ -425,7 +434,7 @@ def main(argv=None) -> int:
     return 1 if count("survived") or count("no build") else 0
 
 
-def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: dict):
+def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: dict, files: Sequence[str]):
     path = os.path.join(scratch, m.file)
     original = _read(path)
     t0 = time.time()
@@ -434,7 +443,7 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
         _write(path, original.replace(m.original, m.replacement, 1))
         if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
             return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
-        rc, failed = run_tests(scratch, env, test_files(scratch, m.tests, args.fast),
+        rc, failed = run_tests(scratch, env, test_files(files, m.tests, args.fast),
                                os.path.join(logs, f"{m.id}.log"), args.timeout)
     finally:
         _write(path, original)
