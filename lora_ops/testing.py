@@ -18,8 +18,8 @@ from . import reference
 # for a half-precision y, one rounding of sgmv's intermediate to y's precision, below y's own rounding).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # A float32 y from half-precision inputs is bounded by the float32 accumulation alone: the products are exact, but
-# tensor cores may truncate their float32 sums (about 6e-6 over K = 4096, measured in a model of it). Rounding the
-# intermediate to fp16 once costs about 2e-4 (bf16: 2e-3), so this bound catches an intermediate kept in half.
+# tensor cores may truncate their float32 sums (simulated: round-toward-zero adds of 16-product steps over
+# K = 4096 give 6e-6). Rounding the intermediate to fp16 once costs about 2e-4 (bf16: 2e-3): this bound fails it.
 HALF_INPUTS_FLOAT32_OUTPUT_TOLERANCE = 5e-5
 
 
@@ -28,6 +28,7 @@ def tolerance(inputs_dtype, output_dtype) -> float:
     if output_dtype != torch.float32:
         return TOLERANCE[output_dtype]
     return TOLERANCE[torch.float32] if inputs_dtype == torch.float32 else HALF_INPUTS_FLOAT32_OUTPUT_TOLERANCE
+
 
 @dataclasses.dataclass
 class SgmvProblem:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import lora_ops
 from lora_ops import backends
 
@@ -57,18 +59,21 @@ def test_info_reports_every_op_and_absent_backends():
 
 
 # An installed but broken triton: a `triton` package that fails to import, ahead of the real one on the path.
-# A missing triton: a pytest plugin / prelude that makes `import triton` raise ModuleNotFoundError.
+# A missing triton: the module hide_triton (a prelude, or a pytest plugin) makes `import triton` raise
+# ModuleNotFoundError.
 BROKEN_TRITON = 'raise ImportError("simulated broken triton install")\n'
 HIDE_TRITON = 'import sys\nsys.modules["triton"] = None\n'
 
 
-def _python(tmp_path, args, triton_state):
-    """Run python with `args` in the repository root with a "broken" or a "missing" triton."""
-    (tmp_path / "broken" / "triton").mkdir(parents=True)
-    (tmp_path / "broken" / "triton" / "__init__.py").write_text(BROKEN_TRITON)
-    (tmp_path / "missing").mkdir()
-    (tmp_path / "missing" / "hide_triton.py").write_text(HIDE_TRITON)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / triton_state))
+def _python(tmp_path, args, broken_triton=False):
+    """Run python with `args` in the repository root, hide_triton importable, the fake broken triton first if
+    broken_triton."""
+    (tmp_path / "fake" / "triton").mkdir(parents=True)
+    (tmp_path / "fake" / "triton" / "__init__.py").write_text(BROKEN_TRITON)
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "hide_triton.py").write_text(HIDE_TRITON)
+    path = [tmp_path / "fake"] * broken_triton + [tmp_path / "helpers"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, path)))
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -82,16 +87,26 @@ print(info.report())
 """
 
 
-def test_broken_triton_keeps_lora_ops_importable_and_says_why(tmp_path):
-    run = _python(tmp_path, ["-c", INFO_SCRIPT], "broken")
+# (broken triton package?, prelude, expected reason): triton fails to import; lora_ops.triton lacks an op
+BROKEN = {
+    "import": (True, "", "ImportError: simulated broken triton install"),
+    "register": (False, 'import sys, types\nsys.modules["lora_ops.triton"] = types.ModuleType("lora_ops.triton")\n',
+                 "AttributeError: module 'lora_ops.triton' has no attribute 'sgmv'"),
+}
+
+
+@pytest.mark.parametrize("failure", list(BROKEN))
+def test_broken_triton_keeps_lora_ops_importable_and_says_why(tmp_path, failure):
+    broken_triton, prelude, reason = BROKEN[failure]
+    run = _python(tmp_path, ["-c", prelude + INFO_SCRIPT], broken_triton)
     assert run.returncode == 0, run.stderr
-    assert "triton_error: ImportError" in run.stdout
-    assert "triton: installed but failed to load: ImportError: simulated broken triton install" in run.stdout
+    assert f"triton_error: {reason.split(':')[0]}" in run.stdout
+    assert f"triton: installed but failed to load: {reason}" in run.stdout
     assert "RuntimeWarning: lora_ops: the Triton backend is installed but failed to load" in run.stderr
 
 
 def test_missing_triton_is_a_quiet_absence(tmp_path):
-    run = _python(tmp_path, ["-c", "import hide_triton\n" + INFO_SCRIPT], "missing")
+    run = _python(tmp_path, ["-c", "import hide_triton\n" + INFO_SCRIPT])
     assert run.returncode == 0, run.stderr
     assert "triton_error: NoneType" in run.stdout
     assert "triton: not installed" in run.stdout
@@ -103,7 +118,7 @@ PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-ra", "tests/test_sgmv.py::
 
 
 def test_broken_triton_fails_the_suite(tmp_path):
-    run = _python(tmp_path, PYTEST, "broken")
+    run = _python(tmp_path, PYTEST, broken_triton=True)
     assert run.returncode == 1, run.stdout
     assert "ERROR tests/test_sgmv.py::test_sgmv_per_token_routing[triton-interpret]" in run.stdout, run.stdout
     assert "simulated broken triton install" in run.stdout
@@ -111,7 +126,7 @@ def test_broken_triton_fails_the_suite(tmp_path):
 
 
 def test_missing_triton_skips_with_a_reason(tmp_path):
-    run = _python(tmp_path, [*PYTEST[:2], "-p", "hide_triton", *PYTEST[2:]], "missing")
+    run = _python(tmp_path, [*PYTEST[:2], "-p", "hide_triton", *PYTEST[2:]])
     assert run.returncode == 0, run.stdout
     assert "SKIPPED [1] tests/test_sgmv.py" in run.stdout and "triton backend absent: not installed" in run.stdout
     assert "1 passed" in run.stdout

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import lora_ops
-from lora_ops import backends, testing
+from lora_ops import backends, reference, testing
 
 from conftest import Impl, case_generator
 from grid import SGMV_CASES, SGMV_LARGE_CASES
@@ -108,3 +108,20 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
         return
     problem = _problem({**SGMV_CASES, **SGMV_LARGE_CASES}[name], cuda, dtype, key=name)
     assert _run_and_check(cuda, problem) == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float32_y_tolerance_fails_an_intermediate_rounded_to_half(dtype):
+    """With a float32 y the intermediate h must stay float32 (DESIGN §2), and the tolerance follows y's dtype:
+    the same delta with h rounded once to `dtype` fails the check that the float32 h passes."""
+    gen = case_generator("h_rounded_to_half")
+    T, K, N, R = 40, 64, 48, 16
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    lora_a = (torch.randn(1, R, K, generator=gen) / K ** 0.5).to(dtype)
+    lora_b = (torch.randn(1, N, R, generator=gen) / R ** 0.5).to(dtype)
+    y = torch.randn(T, N, generator=gen)
+    ref = reference.sgmv(y, x, lora_a, lora_b, torch.tensor([0, T]), torch.tensor([0]))
+    h = x.double() @ lora_a[0].double().T
+    with_h = lambda h: (y.double() + h @ lora_b[0].double().T).float()
+    assert testing.check_against_reference(with_h(h.float().double()), y, ref, dtype) == ""
+    assert "relative error" in testing.check_against_reference(with_h(h.to(dtype).double()), y, ref, dtype)
