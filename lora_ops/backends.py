@@ -22,6 +22,10 @@ TRITON_BY_NAME = ("sgmv", "lora_expand")
 cuda_compiled: Dict[str, bool] = {}
 cuda_served_by: Dict[str, Optional[str]] = {}
 unavailable: Dict[str, str] = {}
+# The error of a Triton backend that is installed but failed to import or register (None when it loaded, or when
+# triton is simply not installed). Importing lora_ops survives it (CPU and CUDA kernels still work); the tests
+# re-raise it, so that a broken backend fails the suite instead of vanishing from it.
+triton_error: Optional[BaseException] = None
 _lib = None
 
 
@@ -49,19 +53,27 @@ def forced_backend() -> str:
 
 def register_triton_where_needed() -> None:
     """Serve the CUDA key with Triton for every op without a C++ CUDA kernel (or all, when forced)."""
-    global _lib
     for name, entry in build_info().get("backends", {}).items():
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
     cuda_compiled.update({op: _has_kernel(op, "CUDA") for op in OPS})
     force = forced_backend() == "triton"
     try:
-        from . import triton as triton_backend
-    except Exception as exc:  # triton missing or broken: CUDA ops without a C++ kernel stay unserved
-        unavailable["triton"] = f"import failed: {exc}"
-        for op in OPS:
-            cuda_served_by[op] = "cuda" if cuda_compiled[op] else None
-        return
+        _register_triton(force)
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            _triton_failed(exc)
+        else:  # not installed: a supported setup (CPU-only serving); ops without a C++ CUDA kernel stay unserved
+            unavailable["triton"] = "not installed (pip install triton)"
+            _unserve_triton()
+    except Exception as exc:  # installed but broken: keep lora_ops importable, but say so loudly
+        _triton_failed(exc)
+
+
+def _register_triton(force: bool) -> None:
+    global _lib
+    from . import triton as triton_backend
+    kernels = {op: getattr(triton_backend, op) for op in OPS}  # all found before any is registered
     _lib = torch.library.Library("lora_ops", "IMPL")
     for op in OPS:
         if cuda_compiled[op] and not force:
@@ -69,7 +81,20 @@ def register_triton_where_needed() -> None:
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" when forced
-            _lib.impl(op, getattr(triton_backend, op), "CUDA")
+            _lib.impl(op, kernels[op], "CUDA")
         cuda_served_by[op] = "triton"
     for op in TRITON_BY_NAME:  # reachable by name whatever serves the CUDA key (lora_ops/routes.py picks them)
-        _lib.impl(f"_triton_{op}", getattr(triton_backend, op), "CUDA")
+        _lib.impl(f"_triton_{op}", kernels[op], "CUDA")
+
+
+def _triton_failed(exc: BaseException) -> None:
+    global triton_error
+    triton_error = exc
+    unavailable["triton"] = f"installed but failed to load: {type(exc).__name__}: {exc}"
+    _unserve_triton()
+    warnings.warn(f"lora_ops: the Triton backend is {unavailable['triton']}", RuntimeWarning)
+
+
+def _unserve_triton() -> None:
+    for op in OPS:
+        cuda_served_by[op] = "cuda" if cuda_compiled[op] else None

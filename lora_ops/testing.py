@@ -1,6 +1,8 @@
 """Random problem generators and the oracle comparison, shared by the tests and `python -m lora_ops.bench`.
 
 Inputs are scaled so the LoRA delta is O(1) like y itself: x ~ N(0,1), A ~ N(0,1)/√K, B ~ N(0,1)/√R.
+With `pad`, x and the weights are strided views into larger NaN-filled tensors (row padding, pool slices), so
+a kernel that assumes a contiguous layout, or lets a neighbouring element into its result, fails.
 """
 from __future__ import annotations
 
@@ -11,7 +13,21 @@ import torch
 
 from . import reference
 
+# Relative tolerance (docs/design.md §5) by the dtype that rounds the result. The oracle takes the inputs' exact values,
+# so an input's dtype rounds nothing itself: what rounds is the float32 accumulation and the store into y (plus,
+# for a half-precision y, one rounding of sgmv's intermediate to y's precision, below y's own rounding).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# A float32 y from half-precision inputs is bounded by the float32 accumulation alone: the products are exact, but
+# tensor cores may truncate their float32 sums (simulated: round-toward-zero adds of 16-product steps over
+# K = 4096 give 6e-6). Rounding the intermediate to fp16 once costs about 2e-4 (bf16: 2e-3): this bound fails it.
+HALF_INPUTS_FLOAT32_OUTPUT_TOLERANCE = 5e-5
+
+
+def tolerance(inputs_dtype, output_dtype) -> float:
+    """Relative tolerance of an op's output against the oracle, from the dtypes that round it."""
+    if output_dtype != torch.float32:
+        return TOLERANCE[output_dtype]
+    return TOLERANCE[torch.float32] if inputs_dtype == torch.float32 else HALF_INPUTS_FLOAT32_OUTPUT_TOLERANCE
 
 
 @dataclasses.dataclass
@@ -84,41 +100,53 @@ def segments_for(token_lora: torch.Tensor, num_slots: int, gathered: bool):
     return None, torch.tensor(indptr, dtype=torch.int32), torch.tensor(seg, dtype=torch.int32)
 
 
+def padded(values: torch.Tensor, pad: int, device) -> torch.Tensor:
+    """`values` on `device` as a view into a NaN-filled tensor `pad` elements larger on both sides of every
+    dimension (pad 0: a plain contiguous copy). Every stride then differs from the contiguous one (a weight
+    becomes a slice of a pool, e.g. lora_b[:, off:off+N]) except the last, which stays 1 as the contract asks."""
+    if pad == 0:
+        return values.to(device)
+    big = torch.full([s + 2 * pad for s in values.shape], float("nan"), dtype=values.dtype, device=device)
+    view = big[tuple(slice(pad, pad + s) for s in values.shape)]
+    view.copy_(values)
+    return view
+
+
 def make_sgmv(token_lora: torch.Tensor, *, num_slots: int, K: int, N: int, max_rank: int, dtype, device,
               gen: torch.Generator, gathered: bool = True, ranks: Optional[Sequence[int]] = None,
               scales: bool = True, slice_offsets: Optional[Sequence[int]] = None, y_dtype=None,
-              y_col_pad: int = 0, scale: float = 1.0) -> SgmvProblem:
+              y_col_pad: int = 0, scale: float = 1.0, pad: int = 0) -> SgmvProblem:
     T = token_lora.shape[0]
     S = 1 if slice_offsets is None else len(slice_offsets) - 1
     rnd = lambda *shape: torch.randn(*shape, generator=gen)
-    x = rnd(T, K).to(dtype)
-    lora_a = (rnd(num_slots, S * max_rank, K) / K ** 0.5).to(dtype)
-    lora_b = (rnd(num_slots, N, max_rank) / max_rank ** 0.5).to(dtype)
+    x = padded(rnd(T, K).to(dtype), pad, device)
+    lora_a = padded((rnd(num_slots, S * max_rank, K) / K ** 0.5).to(dtype), pad, device)
+    lora_b = padded((rnd(num_slots, N, max_rank) / max_rank ** 0.5).to(dtype), pad, device)
     # y_col_pad > 0: y is a column slice of a wider tensor (row stride > N), made on the device
     y_full = rnd(T, N + y_col_pad).to(y_dtype or dtype).to(device)
     idx, indptr, seg = segments_for(token_lora, num_slots, gathered)
     ranks_t = torch.tensor(ranks, dtype=torch.int32) if ranks is not None else None
     scales_t = (torch.rand(num_slots, generator=gen) * 2 + 0.5) if scales else None
     to = lambda t: None if t is None else t.to(device)
-    return SgmvProblem(y_full[:, y_col_pad // 2: y_col_pad // 2 + N], x.to(device), lora_a.to(device),
-                       lora_b.to(device), to(indptr), to(seg), to(idx), to(ranks_t), to(scales_t),
+    return SgmvProblem(y_full[:, y_col_pad // 2: y_col_pad // 2 + N], x, lora_a, lora_b, to(indptr), to(seg),
+                       to(idx), to(ranks_t), to(scales_t),
                        list(slice_offsets) if slice_offsets is not None else None, scale)
 
 
 def make_grouped_gemm(token_lora: torch.Tensor, *, num_groups: int, K: int, N: int, dtype, device,
                       gen: torch.Generator, gathered: bool = True, x_dtype=None, y_dtype=None,
                       n_sizes: Optional[Sequence[int]] = None, k_sizes: Optional[Sequence[int]] = None,
-                      alpha: float = 1.0, accumulate: bool = True) -> GroupedGemmProblem:
+                      alpha: float = 1.0, accumulate: bool = True, pad: int = 0) -> GroupedGemmProblem:
     T = token_lora.shape[0]
     rnd = lambda *shape: torch.randn(*shape, generator=gen)
-    x = rnd(T, K).to(x_dtype or dtype)
-    w = (rnd(num_groups, N, K) / K ** 0.5).to(dtype)
+    x = padded(rnd(T, K).to(x_dtype or dtype), pad, device)
+    w = padded((rnd(num_groups, N, K) / K ** 0.5).to(dtype), pad, device)
     y = rnd(T, N).to(y_dtype or dtype)
     idx, indptr, seg = segments_for(token_lora, num_groups, gathered)
     to = lambda t: None if t is None else t.to(device)
     as_t = lambda v: None if v is None else torch.tensor(v, dtype=torch.int32)
-    return GroupedGemmProblem(y.to(device), x.to(device), w.to(device), to(indptr), to(seg), to(idx),
-                              to(as_t(n_sizes)), to(as_t(k_sizes)), alpha, accumulate)
+    return GroupedGemmProblem(y.to(device), x, w, to(indptr), to(seg), to(idx), to(as_t(n_sizes)),
+                              to(as_t(k_sizes)), alpha, accumulate)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -128,11 +156,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.Tensor, dtype) -> str:
+def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.Tensor, inputs_dtype) -> str:
     """'' if `out` matches the float64 oracle `ref`, else a description of the mismatch.
 
     Elements the oracle leaves alone must be bitwise unchanged (NaN poison included); the written ones must
-    carry no NaN and their change (out - before) must match the oracle's within the dtype's tolerance."""
+    carry no NaN and their change (out - before) must match the oracle's within tolerance(inputs_dtype, out.dtype)
+    (inputs_dtype: the weights' dtype)."""
     out, before, ref = out.cpu(), before.cpu(), ref.cpu()
     before64 = before.double()
     touched = ~((ref == before64) | (ref.isnan() & before64.isnan()))
@@ -143,6 +172,42 @@ def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.
             return f"{int(out[touched].isnan().sum())} written elements are NaN (unwritten or poisoned)"
         base = torch.where(before64.isnan(), torch.zeros_like(before64), before64)
         err = relative_error((out.double() - base)[touched], (ref - base)[touched])
-        if err > TOLERANCE[dtype]:
-            return f"relative error {err:.3e} > {TOLERANCE[dtype]:.0e}"
+        tol = tolerance(inputs_dtype, out.dtype)
+        if err > tol:
+            return f"relative error {err:.3e} > {tol:.0e} ({inputs_dtype} inputs, {out.dtype} output)"
     return ""
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor of t's dtype over all of t's storage."""
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    return flat.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes() // t.element_size(),))
+
+
+def storage_snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole storage under the view t (for check_outside_view)."""
+    return _whole_storage(t).clone()
+
+
+def check_outside_view(t: torch.Tensor, snapshot: torch.Tensor) -> str:
+    """'' if no element of t's storage outside the view t changed bitwise since storage_snapshot(t) (e.g. the
+    columns around a column slice y), else a description."""
+    flat = _whole_storage(t)
+    inside = torch.zeros(flat.numel(), dtype=torch.bool, device=t.device)
+    inside.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(True)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    changed = int(((flat.view(bits) != snapshot.view(bits)) & ~inside).sum())
+    return f"{changed} elements outside the view (row padding, neighbouring columns) changed" if changed else ""
+
+
+def run_and_check(op, problem) -> str:
+    """Run `op` (an sgmv or grouped_gemm entry point, by the problem's type) on `problem` in place: '' if y matches
+    the float64 oracle and nothing else in y's storage (padding, neighbouring columns) changed, else why not."""
+    if isinstance(problem, SgmvProblem):
+        oracle, inputs_dtype = reference.sgmv, problem.lora_a.dtype
+    else:
+        oracle, inputs_dtype = reference.grouped_gemm, problem.w.dtype
+    before, around = problem.y.clone(), storage_snapshot(problem.y)
+    ref = oracle(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in problem.args()])
+    op(*problem.args())
+    return check_against_reference(problem.y, before, ref, inputs_dtype) or check_outside_view(problem.y, around)

@@ -1,4 +1,6 @@
 import os
+import secrets
+import zlib
 
 import pytest
 import torch
@@ -11,7 +13,46 @@ import lora_ops  # noqa: E402
 from lora_ops import backends  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = "triton" not in backends.unavailable
+
+# Run-level seed: every case keeps its own fixed seed, offset by this one. CI leaves LORA_OPS_TEST_SEED unset, so
+# each run draws new inputs; the summary prints the value, and LORA_OPS_TEST_SEED=<value> replays that run
+# (LORA_OPS_TEST_SEED=0: the fixed per-case seeds alone). Exported so that subprocesses of the tests see it.
+RUN_SEED = int(os.environ.get("LORA_OPS_TEST_SEED") or secrets.randbelow(1 << 32))
+os.environ["LORA_OPS_TEST_SEED"] = str(RUN_SEED)
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit multiplier: nearby run seeds give unrelated case seeds
+
+
+def case_seed(key) -> int:
+    """The seed of one test case: its fixed key (a name or a number) combined with the run seed."""
+    base = zlib.crc32(key.encode()) if isinstance(key, str) else int(key)
+    return (base + RUN_SEED * _GOLDEN) % (1 << 64)
+
+
+def case_generator(key) -> torch.Generator:
+    return torch.Generator().manual_seed(case_seed(key))
+
+
+def _seed_line() -> str:
+    return f"lora_ops test seed: LORA_OPS_TEST_SEED={RUN_SEED} replays this run's inputs"
+
+
+def pytest_report_header(config):
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_seed_line())  # also under -q, where the header is not printed
+
+
+def triton_backend():
+    """lora_ops.triton for a test of the Triton backend. Skips (with the reason, listed by -ra) when triton is
+    not installed; fails with the import error when it is installed but lora_ops could not load or register it."""
+    if backends.triton_error is not None:
+        raise RuntimeError(f"the Triton backend is {backends.unavailable['triton']}") from backends.triton_error
+    if "triton" in backends.unavailable:
+        pytest.skip(f"triton backend absent: {backends.unavailable['triton']}")
+    import lora_ops.triton
+    return lora_ops.triton
 
 
 class Impl:
@@ -27,13 +68,13 @@ class Impl:
 def _impls():
     all_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     impls = [pytest.param(Impl("cpu", "cpu", lora_ops.ops, all_dtypes), id="cpu")]
-    if HAS_TRITON:
-        import lora_ops.triton as lt
-        if HAS_CUDA:
-            impls.append(pytest.param(Impl("triton", "cuda", lt, all_dtypes), id="triton", marks=pytest.mark.gpu))
-        else:
-            # The interpreter mishandles bf16 (docs/design.md §5): fp32 only there.
-            impls.append(pytest.param(Impl("triton-interpret", "cpu", lt, (torch.float32,)), id="triton-interpret"))
+    # The Triton parameter is always collected, its module resolved by the `impl` fixture: skipped when triton is
+    # not installed, failed when it is broken, so that it never drops out of the suite unnoticed.
+    if HAS_CUDA:
+        impls.append(pytest.param(Impl("triton", "cuda", None, all_dtypes), id="triton", marks=pytest.mark.gpu))
+    else:
+        # The interpreter mishandles bf16 (docs/design.md §5): fp32 only there.
+        impls.append(pytest.param(Impl("triton-interpret", "cpu", None, (torch.float32,)), id="triton-interpret"))
     impls.append(pytest.param(Impl("cuda", "cuda", lora_ops.ops, all_dtypes), id="cuda", marks=pytest.mark.gpu))
     return impls
 
@@ -43,7 +84,10 @@ IMPLS = _impls()
 
 @pytest.fixture(params=IMPLS)
 def impl(request):
-    return request.param
+    impl = request.param
+    if impl.module is None:
+        impl.module = triton_backend()
+    return impl
 
 
 def pytest_collection_modifyitems(config, items):

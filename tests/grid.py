@@ -34,6 +34,23 @@ SGMV_CASES = {
     "strided_y": lambda g: (_slots(g, 21, [0, 1]), dict(K=32, N=24, max_rank=8, y_col_pad=10)),
     "y_float32": lambda g: (_slots(g, 21, [0, 4]), dict(K=32, N=24, max_rank=8, y_dtype=torch.float32)),
     "scale_no_scales": lambda g: (_slots(g, 15, [3]), dict(K=32, N=24, max_rank=8, scales=False, scale=0.37)),
+    "scale_and_scales": lambda g: (_slots(g, 24, [0, 2, 5]), dict(K=32, N=24, max_rank=8, scale=0.37)),
+    # x, lora_a, lora_b as views into NaN-padded tensors: strides of pool slices (lora_b[:, off:off+N]) and padded
+    # rows. pad 8 keeps every row 16-byte aligned (vectorised GPU paths), pad 3 does not.
+    "strided_aligned": lambda g: (_slots(g, 26, [0, 1, 4]), dict(K=64, N=48, max_rank=8, pad=8,
+                                                                 slice_offsets=[0, 16, 32, 48],
+                                                                 ranks=[8, 3, 0, 5, 8, 1])),
+    "strided_odd": lambda g: (_slots(g, 23, [1, 2, -1]), dict(K=37, N=29, max_rank=5, pad=3, y_col_pad=7,
+                                                              ranks=[5, 2, 5, 1, 0, 4], scale=1.5)),
+    # Several K blocks, several column blocks and the column split of the Triton kernel (slices >= 512 wide):
+    # test_triton_tiling.py asserts that these shapes keep reaching them.
+    "multi_block": lambda g: (_slots(g, 40, [0, 1, 3, 5]), dict(K=300, N=600, max_rank=16, ranks=[16, 3, 0, 9, 16, 1],
+                                                                scale=0.5)),
+    "multi_block_slices": lambda g: (_slots(g, 30, [0, 2, -1]), dict(K=520, N=640, max_rank=32,
+                                                                     slice_offsets=[0, 512, 576, 640],
+                                                                     ranks=[32, 7, 17, 0, 1, 32])),
+    "multi_block_y_float32": lambda g: (_slots(g, 20, [1, 4]), dict(K=300, N=520, max_rank=16,
+                                                                     y_dtype=torch.float32)),
 }
 
 SGMV_LARGE_CASES = {
@@ -61,6 +78,16 @@ GG_CASES = {
     "bad_slots": lambda g: (_grouped_runs([(0, 3), (-1, 4), (2, 5), (5, 2), (1, 3)]), dict(K=16, N=16, gathered=False)),
     "empty_batch": lambda g: (torch.empty(0, dtype=torch.int32), dict(K=16, N=16)),
     "skewed": lambda g: (_slots(g, 1030, [0, 1, 2, 3], [1000, 10, 10, 10]), dict(K=20, N=18)),
+    "alpha_accumulate": lambda g: (_slots(g, 21, [1, 3]), dict(K=24, N=20, alpha=-1.7)),
+    "f32_in_f32_out": lambda g: (_slots(g, 25, [0, 2, 4]), dict(K=48, N=40, x_dtype=torch.float32,
+                                                               y_dtype=torch.float32, k_sizes=[48, 5, 17, 1, 48])),
+    # x and w as views into NaN-padded tensors (padded rows, w a slice of a pool); see SGMV_CASES.
+    "strided_aligned": lambda g: (_slots(g, 22, [0, 1, 3]), dict(K=64, N=40, pad=8, n_sizes=[40, 8, 1, 16, 40])),
+    "strided_odd": lambda g: (_slots(g, 19, [2, 4, -1]), dict(K=37, N=29, pad=3, alpha=0.75)),
+    # Several K blocks and several column blocks of the Triton kernel (test_triton_tiling.py asserts it).
+    "multi_block": lambda g: (_slots(g, 40, [0, 2, 3]), dict(K=200, N=300, alpha=0.5)),
+    "multi_block_sizes": lambda g: (_slots(g, 36, [0, 1, 2, 3, 4]), dict(K=200, N=300, n_sizes=[300, 129, 0, 77, 1],
+                                                                         k_sizes=[200, 65, 3, 130, 200])),
 }
 
 GG_LARGE_CASES = {

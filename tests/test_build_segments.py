@@ -3,6 +3,8 @@ import torch
 
 from lora_ops import reference, testing
 
+from conftest import case_generator
+
 
 @pytest.mark.parametrize("T,num_slots,adapters", [
     (0, 4, []), (1, 1, [0]), (37, 8, [0, 3, 7, -1, 8, 100]), (1000, 32, list(range(0, 32, 3)) + [-1]),
@@ -12,7 +14,7 @@ from lora_ops import reference, testing
 def test_build_segments_matches_reference(impl, T, num_slots, adapters):
     if T > 5000 and impl.device != "cuda":
         pytest.skip("GPU-sized case")
-    gen = torch.Generator().manual_seed(T + num_slots)
+    gen = case_generator(T + num_slots)
     token_lora = testing.random_token_slots(T, adapters, gen) if adapters else torch.empty(0, dtype=torch.int32)
     got = impl.module.build_segments(token_lora.to(impl.device), num_slots)
     want = reference.build_segments(token_lora, num_slots)

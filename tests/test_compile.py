@@ -6,13 +6,15 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import testing
 
+from conftest import case_generator
+
 
 class TinyMultiLoRA(torch.nn.Module):
     """Base linear + per-token LoRA delta: build_segments once, then one sgmv."""
 
     def __init__(self, K=32, N=24, L=4, R=8, dtype=torch.float32):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
+        g = case_generator(0)
         self.base = torch.nn.Linear(K, N, bias=False, dtype=dtype)
         self.register_buffer("lora_a", torch.randn(L, 2 * R, K, generator=g).to(dtype) / K ** 0.5)
         self.register_buffer("lora_b", torch.randn(L, N, R, generator=g).to(dtype) / R ** 0.5)
@@ -35,7 +37,7 @@ def _run(device, mode=None):
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True) if mode is None else \
         torch.compile(model, fullgraph=True, dynamic=True, mode=mode)
-    gen = torch.Generator().manual_seed(1)
+    gen = case_generator(1)
     for T in (3, 7, 12):
         x = torch.randn(T, 32, generator=gen).to(device)
         token_lora = testing.random_token_slots(T, [0, 1, -1, 3], gen).to(device)

@@ -1,29 +1,24 @@
-import zlib
-
 import pytest
 import torch
 
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import Impl
+from conftest import Impl, case_generator
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _problem(case, impl, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
+def _problem(case, impl, dtype, key):
+    gen = case_generator(key)
     token_lora, kw = case(gen)
     kw.setdefault("num_slots", 6)
     return testing.make_sgmv(token_lora, dtype=dtype, device=impl.device, gen=gen, **kw)
 
 
-def _run_and_check(impl, problem, dtype):
-    before = problem.y.clone()
-    ref = reference.sgmv(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in problem.args()])
-    impl.module.sgmv(*problem.args())
-    return testing.check_against_reference(problem.y, before, ref, dtype)
+def _run_and_check(impl, problem):
+    return testing.run_and_check(impl.module.sgmv, problem)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -31,8 +26,8 @@ def _run_and_check(impl, problem, dtype):
 def test_sgmv_parity(impl, name, dtype):
     if dtype not in impl.dtypes:
         pytest.skip(f"{impl.name} is tested in {impl.dtypes} only")
-    problem = _problem(SGMV_CASES[name], impl, dtype, seed=zlib.crc32(name.encode()))
-    assert _run_and_check(impl, problem, dtype) == ""
+    problem = _problem(SGMV_CASES[name], impl, dtype, key=name)
+    assert _run_and_check(impl, problem) == ""
 
 
 @pytest.mark.gpu
@@ -41,28 +36,28 @@ def test_sgmv_parity(impl, name, dtype):
 def test_sgmv_parity_large(impl, name, dtype):
     if impl.device != "cuda":
         pytest.skip("GPU-sized case")
-    problem = _problem(SGMV_LARGE_CASES[name], impl, dtype, seed=zlib.crc32(name.encode()))
-    assert _run_and_check(impl, problem, dtype) == ""
+    problem = _problem(SGMV_LARGE_CASES[name], impl, dtype, key=name)
+    assert _run_and_check(impl, problem) == ""
 
 
 def test_sgmv_int64_indices(impl):
     dtype = impl.dtypes[0]
-    problem = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, seed=3)
+    problem = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key=3)
     problem.seg_indptr, problem.seg_lora = problem.seg_indptr.long(), problem.seg_lora.long()
     problem.token_indices, problem.lora_ranks = problem.token_indices.long(), problem.lora_ranks.long()
-    assert _run_and_check(impl, problem, dtype) == ""
+    assert _run_and_check(impl, problem) == ""
 
 
 def test_sgmv_per_token_routing(impl):
     """BGMV: one segment per row, seg_lora = token_lora (with -1 rows)."""
     dtype = impl.dtypes[0]
-    gen = torch.Generator().manual_seed(11)
+    gen = case_generator(11)
     token_lora = testing.random_token_slots(19, [0, 1, -1, 3], gen)
     problem = testing.make_sgmv(token_lora, num_slots=4, K=24, N=20, max_rank=8, dtype=dtype, device=impl.device,
                                 gen=gen, gathered=False)
     problem.seg_indptr = torch.arange(20, dtype=torch.int32, device=impl.device)
     problem.seg_lora = token_lora.to(impl.device)
-    assert _run_and_check(impl, problem, dtype) == ""
+    assert _run_and_check(impl, problem) == ""
 
 
 def test_sgmv_garbage_metadata(impl):
@@ -71,7 +66,7 @@ def test_sgmv_garbage_metadata(impl):
 
 def _check_garbage_metadata(impl, dtype):
     """Out-of-range indptr, reversed segments, rows outside [0, T), huge slots: skipped/clamped, never OOB."""
-    gen = torch.Generator().manual_seed(5)
+    gen = case_generator(5)
     T = 16
     problem = testing.make_sgmv(torch.zeros(T, dtype=torch.int32), num_slots=3, K=20, N=12, max_rank=4,
                                 dtype=dtype, device=impl.device, gen=gen)
@@ -81,14 +76,14 @@ def _check_garbage_metadata(impl, dtype):
     problem.seg_indptr = torch.tensor([-4, 3, 1, 9, 1 << 30], dtype=torch.int32, device=dev)
     problem.seg_lora = torch.tensor([0, 1, -1, 2], dtype=torch.int32, device=dev)
     problem.lora_ranks = torch.tensor([4, 99, -3], dtype=torch.int32, device=dev)
-    assert _run_and_check(impl, problem, dtype) == ""
+    assert _run_and_check(impl, problem) == ""
     problem.seg_lora = torch.tensor([1 << 30, -(1 << 30), 7, 3], dtype=torch.int32, device=dev)
-    assert _run_and_check(impl, problem, dtype) == ""
+    assert _run_and_check(impl, problem) == ""
 
 
 def test_sgmv_deterministic(impl):
     dtype = impl.dtypes[-1]
-    problem = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, seed=21)
+    problem = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key=21)
     outs = []
     for _ in range(3):
         y = problem.y.clone()
@@ -111,5 +106,22 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     if name == "garbage_metadata":
         _check_garbage_metadata(cuda, dtype)
         return
-    problem = _problem({**SGMV_CASES, **SGMV_LARGE_CASES}[name], cuda, dtype, seed=zlib.crc32(name.encode()))
-    assert _run_and_check(cuda, problem, dtype) == ""
+    problem = _problem({**SGMV_CASES, **SGMV_LARGE_CASES}[name], cuda, dtype, key=name)
+    assert _run_and_check(cuda, problem) == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float32_y_tolerance_fails_an_intermediate_rounded_to_half(dtype):
+    """With a float32 y the intermediate h must stay float32 (docs/design.md §2), and the tolerance follows y's dtype:
+    the same delta with h rounded once to `dtype` fails the check that the float32 h passes."""
+    gen = case_generator("h_rounded_to_half")
+    T, K, N, R = 40, 64, 48, 16
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    lora_a = (torch.randn(1, R, K, generator=gen) / K ** 0.5).to(dtype)
+    lora_b = (torch.randn(1, N, R, generator=gen) / R ** 0.5).to(dtype)
+    y = torch.randn(T, N, generator=gen)
+    ref = reference.sgmv(y, x, lora_a, lora_b, torch.tensor([0, T]), torch.tensor([0]))
+    h = x.double() @ lora_a[0].double().T
+    with_h = lambda h: (y.double() + h @ lora_b[0].double().T).float()
+    assert testing.check_against_reference(with_h(h.float().double()), y, ref, dtype) == ""
+    assert "relative error" in testing.check_against_reference(with_h(h.to(dtype).double()), y, ref, dtype)

@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""Mutation check of the test suite: plant one known bug at a time in a scratch copy of the repository, run the
+tests, and report whether they caught it. On demand, not in CI (a full run takes tens of minutes on 2 cores).
+
+    python scripts/mutate.py                  # every CPU mutation; the whole pytest suite per mutation
+    python scripts/mutate.py --fast           # each mutation runs only the test files listed with it
+    python scripts/mutate.py --only ID ...    # chosen mutations (ids from --list)
+    python scripts/mutate.py --gpu            # the GPU-only mutations (on the GPU box, after its CUDA build)
+    python scripts/mutate.py --check          # only check that every snippet still applies; runs nothing
+    python scripts/mutate.py --list           # the documented list of planted bugs
+    options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ objects
+             across runs), --skip-stale (run the mutations that apply, report the others as stale)
+
+A mutation is (id, file, exact original snippet, replacement, description, needs_gpu, its test files).
+
+The scratch copy holds the working tree's files (tracked, or untracked but not ignored) and this checkout's
+built lora_ops/_C*.so and _build_info.json (build first: see README). The unmutated copy must pass first. Then,
+per mutation: replace the snippet (it must occur exactly once in its file, else the list is stale: the script
+stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the copy when the file
+is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore the file.
+
+The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
+with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
+the test files named one by one with the mutation's own first, so that a caught bug fails early: every
+tests/**/test_*.py file runs, as under `pytest tests`. ctest is not run: a bug only the C++ unit tests catch
+reports as survived. A non-zero pytest exit status is "caught" (1: a test failed; negative: the process crashed,
+e.g. on an out-of-bounds access); zero is "survived". All pytest runs of one invocation share one
+LORA_OPS_TEST_SEED (printed; taken from the environment when set).
+
+Refreshing the list after a refactor: run --check. For a stale mutation it names the files where its snippet
+now occurs (a moved function: update `file`); otherwise copy the exact text of the new code with the same logic
+into `original` and adapt `replacement`.
+Exit status: 0 all caught, 1 some survived (or a mutation did not compile), 2 stale list or failing baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPP_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
+BUILT = ["lora_ops/_C*.so", "lora_ops/_C*.pyd", "lora_ops/_build_info.json"]  # untracked build outputs to copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    id: str
+    file: str
+    original: str
+    replacement: str
+    description: str
+    needs_gpu: bool = False
+    tests: Sequence[str] = ()  # test files that should catch it (--fast); the full suite runs by default
+
+
+SGMV_T = ("tests/test_sgmv.py",)
+GG_T = ("tests/test_grouped_gemm.py",)
+ERR_T = ("tests/test_errors.py", "tests/test_errors_devices.py")
+TILING_T = ("tests/test_triton_tiling.py", "tests/test_sgmv.py", "tests/test_grouped_gemm.py")
+SERVING_T = ("tests/test_serving.py",)
+
+# The first block: the 20 bugs the suite missed at ce06dbc (issue 11), and close relatives. The second: bugs the
+# suite already caught then, kept so that a weakened test shows up.
+MUTATIONS: List[Mutation] = [
+    # ---- strides ----
+    Mutation("cpu-sgmv-x-contiguous", "csrc/cpu/sgmv.cpp",
+             "load_floats(p.x_dtype, p.x, blk.rows[i] * p.x_row_stride, K, &xf[i * K]);",
+             "load_floats(p.x_dtype, p.x, blk.rows[i] * K, K, &xf[i * K]);",
+             "CPU sgmv assumes x rows are contiguous (row stride K)", tests=SGMV_T),
+    Mutation("cpu-sgmv-a-slot-stride", "csrc/cpu/sgmv.cpp",
+             "blk.slot * p.a_stride0 + (s * R + j) * p.a_stride1",
+             "blk.slot * S * R * K + (s * R + j) * p.a_stride1",
+             "CPU sgmv assumes a contiguous lora_a pool (slot stride S*R*K)", tests=SGMV_T),
+    Mutation("cpu-sgmv-b-slot-stride", "csrc/cpu/sgmv.cpp",
+             "blk.slot * p.b_stride0 + n * p.b_stride1",
+             "blk.slot * p.n * R + n * p.b_stride1",
+             "CPU sgmv assumes a contiguous lora_b pool (slot stride N*R)", tests=SGMV_T),
+    Mutation("cpu-gg-x-contiguous", "csrc/cpu/grouped_gemm.cpp",
+             "load_floats(p.x_dtype, p.x, blk.rows[i] * p.x_row_stride, k_l, &xf[i * k_l]);",
+             "load_floats(p.x_dtype, p.x, blk.rows[i] * p.k, k_l, &xf[i * k_l]);",
+             "CPU grouped_gemm assumes x rows are contiguous (row stride K)", tests=GG_T),
+    Mutation("triton-sgmv-x-contiguous", "lora_ops/triton/kernels.py",
+             "rows[:, None] * x_stride + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)\n"
+             "        at = tl.load(",
+             "rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)\n"
+             "        at = tl.load(",
+             "Triton sgmv assumes x rows are contiguous (row stride K)", tests=SGMV_T),
+    Mutation("triton-gg-x-contiguous", "lora_ops/triton/kernels.py",
+             "rows[:, None] * x_stride + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)\n"
+             "        wt = tl.load(",
+             "rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)\n"
+             "        wt = tl.load(",
+             "Triton grouped_gemm assumes x rows are contiguous (row stride K)", tests=GG_T),
+    # ---- scale ----
+    Mutation("cpu-scale-without-scales-only", "csrc/cpu/sgmv.cpp",
+             "const float coef = p.scale * (p.lora_scales ? p.lora_scales[blk.slot] : 1.f);",
+             "const float coef = p.lora_scales ? p.lora_scales[blk.slot] : p.scale;",
+             "CPU sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
+    Mutation("triton-scale-without-scales-only", "lora_ops/triton/kernels.py",
+             "    if HAS_SCALES:\n        coef = coef * tl.load(scales_ptr + slot)",
+             "    if HAS_SCALES:\n        coef = tl.load(scales_ptr + slot)",
+             "Triton sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
+    # ---- Triton tiling ----
+    Mutation("triton-sgmv-split-ignored", "lora_ops/triton/kernels.py",
+             "split = tl.program_id(1) % N_SPLITS",
+             "split = 0",
+             "Triton sgmv ignores the column-split index (every split expands the first chunk)", tests=TILING_T),
+    Mutation("triton-gg-k-accumulation", "lora_ops/triton/kernels.py",
+             'acc += tl.dot(xt, wt, input_precision="ieee")',
+             'acc = tl.dot(xt, wt, input_precision="ieee")',
+             "Triton grouped_gemm keeps only the last K block (no accumulation across K blocks)", tests=TILING_T),
+    Mutation("triton-gg-column-block", "lora_ops/triton/__init__.py",
+             "grid = (tile_bound(positions, G, block_m), triton.cdiv(N, block_n))",
+             "grid = (tile_bound(positions, G, block_m), max(1, N // block_n))",
+             "Triton grouped_gemm launches floor(N / BLOCK_N) column blocks: the last partial one is dropped",
+             tests=TILING_T),
+    # ---- Triton half precision (fp16/bf16 run only on a GPU) ----
+    Mutation("triton-lo-term-dropped", "lora_ops/triton/kernels.py",
+             "    return tl.dot(hi, b) + tl.dot(lo, b)",
+             "    return tl.dot(hi, b)",
+             "Triton's float32 x half product drops the lo term: the intermediate is rounded to half",
+             needs_gpu=True, tests=SGMV_T + GG_T),
+    # ---- Triton presence ----
+    Mutation("triton-import-error", "lora_ops/triton/__init__.py",
+             "from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel",
+             "from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel, sgmv_shrink_kernel",
+             "lora_ops.triton fails to import (a name that does not exist)", tests=SGMV_T),
+    # ---- argument checks ----
+    Mutation("check-device-x-a-b", "csrc/common/checks.cpp",
+             '  for (auto [name, t] : {std::pair{"x", &x}, {"lora_a", &lora_a}, {"lora_b", &lora_b}}) {\n'
+             "    check_device(op, name, *t, y);\n  }\n",
+             "",
+             "sgmv's device check on x, lora_a and lora_b removed", tests=ERR_T),
+    Mutation("check-device-lora-scales", "csrc/common/checks.cpp",
+             '    check_device(op, "lora_scales", *lora_scales, y);\n',
+             "",
+             "sgmv's device check on lora_scales removed", tests=ERR_T),
+    Mutation("check-device-gg-x-w", "csrc/common/checks.cpp",
+             '  check_device(op, "x", x, y);\n  check_device(op, "w", w, y);\n',
+             "",
+             "grouped_gemm's device check on x and w removed", tests=ERR_T),
+    Mutation("check-k-sizes-length", "csrc/common/checks.cpp",
+             'index_tensor(op, "k_sizes", *k_sizes, y, L, "one per group: w.size(0)")',
+             'index_tensor(op, "k_sizes", *k_sizes, y, -1, "")',
+             "grouped_gemm's k_sizes length check removed (a short k_sizes is read past its end)", tests=ERR_T),
+    # ---- serving ----
+    Mutation("serving-rslora-config-r", "lora_ops/serving.py",
+             "scale = alpha_m / (math.sqrt(rank_m) if rslora else rank_m)",
+             "scale = alpha_m / (math.sqrt(r) if rslora else rank_m)",
+             "rslora scales by the config's r instead of the module's rank_pattern rank", tests=SERVING_T),
+    Mutation("serving-qkv-kv-swapped", "lora_ops/serving.py",
+             'FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),',
+             'FUSED_SLICES = {"qkv_proj": ("q_proj", "v_proj", "k_proj"),',
+             "per-slice k_proj/v_proj adapters land in each other's columns of a fused qkv_proj", tests=SERVING_T),
+    Mutation("serving-stale-slot", "lora_ops/serving.py",
+             "            if entry is None:  # not a target of this adapter: rank 0 skips it\n"
+             "                mod.ranks[slot] = 0\n                continue",
+             "            if entry is None:  # not a target of this adapter: rank 0 skips it\n                continue",
+             "a reused slot keeps the evicted adapter's weights in modules the new adapter does not target",
+             tests=SERVING_T),
+    Mutation("serving-slice-alpha-ratio", "lora_ops/serving.py",
+             "B[lo:hi, :rank_s] = (b.float() * (scale_s / scale)).to(B.dtype)",
+             "B[lo:hi, :rank_s] = b.to(B.dtype)",
+             "slices of a fused module with different alphas all get the first slice's scale", tests=SERVING_T),
+
+    # ==== caught at ce06dbc already ====
+    Mutation("cpu-sgmv-ignores-ranks", "csrc/cpu/sgmv.cpp",
+             "const int64_t rank = slot_size(p.lora_ranks, blk.slot, R);",
+             "const int64_t rank = R;",
+             "CPU sgmv ignores lora_ranks (reads the pool's max rank)", tests=SGMV_T),
+    Mutation("cpu-sgmv-slice-a-rows", "csrc/cpu/sgmv.cpp",
+             "(s * R + j) * p.a_stride1",
+             "j * p.a_stride1",
+             "CPU sgmv uses slice 0's A rows for every slice", tests=SGMV_T),
+    Mutation("cpu-sgmv-fp32-y-h-rounded", "csrc/cpu/sgmv.cpp",
+             "for (int64_t i = 0; i < blk.count; ++i) h[i * R + j] = dot(&xf[i * K], wf.data(), K);",
+             "for (int64_t i = 0; i < blk.count; ++i) {\n"
+             "            const float v = dot(&xf[i * K], wf.data(), K);\n"
+             "            h[i * R + j] = p.x_dtype == DType::F16    ? static_cast<float>(static_cast<c10::Half>(v))\n"
+             "                           : p.x_dtype == DType::BF16 ? static_cast<float>(static_cast<c10::BFloat16>(v))\n"
+             "                                                      : v;\n"
+             "          }",
+             "CPU sgmv rounds the intermediate h to x's half precision (caught only with the tolerance by y's dtype)",
+             tests=SGMV_T),
+    Mutation("cpu-gg-ignores-accumulate", "csrc/cpu/grouped_gemm.cpp",
+             "if (p.accumulate) {",
+             "if (true) {",
+             "CPU grouped_gemm always accumulates", tests=GG_T),
+    Mutation("cpu-gg-ignores-n-sizes", "csrc/cpu/grouped_gemm.cpp",
+             "const int64_t n_l = slot_size(p.n_sizes, blk.slot, p.n);",
+             "const int64_t n_l = p.n;",
+             "CPU grouped_gemm ignores n_sizes", tests=GG_T),
+    Mutation("cpu-gg-alpha-dropped", "csrc/cpu/grouped_gemm.cpp",
+             "yf[i * n_l + n] += p.alpha * dot(",
+             "yf[i * n_l + n] += dot(",
+             "CPU grouped_gemm ignores alpha", tests=GG_T),
+    Mutation("cpu-rows-last-partial-block", "csrc/cpu/rows.h",
+             "    if (cur.count > 0) blocks.push_back(cur);\n",
+             "",
+             "CPU kernels drop each segment's last partial row block", tests=SGMV_T + GG_T),
+    Mutation("cpu-build-segments-covers-no-lora", "csrc/cpu/build_segments.cpp",
+             "p.seg_indptr[p.num_slots] = static_cast<int32_t>(next[p.num_slots]);",
+             "p.seg_indptr[p.num_slots] = static_cast<int32_t>(total);",
+             "CPU build_segments' last segment ends after the no-LoRA tokens", tests=("tests/test_build_segments.py",)),
+    Mutation("check-y-overlap", "csrc/common/checks.cpp",
+             '  check_unit_last_stride(op, "lora_b", lora_b);\n  check_output_rows(op, y);\n',
+             '  check_unit_last_stride(op, "lora_b", lora_b);\n',
+             "sgmv's overlapping-rows check on y removed", tests=ERR_T),
+    Mutation("check-seg-length", "csrc/common/checks.cpp",
+             'index_tensor(op, slot_name, seg_slot, y, num_segments, "one per segment: len(seg_indptr) - 1")',
+             'index_tensor(op, slot_name, seg_slot, y, -1, "")',
+             "the seg_lora/seg_weight length check removed", tests=ERR_T),
+    Mutation("check-lora-ranks-length", "csrc/common/checks.cpp",
+             'index_tensor(op, "lora_ranks", *lora_ranks, y, L, "one per slot: lora_a.size(0)")',
+             'index_tensor(op, "lora_ranks", *lora_ranks, y, -1, "")',
+             "the lora_ranks length check removed", tests=ERR_T),
+    Mutation("check-x-unit-stride", "csrc/common/checks.cpp",
+             '  check_unit_last_stride(op, "x", x);\n  check_unit_last_stride(op, "y", y);\n'
+             '  check_unit_last_stride(op, "lora_a", lora_a);\n',
+             '  check_unit_last_stride(op, "y", y);\n  check_unit_last_stride(op, "lora_a", lora_a);\n',
+             "sgmv's unit-column-stride check on x removed", tests=ERR_T),
+    Mutation("triton-sgmv-ignores-ranks", "lora_ops/triton/kernels.py",
+             "rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)",
+             "rank = R",
+             "Triton sgmv ignores lora_ranks", tests=SGMV_T),
+    Mutation("triton-gg-always-accumulates", "lora_ops/triton/kernels.py",
+             "    if ACCUMULATE:\n        out += tl.load(",
+             "    if True:\n        out += tl.load(",
+             "Triton grouped_gemm always accumulates", tests=GG_T),
+    Mutation("triton-build-segments-covers-no-lora", "lora_ops/triton/kernels.py",
+             "tl.store(seg_indptr_ptr + num_slots, base)",
+             "tl.store(seg_indptr_ptr + num_slots, T)",
+             "Triton build_segments' last segment ends after the no-LoRA tokens",
+             tests=("tests/test_build_segments.py",)),
+    Mutation("serving-alpha-pattern-ignored", "lora_ops/serving.py",
+             "alpha_m = float(_pattern(alpha_pattern, module_path, alpha))",
+             "alpha_m = alpha",
+             "the adapter's alpha_pattern is ignored", tests=SERVING_T),
+    Mutation("serving-rslora-ignored", "lora_ops/serving.py",
+             "scale = alpha_m / (math.sqrt(rank_m) if rslora else rank_m)",
+             "scale = alpha_m / rank_m",
+             "use_rslora is ignored (alpha / r instead of alpha / sqrt(r))", tests=SERVING_T),
+    Mutation("serving-lru-evicts-newest", "lora_ops/serving.py",
+             "for name, s in self._slot_of.items():  # oldest first",
+             "for name, s in reversed(self._slot_of.items()):  # oldest first",
+             "the pool evicts the most recently used adapter", tests=SERVING_T),
+    Mutation("serving-dora-accepted", "lora_ops/serving.py",
+             '    if config.get("use_dora"):\n'
+             '        raise UnsupportedAdapterError(f"{file}: DoRA adapters (use_dora) are not supported")\n',
+             "",
+             "a DoRA adapter is loaded as a plain LoRA", tests=SERVING_T),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def worktree_files(root: str) -> List[str]:
+    """The working tree's files that git tracks or would track (untracked but not ignored)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    return [p for p in out.split("\0") if p and os.path.isfile(os.path.join(root, p))]
+
+
+def stale_reason(m: Mutation, root: str, files: Sequence[str]) -> Optional[str]:
+    """None if m's snippet occurs exactly once in its file, else why the list is stale (and where it moved)."""
+    missing_tests = [t for t in m.tests if not os.path.isfile(os.path.join(root, t))]
+    if missing_tests:
+        return f"its test files {missing_tests} do not exist"
+    path = os.path.join(root, m.file)
+    count = _read(path).count(m.original) if os.path.isfile(path) else 0
+    if count == 1:
+        return None
+    if count > 1:
+        return f"snippet occurs {count} times in {m.file}: add context to make it unique"
+    elsewhere = [f for f in files if f != m.file and m.original in _read(os.path.join(root, f))]
+    where = f"; it occurs in {', '.join(elsewhere)}" if elsewhere else ""
+    missing = "" if os.path.isfile(path) else f" ({m.file} does not exist)"
+    return f"snippet not found in {m.file}{missing}{where}"
+
+
+def make_scratch(root: str, scratch: str, files: Sequence[str]) -> None:
+    """Copy the tracked files and this checkout's build into scratch. A reused scratch keeps the files whose content
+    is unchanged (their mtimes, so its C++ objects stay valid); a changed file gets a fresh mtime (rebuilt)."""
+    for rel in files:
+        src, dst = os.path.join(root, rel), os.path.join(scratch, rel)
+        if os.path.isfile(dst) and open(src, "rb").read() == open(dst, "rb").read():
+            continue
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+        shutil.copymode(src, dst)
+    built = [p for pattern in BUILT for p in glob.glob(os.path.join(root, pattern))]
+    if not any(os.path.basename(p).startswith("_C") for p in built):
+        sys.exit(f"mutate: no built lora_ops/_C*.so in {root}: build the extension first (see README)")
+    for path in built:
+        shutil.copyfile(path, os.path.join(scratch, os.path.relpath(path, root)))
+
+
+def _env(seed: int, gpu: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", LORA_OPS_TEST_SEED=str(seed))
+    if not gpu:
+        env["LORA_OPS_NO_CUDA"] = "1"
+    return env
+
+
+def build(scratch: str, env: dict, log_path: str) -> bool:
+    with open(log_path, "w") as log:
+        run = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=scratch,
+                             env=dict(env, MAX_JOBS=env.get("MAX_JOBS", str(os.cpu_count() or 1))),
+                             stdout=log, stderr=subprocess.STDOUT)
+    return run.returncode == 0
+
+
+def test_files(files: Sequence[str], first: Sequence[str], only_first: bool) -> List[str]:
+    """The tracked files `pytest tests` collects (tests/**/test_*.py, *_test.py), `first` leading (only those with
+    only_first)."""
+    if only_first and first:
+        return list(first)
+    found = sorted(f for f in files if f.startswith("tests/") and f.endswith(".py")
+                   and (os.path.basename(f).startswith("test_") or f.endswith("_test.py")))
+    return list(first) + [f for f in found if f not in first]
+
+
+def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float):
+    """(pytest exit status or None on timeout, first failing test ids)."""
+    cmd = [sys.executable, "-m", "pytest", *test_paths, "-q", "-x", "-p", "no:cacheprovider"]
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", _read(log_path), flags=re.M)
+    return rc, failed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", metavar="ID", help="run only these mutations")
+    ap.add_argument("--gpu", action="store_true", help="run the GPU-only mutations (on a GPU machine)")
+    ap.add_argument("--fast", action="store_true", help="run each mutation's own test files, not the whole suite")
+    ap.add_argument("--check", action="store_true", help="only check that every snippet applies")
+    ap.add_argument("--list", action="store_true", help="print the mutation list")
+    ap.add_argument("--skip-stale", action="store_true", help="report stale mutations and run the others")
+    ap.add_argument("--scratch", help="scratch directory to (re)use; default: a new temporary one, removed after")
+    ap.add_argument("--log", help="also write the report to this file")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.id:<38} {'GPU ' if m.needs_gpu else ''}{m.file}: {m.description}")
+        return 0
+    ids = {m.id for m in MUTATIONS}
+    unknown = sorted(set(args.only or ()) - ids)
+    if unknown:
+        sys.exit(f"mutate: unknown mutation ids {unknown} (see --list)")
+    chosen = [m for m in MUTATIONS if (not args.only or m.id in args.only)]
+
+    files = worktree_files(ROOT)
+    stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}
+    for mid, why in stale.items():
+        print(f"STALE {mid}: {why}")
+    if args.check:
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} mutations apply" + (" (list is stale)" if stale else ""))
+        return 2 if stale else 0
+    if stale and not args.skip_stale:
+        print("mutate: the mutation list is stale (see above); refresh the snippets or pass --skip-stale")
+        return 2
+
+    seed = int(os.environ.get("LORA_OPS_TEST_SEED") or secrets.randbelow(1 << 32))
+    env = _env(seed, args.gpu)
+    scratch = args.scratch or tempfile.mkdtemp(prefix="lora_ops_mutate_")
+    os.makedirs(scratch, exist_ok=True)
+    logs = os.path.join(scratch, "mutation_logs")
+    os.makedirs(logs, exist_ok=True)
+    make_scratch(ROOT, scratch, files)
+    pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}
+    lines = [f"mutate: {ROOT} -> {scratch}; LORA_OPS_TEST_SEED={seed}; "
+             f"{'--fast (own test files)' if args.fast else 'every test file, -q -x'}; {'GPU' if args.gpu else 'CPU'}"]
+    print(lines[0], flush=True)
+
+    t0 = time.time()
+    rc, failed = run_tests(scratch, env, test_files(files, [], False), os.path.join(logs, "baseline.log"),
+                           args.timeout)
+    if rc != 0:
+        print(f"mutate: the UNMUTATED suite fails (exit {rc}: {failed[:3]}); see {logs}/baseline.log")
+        return 2
+    lines.append(f"baseline (unmutated): passed in {time.time() - t0:.0f} s")
+    print(lines[-1], flush=True)
+
+    results = []
+    for m in chosen:
+        if m.id in stale:
+            results.append((m, "STALE", 0.0, stale[m.id]))
+        elif m.needs_gpu != args.gpu:
+            why = "needs a GPU (--gpu)" if m.needs_gpu else "CPU mutation (run without --gpu)"
+            results.append((m, "not run", 0.0, why))
+        else:
+            results.append(_run_one(m, scratch, env, logs, args, pristine, files))
+        m_, verdict, secs, detail = results[-1]
+        print(f"{verdict:<9} {m.id:<38} {secs:5.0f} s  {detail}", flush=True)
+
+    lines += ["", f"{'result':<9} {'mutation':<38} {'time':>7}  detail", "-" * 100]
+    lines += [f"{v:<9} {m.id:<38} {s:5.0f} s  {d}" for m, v, s, d in results]
+    count = lambda v: sum(1 for r in results if r[1] == v)
+    lines += ["", f"caught {count('caught')}, survived {count('survived')}, build failed {count('no build')}, "
+                  f"stale {count('STALE')}, not run {count('not run')}; {time.time() - t0:.0f} s; logs in {logs}"]
+    print("\n".join(lines[3:]))
+    if args.log:
+        _write(args.log, "\n".join(lines) + "\n")
+    if not args.scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 1 if count("survived") or count("no build") else 0
+
+
+def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: dict, files: Sequence[str]):
+    path = os.path.join(scratch, m.file)
+    original = _read(path)
+    t0 = time.time()
+    cpp = m.file.endswith(CPP_SUFFIXES)
+    try:
+        _write(path, original.replace(m.original, m.replacement, 1))
+        if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
+            return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
+        rc, failed = run_tests(scratch, env, test_files(files, m.tests, args.fast),
+                               os.path.join(logs, f"{m.id}.log"), args.timeout)
+    finally:
+        _write(path, original)
+        if cpp:  # back to this checkout's build; the next C++ build recompiles the restored file as well
+            for p, data in pristine.items():
+                with open(p, "wb") as f:
+                    f.write(data)
+    secs = time.time() - t0
+    if rc is None:
+        return m, "caught", secs, f"timeout after {args.timeout:.0f} s (a hang)"
+    if rc == 0:
+        return m, "survived", secs, "every test passed"
+    what = f"exit {rc}" + (" (crash)" if rc < 0 else "")
+    return m, "caught", secs, f"{what}: {failed[0] if failed else 'see ' + m.id + '.log'}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
