@@ -1,8 +1,6 @@
 """lora_expand against the float64 oracle on every backend: the sgmv parity grid with a random h in place of the
 shrink (every slot's window, or one window per row broadcast over the slots), float32 or half h, garbage
 metadata, determinism, opcheck, argument errors, and compile."""
-import zlib
-
 import pytest
 import torch
 import torch._dynamo.testing
@@ -10,14 +8,15 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import reference, testing
 
+from conftest import case_generator
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _problem(case, impl, dtype, seed, h_fp32=False, broadcast=False):
+def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False):
     """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = case_generator(f"lora_expand-{key}")
     token_lora, kw = case(gen)
     kw.setdefault("num_slots", 6)
     p = testing.make_sgmv(token_lora, dtype=dtype, device=impl.device, gen=gen, **kw)
@@ -44,14 +43,13 @@ def _run_and_check(impl, args, dtype):
 def test_lora_expand_parity(impl, name, dtype):
     if dtype not in impl.dtypes:
         pytest.skip(f"{impl.name} is tested in {impl.dtypes} only")
-    seed = zlib.crc32(name.encode())
-    assert _run_and_check(impl, _problem(SGMV_CASES[name], impl, dtype, seed), dtype) == ""
+    assert _run_and_check(impl, _problem(SGMV_CASES[name], impl, dtype, name), dtype) == ""
 
 
 @pytest.mark.parametrize("variant", ["h_fp32", "broadcast"])
 def test_lora_expand_h_layouts(impl, variant):
     dtype = impl.dtypes[-1]
-    args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, seed=7, h_fp32=variant == "h_fp32",
+    args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, key="layouts", h_fp32=variant == "h_fp32",
                     broadcast=variant == "broadcast")
     assert _run_and_check(impl, args, dtype) == ""
 
@@ -59,7 +57,7 @@ def test_lora_expand_h_layouts(impl, variant):
 def test_lora_expand_folded_gemm_layout(impl):
     """h as the extra columns of a base GEMM against [W; A of every slot]: y and h are views of one output."""
     dtype = impl.dtypes[0]
-    gen = torch.Generator().manual_seed(3)
+    gen = case_generator("lora_expand-folded")
     T, K, N, L, S, R = 11, 24, 40, 4, 2, 8
     token_lora = testing.random_token_slots(T, [0, 3, -1, 1], gen)
     w_cat = torch.randn(N + L * S * R, K, generator=gen).to(dtype).to(impl.device)
@@ -80,14 +78,13 @@ def test_lora_expand_folded_gemm_layout(impl):
 def test_lora_expand_parity_large(impl, name, dtype):
     if impl.device != "cuda":
         pytest.skip("GPU-sized case")
-    seed = zlib.crc32(name.encode())
-    assert _run_and_check(impl, _problem(SGMV_LARGE_CASES[name], impl, dtype, seed), dtype) == ""
+    assert _run_and_check(impl, _problem(SGMV_LARGE_CASES[name], impl, dtype, name), dtype) == ""
 
 
 def test_lora_expand_garbage_metadata(impl):
     """Out-of-range and overlapping indptr, rows outside [0, T), huge slots (int64 too): skipped or clamped."""
     dtype = impl.dtypes[0]
-    args = list(_problem(SGMV_CASES["basic"], impl, dtype, seed=5))
+    args = list(_problem(SGMV_CASES["basic"], impl, dtype, key="garbage"))
     dev = impl.device
     T = args[0].shape[0]
     args[5] = torch.tensor([3, -5, 7, T + 7, 1, 2, 1 << 30] + list(range(8, T)), dtype=torch.int32, device=dev)
@@ -101,7 +98,7 @@ def test_lora_expand_garbage_metadata(impl):
 
 def test_lora_expand_deterministic(impl):
     dtype = impl.dtypes[-1]
-    args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, seed=21)
+    args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="determinism")
     outs = []
     for _ in range(3):
         y = args[0].clone()
@@ -113,7 +110,7 @@ def test_lora_expand_deterministic(impl):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_opcheck_lora_expand(device):
     from conftest import Impl
-    args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, seed=2)
+    args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, key="opcheck")
     torch.library.opcheck(torch.ops.lora_ops.lora_expand.default, args)
 
 
@@ -162,7 +159,7 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(folded_layer, backend=counter, fullgraph=True, dynamic=True)
-    gen = torch.Generator().manual_seed(1)
+    gen = case_generator("lora_expand-compile")
     for T in (3, 7, 12):
         x = torch.randn(T, K, generator=gen)
         token_lora = testing.random_token_slots(T, [0, 1, -1, 3], gen)
