@@ -141,11 +141,26 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
         }
         j = kFirstSteps * 8;
       }
-      for (; j < jpad; j += 8) {
-        float b[kCols][8];
+      for (; j < jpad; j += 16) {  // two steps' loads in flight at once
+        Raw8<TB> raw[2][kCols];
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) load8(b_cols + c * p.b_stride1 + j0 + j, kVec, c < cols ? jn - j : 0, b[c]);
-        fma_step(b, j);
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            load_raw8(b_cols + c * p.b_stride1 + j0 + j + 8 * u, kVec, c < cols ? jn - j - 8 * u : 0, raw[u][c]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (j + 8 * u >= jpad) break;
+          float b[kCols][8];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) b[c][jj] = to_f32(raw[u][c].v[jj]);
+          }
+          fma_step(b, j + 8 * u);
+        }
       }
     }
 #pragma unroll
