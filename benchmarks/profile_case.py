@@ -1,26 +1,35 @@
-"""Run one bench case's lora_ops.sgmv a few times, for a profiler or a tracing build:
-`ncu --clock-control none -k regex:sgmv python benchmarks/profile_case.py T adapters rank [pool_rank]`.
+"""Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h) a few times, for a profiler
+or a tracing build:
+`ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank] [--expand]`.
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import sys
 
 import torch
 
 import lora_ops
-from lora_ops.bench import Case, Problem
+from lora_ops.bench.ops import Case, Problem
 
 
 def main(argv):
-    T, adapters, rank = (int(v) for v in argv[:3])
-    case = Case(T, adapters, rank, pool_rank=int(argv[3]) if len(argv) > 3 else None)
+    expand = "--expand" in argv
+    args = [int(v) for v in argv if v != "--expand"]
+    T, adapters, rank = args[:3]
+    case = Case(T, adapters, rank, pool_rank=args[3] if len(args) > 3 else None)
     pb = Problem(case, torch.bfloat16, "cuda", seed=1)
+    p = pb.p
+    h = torch.randn(T, *p.lora_a.shape[:2], dtype=torch.bfloat16, device="cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()
-        for meta in (pb.p.seg_indptr, pb.p.seg_lora, pb.p.token_indices, pb.p.lora_ranks, pb.p.lora_scales):
+        for meta in (p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales):
             meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
-        lora_ops.sgmv(*pb.p.args())
+        if expand:
+            lora_ops.lora_expand(p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
+                                 p.lora_scales, p.slice_offsets, p.scale)
+        else:
+            lora_ops.sgmv(*p.args())
         torch.cuda.synchronize()
 
 

@@ -5,7 +5,8 @@ import itertools
 
 import torch
 
-from lora_ops import bench
+from lora_ops.bench import ops as bench
+from lora_ops.bench.timing import time_cuda
 from lora_ops.triton import launch_sgmv, sgmv_config
 
 SHAPES = [bench.Case(1, 1, 16), bench.Case(16, 4, 16), bench.Case(64, 16, 16), bench.Case(256, 32, 16),
@@ -24,13 +25,13 @@ def main():
             cfg = dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, N_SPLITS=ns, num_warps=w)
             calls = [lambda pb=pb, y=pb.p.y.clone(): launch_sgmv(*pb.p.args(y), config=cfg) for pb in sets]
             try:
-                us = bench._time_cuda(calls, graph=True, min_ms=5.0)
+                us = time_cuda(calls, graph=True, min_ms=5.0)
             except Exception as exc:  # e.g. out of shared memory
                 continue
             results.append((us, cfg))
         results.sort(key=lambda r: r[0])
         calls = [lambda pb=pb, y=pb.p.y.clone(): launch_sgmv(*pb.p.args(y), config=default) for pb in sets]
-        us_default = bench._time_cuda(calls, graph=True, min_ms=5.0)
+        us_default = time_cuda(calls, graph=True, min_ms=5.0)
         print(f"T={case.T} adapters={case.adapters} rank={case.rank}: table {us_default:.2f} us {default}")
         for us, cfg in results[:3]:
             print(f"    {us:8.2f} us  {cfg}")
