@@ -28,7 +28,6 @@ from lora_ops import reference, testing
 
 OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
 OP_WEIGHTS = (4, 4, 3, 1)
-HALF = (torch.float16, torch.bfloat16)
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
 

@@ -73,7 +73,7 @@ class Report:
             for op in [None] + sorted(self.ops):  # the backend's total, then per op
                 n = {o: sum(v for (b2, op2, o2), v in self.counts.items() if b2 == b and o2 == o and op in (None, op2))
                      for o in OUTCOMES}
-                lines.append(f"  {b if op is None else '  ' + op:16s}" + "  ".join(f"{o} {n[o]}" for o in OUTCOMES))
+                lines.append(f"  {b if op is None else '  ' + op:18s}" + "  ".join(f"{o} {n[o]}" for o in OUTCOMES))
         for f in self.failures[:50]:
             lines.append(f"{f.outcome} case seed {f.seed} on {f.backend}: {f.detail}")
             if f.call:
