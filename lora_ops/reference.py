@@ -66,6 +66,8 @@ def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ran
     h64, b64 = h.double(), lora_b.double()
     for slot, rows in _segment_rows(seg_indptr, seg_lora, token_indices, y.shape[0], num_slots):
         rank = max_rank if lora_ranks is None else min(max(int(lora_ranks[slot]), 0), max_rank)
+        if rank == 0:  # skips the slot, whatever its scale (not NaN * 0)
+            continue
         coef = scale * (1.0 if lora_scales is None else float(lora_scales[slot]))
         for s in range(len(offsets) - 1):
             lo, hi = offsets[s], offsets[s + 1]

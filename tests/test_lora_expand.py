@@ -96,6 +96,15 @@ def test_lora_expand_garbage_metadata(impl):
     assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
+def test_lora_expand_rank0_slot_ignores_its_scale(impl):
+    """A rank-0 slot is skipped, so even a NaN scale on it leaves its rows bitwise unchanged."""
+    dtype = impl.dtypes[0]
+    args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0"))  # slot 2 has rank 0
+    args[7] = args[7].clone()
+    args[7][2] = float("nan")
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+
+
 def test_lora_expand_deterministic(impl):
     dtype = impl.dtypes[-1]
     args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="determinism")

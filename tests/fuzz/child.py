@@ -22,8 +22,9 @@ from lora_ops import backends as lora_backends
 from . import cases
 
 PREFIX = "FUZZ "
-# The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value);
-# an op without an entry gets the automatic choice. "cuda" is the automatic choice for every op.
+# The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value).
+# "cuda" is the automatic choice for every op; a forced backend skips the ops it forces nothing for (lora_expand
+# and build_segments have one CUDA kernel each): the "cuda" call already runs that kernel on the same case.
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma")},
     "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split")},
@@ -55,9 +56,9 @@ def _call(name: str, case: cases.Case):
         module = lora_ops.ops
     for var in _KERNEL_VARIABLES:
         os.environ.pop(var, None)
-    forced = FORCED_CUDA_KERNELS.get(name, {}).get(case.op)
-    if forced:
-        os.environ[forced[0]] = forced[1]
+    if name in FORCED_CUDA_KERNELS:
+        variable, value = FORCED_CUDA_KERNELS[name][case.op]
+        os.environ[variable] = value
     out = getattr(module, case.op)(**case.kwargs)
     if case.device == "cuda":
         torch.cuda.synchronize()  # an asynchronous kernel fault belongs to this call
@@ -73,6 +74,9 @@ def run_case(seed: int, device: str, backends, large: bool, debug: bool) -> dict
         interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         if interpreted and not (case.fp32_only or case.error_names):
             results[name] = ["SKIP", "the Triton interpreter runs float32 only", case.op]
+            continue
+        if name in FORCED_CUDA_KERNELS and case.op not in FORCED_CUDA_KERNELS[name]:
+            results[name] = ["SKIP", f"{name} forces no {case.op} kernel", case.op]
             continue
         outcome, detail = cases.judge(case, lambda: _call(name, case), debug)
         results[name] = [outcome, detail, case.op] + ([case.describe()] if outcome == "FAIL" else [])

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import lora_ops
 import torch
 
-from . import child
+from . import cases, child
 
 OUTCOMES = ("OK", "ERROR", "SKIP", "FAIL", "CRASH", "HANG")
 BAD = ("FAIL", "CRASH", "HANG")
@@ -42,7 +42,7 @@ class Report:
     device: str
     backends: List[str]
     debug: bool
-    counts: Dict[Tuple[str, str], int] = dataclasses.field(default_factory=collections.Counter)
+    counts: Dict[Tuple[str, str, str], int] = dataclasses.field(default_factory=collections.Counter)  # backend, op, outcome
     ops: Dict[str, int] = dataclasses.field(default_factory=collections.Counter)
     failures: List[Failure] = dataclasses.field(default_factory=list)
     cases: int = 0
@@ -55,7 +55,7 @@ class Report:
     def record(self, seed: int, results: dict) -> None:
         self.cases += 1
         for backend, (outcome, detail, op, *call) in results.items():
-            self.counts[backend, outcome] += 1
+            self.counts[backend, op, outcome] += 1
             self.ops[op] += 1
             if outcome in BAD:
                 self.failures.append(Failure(seed, backend, outcome, detail, call[0] if call else ""))
@@ -70,7 +70,10 @@ class Report:
                  + f": {self.cases} cases in {self.seconds:.1f} s "
                  + "(" + ", ".join(f"{op} {n}" for op, n in sorted(self.ops.items())) + " calls)"]
         for b in self.backends:
-            lines.append(f"  {b:13s}" + "  ".join(f"{o} {self.counts.get((b, o), 0)}" for o in OUTCOMES))
+            for op in [None] + sorted(self.ops):  # the backend's total, then per op
+                n = {o: sum(v for (b2, op2, o2), v in self.counts.items() if b2 == b and o2 == o and op in (None, op2))
+                     for o in OUTCOMES}
+                lines.append(f"  {b if op is None else '  ' + op:18s}" + "  ".join(f"{o} {n[o]}" for o in OUTCOMES))
         for f in self.failures[:50]:
             lines.append(f"{f.outcome} case seed {f.seed} on {f.backend}: {f.detail}")
             if f.call:
@@ -193,7 +196,7 @@ def fuzz(seed: int, *, seconds: Optional[float] = None, cases: Optional[Iterable
         if run.returncode != 0 or run.hung:  # 0 with cases left: the time is up
             queue.extendleft(reversed(unfinished))
         if log:
-            bad = sum(n for (_, o), n in report.counts.items() if o in BAD)
+            bad = sum(n for (_, _, o), n in report.counts.items() if o in BAD)
             log(f"fuzz: {report.cases} cases, {len(report.failures)} failures ({bad} bad calls), "
                 f"{time.time() - start:.0f} s")
     report.seconds = time.time() - start
@@ -206,7 +209,9 @@ def _record_death(report: Report, run: _ChildRun, device, large, debug, timeout)
     outcome = "HANG" if run.hung else "CRASH"
     alone = _run_child([seed], device, [backend], large, debug, timeout, float("inf"))
     again = "again when run alone" if alone.running is not None else "not when run alone: depends on earlier cases"
-    report.counts[backend, outcome] += 1
+    op = cases.case_op(seed)
+    report.counts[backend, op, outcome] += 1
+    report.ops[op] += 1
     report.cases += 1
     report.failures.append(Failure(seed, backend, outcome, f"{_death(run)} ({again})" + _tail(run)))
 
