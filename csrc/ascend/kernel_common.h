@@ -4,6 +4,12 @@
 // A MIX kernel runs one AIC and two AIVs per block. Both walk the same tiles in the same order: the AIC computes an
 // output block of tile_rows x n_block floats into one of its two workspace slots and raises kReady[slot]; each AIV
 // waits on it, reads its half of the rows, raises kFree[slot] once its reads are done, and adds the block into y.
+//
+// The cube's two operands share one type. An fp32 left operand (sgmv's h for a float32 y, grouped_gemm's float32
+// x with a 16-bit w) is split by the AIVs into hi = T(v) and lo = T(v - hi), each AIV its half of the tile's rows,
+// into the block's split planes in GM (kSplitDone); the AIC multiplies both by the same right operand into one
+// fp32 accumulator, so the product keeps ~16 (bf16) or ~22 (fp16) bits of v instead of T's 8 or 11. sgmv's h is
+// born on the AIC: it goes to the AIVs first, as fp32 in the split workspace (kSplitSource).
 #pragma once
 #include <type_traits>
 
@@ -16,6 +22,8 @@ using namespace AscendC;
 
 constexpr uint16_t kReadyFlag = 0;  // + slot: AIC -> AIVs, the slot holds a block
 constexpr uint16_t kFreeFlag = 2;   // + slot: AIVs -> AIC, the slot was read
+constexpr uint16_t kSplitSourceFlag = 4;  // AIC -> AIVs: the fp32 source tile is in the split workspace
+constexpr uint16_t kSplitDoneFlag = 5;    // AIVs -> AIC: the hi and lo planes are written
 constexpr int64_t kFrac = 16;       // fractal rows
 
 __aicore__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -99,17 +107,18 @@ class Cube {
     pipe.InitBuffer(c_l0_, 2, kL0CStage);
     // Rows past a tile's last row and columns past a weight's last row still enter the cube as fractal padding:
     // keep them finite (stale L1 could hold NaN patterns, which Mmad must not be fed).
-    ZeroL1(x_l1_, tile_rows * k_chunk);
-    ZeroL1(w_l1_, kL0BStage / sizeof(T));
+    ZeroQueue(x_l1_, tile_rows * k_chunk);
+    ZeroQueue(w_l1_, kL0BStage / sizeof(T));
     PipeBarrier<PIPE_MTE2>();
   }
 
-  // Rows rows[0, count) of a [*, row_stride] GM matrix, columns [k0, k0 + k_len), into L0A as the left operand.
+  // Rows rows[0, count) (rows 0, 1, ... when rows is null) of a [*, row_stride] GM matrix, columns
+  // [k0, k0 + k_len), into L0A as the left operand.
   __aicore__ inline LocalTensor<T> LoadRows(const GlobalTensor<T>& gm, const int32_t* rows, int32_t count,
                                             int64_t row_stride, int64_t k0, int64_t k_len) {
     LocalTensor<T> l1 = x_l1_.template AllocTensor<T>();
     for (int32_t i = 0; i < count; ++i) {
-      DataCopy(l1[i * C0<T>], gm[rows[i] * row_stride + k0],
+      DataCopy(l1[i * C0<T>], gm[(rows != nullptr ? rows[i] : i) * row_stride + k0],
                Nd2NzParams{1, 1, static_cast<uint16_t>(k_len), 0, static_cast<uint16_t>(k_len),
                            static_cast<uint16_t>(tile_rows_), 1, 0});
     }
@@ -118,6 +127,15 @@ class Cube {
     LocalTensor<T> a = ToLeft(l1, 0, CeilDiv(count, kFrac), CeilDiv(k_len, C0<T>));
     x_l1_.FreeTensor(l1);
     return a;
+  }
+
+  // Rows [0, count) of a [*, row_stride] GM matrix, columns [0, cols), into an L1 tensor as NZ with tile_rows rows
+  // per column group (one DMA; rows past count keep what they held).
+  __aicore__ inline void CopyToL1(const LocalTensor<T>& l1, const GlobalTensor<T>& gm, int32_t count,
+                                  int64_t row_stride, int64_t cols) {
+    DataCopy(l1, gm,
+             Nd2NzParams{1, static_cast<uint16_t>(count), static_cast<uint16_t>(cols), 0,
+                         static_cast<uint16_t>(row_stride), static_cast<uint16_t>(tile_rows_), 1, 0});
   }
 
   // Columns [col0, col0 + k_len) of an NZ matrix held in L1 with tile_rows rows per column group, into L0A.
@@ -167,16 +185,20 @@ class Cube {
   }
   __aicore__ inline void FreeAcc(LocalTensor<float>& c) { c_l0_.FreeTensor(c); }
 
+  // elems elements of an L1 tensor = 0 (MTE2; the caller orders later MTE2 writes after it).
+  __aicore__ inline void ZeroL1(const LocalTensor<T>& t, int64_t elems) {
+    Fill(t, InitConstValueParams<T>{1, static_cast<uint16_t>(elems * sizeof(T) / 32), 0, T(0)});
+  }
+
   static constexpr int64_t kFracElems = 512 / sizeof(T);
 
  private:
   template <class Q>
-  __aicore__ inline void ZeroL1(Q& que, int64_t elems) {
+  __aicore__ inline void ZeroQueue(Q& que, int64_t elems) {
     LocalTensor<T> t0 = que.template AllocTensor<T>();
     LocalTensor<T> t1 = que.template AllocTensor<T>();
-    const uint16_t blocks = static_cast<uint16_t>(elems * sizeof(T) / 32);
-    Fill(t0, InitConstValueParams<T>{1, blocks, 0, T(0)});
-    Fill(t1, InitConstValueParams<T>{1, blocks, 0, T(0)});
+    ZeroL1(t0, elems);
+    ZeroL1(t1, elems);
     que.FreeTensor(t0);
     que.FreeTensor(t1);
   }
@@ -352,6 +374,87 @@ class RowUpdater {
   TQue<TPosition::VECIN, 1> delta_, y_in_;
   TQue<TPosition::VECOUT, 1> y_out_;
   TBuf<TPosition::VECCALC> acc_;
+};
+
+// One block's part of the split workspace: the hi and lo planes (tile_rows x split_ld of T each), then the fp32
+// source tile (tile_rows x split_ld floats; sgmv only).
+template <typename T>
+struct SplitPlanes {
+  __aicore__ inline SplitPlanes(GM_ADDR split, int64_t block, const MatmulTiles& tiles) : ld(tiles.split_ld) {
+    const int64_t plane = int64_t(tiles.tile_rows) * ld;
+    __gm__ T* base = reinterpret_cast<__gm__ T*>(split) + block * tiles.split_block_elems;
+    hi.SetGlobalBuffer(base);
+    lo.SetGlobalBuffer(base + plane);
+    source.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(base + 2 * plane));
+  }
+  int64_t ld;
+  GlobalTensor<T> hi, lo;
+  GlobalTensor<float> source;
+};
+
+// The AIV side of the split: rows of an fp32 GM matrix -> hi = T(v), lo = T(v - float(hi)) in the split planes.
+// v - float(hi) is exact in fp32, so hi + lo is v to ~2x T's precision. An fp16 hi overflows beyond 65504 (as in
+// the CUDA and Triton kernels); bf16 has fp32's range.
+template <typename T>
+class HiLoSplitter {
+ public:
+  __aicore__ inline void Init(TPipe& pipe) {
+    pipe.InitBuffer(in_, 1, kSplitElems * sizeof(float));
+    pipe.InitBuffer(hi_, 1, kSplitElems * sizeof(T));
+    pipe.InitBuffer(lo_, 1, kSplitElems * sizeof(T));
+    pipe.InitBuffer(wide_, kSplitElems * sizeof(float));
+  }
+
+  // Plane rows [first, first + mine), columns [0, cols): plane row d comes from row src_rows[d] (d when src_rows is
+  // null) of src, a matrix with src_row_stride.
+  __aicore__ inline void Split(const SplitPlanes<T>& planes, const GlobalTensor<float>& src, const int32_t* src_rows,
+                               int64_t src_row_stride, int32_t first, int32_t mine, int64_t cols) {
+    const int64_t width = Min(RoundUp(cols, kFrac), kSplitElems);  // UB row pitch: 32-byte aligned T rows
+    const int32_t rows_per_pass = static_cast<int32_t>(kSplitElems / width);
+    for (int64_t c0 = 0; c0 < cols; c0 += width) {
+      const int64_t len = Min(width, cols - c0);
+      for (int32_t r0 = first; r0 < first + mine; r0 += rows_per_pass) {
+        const int32_t n = static_cast<int32_t>(Min(rows_per_pass, first + mine - r0));
+        LocalTensor<float> in = in_.AllocTensor<float>();
+        for (int32_t i = 0; i < n; ++i) {
+          const int64_t row = src_rows != nullptr ? src_rows[r0 + i] : r0 + i;
+          DataCopyPad(in[i * width], src[row * src_row_stride + c0],
+                      DataCopyExtParams{1, static_cast<uint32_t>(len * sizeof(float)), 0, 0, 0},
+                      DataCopyPadExtParams<float>{false, 0, 0, 0.f});
+        }
+        in_.EnQue(in);
+        in = in_.DeQue<float>();
+        const int32_t elems = static_cast<int32_t>(n * width);
+        LocalTensor<T> hi = hi_.AllocTensor<T>();
+        LocalTensor<T> lo = lo_.AllocTensor<T>();
+        LocalTensor<float> wide = wide_.Get<float>();
+        Cast(hi, in, RoundMode::CAST_RINT, elems);
+        Cast(wide, hi, RoundMode::CAST_NONE, elems);
+        Sub(wide, in, wide, elems);
+        Cast(lo, wide, RoundMode::CAST_RINT, elems);
+        in_.FreeTensor(in);
+        Store(hi_, hi, planes.hi, planes.ld, r0, n, c0, len, width);
+        Store(lo_, lo, planes.lo, planes.ld, r0, n, c0, len, width);
+      }
+    }
+  }
+
+ private:
+  // n rows of len elements (UB pitch width) -> plane rows [r0, r0 + n), columns [c0, c0 + len): one DMA.
+  __aicore__ inline void Store(TQue<TPosition::VECOUT, 1>& que, LocalTensor<T>& t, const GlobalTensor<T>& plane,
+                               int64_t ld, int32_t r0, int32_t n, int64_t c0, int64_t len, int64_t width) {
+    que.EnQue(t);
+    t = que.template DeQue<T>();
+    DataCopyPad(plane[r0 * ld + c0], t,
+                DataCopyExtParams{static_cast<uint16_t>(n), static_cast<uint32_t>(len * sizeof(T)),
+                                  static_cast<uint32_t>((width - RoundUp(len, kFrac)) / kFrac),
+                                  static_cast<uint32_t>((ld - len) * sizeof(T)), 0});
+    que.FreeTensor(t);
+  }
+
+  TQue<TPosition::VECIN, 1> in_;
+  TQue<TPosition::VECOUT, 1> hi_, lo_;
+  TBuf<TPosition::VECCALC> wide_;
 };
 
 }  // namespace lora_ops::ascend

@@ -10,6 +10,7 @@ struct SgmvBuffers {
   const void *x, *lora_a, *lora_b, *seg_indptr, *seg_lora;
   const void *token_indices, *lora_ranks, *lora_scales;  // nullptr when absent
   void* workspace;  // tiles.block_dim * 2 * tile_rows * n_block floats
+  void* split;      // tiles.block_dim * split_block_elems 16-bit elements (float32 y), else unused
 };
 void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& buffers, void* stream);
 
@@ -18,6 +19,7 @@ struct GroupedGemmBuffers {
   const void *x, *w, *seg_indptr, *seg_weight;
   const void *token_indices, *n_sizes, *k_sizes;  // nullptr when absent
   void* workspace;
+  void* split;  // tiles.block_dim * split_block_elems 16-bit elements (float32 x, 16-bit w), else unused
 };
 void launch_grouped_gemm(const GroupedGemmTiling& tiling, const GroupedGemmBuffers& buffers, void* stream);
 

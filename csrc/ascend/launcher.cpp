@@ -15,8 +15,8 @@ void require(const Plan<Tiling>& plan) {
   TORCH_CHECK_VALUE(plan.error.empty(), plan.error);
 }
 
-at::Tensor workspace(const at::Tensor& like, uint64_t bytes) {
-  return at::empty({static_cast<int64_t>(bytes / sizeof(float))}, like.options().dtype(at::kFloat));
+at::Tensor workspace(const at::Tensor& like, uint64_t bytes, at::ScalarType dtype) {
+  return at::empty({static_cast<int64_t>(bytes / c10::elementSize(dtype))}, like.options().dtype(dtype));
 }
 
 const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
@@ -39,7 +39,8 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
   const auto plan = plan_sgmv(p, device.target);
   require(plan);
   if (!plan.launch) return;  // no rows, segments, K, N or rank: y is already the result
-  const at::Tensor ws = workspace(y, plan.workspace_bytes);
+  const at::Tensor ws = workspace(y, plan.workspace_bytes, at::kFloat);
+  const at::Tensor split = workspace(y, plan.split_bytes, x.scalar_type());
   declare_gm("y", y, true);
   declare_gm("x", x, false);
   declare_gm("lora_a", lora_a, false);
@@ -48,10 +49,11 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
   declare_gm("lora_ranks", keep.lora_ranks, false);
   declare_gm("lora_scales", keep.lora_scales, false);
   declare_gm("workspace", ws, true);
+  declare_gm("split workspace", split, true);
   launch_sgmv(plan.tiling,
               SgmvBuffers{y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), keep.seg_indptr.data_ptr(),
                           keep.seg_lora.data_ptr(), data_or_null(keep.token_indices), data_or_null(keep.lora_ranks),
-                          data_or_null(keep.lora_scales), ws.data_ptr()},
+                          data_or_null(keep.lora_scales), ws.data_ptr(), split.data_ptr()},
               device.stream);
 }
 
@@ -65,7 +67,8 @@ void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   const auto plan = plan_grouped_gemm(p, device.target);
   require(plan);
   if (!plan.launch) return;  // no rows, segments or columns, or K = 0 added to y: y is already the result
-  const at::Tensor ws = workspace(y, plan.workspace_bytes);
+  const at::Tensor ws = workspace(y, plan.workspace_bytes, at::kFloat);
+  const at::Tensor split = workspace(y, plan.split_bytes, w.scalar_type());
   declare_gm("y", y, true);
   declare_gm("x", x, false);
   declare_gm("w", w, false);
@@ -73,10 +76,12 @@ void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   declare_gm("n_sizes", keep.n_sizes, false);
   declare_gm("k_sizes", keep.k_sizes, false);
   declare_gm("workspace", ws, true);
+  declare_gm("split workspace", split, true);
   launch_grouped_gemm(plan.tiling,
                       GroupedGemmBuffers{y.data_ptr(), x.data_ptr(), w.data_ptr(), keep.seg_indptr.data_ptr(),
                                          keep.seg_weight.data_ptr(), data_or_null(keep.token_indices),
-                                         data_or_null(keep.n_sizes), data_or_null(keep.k_sizes), ws.data_ptr()},
+                                         data_or_null(keep.n_sizes), data_or_null(keep.k_sizes), ws.data_ptr(),
+                                         split.data_ptr()},
                       device.stream);
 }
 

@@ -38,8 +38,18 @@ uint32_t blocks_for(const Segments& s, int64_t tile_rows, const Target& target) 
 }
 
 // An output block is at most one L0C stage of floats (tile_rows * n_block <= kL0CStage / 4); an AIV holds half of
-// its rows in at most four buffers of 4-byte elements (kernel_common.h RowUpdater), which UB always fits.
-static_assert(kL0CStage / 4 / 2 * 4 * 4 <= kUbBytes, "RowUpdater buffers exceed UB");
+// its rows in at most four buffers of 4-byte elements (kernel_common.h RowUpdater), next to the HiLoSplitter's two
+// float and two 16-bit buffers of kSplitElems: UB always fits both.
+static_assert(kL0CStage / 4 / 2 * 4 * 4 + kSplitElems * (4 + 4 + 2 + 2) <= kUbBytes,
+              "RowUpdater and HiLoSplitter buffers exceed UB");
+
+// The split workspace of `tiles` with planes of ld columns: hi and lo planes of 16-bit elements, plus an fp32
+// source tile (two planes' worth) when the source is made on the AIC (kernel_common.h SplitPlanes).
+uint64_t set_split(MatmulTiles& tiles, int64_t ld, bool with_source) {
+  tiles.split_ld = static_cast<uint32_t>(ld);
+  tiles.split_block_elems = uint64_t(tiles.tile_rows) * ld * (with_source ? 4 : 2);
+  return uint64_t(tiles.block_dim) * tiles.split_block_elems * 2;
+}
 
 // The reduction chunk of one L0A load of tile_rows rows (a fractal multiple, at most 256 and the reduction).
 int64_t k_chunk_for(int64_t tile_rows, int64_t elem, int64_t k) {
@@ -67,6 +77,9 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   }
   constexpr int64_t elem = 2;
   const int64_t rank_pad = round_up(p.max_rank, 16), h_cols = p.num_slices * rank_pad;
+  // A float32 y keeps h in L1 as hi and lo halves (kernel_common.h), else rounded once to x's dtype.
+  const bool split = p.y_dtype == DType::F32;
+  const int64_t h_parts = split ? 2 : 1;
   SgmvTiling& t = plan.tiling;
   int64_t tile_rows = tile_rows_for(p.seg);
   for (;; tile_rows /= 2) {
@@ -79,11 +92,13 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
     t.rank_chunk = static_cast<uint32_t>(std::min<int64_t>(
         {round_down(kL0BStage / (t.tiles.n_block * elem), 16), round_down(kL0AStage / (tile_rows * elem), 16),
          rank_pad, kMaxMmadDim}));
-    const int64_t l1 = 2 * tile_rows * k_chunk * elem + 2 * int64_t(kL0BStage) + tile_rows * h_cols * elem;
+    const int64_t l1 = 2 * tile_rows * k_chunk * elem + 2 * int64_t(kL0BStage) + h_parts * tile_rows * h_cols * elem;
     if (l1 <= kL1Bytes) break;
     if (tile_rows == 16) {
       plan.error = "lora_ops.sgmv on Ascend: S*R = " + std::to_string(h_cols) +
-                   " intermediate columns (slices x rank rounded up to 16) do not fit in L1 even with 16-row tiles";
+                   " intermediate columns (slices x rank rounded up to 16" +
+                   (split ? ", kept as hi and lo halves for a float32 y" : "") +
+                   ") do not fit in L1 even with 16-row tiles";
       return plan;
     }
   }
@@ -108,17 +123,13 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   t.has_scales = p.lora_scales != nullptr;
   t.h_cols = static_cast<uint32_t>(h_cols);
   plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/true);
   plan.launch = true;
   return plan;
 }
 
 Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Target& target) {
   Plan<GroupedGemmTiling> plan;
-  if (p.x_dtype != p.w_dtype) {
-    plan.error = "lora_ops.grouped_gemm on Ascend: x float32 with a 16-bit w is not supported (the cube takes one "
-                 "operand dtype); pass x in w's dtype";
-    return plan;
-  }
   if (!nd2nz_stride_ok(p.w_stride1)) {
     plan.error = "lora_ops.grouped_gemm on Ascend: the row stride of w (" + std::to_string(p.w_stride1) +
                  ") must be in [1, 65535] elements (Nd2Nz)";
@@ -128,7 +139,7 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
   if (p.rows == 0 || p.seg.num_segments == 0 || p.seg.positions == 0 || p.n == 0 || (p.k == 0 && p.accumulate)) {
     return plan;
   }
-  const int64_t elem = dtype_size(p.x_dtype);
+  const int64_t elem = dtype_size(p.w_dtype);  // the cube's operand type (a float32 x enters as two halves of it)
   GroupedGemmTiling& t = plan.tiling;
   const int64_t tile_rows = tile_rows_for(p.seg);
   const int64_t k_chunk = k_chunk_for(tile_rows, elem, std::max<int64_t>(p.k, 1));
@@ -148,10 +159,12 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
   t.alpha = p.alpha;
   t.accumulate = p.accumulate;
   t.x_dtype = code(p.x_dtype);
+  t.w_dtype = code(p.w_dtype);
   t.y_dtype = code(p.y_dtype);
   t.has_n_sizes = p.n_sizes != nullptr;
   t.has_k_sizes = p.k_sizes != nullptr;
   plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  if (p.x_dtype != p.w_dtype) plan.split_bytes = set_split(t.tiles, round_up(p.k, 16), /*with_source=*/false);
   plan.launch = true;
   return plan;
 }

@@ -19,7 +19,8 @@ struct Target {
 template <class Tiling>
 struct Plan {
   Tiling tiling{};
-  uint64_t workspace_bytes = 0;
+  uint64_t workspace_bytes = 0;  // fp32 workspace: the AIC -> AIV output slots
+  uint64_t split_bytes = 0;      // 16-bit split workspace (fp32 left operands of the cube), 0 without one
   bool launch = false;  // false: nothing to compute (empty input), or `error` is set
   std::string error;
 };

@@ -1,7 +1,9 @@
 // sgmv on the cube unit (docs/design.md §2): for each tile of up to tile_rows rows of one segment (slot l, rank r),
-//   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1
-//         (rounded once to x's dtype, the expand's operand type); then for every slice and block of its columns,
-//         delta = h_s . B[l, block, :r]^T in fp32 -> workspace slot;
+//   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1 for the
+//         expand, whose operands are 16-bit: for a half-precision y rounded once to x's dtype (below y's own
+//         rounding), for a float32 y as hi + lo halves (split by the AIVs, kernel_common.h), so that h keeps ~2x
+//         x's precision; then for every slice and block of its columns, delta = h_s . B[l, block, :r]^T in fp32
+//         (one Mmad per half) -> workspace slot;
 //   AIVs: y[rows, block] += scale * lora_scales[l] * delta, in fp32, rounded once to y's dtype.
 // Only the true rank is read and computed. Every slice is handled in the one launch.
 #include <type_traits>
@@ -15,12 +17,18 @@ namespace {
 
 template <typename T, typename Y>
 class SgmvKernel {
+  // A float32 y takes h as hi + lo: the L1 halves are written by MTE2 (from the split planes), else by Fixpipe.
+  static constexpr bool kSplit = std::is_same_v<Y, float>;
+  static constexpr int kParts = kSplit ? 2 : 1;
+  static constexpr HardEvent kHWritten = kSplit ? HardEvent::MTE2_MTE1 : HardEvent::FIX_MTE1;
+  static constexpr HardEvent kHRead = kSplit ? HardEvent::MTE1_MTE2 : HardEvent::MTE1_FIX;
+
  public:
   __aicore__ inline SgmvKernel(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
                                GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices, GM_ADDR lora_ranks,
-                               GM_ADDR lora_scales, GM_ADDR workspace)
+                               GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split)
       : t_(t), y_(y), indptr_(seg_indptr), slots_(seg_lora), token_indices_(token_indices), ranks_(lora_ranks),
-        scales_(lora_scales), workspace_(workspace) {
+        scales_(lora_scales), workspace_(workspace), split_(split) {
     x_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(x));
     a_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(lora_a));
     b_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(lora_b));
@@ -31,29 +39,46 @@ class SgmvKernel {
     TPipe pipe;
     Cube<T> cube;
     cube.Init(pipe, tile_rows, t_.tiles.k_chunk);
-    TBuf<TPosition::A1> h_buf;  // the intermediate, NZ with tile_rows rows per 16-column group
-    pipe.InitBuffer(h_buf, tile_rows * t_.h_cols * sizeof(T));
-    LocalTensor<T> h = h_buf.Get<T>();
+    // The intermediate (h, or its hi and lo halves), NZ with tile_rows rows per 16-column group.
+    TBuf<TPosition::A1> h_buf[kParts];
+    LocalTensor<T> h[kParts];
+    for (int p = 0; p < kParts; ++p) {
+      pipe.InitBuffer(h_buf[p], tile_rows * t_.h_cols * sizeof(T));
+      h[p] = h_buf[p].template Get<T>();
+      // The halves' rows past a tile's count are not copied in, yet enter the cube as fractal padding: finite.
+      if constexpr (kSplit) cube.ZeroL1(h[p], tile_rows * t_.h_cols);
+    }
+    if constexpr (kSplit) PipeBarrier<PIPE_MTE2>();
+    const SplitPlanes<T> planes(split_, block, t_.tiles);
     SlotWriter slots(workspace_, block, t_.tiles);
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, tile_rows);
-    // h is written by Fixpipe (FIX) and read by LoadData (MTE1): order the two both ways.
-    const TEventID h_written = pipe.AllocEventID<HardEvent::FIX_MTE1>();
-    const TEventID h_read = pipe.AllocEventID<HardEvent::MTE1_FIX>();
-    SetFlag<HardEvent::MTE1_FIX>(h_read);  // nothing reads h yet
+    // h is written by Fixpipe or MTE2 and read by LoadData (MTE1): order the two both ways.
+    const TEventID h_written = pipe.template AllocEventID<kHWritten>();
+    const TEventID h_read = pipe.template AllocEventID<kHRead>();
+    SetFlag<kHRead>(h_read);  // nothing reads h yet
     while (walk.Next()) {
       const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
       if (rank == 0) continue;
       const int64_t m_pad = RoundUp(walk.count, kFrac), rank_pad = RoundUp(rank, kFrac);
-      WaitFlag<HardEvent::MTE1_FIX>(h_read);
-      Shrink(cube, walk, h, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
-      SetFlag<HardEvent::FIX_MTE1>(h_written);
-      WaitFlag<HardEvent::FIX_MTE1>(h_written);
+      const int64_t h_cols = t_.num_slices * rank_pad;
+      WaitFlag<kHRead>(h_read);
+      if constexpr (kSplit) {
+        Shrink(cube, walk, planes.source, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+        CrossCoreSetFlag<2, PIPE_FIX>(kSplitSourceFlag);
+        CrossCoreWaitFlag(kSplitDoneFlag);
+        cube.CopyToL1(h[0], planes.hi, walk.count, planes.ld, h_cols);
+        cube.CopyToL1(h[1], planes.lo, walk.count, planes.ld, h_cols);
+      } else {
+        Shrink(cube, walk, h[0], a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+      }
+      SetFlag<kHWritten>(h_written);
+      WaitFlag<kHWritten>(h_written);
       Expand(cube, slots, walk, h, b_[walk.slot * t_.b_stride0], rank, rank_pad, m_pad);
-      SetFlag<HardEvent::MTE1_FIX>(h_read);
+      SetFlag<kHRead>(h_read);
     }
-    WaitFlag<HardEvent::MTE1_FIX>(h_read);
-    pipe.ReleaseEventID<HardEvent::FIX_MTE1>(h_written);
-    pipe.ReleaseEventID<HardEvent::MTE1_FIX>(h_read);
+    WaitFlag<kHRead>(h_read);
+    pipe.template ReleaseEventID<kHWritten>(h_written);
+    pipe.template ReleaseEventID<kHRead>(h_read);
     slots.Drain();
   }
 
@@ -62,11 +87,22 @@ class SgmvKernel {
     TPipe pipe;
     RowUpdater<Y> rows;
     rows.Init(pipe, workspace_, y_, t_.y_row_stride, block, t_.tiles);
+    HiLoSplitter<T> splitter;
+    if constexpr (kSplit) splitter.Init(pipe);
+    const SplitPlanes<T> planes(split_, block, t_.tiles);
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, t_.tiles.tile_rows);
     GlobalTensor<float> scales;
     if (t_.has_scales) scales.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(scales_));
     while (walk.Next()) {
-      if (SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank) == 0) continue;
+      const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
+      if (rank == 0) continue;
+      if constexpr (kSplit) {
+        int32_t first, mine;
+        rows.Share(walk.count, first, mine);
+        CrossCoreWaitFlag(kSplitSourceFlag);
+        splitter.Split(planes, planes.source, nullptr, planes.ld, first, mine, t_.num_slices * RoundUp(rank, kFrac));
+        CrossCoreSetFlag<2, PIPE_MTE3>(kSplitDoneFlag);
+      }
       const float coef = t_.scale * (t_.has_scales ? scales.GetValue(walk.slot) : 1.0f);
       for (int64_t s = 0; s < t_.num_slices; ++s) {
         const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
@@ -78,11 +114,12 @@ class SgmvKernel {
   }
 
  private:
-  // h[:, s * rank_pad + j] = x[rows] . A[s * R + j]^T for j < rank, in passes of group_cols columns of L0C.
-  __aicore__ inline void Shrink(Cube<T>& cube, const TileWalk& walk, LocalTensor<T>& h, const GlobalTensor<T>& a,
+  // h[:, s * rank_pad + j] = x[rows] . A[s * R + j]^T for j < rank, in passes of group_cols columns of L0C, each
+  // stored by Fixpipe: rounded to T into L1 (NZ), or as fp32 rows into the split source tile in GM.
+  template <class H>
+  __aicore__ inline void Shrink(Cube<T>& cube, const TileWalk& walk, const H& h, const GlobalTensor<T>& a,
                                 int64_t rank, int64_t rank_pad, int64_t m_pad) {
     const int64_t h_cols = t_.num_slices * rank_pad;
-    constexpr QuantMode_t to_t = std::is_same_v<T, half> ? QuantMode_t::F322F16 : QuantMode_t::F322BF16;
     for (int64_t c0 = 0; c0 < h_cols; c0 += t_.group_cols) {
       const int64_t c1 = Min(c0 + t_.group_cols, h_cols);
       LocalTensor<float> acc = cube.AllocAcc();
@@ -102,17 +139,26 @@ class SgmvKernel {
         cube.FreeLeft(xa);
       }
       acc = cube.Finish(acc);
-      Fixpipe<T, float, CFG_NZ>(h[c0 / kFrac * t_.tiles.tile_rows * kFrac], acc,
-                                FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(m_pad),
-                                                  static_cast<uint16_t>(m_pad),
-                                                  static_cast<uint32_t>(t_.tiles.tile_rows), false, to_t, 0, 1, 0, 0,
-                                                  0});
+      if constexpr (kSplit) {
+        Fixpipe(h[c0], acc,
+                FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(walk.count),
+                                  static_cast<uint16_t>(m_pad), static_cast<uint32_t>(t_.tiles.split_ld), false,
+                                  QuantMode_t::NoQuant, 0, 1, 0, 0, 0});
+      } else {
+        constexpr QuantMode_t to_t = std::is_same_v<T, half> ? QuantMode_t::F322F16 : QuantMode_t::F322BF16;
+        Fixpipe<T, float, CFG_NZ>(h[c0 / kFrac * t_.tiles.tile_rows * kFrac], acc,
+                                  FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(m_pad),
+                                                    static_cast<uint16_t>(m_pad),
+                                                    static_cast<uint32_t>(t_.tiles.tile_rows), false, to_t, 0, 1, 0,
+                                                    0, 0});
+      }
       cube.FreeAcc(acc);
     }
   }
 
-  // For every slice and block of n_block of its columns: delta = h_s . B[block, :rank]^T -> a workspace slot.
-  __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const TileWalk& walk, const LocalTensor<T>& h,
+  // For every slice and block of n_block of its columns: delta = h_s . B[block, :rank]^T -> a workspace slot, with
+  // one Mmad per part of h (h itself, or hi and lo) into the same fp32 accumulator.
+  __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const TileWalk& walk, const LocalTensor<T>* h,
                                 const GlobalTensor<T>& b, int64_t rank, int64_t rank_pad, int64_t m_pad) {
     for (int64_t s = 0; s < t_.num_slices; ++s) {
       const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
@@ -121,10 +167,12 @@ class SgmvKernel {
         LocalTensor<float> acc = cube.AllocAcc();
         for (int64_t r0 = 0; r0 < rank; r0 += t_.rank_chunk) {
           const int64_t r_len = Min(t_.rank_chunk, rank - r0);
-          LocalTensor<T> ha = cube.LoadLeftFromL1(h, s * rank_pad + r0, walk.count, r_len);
           LocalTensor<T> wb = cube.LoadWeight(b, n0, n, t_.b_stride1, r0, r_len);
-          cube.Mmad(acc, ha, wb, m_pad, n, r_len, r0 > 0);
-          cube.FreeLeft(ha);
+          for (int p = 0; p < kParts; ++p) {
+            LocalTensor<T> ha = cube.LoadLeftFromL1(h[p], s * rank_pad + r0, walk.count, r_len);
+            cube.Mmad(acc, ha, wb, m_pad, n, r_len, r0 > 0 || p > 0);
+            cube.FreeLeft(ha);
+          }
           cube.FreeRight(wb);
         }
         acc = cube.Finish(acc);
@@ -143,15 +191,16 @@ class SgmvKernel {
   GM_ADDR ranks_;
   GM_ADDR scales_;
   GM_ADDR workspace_;
+  GM_ADDR split_;
   GlobalTensor<T> x_, a_, b_;
 };
 
 template <typename T, typename Y>
 __aicore__ inline void RunSgmv(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
                                GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices, GM_ADDR lora_ranks,
-                               GM_ADDR lora_scales, GM_ADDR workspace) {
+                               GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split) {
   SgmvKernel<T, Y> kernel(t, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                          workspace);
+                          workspace, split);
   if ASCEND_IS_AIC {
     kernel.RunCube();
   }
@@ -166,20 +215,20 @@ __aicore__ inline void RunSgmv(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADD
 extern "C" __global__ __aicore__ void lora_ops_sgmv(GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
                                                     GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices,
                                                     GM_ADDR lora_ranks, GM_ADDR lora_scales, GM_ADDR workspace,
-                                                    lora_ops::ascend::SgmvTiling tiling) {
+                                                    GM_ADDR split, lora_ops::ascend::SgmvTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
   const bool f32_y = tiling.y_dtype == kFloat;
   if (tiling.x_dtype == kHalf) {
     f32_y ? RunSgmv<half, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                                 lora_scales, workspace)
+                                 lora_scales, workspace, split)
           : RunSgmv<half, half>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                                lora_scales, workspace);
+                                lora_scales, workspace, split);
   } else {
     f32_y ? RunSgmv<bfloat16_t, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
-                                       lora_ranks, lora_scales, workspace)
+                                       lora_ranks, lora_scales, workspace, split)
           : RunSgmv<bfloat16_t, bfloat16_t>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
-                                            lora_ranks, lora_scales, workspace);
+                                            lora_ranks, lora_scales, workspace, split);
   }
 }
 
@@ -189,7 +238,7 @@ void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& b, void* stream) {
   auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
   LORA_OPS_ASCEND_LAUNCH(lora_ops_sgmv, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, gm(b.y), gm(b.x),
                          gm(b.lora_a), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora), gm(b.token_indices),
-                         gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), tiling);
+                         gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), gm(b.split), tiling);
 }
 
 }  // namespace lora_ops::ascend

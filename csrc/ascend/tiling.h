@@ -16,6 +16,8 @@ constexpr uint32_t kL1Bytes = 512 * 1024 - 256;
 constexpr uint32_t kL0AStage = 64 * 1024 / 2;
 constexpr uint32_t kL0BStage = 64 * 1024 / 2;
 constexpr uint32_t kL0CStage = 128 * 1024 / 2;
+// Elements of fp32 an AIV splits into hi + lo halves per pass (kernel_common.h HiLoSplitter).
+constexpr uint32_t kSplitElems = 4096;
 
 enum DTypeCode : uint32_t { kHalf = 0, kBf16 = 1, kFloat = 2 };
 
@@ -30,11 +32,16 @@ struct SegmentShape {
 
 // MIX kernel geometry common to both matmul ops: tiles of tile_rows positions of one segment, output blocks of
 // n_block columns, handed from each AIC to its two AIVs through two workspace slots of tile_rows x n_block floats.
+// An fp32 left operand of the cube (sgmv's h for a float32 y, grouped_gemm's float32 x with a 16-bit w) goes
+// through the split workspace: per block, a hi and a lo plane of tile_rows x split_ld 16-bit elements, then (sgmv)
+// the fp32 source tile of tile_rows x split_ld floats.
 struct MatmulTiles {
   uint32_t block_dim;  // AI cores (one AIC + two AIVs each)
   uint32_t tile_rows;  // positions per tile, a multiple of 16 (<= kMaxTileRows)
   uint32_t k_chunk;    // reduction elements per L0A/L0B load
   uint32_t n_block;    // output columns per L0C tile and workspace slot
+  uint32_t split_ld;           // row pitch of the split planes, a multiple of 16; 0 without a split
+  uint64_t split_block_elems;  // 16-bit elements of the split workspace per block
 };
 
 struct SgmvTiling {
@@ -49,7 +56,7 @@ struct SgmvTiling {
   uint32_t part_cols;   // shrink: rank columns per L0B load
   uint32_t group_cols;  // shrink: intermediate columns per L0C pass
   uint32_t rank_chunk;  // expand: rank per L0A/L0B load
-  uint32_t h_cols;      // L1 intermediate capacity: num_slices * max_rank rounded up to 16
+  uint32_t h_cols;      // L1 intermediate capacity: num_slices * max_rank rounded up to 16 (= split_ld for fp32 y)
 };
 
 struct GroupedGemmTiling {
@@ -59,7 +66,7 @@ struct GroupedGemmTiling {
   int64_t y_row_stride, x_row_stride, w_stride0, w_stride1;
   float alpha;
   uint32_t accumulate;
-  uint32_t x_dtype, y_dtype;  // DTypeCode; w shares x's dtype
+  uint32_t x_dtype, w_dtype, y_dtype;  // DTypeCode; x is w's dtype or float32 (then split into hi + lo)
   uint32_t has_n_sizes, has_k_sizes;
 };
 

@@ -22,7 +22,12 @@ namespace {
 
 Device model_device(uint32_t cores) { return Device{Target{cores}, nullptr}; }
 
-double tolerance(at::ScalarType t) { return t == at::kFloat ? 1e-5 : (t == at::kHalf ? 2e-3 : 1e-2); }
+// lora_ops.testing.tolerance: by the dtype that rounds the result. A float32 output of half-precision inputs is
+// bounded by the fp32 accumulation alone (5e-5), which an intermediate rounded to 16 bits fails.
+double tolerance(at::ScalarType inputs, at::ScalarType output) {
+  if (output == at::kFloat) return inputs == at::kFloat ? 1e-5 : 5e-5;
+  return output == at::kHalf ? 2e-3 : 1e-2;
+}
 
 // Positions of segment g under the docs/design.md §2 rules: [m_g, m_g+1), m_i = max_{j <= i} clamp(indptr[j], 0, P).
 std::vector<std::pair<int64_t, int64_t>> segment_ranges(const std::vector<int32_t>& indptr, int64_t positions) {
@@ -104,8 +109,9 @@ at::Tensor ref_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::
 }
 
 // "" when `out` matches `ref`: elements the reference leaves alone are bitwise unchanged, the others carry no NaN
-// and their change from `before` is within the dtype's relative tolerance (as lora_ops.testing does).
-std::string compare(const at::Tensor& out, const at::Tensor& before, const at::Tensor& ref, at::ScalarType dtype) {
+// and their change from `before` is within tolerance(inputs, out's dtype) (as lora_ops.testing does; inputs: the
+// weights' dtype).
+std::string compare(const at::Tensor& out, const at::Tensor& before, const at::Tensor& ref, at::ScalarType inputs) {
   if (out.numel() == 0) return "";
   const at::Tensor b64 = before.to(at::kDouble);
   const at::Tensor touched = ~((ref == b64) | (ref.isnan() & b64.isnan()));
@@ -123,7 +129,8 @@ std::string compare(const at::Tensor& out, const at::Tensor& before, const at::T
   const at::Tensor want = ref.masked_select(touched) - base;
   const double denom = want.norm().item<double>();
   const double err = (got - base - want).norm().item<double>() / (denom > 0 ? denom : 1.0);
-  return err <= tolerance(dtype) ? "" : "relative error " + std::to_string(err);
+  const double tol = tolerance(inputs, out.scalar_type());
+  return err <= tol ? "" : "relative error " + std::to_string(err) + " > " + std::to_string(tol);
 }
 
 // Token slots with `adapters` spread at random over T tokens (sizes: tokens per adapter, default even).
@@ -255,6 +262,21 @@ TEST(AscendSgmv, ParityGridOverDtypesAndCoreCounts) {
   }
 }
 
+TEST(AscendSgmv, Float32YKeepsTheIntermediateAtRealisticSizes) {
+  // h as hi + lo halves: a float32 y is within the fp32-accumulation bound, which h rounded to 16 bits fails
+  // (about 2e-4 for fp16, 2e-3 for bf16 at these sizes).
+  std::mt19937 gen(21);
+  const std::vector<SgmvCase> cases = {
+      {"decode_k4096", random_slots(gen, 24, {0, 1, 2, 3}), 4096, 1024, 16, 4},
+      {"prefill_k4096_qkv", random_slots(gen, 160, {0, 2, -1}), 4096, 768, 64, 3, {64, 3, 40}, {0, 512, 640, 768}},
+  };
+  for (const SgmvCase& c : cases) {
+    for (auto dtype : {at::kHalf, at::kBFloat16}) {
+      EXPECT_EQ(run_sgmv(c, dtype, at::kFloat, 4), "") << c.name << " " << dtype;
+    }
+  }
+}
+
 TEST(AscendSgmv, PerTokenRoutingWithoutScales) {
   std::mt19937 gen(4);
   SgmvCase c{"bgmv", random_slots(gen, 19, {0, 1, -1, 3}), 24, 20, 8, 4};
@@ -339,12 +361,15 @@ struct GgCase {
   std::vector<int32_t> n_sizes = {}, k_sizes = {};
   double alpha = 1.0;
   bool accumulate = true, gathered = true;
+  double x_scale = 1.0;  // magnitude of x
 };
 
-std::string run_grouped_gemm(const GgCase& c, at::ScalarType dtype, at::ScalarType y_dtype, uint32_t cores) {
+// w in `dtype`, x in x_dtype (default: dtype), y in y_dtype.
+std::string run_grouped_gemm(const GgCase& c, at::ScalarType dtype, at::ScalarType y_dtype, uint32_t cores,
+                             std::optional<at::ScalarType> x_dtype = std::nullopt) {
   at::manual_seed(std::hash<std::string>{}(c.name) & 0xffff);
   const int64_t T = int64_t(c.token_slots.size());
-  const at::Tensor x = at::randn({T, c.K}).to(dtype);
+  const at::Tensor x = (at::randn({T, c.K}) * c.x_scale).to(x_dtype.value_or(dtype));
   const at::Tensor w = (at::randn({c.L, c.N, c.K}) / std::sqrt(double(std::max<int64_t>(c.K, 1)))).to(dtype);
   at::Tensor y = at::randn({T, c.N}).to(y_dtype);
   const Meta m = segments_for(c.token_slots, c.L, c.gathered);
@@ -384,7 +409,28 @@ TEST(AscendGroupedGemm, ParityGridOverDtypesAndCoreCounts) {
       }
       if (dtype != at::kFloat) {
         EXPECT_EQ(run_grouped_gemm(c, dtype, at::kFloat, 3), "") << c.name << " " << dtype << " y=float32";
+        // A float32 x (e.g. the intermediate of a shrink) with a 16-bit w: split into hi + lo halves.
+        for (auto y_dtype : {dtype, at::kFloat}) {
+          EXPECT_EQ(run_grouped_gemm(c, dtype, y_dtype, 3, at::kFloat), "")
+              << c.name << " " << dtype << " x=float32 y=" << y_dtype;
+        }
       }
+    }
+  }
+}
+
+TEST(AscendGroupedGemm, Float32XWithHalfWeightsAtRealisticSizes) {
+  // The LoRA expand of an fp32 intermediate, a long reduction, and x near the top of fp16's range (hi + lo
+  // halves; fp16 w overflows beyond 65504, as on CUDA and Triton). x rounded to 16 bits fails these bounds.
+  std::mt19937 gen(23);
+  const std::vector<GgCase> cases = {
+      {"lora_expand_n4096", random_slots(gen, 96, {0, 1, 2}), 64, 4096, 3, {}, {64, 16, 8}},
+      {"reduction_k4096", random_slots(gen, 40, {0, 1}), 4096, 64, 2, {64, 16}},
+      {"x_near_fp16_max", random_slots(gen, 30, {0, 1}), 300, 72, 2, {}, {}, 0.5, true, true, 8000.0},
+  };
+  for (const GgCase& c : cases) {
+    for (auto dtype : {at::kHalf, at::kBFloat16}) {
+      EXPECT_EQ(run_grouped_gemm(c, dtype, at::kFloat, 4, at::kFloat), "") << c.name << " " << dtype;
     }
   }
 }
@@ -394,17 +440,6 @@ TEST(AscendGroupedGemm, EmptyReductionOverwritesWithZerosAndAccumulatesNothing) 
   const auto slots = random_slots(gen, 12, {0, 1});
   EXPECT_EQ(run_grouped_gemm({"k0_overwrite", slots, 0, 24, 2, {}, {}, 1.0, false}, at::kHalf, at::kHalf, 3), "");
   EXPECT_EQ(run_grouped_gemm({"k0_accumulate", slots, 0, 24, 2}, at::kHalf, at::kHalf, 3), "");
-}
-
-TEST(AscendGroupedGemm, MixedFloat32XIsRefusedWithAClearError) {
-  at::Tensor y = at::zeros({2, 8}, at::kBFloat16);
-  try {
-    lora_ops::ascend::run_grouped_gemm(y, at::randn({2, 4}), at::randn({1, 8, 4}).to(at::kBFloat16), i32({0, 2}),
-                                       i32({0}), std::nullopt, std::nullopt, std::nullopt, 1.0, true, model_device(2));
-    FAIL() << "no error";
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.msg()).find("x float32 with a 16-bit w is not supported"), std::string::npos) << e.msg();
-  }
 }
 
 // ------------------------------------------------------------------------------------------------ build_segments

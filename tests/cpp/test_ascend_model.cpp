@@ -319,6 +319,26 @@ TEST(AscendModelVector, MaskRepeatAndStridesSelectLanes) {
   EXPECT_EQ(out, want);
 }
 
+TEST(AscendModelVector, SubInCounterModeTakesTheFirstCountElements) {
+  std::vector<float> out(80);
+  EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {
+              TPipe pipe;
+              TBuf<TPosition::VECCALC> buf;
+              pipe.InitBuffer(buf, 3 * 80 * 4);
+              auto all = buf.Get<float>();
+              auto a = all, b = all[80], d = all[160];
+              for (int i = 0; i < 80; ++i) {
+                a.SetValue(i, float(i));
+                b.SetValue(i, 0.25f * float(i) + 3.f);
+                d.SetValue(i, -1.f);
+              }
+              Sub(d, a, b, 70);  // two repeats of 64 lanes, the second one partial
+              for (int i = 0; i < 80; ++i) out[i] = d.GetValue(i);
+            }),
+            "");
+  for (int i = 0; i < 80; ++i) EXPECT_EQ(out[i], i < 70 ? float(i) - (0.25f * float(i) + 3.f) : -1.f) << i;
+}
+
 TEST(AscendModelVector, CastCountsLanesByTheWiderTypeAndRoundsToNearestEven) {
   std::vector<uint16_t> bits(80);
   EXPECT_EQ(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [&] {

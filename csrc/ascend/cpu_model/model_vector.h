@@ -166,10 +166,10 @@ T Convert(U v, RoundMode mode, const char* api) {
   }
 }
 
-// Muls and Add are modelled for float, the type the kernels compute in.
+// Muls, Add and Sub are modelled for float, the type the kernels compute in.
 template <typename T>
 constexpr void FloatArithmetic() {
-  static_assert(std::is_same_v<T, float>, "the model's Muls/Add cover float");
+  static_assert(std::is_same_v<T, float>, "the model's Muls/Add/Sub cover float");
 }
 
 }  // namespace cpu_model
@@ -260,6 +260,18 @@ inline void Add(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const Loc
   const uint32_t lanes = LanesOf<T>();
   VectorInstr<T>("Add", Dest(dst, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
                  [](T a, T b) { return T(a + b); }, Src(src0, lanes), Src(src1, lanes));
+}
+
+// ------------------------------------------------------------------------------------------------ Sub
+
+template <typename T>
+inline void Sub(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
+                const int32_t& count) {
+  using namespace cpu_model;
+  FloatArithmetic<T>();
+  const uint32_t lanes = LanesOf<T>();
+  VectorInstr<T>("Sub", Dest(dst, lanes), (uint32_t(count) + lanes - 1) / lanes, CountMask(count),
+                 [](T a, T b) { return T(a - b); }, Src(src0, lanes), Src(src1, lanes));
 }
 
 // ------------------------------------------------------------------------------------------------ Duplicate
