@@ -82,22 +82,30 @@ def _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8):
 
 
 @triton.jit
-def _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split, o0, o1, o2, o3, o4, o5, o6, o7, o8,
-               HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The slot's rank and coefficient (scale · lora_scales[slot]), and the columns [n_begin, n_end) of slice s
-    that column split `split` of N_SPLITS covers (whole BLOCK_N blocks)."""
+def _program_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr, num_segments, num_slots, positions, num_rows,
+                  R, scales_stride, scale, o0, o1, o2, o3, o4, o5, o6, o7, o8,
+                  HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, N_SPLITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr):
+    """What program (tile = program_id 0, slice s x column split = program_id 1) of sgmv or lora_expand does: its
+    slot (-1: no tile), rows and row mask, the slot's rank and coefficient (scale · lora_scales[slot]), and the
+    columns [n_begin, n_end) of slice s that its split covers (whole BLOCK_N blocks)."""
+    s = tl.program_id(1) // N_SPLITS
+    split = tl.program_id(1) % N_SPLITS
+    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_slots,
+                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
+    has_tile = slot >= 0  # no load of the per-slot tensors without a slot: they may be empty
     if HAS_RANKS:
-        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)
+        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot, mask=has_tile, other=0), 0), R)
     else:
         rank = R
     coef = scale
-    if HAS_SCALES:
-        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)  # expanded or strided scales
+    if HAS_SCALES:  # expanded or strided scales
+        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=has_tile, other=1.0)
     lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
     hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
     chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
     n_begin = lo + split * chunk
-    return rank, coef, n_begin, tl.minimum(n_begin + chunk, hi)
+    return slot, rows, rmask, rank, coef, n_begin, tl.minimum(n_begin + chunk, hi)
 
 
 @triton.jit
@@ -131,15 +139,11 @@ def sgmv_kernel(y_ptr, x_ptr, a_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
     """Program (tile of BLOCK_M positions of one segment, slice s x column split): shrink the tile's rows into
     h [BLOCK_M, rank] in float32 registers, then expand h into its share of the slice's columns of y."""
     s = tl.program_id(1) // N_SPLITS
-    split = tl.program_id(1) % N_SPLITS
-    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_slots,
-                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
-    if slot < 0:
-        return
-    rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
-                                            o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_RANKS, HAS_SCALES, N_SPLITS,
-                                            BLOCK_N)
-    if (rank == 0) | (n_begin >= n_end):
+    slot, rows, rmask, rank, coef, n_begin, n_end = _program_tile(
+        indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr, num_segments, num_slots, positions, num_rows, R,
+        scales_stride, scale, o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_IDX, HAS_RANKS, HAS_SCALES, N_SPLITS, BLOCK_M,
+        BLOCK_N, SCAN)
+    if (slot < 0) | (rank == 0) | (n_begin >= n_end):
         return
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -169,15 +173,11 @@ def lora_expand_kernel(y_ptr, h_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
     """Program (tile of BLOCK_M positions of one segment, slice s x column split): the rows' window of h for the
     tile's slot, scaled in float32, expanded into the program's share of the slice's columns of y."""
     s = tl.program_id(1) // N_SPLITS
-    split = tl.program_id(1) % N_SPLITS
-    slot, rows, rmask = _locate_tile(indptr_ptr, slot_ptr, idx_ptr, tl.program_id(0), num_segments, num_slots,
-                                     positions, num_rows, HAS_IDX, BLOCK_M, SCAN)
-    if slot < 0:
-        return
-    rank, coef, n_begin, n_end = _slot_tile(ranks_ptr, scales_ptr, slot, R, scales_stride, scale, s, split,
-                                            o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_RANKS, HAS_SCALES, N_SPLITS,
-                                            BLOCK_N)
-    if (rank == 0) | (n_begin >= n_end):
+    slot, rows, rmask, rank, coef, n_begin, n_end = _program_tile(
+        indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr, num_segments, num_slots, positions, num_rows, R,
+        scales_stride, scale, o0, o1, o2, o3, o4, o5, o6, o7, o8, HAS_IDX, HAS_RANKS, HAS_SCALES, N_SPLITS, BLOCK_M,
+        BLOCK_N, SCAN)
+    if (slot < 0) | (rank == 0) | (n_begin >= n_end):
         return
     offs_r = tl.arange(0, BLOCK_R)
     h = tl.load(h_ptr + rows[:, None] * h_s0 + slot.to(tl.int64) * h_s1 + (s * R + offs_r)[None, :],
