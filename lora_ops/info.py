@@ -28,7 +28,7 @@ def report() -> str:
     lines.append(f"CUDA device: {gpu}")
     if info.get("backends", {}).get("ascend", {}).get("built"):
         for op in backends.OPS:
-            served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none"
+            served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none: no AscendC kernel for it yet"
             lines.append(f"{'npu':<8} {op:<16} {served}")
         lines.append("Ascend kernels: fp16/bf16 (grouped_gemm also fp32); tested on a CPU model of the AscendC API, "
                      "not yet on Ascend hardware")
