@@ -14,10 +14,11 @@ tests, and report whether they caught it. On demand, not in CI (a full run takes
 A mutation is (id, file, exact original snippet, replacement, description, needs_gpu, its test files).
 
 The scratch copy holds the working tree's files (tracked, or untracked but not ignored) and this checkout's
-built lora_ops/_C*.so and _build_info.json (build first: see README). The unmutated copy must pass first. Then,
-per mutation: replace the snippet (it must occur exactly once in its file, else the list is stale: the script
-stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the copy when the file
-is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore the file.
+built lora_ops/_C*.so, _ascend_model*.so and _build_info.json (build first: see README). The unmutated copy must
+pass first. Then, per mutation: replace the snippet (it must occur exactly once in its file, else the list is
+stale: the script stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the
+copy when the file is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore
+the file.
 
 The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
 with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
@@ -49,7 +50,12 @@ from typing import List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPP_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
-BUILT = ["lora_ops/_C*.so", "lora_ops/_C*.pyd", "lora_ops/_build_info.json"]  # untracked build outputs to copy
+# Where --check looks for a snippet that moved: source files only (benchmarks/results holds PNGs and JSON), not
+# this script, whose own list holds every snippet.
+SOURCE_SUFFIXES = (".py",) + CPP_SUFFIXES
+SELF = os.path.relpath(os.path.abspath(__file__), ROOT)
+# Untracked build outputs copied into the scratch (and restored after a C++ mutation rebuilt them).
+BUILT = ["lora_ops/_C*.so", "lora_ops/_C*.pyd", "lora_ops/_ascend_model*.so", "lora_ops/_build_info.json"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +73,12 @@ SGMV_T = ("tests/test_sgmv.py",)
 GG_T = ("tests/test_grouped_gemm.py",)
 ERR_T = ("tests/test_errors.py", "tests/test_errors_devices.py")
 TILING_T = ("tests/test_triton_tiling.py", "tests/test_sgmv.py", "tests/test_grouped_gemm.py")
-SERVING_T = ("tests/test_serving.py",)
+EXPAND_T = ("tests/test_lora_expand.py",)
+SERVING_T = ("tests/test_serving.py", "tests/test_serving_peft.py", "tests/test_routes.py")
 
 # The first block: the 20 bugs the suite missed at ce06dbc (issue 11), and close relatives. The second: bugs the
-# suite already caught then, kept so that a weakened test shows up.
+# suite already caught then, kept so that a weakened test shows up. The third: the same classes of bug in code
+# written since (the lora_expand op, the serving layer's fold route and route table).
 MUTATIONS: List[Mutation] = [
     # ---- strides ----
     Mutation("cpu-sgmv-x-contiguous", "csrc/cpu/sgmv.cpp",
@@ -107,13 +115,15 @@ MUTATIONS: List[Mutation] = [
              "const float coef = p.lora_scales ? p.lora_scales[blk.slot] : p.scale;",
              "CPU sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
     Mutation("triton-scale-without-scales-only", "lora_ops/triton/kernels.py",
-             "    if HAS_SCALES:\n        coef = coef * tl.load(scales_ptr + slot)",
-             "    if HAS_SCALES:\n        coef = tl.load(scales_ptr + slot)",
+             "        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)",
+             "        coef = tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)",
              "Triton sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
     # ---- Triton tiling ----
     Mutation("triton-sgmv-split-ignored", "lora_ops/triton/kernels.py",
-             "split = tl.program_id(1) % N_SPLITS",
-             "split = 0",
+             "h into its share of the slice's columns of y.\"\"\"\n"
+             "    s = tl.program_id(1) // N_SPLITS\n    split = tl.program_id(1) % N_SPLITS",
+             "h into its share of the slice's columns of y.\"\"\"\n"
+             "    s = tl.program_id(1) // N_SPLITS\n    split = 0",
              "Triton sgmv ignores the column-split index (every split expands the first chunk)", tests=TILING_T),
     Mutation("triton-gg-k-accumulation", "lora_ops/triton/kernels.py",
              'acc += tl.dot(xt, wt, input_precision="ieee")',
@@ -132,8 +142,9 @@ MUTATIONS: List[Mutation] = [
              needs_gpu=True, tests=SGMV_T + GG_T),
     # ---- Triton presence ----
     Mutation("triton-import-error", "lora_ops/triton/__init__.py",
-             "from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel",
-             "from .kernels import build_segments_kernel, grouped_gemm_kernel, sgmv_kernel, sgmv_shrink_kernel",
+             "from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel",
+             "from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel, "
+             "sgmv_shrink_kernel",
              "lora_ops.triton fails to import (a name that does not exist)", tests=SGMV_T),
     # ---- argument checks ----
     Mutation("check-device-x-a-b", "csrc/common/checks.cpp",
@@ -150,27 +161,27 @@ MUTATIONS: List[Mutation] = [
              "",
              "grouped_gemm's device check on x and w removed", tests=ERR_T),
     Mutation("check-k-sizes-length", "csrc/common/checks.cpp",
-             'index_tensor(op, "k_sizes", *k_sizes, y, L, "one per group: w.size(0)")',
-             'index_tensor(op, "k_sizes", *k_sizes, y, -1, "")',
+             'check_index_tensor(op, "k_sizes", *k_sizes, y, L, "one per group: w.size(0)")',
+             'check_index_tensor(op, "k_sizes", *k_sizes, y, std::nullopt, "")',
              "grouped_gemm's k_sizes length check removed (a short k_sizes is read past its end)", tests=ERR_T),
     # ---- serving ----
-    Mutation("serving-rslora-config-r", "lora_ops/serving.py",
-             "scale = alpha_m / (math.sqrt(rank_m) if rslora else rank_m)",
-             "scale = alpha_m / (math.sqrt(r) if rslora else rank_m)",
+    Mutation("serving-rslora-config-r", "lora_ops/serving/peft_format.py",
+             'scale = alpha_m / (math.sqrt(rank) if config.get("use_rslora") else rank)',
+             'scale = alpha_m / (math.sqrt(r) if config.get("use_rslora") else rank)',
              "rslora scales by the config's r instead of the module's rank_pattern rank", tests=SERVING_T),
-    Mutation("serving-qkv-kv-swapped", "lora_ops/serving.py",
+    Mutation("serving-qkv-kv-swapped", "lora_ops/serving/peft_format.py",
              'FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),',
              'FUSED_SLICES = {"qkv_proj": ("q_proj", "v_proj", "k_proj"),',
              "per-slice k_proj/v_proj adapters land in each other's columns of a fused qkv_proj", tests=SERVING_T),
-    Mutation("serving-stale-slot", "lora_ops/serving.py",
+    Mutation("serving-stale-slot", "lora_ops/serving/pool.py",
              "            if entry is None:  # not a target of this adapter: rank 0 skips it\n"
              "                mod.ranks[slot] = 0\n                continue",
              "            if entry is None:  # not a target of this adapter: rank 0 skips it\n                continue",
              "a reused slot keeps the evicted adapter's weights in modules the new adapter does not target",
              tests=SERVING_T),
-    Mutation("serving-slice-alpha-ratio", "lora_ops/serving.py",
-             "B[lo:hi, :rank_s] = (b.float() * (scale_s / scale)).to(B.dtype)",
-             "B[lo:hi, :rank_s] = b.to(B.dtype)",
+    Mutation("serving-slice-alpha-ratio", "lora_ops/serving/peft_format.py",
+             "B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale)).to(B.dtype)",
+             "B[lo:hi, :sl.rank] = sl.b.to(B.dtype)",
              "slices of a fused module with different alphas all get the first slice's scale", tests=SERVING_T),
 
     # ==== caught at ce06dbc already ====
@@ -213,16 +224,18 @@ MUTATIONS: List[Mutation] = [
              "p.seg_indptr[p.num_slots] = static_cast<int32_t>(total);",
              "CPU build_segments' last segment ends after the no-LoRA tokens", tests=("tests/test_build_segments.py",)),
     Mutation("check-y-overlap", "csrc/common/checks.cpp",
-             '  check_unit_last_stride(op, "lora_b", lora_b);\n  check_output_rows(op, y);\n',
-             '  check_unit_last_stride(op, "lora_b", lora_b);\n',
+             '  check_output_rows(op, y);\n\n  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)"',
+             '\n  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)"',
              "sgmv's overlapping-rows check on y removed", tests=ERR_T),
     Mutation("check-seg-length", "csrc/common/checks.cpp",
-             'index_tensor(op, slot_name, seg_slot, y, num_segments, "one per segment: len(seg_indptr) - 1")',
-             'index_tensor(op, slot_name, seg_slot, y, -1, "")',
+             'check_index_tensor(op, slot_name, seg_slot, y, seg_indptr.sym_size(0) - 1, '
+             '"one per segment: len(seg_indptr) - 1");',
+             'check_index_tensor(op, slot_name, seg_slot, y, std::nullopt, "");',
              "the seg_lora/seg_weight length check removed", tests=ERR_T),
     Mutation("check-lora-ranks-length", "csrc/common/checks.cpp",
-             'index_tensor(op, "lora_ranks", *lora_ranks, y, L, "one per slot: lora_a.size(0)")',
-             'index_tensor(op, "lora_ranks", *lora_ranks, y, -1, "")',
+             'check_index_tensor(op, "lora_ranks", *lora_ranks, y, L, '
+             '(std::string("one per slot: ") + l_what).c_str());',
+             'check_index_tensor(op, "lora_ranks", *lora_ranks, y, std::nullopt, "");',
              "the lora_ranks length check removed", tests=ERR_T),
     Mutation("check-x-unit-stride", "csrc/common/checks.cpp",
              '  check_unit_last_stride(op, "x", x);\n  check_unit_last_stride(op, "y", y);\n'
@@ -242,23 +255,80 @@ MUTATIONS: List[Mutation] = [
              "tl.store(seg_indptr_ptr + num_slots, T)",
              "Triton build_segments' last segment ends after the no-LoRA tokens",
              tests=("tests/test_build_segments.py",)),
-    Mutation("serving-alpha-pattern-ignored", "lora_ops/serving.py",
-             "alpha_m = float(_pattern(alpha_pattern, module_path, alpha))",
+    Mutation("serving-alpha-pattern-ignored", "lora_ops/serving/peft_format.py",
+             "alpha_m = float(pattern_value(alpha_pattern, module_path, alpha))",
              "alpha_m = alpha",
              "the adapter's alpha_pattern is ignored", tests=SERVING_T),
-    Mutation("serving-rslora-ignored", "lora_ops/serving.py",
-             "scale = alpha_m / (math.sqrt(rank_m) if rslora else rank_m)",
-             "scale = alpha_m / rank_m",
+    Mutation("serving-rslora-ignored", "lora_ops/serving/peft_format.py",
+             'scale = alpha_m / (math.sqrt(rank) if config.get("use_rslora") else rank)',
+             "scale = alpha_m / rank",
              "use_rslora is ignored (alpha / r instead of alpha / sqrt(r))", tests=SERVING_T),
-    Mutation("serving-lru-evicts-newest", "lora_ops/serving.py",
+    Mutation("serving-lru-evicts-newest", "lora_ops/serving/pool.py",
              "for name, s in self._slot_of.items():  # oldest first",
              "for name, s in reversed(self._slot_of.items()):  # oldest first",
              "the pool evicts the most recently used adapter", tests=SERVING_T),
-    Mutation("serving-dora-accepted", "lora_ops/serving.py",
-             '    if config.get("use_dora"):\n'
-             '        raise UnsupportedAdapterError(f"{file}: DoRA adapters (use_dora) are not supported")\n',
-             "",
+    Mutation("serving-dora-accepted", "lora_ops/serving/peft_format.py",
+             '"use_dora": ("unsupported", ',
+             '"use_dora": ("ignored", ',
              "a DoRA adapter is loaded as a plain LoRA", tests=SERVING_T),
+    # ==== code written since ce06dbc: the lora_expand op, the fold route, the route table ====
+    Mutation("cpu-expand-h-slot-stride", "csrc/cpu/lora_expand.cpp",
+             "blk.slot * p.h_slot_stride + s * R",
+             "blk.slot * p.num_slices * R + s * R",
+             "CPU lora_expand assumes h's slots are contiguous (slot stride S*R; a broadcast h has 0)", tests=EXPAND_T),
+    Mutation("cpu-expand-h-row-stride", "csrc/cpu/lora_expand.cpp",
+             "blk.rows[i] * p.h_row_stride + blk.slot",
+             "blk.rows[i] * p.num_slots * p.num_slices * R + blk.slot",
+             "CPU lora_expand assumes h's rows are contiguous (row stride L*S*R; the folded GEMM's is N + L*S*R)",
+             tests=EXPAND_T),
+    Mutation("cpu-expand-scale-without-scales-only", "csrc/cpu/lora_expand.cpp",
+             "const float coef = p.scale * (p.lora_scales ? p.lora_scales[blk.slot] : 1.f);",
+             "const float coef = p.lora_scales ? p.lora_scales[blk.slot] : p.scale;",
+             "CPU lora_expand applies the scalar scale only when lora_scales is None", tests=EXPAND_T),
+    Mutation("cpu-expand-ignores-ranks", "csrc/cpu/lora_expand.cpp",
+             "const int64_t rank = slot_size(p.lora_ranks, blk.slot, R);",
+             "const int64_t rank = R;",
+             "CPU lora_expand ignores lora_ranks (reads the pool's max rank)", tests=EXPAND_T),
+    Mutation("triton-expand-rank-mask", "lora_ops/triton/kernels.py",
+             "mask=rmask[:, None] & (offs_r < rank)[None, :], other=0.0).to(tl.float32)",
+             "mask=rmask[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)",
+             "Triton lora_expand loads h past the slot's rank (a NaN or Inf there, never written by a shrink of "
+             "that rank, reaches y)", tests=EXPAND_T),
+    Mutation("triton-expand-split-ignored", "lora_ops/triton/kernels.py",
+             "expanded into the program's share of the slice's columns of y.\"\"\"\n"
+             "    s = tl.program_id(1) // N_SPLITS\n    split = tl.program_id(1) % N_SPLITS",
+             "expanded into the program's share of the slice's columns of y.\"\"\"\n"
+             "    s = tl.program_id(1) // N_SPLITS\n    split = 0",
+             "Triton lora_expand ignores the column-block index (every program expands the first block)",
+             tests=EXPAND_T + TILING_T),
+    Mutation("triton-expand-overwrites-y", "lora_ops/triton/kernels.py",
+             "tl.store(y_ptrs, (yt + delta).to(y_ptr.dtype.element_ty), mask=ymask)",
+             "tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=ymask)",
+             "Triton's shared expand (sgmv and lora_expand) overwrites y instead of adding to it",
+             tests=SGMV_T + EXPAND_T),
+    Mutation("cuda-expand-h-slot-stride", "csrc/cuda/lora_expand.cu",
+             "static_cast<const TH*>(p.h) + slot * p.h_slot_stride + s * p.max_rank;",
+             "static_cast<const TH*>(p.h) + slot * p.num_slices * p.max_rank + s * p.max_rank;",
+             "CUDA lora_expand (also sgmv's decode expand) assumes h's slots are contiguous (slot stride S*R)",
+             needs_gpu=True, tests=EXPAND_T + SGMV_T),
+    Mutation("check-expand-h-shape", "csrc/common/checks.cpp",
+             "holds(h.sym_size(0).sym_eq(T) & h.sym_size(1).sym_eq(L) & h.sym_size(2).sym_eq(R * S))",
+             "holds(h.sym_size(0).sym_eq(T))",
+             "lora_expand's check of h's slots and width removed (a narrow h is read past its end)", tests=EXPAND_T),
+    Mutation("check-expand-device", "csrc/common/checks.cpp",
+             '  check_device(op, "h", h, y);\n  check_device(op, "lora_b", lora_b, y);\n',
+             "",
+             "lora_expand's device check on h and lora_b removed", tests=EXPAND_T),
+    Mutation("serving-fold-wrong-slice", "lora_ops/serving/layer.py",
+             "            return out[..., :N]",
+             "            return out[..., -N:]",
+             "the fold route returns the last N columns of the [W; A] GEMM output (h's) instead of y's",
+             tests=SERVING_T),
+    Mutation("routes-validate-open-last", "lora_ops/routes.py",
+             "if bounds[-1] is not None or any(b is None for b in bounds[:-1]):",
+             "if any(b is None for b in bounds[:-1]):",
+             "routes.validate accepts a table whose last regime is bounded: larger T fall in a gap with no route",
+             tests=("tests/test_routes.py",)),
 ]
 
 
@@ -291,7 +361,8 @@ def stale_reason(m: Mutation, root: str, files: Sequence[str]) -> Optional[str]:
         return None
     if count > 1:
         return f"snippet occurs {count} times in {m.file}: add context to make it unique"
-    elsewhere = [f for f in files if f != m.file and m.original in _read(os.path.join(root, f))]
+    elsewhere = [f for f in files if f != m.file and f != SELF and f.endswith(SOURCE_SUFFIXES)
+                 and m.original in _read(os.path.join(root, f))]
     where = f"; it occurs in {', '.join(elsewhere)}" if elsewhere else ""
     missing = "" if os.path.isfile(path) else f" ({m.file} does not exist)"
     return f"snippet not found in {m.file}{missing}{where}"
@@ -349,7 +420,7 @@ def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str,
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", _read(log_path), flags=re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", _read(log_path), flags=re.M)
     return rc, failed
 
 

@@ -1,6 +1,6 @@
 """lora_expand against the float64 oracle on every backend: the sgmv parity grid with a random h in place of the
-shrink (every slot's window, or one window per row broadcast over the slots), float32 or half h, garbage
-metadata, determinism, opcheck, argument errors, and compile."""
+shrink (every slot's window, or one window per row broadcast over the slots), float32 or half h, NaN in h past
+each slot's rank, garbage metadata, determinism, opcheck, argument errors, and compile."""
 import pytest
 import torch
 import torch._dynamo.testing
@@ -102,6 +102,17 @@ def test_lora_expand_rank0_slot_ignores_its_scale(impl):
     args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0"))  # slot 2 has rank 0
     args[7] = args[7].clone()
     args[7][2] = float("nan")
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+
+
+def test_lora_expand_reads_no_h_past_the_rank(impl):
+    """h past a slot's rank (never written by a shrink of that rank) may hold anything: NaN there changes nothing."""
+    dtype = impl.dtypes[0]
+    args = list(_problem(SGMV_CASES["slices_gqa"], impl, dtype, key="past-rank"))  # ranks 8, 2, 8, 5, 0, 1 of 8
+    h, max_rank = args[1], args[2].shape[2]
+    for slot, rank in enumerate(args[6].tolist()):
+        for s in range(h.shape[2] // max_rank):
+            h[:, slot, s * max_rank + rank:(s + 1) * max_rank] = float("nan")
     assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
