@@ -115,16 +115,16 @@ MUTATIONS: List[Mutation] = [
              "const float coef = p.lora_scales ? p.lora_scales[blk.slot] : p.scale;",
              "CPU sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
     Mutation("triton-scale-without-scales-only", "lora_ops/triton/kernels.py",
-             "        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)",
-             "        coef = tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)",
-             "Triton sgmv applies the scalar scale only when lora_scales is None", tests=SGMV_T),
+             "        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=has_tile, other=1.0)",
+             "        coef = tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=has_tile, other=1.0)",
+             "Triton sgmv (and lora_expand: shared preamble) applies the scalar scale only when lora_scales is None",
+             tests=SGMV_T),
     # ---- Triton tiling ----
     Mutation("triton-sgmv-split-ignored", "lora_ops/triton/kernels.py",
-             "h into its share of the slice's columns of y.\"\"\"\n"
-             "    s = tl.program_id(1) // N_SPLITS\n    split = tl.program_id(1) % N_SPLITS",
-             "h into its share of the slice's columns of y.\"\"\"\n"
-             "    s = tl.program_id(1) // N_SPLITS\n    split = 0",
-             "Triton sgmv ignores the column-split index (every split expands the first chunk)", tests=TILING_T),
+             "    split = tl.program_id(1) % N_SPLITS",
+             "    split = 0",
+             "Triton sgmv and lora_expand (shared preamble) ignore the column-split index (every split expands the "
+             "first chunk)", tests=TILING_T + EXPAND_T),
     Mutation("triton-gg-k-accumulation", "lora_ops/triton/kernels.py",
              'acc += tl.dot(xt, wt, input_precision="ieee")',
              'acc = tl.dot(xt, wt, input_precision="ieee")',
@@ -243,9 +243,9 @@ MUTATIONS: List[Mutation] = [
              '  check_unit_last_stride(op, "y", y);\n  check_unit_last_stride(op, "lora_a", lora_a);\n',
              "sgmv's unit-column-stride check on x removed", tests=ERR_T),
     Mutation("triton-sgmv-ignores-ranks", "lora_ops/triton/kernels.py",
-             "rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)",
+             "rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot, mask=has_tile, other=0), 0), R)",
              "rank = R",
-             "Triton sgmv ignores lora_ranks", tests=SGMV_T),
+             "Triton sgmv (and lora_expand: shared preamble) ignores lora_ranks", tests=SGMV_T),
     Mutation("triton-gg-always-accumulates", "lora_ops/triton/kernels.py",
              "    if ACCUMULATE:\n        out += tl.load(",
              "    if True:\n        out += tl.load(",
@@ -294,13 +294,6 @@ MUTATIONS: List[Mutation] = [
              "mask=rmask[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)",
              "Triton lora_expand loads h past the slot's rank (a NaN or Inf there, never written by a shrink of "
              "that rank, reaches y)", tests=EXPAND_T),
-    Mutation("triton-expand-split-ignored", "lora_ops/triton/kernels.py",
-             "expanded into the program's share of the slice's columns of y.\"\"\"\n"
-             "    s = tl.program_id(1) // N_SPLITS\n    split = tl.program_id(1) % N_SPLITS",
-             "expanded into the program's share of the slice's columns of y.\"\"\"\n"
-             "    s = tl.program_id(1) // N_SPLITS\n    split = 0",
-             "Triton lora_expand ignores the column-block index (every program expands the first block)",
-             tests=EXPAND_T + TILING_T),
     Mutation("triton-expand-overwrites-y", "lora_ops/triton/kernels.py",
              "tl.store(y_ptrs, (yt + delta).to(y_ptr.dtype.element_ty), mask=ymask)",
              "tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=ymask)",
