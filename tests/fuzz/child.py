@@ -40,7 +40,10 @@ def available_backends(device: str):
         names.append("cuda")
         names += [name for name, forced in FORCED_CUDA_KERNELS.items()
                   if any(lora_backends.cuda_served_by.get(op) == "cuda" for op in forced)]
-    if "triton" not in lora_backends.unavailable:
+    # Triton runs on CUDA tensors where a GPU is visible, and under the interpreter only where none is (as
+    # tests/conftest.py does): the H200 image's Triton 3.6 interpreter fails under its numpy 2.5 ("only
+    # 0-dimensional arrays can be converted to Python scalars"), which says nothing about the kernels.
+    if "triton" not in lora_backends.unavailable and (device == "cuda") == torch.cuda.is_available():
         names.append("triton")
     return names
 
