@@ -16,17 +16,7 @@ missing=()
 command -v c++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 [ -e /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
-if [ ${#missing[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; }; then
-    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-    say "installing system packages with apt-get: ${missing[*]}"
-    quietly $SUDO apt-get update -qq
-    quietly $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-  else
-    say "missing system packages: ${missing[*]}; install them (Debian/Ubuntu: apt-get install ${missing[*]})"
-    exit 1
-  fi
-fi
+[ ${#missing[@]} = 0 ] || apt_install "${missing[@]}"
 
 PACKAGES="ninja pytest numpy setuptools>=64 wheel transformers peft safetensors tqdm"
 to_install=$("$PY" - $PACKAGES <<'PYCODE'
