@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what lora_ops needs and builds it, doing only what is missing or changed, one line per action:
-#   - system packages g++, cmake, libgtest-dev (apt-get), when absent;
+#   - system packages g++, cmake, libgtest-dev, python3.X-dev (apt-get), when absent;
 #   - Python packages (pip: torch==2.14.1 unless a torch is there, the build tools, pytest, the [hf] extras),
 #     when one is missing;
 #   - lora_ops/_C.so (`pip install --no-build-isolation --no-deps -e .`: CPU kernels, and the CUDA kernels when
@@ -16,17 +16,10 @@ missing=()
 command -v c++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 [ -e /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
-if [ ${#missing[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; }; then
-    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-    say "installing system packages with apt-get: ${missing[*]}"
-    quietly $SUDO apt-get update -qq
-    quietly $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-  else
-    say "missing system packages: ${missing[*]}; install them (Debian/Ubuntu: apt-get install ${missing[*]})"
-    exit 1
-  fi
-fi
+# torch.compile on CPU (inductor) compiles C++ that includes Python.h.
+"$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' ||
+  missing+=("python$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev")
+[ ${#missing[@]} = 0 ] || apt_install "${missing[@]}"
 
 PACKAGES="ninja pytest numpy setuptools>=64 wheel transformers peft safetensors tqdm"
 to_install=$("$PY" - $PACKAGES <<'PYCODE'
