@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "common/checks.h"
+#include "common/schemas.h"
 
 namespace {
 
@@ -85,33 +88,17 @@ at::Tensor check_build_segments_op(const at::Tensor& token_lora, int64_t num_slo
 
 TORCH_LIBRARY(lora_ops, m) {
   m.set_python_module("lora_ops.ops");
-  m.def(
-      "sgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
-      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
-  m.def(
-      "grouped_gemm(Tensor(a!) y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
-      "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None, float alpha=1.0, "
-      "bool accumulate=True) -> ()");
+  m.def((std::string("sgmv") + lora_ops::schema::kSgmv).c_str());
+  m.def((std::string("grouped_gemm") + lora_ops::schema::kGroupedGemm).c_str());
   // y += h·Bᵀ per row with the row's own slot window of h [T, L, S*R] (the shrink done elsewhere, e.g. folded
   // into the base layer's GEMM).
-  m.def(
-      "lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
-      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
-  m.def("build_segments(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, "
-        "Tensor seg_lora)");
-  // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
+  m.def((std::string("lora_expand") + lora_ops::schema::kLoraExpand).c_str());
+  m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
   // The Triton kernels of sgmv and lora_expand under names of their own (registered for CUDA from Python), so
   // that a caller choosing the backend per regime (lora_ops/routes.py) reaches either one through the dispatcher.
-  m.def(
-      "_triton_sgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
-      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
-  m.def(
-      "_triton_lora_expand(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
-      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
+  m.def((std::string("_triton_sgmv") + lora_ops::schema::kSgmv).c_str());
+  m.def((std::string("_triton_lora_expand") + lora_ops::schema::kLoraExpand).c_str());
+  // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
   m.def(
       "_check_sgmv(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ REGIME_BOUNDS = (16, 64, 256, 1024, None)
 REGIME_SAMPLES = (16, 64, 256, 1024, 4096)
 
 _table: Optional[List[dict]] = None
+_ops: Dict[Tuple[str, str], Callable] = {}
 
 
 def load(path: str = PATH) -> dict:
@@ -80,8 +81,11 @@ def _regimes() -> List[dict]:
 def op(kind: str, backend: str) -> Callable:
     """The op that runs `kind` ("sgmv" or "lora_expand") on `backend`: lora_ops::_triton_<kind> for "triton" when
     Triton is available; otherwise the public op, whose dispatch serves the tensors' device (on CUDA: the C++
-    kernels, or Triton where they are not built or LORA_OPS_BACKEND=triton)."""
-    from . import backends
-    if backend == "triton" and "triton" not in backends.unavailable:
-        return getattr(torch.ops.lora_ops, f"_triton_{kind}").default
-    return getattr(torch.ops.lora_ops, kind).default
+    kernels, or Triton where they are not built or LORA_OPS_BACKEND=triton). Resolved once per pair: every layer
+    of every step asks."""
+    key = (kind, backend)
+    if key not in _ops:
+        from . import backends
+        name = f"_triton_{kind}" if backend == "triton" and "triton" not in backends.unavailable else kind
+        _ops[key] = getattr(torch.ops.lora_ops, name).default
+    return _ops[key]

@@ -3,15 +3,12 @@
 // tests run the Ascend host path and kernels on the model with CPU tensors.
 #include <torch/library.h>
 
+#include <string>
+
+#include "../common/schemas.h"
+
 TORCH_LIBRARY(lora_ops_ascend_model, m) {
-  m.def(
-      "sgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
-      "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None, float scale=1.0) -> ()");
-  m.def(
-      "grouped_gemm(Tensor(a!) y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
-      "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None, float alpha=1.0, "
-      "bool accumulate=True) -> ()");
-  m.def("build_segments(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, "
-        "Tensor seg_lora)");
+  m.def((std::string("sgmv") + lora_ops::schema::kSgmv).c_str());
+  m.def((std::string("grouped_gemm") + lora_ops::schema::kGroupedGemm).c_str());
+  m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
 }
