@@ -9,13 +9,14 @@ tests, and report whether they caught it. On demand, not in CI (a full run takes
     python scripts/mutate.py --check          # only check that every snippet still applies; runs nothing
     python scripts/mutate.py --list           # the documented list of planted bugs
     options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ objects
-             across runs), --skip-stale (run the mutations that apply, report the others as stale)
+             across runs), --skip-stale (run the mutations that apply, report the others as stale),
+             --workers N (pytest-xdist processes per run; a GPU box has the cores)
 
 A mutation is (id, file, exact original snippet, replacement, description, needs_gpu, its test files).
 
 The scratch copy holds the working tree's files (tracked, or untracked but not ignored) and this checkout's
 built lora_ops/_C*.so, _ascend_model*.so and _build_info.json (build first: see README). The unmutated copy must
-pass first. Then, per mutation: replace the snippet (it must occur exactly once in its file, else the list is
+pass first (with --fast: the test files of the mutations that will run). Then, per mutation: replace the snippet (it must occur exactly once in its file, else the list is
 stale: the script stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the
 copy when the file is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore
 the file.
@@ -404,9 +405,11 @@ def test_files(files: Sequence[str], first: Sequence[str], only_first: bool) -> 
     return list(first) + [f for f in found if f not in first]
 
 
-def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float):
+def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float, workers: int = 0):
     """(pytest exit status or None on timeout, first failing test ids)."""
     cmd = [sys.executable, "-m", "pytest", *test_paths, "-q", "-x", "-p", "no:cacheprovider"]
+    if workers:
+        cmd += ["-n", str(workers)]
     with open(log_path, "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -429,6 +432,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scratch", help="scratch directory to (re)use; default: a new temporary one, removed after")
     ap.add_argument("--log", help="also write the report to this file")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
+    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes per run (default: none)")
     args = ap.parse_args(argv)
 
     if args.list:
@@ -465,12 +469,15 @@ def main(argv=None) -> int:
     print(lines[0], flush=True)
 
     t0 = time.time()
-    rc, failed = run_tests(scratch, env, test_files(files, [], False), os.path.join(logs, "baseline.log"),
-                           args.timeout)
+    runs = [m for m in chosen if m.id not in stale and m.needs_gpu == args.gpu]
+    own = sorted({t for m in runs for t in m.tests}) if args.fast and all(m.tests for m in runs) else []
+    rc, failed = run_tests(scratch, env, test_files(files, own, bool(own)), os.path.join(logs, "baseline.log"),
+                           args.timeout, args.workers)
     if rc != 0:
         print(f"mutate: the UNMUTATED suite fails (exit {rc}: {failed[:3]}); see {logs}/baseline.log")
         return 2
-    lines.append(f"baseline (unmutated): passed in {time.time() - t0:.0f} s")
+    lines.append(f"baseline (unmutated{', ' + str(len(own)) + ' test files' if own else ''}): passed in "
+                 f"{time.time() - t0:.0f} s")
     print(lines[-1], flush=True)
 
     results = []
@@ -508,7 +515,7 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
         if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
             return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
         rc, failed = run_tests(scratch, env, test_files(files, m.tests, args.fast),
-                               os.path.join(logs, f"{m.id}.log"), args.timeout)
+                               os.path.join(logs, f"{m.id}.log"), args.timeout, args.workers)
     finally:
         _write(path, original)
         if cpp:  # back to this checkout's build; the next C++ build recompiles the restored file as well
