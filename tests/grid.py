@@ -63,6 +63,11 @@ SGMV_LARGE_CASES = {
     "odd_sizes_many_rows": lambda g: (_slots(g, 777, [0, 2]), dict(K=1000, N=1030, max_rank=24, num_slots=3)),
     "skewed_4096": lambda g: (_slots(g, 4030, list(range(31)), [4000] + [1] * 30),
                               dict(K=1024, N=1024, max_rank=16, num_slots=32)),
+    # Every CUDA expand CTA streams several column blocks (many tiles), ranks over 128 take two passes over y,
+    # and an odd slice offset keeps the element (non-vector) path.
+    "streamed_rank_200": lambda g: (_slots(g, 2000, [0, 1, 2]), dict(K=256, N=3000, max_rank=200, num_slots=4,
+                                                                     slice_offsets=[0, 1500, 2201, 3000],
+                                                                     ranks=[200, 130, 17, 0])),
 }
 
 # name -> (token_lora(gen), make_grouped_gemm kwargs); num_groups defaults to 5
