@@ -1,16 +1,18 @@
-// build_segments: stable counting sort of rows by slot in ONE launch (no host sync, fixed-size outputs).
-// The tokens are cut into contiguous chunks, one per member CTA of a thread-block cluster (up to 16 from
-// sm_90 on, about 1024 tokens each; a single CTA without clusters), then one per warp:
-//   1. each warp counts its chunk's slots into its own shared histogram row;
-//   2. per bucket, each member turns its warps' counts into offsets and sums them; after a cluster barrier
-//      every member reads all members' sums through distributed shared memory: a scan over buckets gives
-//      the bucket starts, the sums of earlier members its own start inside each bucket;
-//   3. each warp walks its chunk again 32 tokens at a time: __match_any_sync groups equal slots, the
-//      lane's rank among earlier equal lanes plus the warp's running cursor is its output position.
-// Chunks are in token order and members, warps and lanes place in that order: the sort is stable.
+// build_segments: stable counting sort of rows by slot in ONE launch (no host sync, fixed-size outputs), with no
+// communication between CTAs. The tokens are cut into contiguous chunks, one per CTA (~1024 tokens, at most
+// kMaxCtas chunks); each CTA on its own:
+//   1. counts the bucket of EVERY token into two shared histograms: the tokens before its chunk, and the rest.
+//      Every CTA repeats this, but one pass over T int32 (64 KB at T = 16384) with all loads in flight costs less
+//      than an exchange between CTAs (a cluster barrier and remote reads, or global flags and a spin);
+//   2. ranks its own chunk: each placing warp takes a contiguous part, 32 tokens at a time; ballots over the
+//      bucket's bits give the lanes with the same bucket, and the warp counts each bucket's tokens;
+//   3. per bucket, one thread sums the histograms (the bucket's total, and its tokens in earlier chunks) and turns
+//      the warps' counts into offsets; one block scan of the totals gives the bucket starts (equal in every CTA:
+//      CTA 0 writes seg_indptr and seg_lora);
+//   4. places its tokens at bucket start + tokens of earlier chunks + of earlier warps and batches + rank.
+// Chunks are in token order, and warps, batches and lanes place in that order: the sort is stable, and every
+// count is an integer sum, so the output is deterministic.
 // Bucket num_slots collects rows whose slot is outside [0, num_slots): sorted last, not covered.
-#include <cooperative_groups.h>
-
 #include <algorithm>
 
 #include "common.cuh"
@@ -19,157 +21,189 @@
 namespace lora_ops::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-constexpr int kTokensPerMember = 1024;
-constexpr int kMaxMembers = 16;
+constexpr unsigned kAll = 0xffffffffu;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxWarps = kMaxThreads / 32;
+constexpr int64_t kTokensPerCta = 1024;  // one token per thread to place
+constexpr int64_t kMaxCtas = 32;         // every CTA reads all T tokens: bounds the repeated reads
+constexpr int kLoadsInFlight = 16;       // tokens per thread per counting step (T = 16384: one step)
 constexpr size_t kMaxSmem = 160 * 1024;  // an A100 can run it too
 
-// Exclusive prefix sum of a[0, n) in place (block-wide): each thread sums a contiguous run, the run totals
-// are scanned with warp shuffles and one warp's scan of the warp totals (two barriers).
-__device__ void block_exclusive_scan(int32_t* a, int64_t n, int32_t* warp_total /* [32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  const int64_t per = (n + blockDim.x - 1) / blockDim.x;
-  const int64_t r0 = std::min<int64_t>(n, threadIdx.x * per), r1 = std::min<int64_t>(n, r0 + per);
-  int32_t sum = 0;
-  for (int64_t i = r0; i < r1; ++i) sum += a[i];
-  const int32_t incl = warp_inclusive_scan(sum);
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) warp_total[lane] = warp_inclusive_scan(lane < warps ? warp_total[lane] : 0);
-  __syncthreads();
-  int32_t running = (warp > 0 ? warp_total[warp - 1] : 0) + incl - sum;
-  for (int64_t i = r0; i < r1; ++i) {
-    const int32_t c = a[i];
-    a[i] = running;
-    running += c;
-  }
-  __syncthreads();
+// Shared memory: counts [2][buckets][replicas], warp_cursor [warps][buckets], bucket_start [buckets].
+size_t smem_bytes(int64_t buckets, int replicas, int warps) {
+  return (size_t)buckets * (2 * replicas + warps + 1) * sizeof(int32_t);
 }
 
-__global__ void __launch_bounds__(kThreads) build_segments_kernel(BuildSegmentsParams p, int warps_used,
-                                                                    int members) {
+// A warp's batch of up to 32 consecutive tokens [t0, min(t0 + 32, end)), a token per lane: its bucket, the
+// active lanes with the same bucket (one ballot per bucket bit, as CUB's MatchAny), and its rank among them.
+struct Batch {
+  uint32_t token, bucket;
+  bool active;
+  unsigned peers;
+  int rank;
+};
+
+__device__ __forceinline__ Batch rank_batch(const int32_t* token_lora, uint32_t t0, uint32_t end, uint32_t num_slots,
+                                            int bucket_bits) {
+  const int lane = threadIdx.x & 31;
+  Batch s;
+  s.token = t0 + lane;
+  s.active = s.token < end;
+  // A negative slot is a huge unsigned value: min() sends it, like slots >= num_slots, to bucket num_slots.
+  s.bucket = s.active ? min((uint32_t)__ldg(&token_lora[s.token]), num_slots) : 0;
+  s.peers = __ballot_sync(kAll, s.active);
+  for (int bit = 0; bit < bucket_bits; ++bit) {
+    const bool set = (s.bucket >> bit) & 1;
+    const unsigned ones = __ballot_sync(kAll, set);
+    s.peers &= set ? ones : ~ones;
+  }
+  s.rank = __popc(s.peers & ((1u << lane) - 1));
+  return s;
+}
+
+// kReplicas copies of each count, lane l adding to copy l % kReplicas: with 32, copy l lies in bank l, so a
+// warp's 32 atomic adds never collide whatever the slots. One copy when there are too many buckets for 32.
+template <int kReplicas>
+__global__ void __launch_bounds__(kMaxThreads) build_segments_kernel(BuildSegmentsParams p, int placing_warps) {
   extern __shared__ int32_t smem[];
-  __shared__ int32_t warp_total[32];
-  const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
-  int32_t* hist = smem;                                // [buckets][warps_used], bucket-major
-  int32_t* member_sum = hist + buckets * warps_used;  // [buckets] this member's rows per bucket
-  int32_t* bucket_start = member_sum + buckets;        // [buckets]
-  int32_t* member_start = bucket_start + buckets;      // [buckets] this member's first position per bucket
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int member = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  if (members > 1) member = (int)cg::this_cluster().block_rank();
-#endif
-  int64_t m_begin, m_end, t_begin, t_end;
-  split_range(T, members, member, &m_begin, &m_end);
-  split_range(m_end - m_begin, warps_used, warp, &t_begin, &t_end);
-  t_begin += m_begin;
-  t_end += m_begin;
-  auto bucket_of = [&](int64_t t) {
-    const int32_t s = p.token_lora[t];
-    return (s >= 0 && s < p.num_slots) ? (int64_t)s : p.num_slots;
-  };
-  for (int64_t i = threadIdx.x; i < buckets * warps_used; i += blockDim.x) hist[i] = 0;
-  __syncthreads();
-  if (warp < warps_used) {
-    for (int64_t t = t_begin + lane; t < t_end; t += 32) atomicAdd(&hist[bucket_of(t) * warps_used + warp], 1);
-  }
-  __syncthreads();
-  for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {  // warp offsets inside the member's bucket
-    int32_t running = 0;
-    for (int w = 0; w < warps_used; ++w) {
-      const int32_t c = hist[b * warps_used + w];
-      hist[b * warps_used + w] = running;
-      running += c;
+  __shared__ int32_t warp_total[kMaxWarps];
+  // T < 2^31 (checked on the host): a token index plus one counting step still fits uint32.
+  const uint32_t T = (uint32_t)p.num_tokens, num_slots = (uint32_t)p.num_slots, buckets = num_slots + 1;
+  const uint32_t threads = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int bucket_bits = 32 - __clz((int)num_slots);
+  int32_t* counts = smem;                                      // [2][buckets][kReplicas]
+  int32_t* warp_cursor = counts + 2 * buckets * kReplicas;     // [placing_warps][buckets]
+  int32_t* bucket_start = warp_cursor + placing_warps * buckets;  // [buckets]
+  int64_t begin, end, part_begin, part_end;
+  split_range(T, gridDim.x, blockIdx.x, &begin, &end);
+  split_range(end - begin, placing_warps, warp, &part_begin, &part_end);
+  const uint32_t chunk_begin = (uint32_t)begin;
+  const uint32_t warp_begin = chunk_begin + (uint32_t)part_begin, warp_end = chunk_begin + (uint32_t)part_end;
+
+  // 1. Count every token. The first step's loads are in flight while shared memory is zeroed.
+  int32_t slot[kLoadsInFlight];
+  auto load_step = [&](uint32_t base) {
+#pragma unroll
+    for (int k = 0; k < kLoadsInFlight; ++k) {
+      const uint32_t t = base + k * threads + threadIdx.x;
+      slot[k] = t < T ? __ldg(&p.token_lora[t]) : 0;
     }
-    member_sum[b] = running;
+  };
+  load_step(0);
+  for (uint32_t i = threadIdx.x; i < buckets * (2 * kReplicas + placing_warps); i += threads) smem[i] = 0;
+  __syncthreads();
+  for (uint32_t base = 0;;) {
+#pragma unroll
+    for (int k = 0; k < kLoadsInFlight; ++k) {
+      const uint32_t t = base + k * threads + threadIdx.x;
+      const uint32_t row = t < chunk_begin ? 0 : buckets;
+      // Adds 0 past the end: no branch around each atomic.
+      atomicAdd(&counts[(row + min((uint32_t)slot[k], num_slots)) * kReplicas + lane % kReplicas], t < T ? 1 : 0);
+    }
+    base += kLoadsInFlight * threads;
+    if (base >= T) break;
+    load_step(base);
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (members > 1) {
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    // One thread per (bucket, member), a bucket's members on `members` consecutive lanes (a power of two):
-    // one remote read each, then a scan across those lanes.
-    for (int64_t base = 0; base < buckets * members; base += blockDim.x) {  // uniform: every lane shuffles
-      const int64_t i = base + threadIdx.x, b = i / members;
-      const int m = (int)(i % members);
-      const int32_t c = i < buckets * members ? cluster.map_shared_rank(member_sum, (unsigned)m)[b] : 0;
-      const int32_t incl = warp_inclusive_scan(c, members);
-      const int32_t total = __shfl_sync(0xffffffffu, incl, members - 1, members);
-      if (i < buckets * members && m == member) {
-        bucket_start[b] = total;
-        member_start[b] = incl - c;
+
+  // 2. Each placing warp counts its part of the chunk per bucket (its tokens were just read: L1 hits).
+  if (warp < (uint32_t)placing_warps) {
+    for (uint32_t t0 = warp_begin; t0 < warp_end; t0 += 32) {
+      const Batch s = rank_batch(p.token_lora, t0, warp_end, num_slots, bucket_bits);
+      if (s.active && s.rank == 0) warp_cursor[warp * buckets + s.bucket] += __popc(s.peers);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+
+  // 3. A contiguous run of buckets per thread. A bucket's copies are read rotated by the bucket, so that
+  //    neighbouring threads read distinct banks.
+  const uint32_t per = (buckets + threads - 1) / threads;
+  const uint32_t b_begin = min(buckets, threadIdx.x * per), b_end = min(buckets, b_begin + per);
+  int32_t run = 0;
+#pragma unroll 1
+  for (uint32_t b = b_begin; b < b_end; ++b) {
+    int32_t before = 0, rest = 0;
+#pragma unroll
+    for (int r = 0; r < kReplicas; ++r) {
+      const uint32_t i = b * kReplicas + ((r + b) % kReplicas);
+      before += counts[i];
+      rest += counts[buckets * kReplicas + i];
+    }
+    // This chunk's tokens of bucket b follow those of earlier chunks, warp after warp (loads 8 at a time, so
+    // that they overlap).
+    int32_t cursor = before;
+    for (int w0 = 0; w0 < placing_warps; w0 += 8) {
+      int32_t warp_count[8];
+#pragma unroll
+      for (int w = 0; w < 8; ++w) warp_count[w] = w0 + w < placing_warps ? warp_cursor[(w0 + w) * buckets + b] : 0;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        if (w0 + w < placing_warps) warp_cursor[(w0 + w) * buckets + b] = cursor;
+        cursor += warp_count[w];
       }
     }
-    // Peers may still read this member's sums: signal that theirs are read, wait for ours before leaving.
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  } else
-#endif
-  {
-    for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
-      bucket_start[b] = member_sum[b];
-      member_start[b] = 0;
+    bucket_start[b] = before + rest;  // the bucket's total until the scan below
+    run += before + rest;
+  }
+  // Block-wide exclusive scan of the runs: one barrier (each warp sums the totals of the warps before it).
+  const int32_t incl = warp_inclusive_scan(run);
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  int32_t start = __reduce_add_sync(kAll, lane < warp ? warp_total[lane] : 0) + incl - run;
+  for (uint32_t b = b_begin; b < b_end; ++b) {
+    const int32_t total = bucket_start[b];
+    bucket_start[b] = start;
+    if (blockIdx.x == 0) {
+      p.seg_indptr[b] = start;
+      if (b < num_slots) p.seg_lora[b] = (int32_t)b;
     }
+    start += total;
   }
   __syncthreads();
-  block_exclusive_scan(bucket_start, buckets, warp_total);
-  for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
-    const int32_t base = bucket_start[b] + member_start[b];
-    for (int w = 0; w < warps_used; ++w) hist[b * warps_used + w] += base;
-    if (member == 0) {
-      p.seg_indptr[b] = bucket_start[b];
-      if (b < p.num_slots) p.seg_lora[b] = (int32_t)b;
-    }
-  }
-  __syncthreads();
-  if (warp < warps_used) {
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += 32) {
-      const int64_t t = t0 + lane;
-      const bool active = t < t_end;
-      const unsigned mask = __ballot_sync(0xffffffffu, active);
-      if (active) {
-        const int64_t b = bucket_of(t);
-        const unsigned peers = __match_any_sync(mask, (long long)b);
-        const int leader = __ffs(peers) - 1;
-        const int rank = __popc(peers & ((1u << lane) - 1));
-        int32_t* cursor = &hist[b * warps_used + warp];
-        const int32_t base = *cursor;  // read by all peers before the leader advances it
-        __syncwarp(mask);
-        if (lane == leader) *cursor = base + __popc(peers);
-        p.token_indices[base + rank] = (int32_t)t;
+
+  // 4. Place, batch after batch: the warp's cursor per bucket advances by the batch's count.
+  if (warp < (uint32_t)placing_warps) {
+    for (uint32_t t0 = warp_begin; t0 < warp_end; t0 += 32) {
+      const Batch s = rank_batch(p.token_lora, t0, warp_end, num_slots, bucket_bits);
+      int32_t* cursor = &warp_cursor[warp * buckets + s.bucket];
+      const int32_t base = *cursor;  // read by all peers before the leader advances it
+      __syncwarp();
+      if (s.active) {
+        p.token_indices[bucket_start[s.bucket] + base + s.rank] = (int32_t)s.token;
+        if (s.rank == 0) *cursor = base + __popc(s.peers);
       }
       __syncwarp();
     }
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (members > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
 }
 
-size_t smem_bytes(int64_t buckets, int warps) { return (size_t)buckets * (warps + 3) * sizeof(int32_t); }
+template <int kReplicas>
+cudaError_t launch(const BuildSegmentsParams& p, int ctas, int threads, int placing_warps, size_t smem,
+                   cudaStream_t stream) {
+  const auto kernel = build_segments_kernel<kReplicas>;
+  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch_config(ctas, threads, 1, smem, stream, &attr);  // a plain launch
+  return cudaLaunchKernelEx(&cfg, kernel, p, placing_warps);
+}
 
 }  // namespace
 
-int64_t build_segments_max_slots() { return (int64_t)(kMaxSmem / smem_bytes(1, 1)) - 1; }
+int64_t build_segments_max_slots() { return (int64_t)(kMaxSmem / smem_bytes(1, 1, 1)) - 1; }
 
-cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream) {
-  const int64_t buckets = p.num_slots + 1;
-  // A histogram row per warp; fewer warps when the slot count is large.
-  const int64_t fit = (int64_t)kMaxSmem / (buckets * (int64_t)sizeof(int32_t)) - 3;
+cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream) {
+  const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
+  const int ctas = (int)std::clamp<int64_t>((T + kTokensPerCta - 1) / kTokensPerCta, 1, kMaxCtas);
+  // A thread per token up to 1024 (fewer threads: cheaper barriers and zeroing for short batches).
+  const int threads = (int)std::clamp<int64_t>((T + 127) / 128 * 128, 128, kMaxThreads);
+  const int replicas = smem_bytes(buckets, 32, threads / 32) <= kMaxSmem ? 32 : 1;
+  // A cursor row per placing warp; fewer placing warps when the slots are many.
+  const int64_t fit = (int64_t)(kMaxSmem / sizeof(int32_t)) / buckets - 2 * replicas - 1;
   if (fit < 1) return cudaErrorInvalidValue;
-  const int warps = (int)std::max<int64_t>(1, std::min<int64_t>({kWarps, fit, (p.num_tokens + 31) / 32}));
-  const size_t smem = smem_bytes(buckets, warps);
-  if (const cudaError_t err = allow_dynamic_smem((const void*)build_segments_kernel, smem); err != cudaSuccess) {
-    return err;
-  }
-  int members = 1;  // a power of two (the kernel scans across members with lane shuffles)
-  while (cc_major >= 9 && members < kMaxMembers && members * kTokensPerMember < p.num_tokens) members *= 2;
-  while (members > 1 && !cluster_fits((const void*)build_segments_kernel, kThreads, members, smem)) members /= 2;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(members, kThreads, members, smem, stream, &attr);
-  return cudaLaunchKernelEx(&cfg, build_segments_kernel, p, warps, members);
+  const int placing_warps = (int)std::min<int64_t>(threads / 32, fit);
+  const size_t smem = smem_bytes(buckets, replicas, placing_warps);
+  return replicas == 32 ? launch<32>(p, ctas, threads, placing_warps, smem, stream)
+                        : launch<1>(p, ctas, threads, placing_warps, smem, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -40,8 +40,8 @@ cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cu
 constexpr int kGroupedGemmExpandMaxK = 128;
 cudaError_t launch_grouped_gemm_expand(const GroupedGemmParams& p, int num_sms, cudaStream_t stream);
 
-// The largest num_slots whose histograms fit the kernel's shared memory.
+// The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();
-cudaError_t launch_build_segments(const BuildSegmentsParams& p, int cc_major, cudaStream_t stream);
+cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);
 
 }  // namespace lora_ops::cuda

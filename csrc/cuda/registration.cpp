@@ -149,9 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Ten
                     std::to_string(cuda::build_segments_max_slots()), ")");
   at::Tensor token_indices, seg_indptr, seg_lora, token_lora_i32;
   const auto p = check_build_segments(token_lora, num_slots, token_indices, seg_indptr, seg_lora, token_lora_i32);
-  C10_CUDA_CHECK(cuda::launch_build_segments(
-      p, device_attribute(cudaDevAttrComputeCapabilityMajor, token_lora.get_device()),
-      c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_build_segments(p, c10::cuda::getCurrentCUDAStream()));
   return {token_indices, seg_indptr, seg_lora};
 }
 
