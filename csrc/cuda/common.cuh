@@ -206,9 +206,8 @@ struct TileRef {
 // overlap whatever the metadata, so the tile count is at most min(P, ceil(P / tile_rows) + G), the grid bound.
 // A segment whose slot is outside [0, num_slots) has no tiles. The rank is not consulted (the caller leaves a
 // rank-0 tile), which keeps the walk one dependent load deep: 32 segments per step, two loads per lane.
-// When there is no such tile and `count` is given, *count = the number of tiles (ask for tile INT64_MAX).
 __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t tile,
-                                      TileRef* out, int64_t* count = nullptr) {
+                                      TileRef* out) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   int64_t tiles_before = 0, m_carry = clamped_indptr(seg, 0);
@@ -234,7 +233,6 @@ __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, in
     tiles_before = __shfl_sync(kAll, incl, 31);
     m_carry = __shfl_sync(kAll, m_end, 31);
   }
-  if (count) *count = tiles_before;
   return false;
 }
 
@@ -279,15 +277,14 @@ __device__ __forceinline__ void allow_dependents_to_launch() {
 #endif
 }
 
-// Launches kernel<<<grid, threads, smem, stream>>>(args...), programmatically dependent on the previous kernel
-// in the stream when `pdl` (sm_90+).
+// Launches kernel<<<grid, threads, 0, stream>>>(args...), programmatically dependent on the previous kernel in
+// the stream when `pdl` (sm_90+).
 template <class... KArgs, class... Args>
-cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem, bool pdl, cudaStream_t stream,
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, bool pdl, cudaStream_t stream,
                        Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
