@@ -3,7 +3,9 @@ table and its claims cannot drift from the data:
 
     python -m lora_ops.bench.report benchmarks/results/2026-11-30-h200.json --readme README.md
 
-rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers."""
+rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
+`--op-table lora_ops/op_table.json` it also writes the CUDA kernels' op table from the file's records
+(lora_ops/op_table.py)."""
 from __future__ import annotations
 
 import argparse
@@ -170,14 +172,25 @@ def update_readme(readme: str, result: dict) -> None:
         f.write(text)
 
 
+def table_meta(result: dict, source: str) -> dict:
+    """What a table written from these results records about its measurement."""
+    return {"gpu": result["gpu"], "git_sha": result["git_sha"], "date": result["date"], "torch": result["torch"],
+            "source": source}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="a results JSON written by python -m lora_ops.bench --out")
     ap.add_argument("--readme", default=None, help="rewrite this file's bench section (default: print it)")
+    ap.add_argument("--op-table", default=None, metavar="PATH",
+                    help="write the op table built from the file's records (lora_ops/op_table.json) instead")
     args = ap.parse_args(argv)
     with open(args.results) as f:
         result = json.load(f)
-    if args.readme:
+    if args.op_table:
+        from lora_ops import op_table
+        op_table.write(args.op_table, result["records"], table_meta(result, source=os.path.basename(args.results)))
+    elif args.readme:
         update_readme(args.readme, result)
     else:
         print(readme_section(result))
