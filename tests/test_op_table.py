@@ -221,10 +221,12 @@ def test_cpp_setter_rejects_a_malformed_table(args, msg):
 # ---- on a GPU: the regimes the table gives to Triton ----
 
 def _profiled_kernels(fn):
+    """The names of the GPU kernels fn launches: a Triton kernel by its bare name, a C++ one demangled with its
+    namespace and arguments (the C++ lora_expand_kernel never equals Triton's)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return " ".join(e.key for e in prof.key_averages())
+    return {e.key for e in prof.key_averages()}
 
 
 def _routed_problem(op, T=2048, dtype=torch.bfloat16):

@@ -61,49 +61,6 @@ TableOp table_op(const std::string& op) {
   TORCH_CHECK_VALUE(false, "lora_ops op table: unknown op '", op, "' (expected sgmv, lora_expand or grouped_gemm)");
 }
 
-// op: which op; axes: its axis names, comma-separated, as the kernels compute them (checked); bounds_per_axis and
-// bounds: each axis' upper bounds, concatenated; triton: one 0/1 per regime. An empty `triton` clears the table.
-void set_cuda_op_table(const std::string& op, const std::string& axes, at::IntArrayRef bounds_per_axis,
-                       at::IntArrayRef bounds, at::IntArrayRef triton) {
-  const TableOp which = table_op(op);
-  const int index = static_cast<int>(which);
-  std::unique_ptr<OpTable> table;
-  if (!triton.empty()) {
-    TORCH_CHECK_VALUE(axes == kTableOpAxes[index], "lora_ops op table: ", op, " axes '", axes, "', expected '",
-                      kTableOpAxes[index], "'");
-    TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", op, ": ",
-                      bounds_per_axis.size(), " bound counts for ", kTableAxes, " axes");
-    table = std::make_unique<OpTable>();
-    size_t next = 0, regimes = 1;
-    for (int a = 0; a < kTableAxes; ++a) {
-      const auto count = static_cast<size_t>(std::max<int64_t>(bounds_per_axis[a], 0));
-      TORCH_CHECK_VALUE(bounds_per_axis[a] >= 0 && next + count <= bounds.size(), "lora_ops op table: ", op,
-                        ": bound counts ", bounds_per_axis, " do not match ", bounds.size(), " bounds");
-      table->bounds[a].assign(bounds.begin() + next, bounds.begin() + next + count);
-      const auto& b = table->bounds[a];
-      TORCH_CHECK_VALUE(std::adjacent_find(b.begin(), b.end(), std::greater_equal<int64_t>()) == b.end(),
-                        "lora_ops op table: ", op, ": bounds of axis ", a, " must increase");
-      next += count;
-      regimes *= table->bounds[a].size() + 1;
-    }
-    TORCH_CHECK_VALUE(next == bounds.size() && triton.size() == regimes, "lora_ops op table: ", op, ": ",
-                      triton.size(), " regimes given for ", regimes, " (", bounds.size(), " bounds)");
-    bool any_triton = false;
-    for (const int64_t t : triton) {
-      TORCH_CHECK_VALUE(t == 0 || t == 1, "lora_ops op table: ", op, ": regime values must be 0 or 1");
-      table->triton.push_back(static_cast<uint8_t>(t));
-      any_triton |= t == 1;
-    }
-    const std::string twin = std::string("lora_ops::_triton_") + op;
-    TORCH_CHECK(!any_triton || c10::Dispatcher::singleton().findSchemaOrThrow(twin.c_str(), "")
-                                   .hasKernelForDispatchKey(c10::DispatchKey::CUDA),
-                "lora_ops op table: ", op, " has Triton regimes but ", twin, " has no CUDA kernel (Triton absent)");
-  }
-  const std::lock_guard<std::mutex> lock(g_op_tables_mutex);
-  g_op_tables[index].store(table.get(), std::memory_order_release);
-  if (table) g_op_tables_kept.push_back(std::move(table));
-}
-
 // The installed table's backend for these axis values (also for lora_ops::_cuda_op_table_choice).
 bool table_says_triton(TableOp op, const std::array<int64_t, kTableAxes>& values) {
   const OpTable* table = g_op_tables[static_cast<int>(op)].load(std::memory_order_acquire);
@@ -114,12 +71,6 @@ bool table_says_triton(TableOp op, const std::array<int64_t, kTableAxes>& values
     regime = regime * (b.size() + 1) + (std::lower_bound(b.begin(), b.end(), values[a]) - b.begin());
   }
   return table->triton[regime] != 0;
-}
-
-std::string cuda_op_table_choice(const std::string& op, at::IntArrayRef values) {
-  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", kTableAxes,
-                    " axis values expected, got ", values.size());
-  return table_says_triton(table_op(op), {values[0], values[1], values[2]}) ? "triton" : "cuda";
 }
 
 // The table's axes from host-visible sizes only. A tensor of the wrong rank reads as 0 here; the checks of
@@ -136,11 +87,13 @@ bool table_dtype(const at::Tensor& weights) {
   return weights.scalar_type() == at::kHalf || weights.scalar_type() == at::kBFloat16;
 }
 
-// lora_ops::_triton_<op>'s CUDA kernel, reached below every dispatch layer already passed on the way here.
+// lora_ops::_triton_<op>, typed like the op's kernel Fn (one handle per Fn: the three ops' signatures differ). Its
+// CUDA kernel is reached with kCudaKeys, below every dispatch layer already passed on the way here.
 const c10::DispatchKeySet kCudaKeys(c10::DispatchKey::CUDA);
 template <typename Fn>
-c10::TypedOperatorHandle<Fn> triton_twin(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+const c10::TypedOperatorHandle<Fn>& triton_twin(const char* name) {
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+  return handle;
 }
 
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
@@ -195,8 +148,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   if (preferred == SgmvKernel::Auto && table_dtype(lora_b) &&
       table_says_triton(TableOp::Sgmv, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
                                         slices_of(slice_offsets)})) {
-    static const auto triton = triton_twin<decltype(sgmv_cuda)>("lora_ops::_triton_sgmv");
-    triton.redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+    triton_twin<decltype(sgmv_cuda)>("lora_ops::_triton_sgmv").redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
                       lora_scales, slice_offsets, scale);
     return;
   }
@@ -231,8 +183,7 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   if (table_dtype(lora_b) && table_says_triton(TableOp::LoraExpand, {positions_of(y, token_indices),
                                                                       size_or_zero(lora_b, 2),
                                                                       slices_of(slice_offsets)})) {
-    static const auto triton = triton_twin<decltype(lora_expand_cuda)>("lora_ops::_triton_lora_expand");
-    triton.redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+    triton_twin<decltype(lora_expand_cuda)>("lora_ops::_triton_lora_expand").redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                       slice_offsets, scale);
     return;
   }
@@ -264,8 +215,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   if (preferred == GroupedGemmKernel::Auto && table_dtype(w) &&
       table_says_triton(TableOp::GroupedGemm, {positions_of(y, token_indices), size_or_zero(w, 1),
                                                size_or_zero(w, 2)})) {
-    static const auto triton = triton_twin<decltype(grouped_gemm_cuda)>("lora_ops::_triton_grouped_gemm");
-    triton.redispatch(kCudaKeys, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
+    triton_twin<decltype(grouped_gemm_cuda)>("lora_ops::_triton_grouped_gemm").redispatch(kCudaKeys, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
                       accumulate);
     return;
   }
@@ -298,6 +248,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Ten
       p, device_attribute(cudaDevAttrComputeCapabilityMajor, token_lora.get_device()),
       c10::cuda::getCurrentCUDAStream()));
   return {token_indices, seg_indptr, seg_lora};
+}
+
+// ---- the op table's setter and lookup, as ops for lora_ops/op_table.py ----
+
+// Before a table sends any regime to Triton: the twin has a CUDA kernel, and its typed handle (the signature check)
+// is made now, at import, rather than on the first call in a Triton regime.
+void check_triton_twin(TableOp op) {
+  const std::string twin = std::string("lora_ops::_triton_") + kTableOpNames[static_cast<int>(op)];
+  TORCH_CHECK(c10::Dispatcher::singleton().findSchemaOrThrow(twin.c_str(), "")
+                  .hasKernelForDispatchKey(c10::DispatchKey::CUDA),
+              "lora_ops op table: Triton regimes for ", twin, ", which has no CUDA kernel (Triton absent)");
+  switch (op) {
+    case TableOp::Sgmv: triton_twin<decltype(sgmv_cuda)>(twin.c_str()); break;
+    case TableOp::LoraExpand: triton_twin<decltype(lora_expand_cuda)>(twin.c_str()); break;
+    case TableOp::GroupedGemm: triton_twin<decltype(grouped_gemm_cuda)>(twin.c_str()); break;
+  }
+}
+
+// op: which op; axes: its axis names, comma-separated, as the kernels compute them (checked); bounds_per_axis and
+// bounds: each axis' upper bounds, concatenated; triton: one 0/1 per regime. An empty `triton` clears the table.
+void set_cuda_op_table(const std::string& op, const std::string& axes, at::IntArrayRef bounds_per_axis,
+                       at::IntArrayRef bounds, at::IntArrayRef triton) {
+  const TableOp which = table_op(op);
+  const int index = static_cast<int>(which);
+  std::unique_ptr<OpTable> table;
+  if (!triton.empty()) {
+    TORCH_CHECK_VALUE(axes == kTableOpAxes[index], "lora_ops op table: ", op, " axes '", axes, "', expected '",
+                      kTableOpAxes[index], "'");
+    TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", op, ": ",
+                      bounds_per_axis.size(), " bound counts for ", kTableAxes, " axes");
+    table = std::make_unique<OpTable>();
+    size_t next = 0, regimes = 1;
+    for (int a = 0; a < kTableAxes; ++a) {
+      const auto count = static_cast<size_t>(std::max<int64_t>(bounds_per_axis[a], 0));
+      TORCH_CHECK_VALUE(bounds_per_axis[a] >= 0 && next + count <= bounds.size(), "lora_ops op table: ", op,
+                        ": bound counts ", bounds_per_axis, " do not match ", bounds.size(), " bounds");
+      table->bounds[a].assign(bounds.begin() + next, bounds.begin() + next + count);
+      const auto& b = table->bounds[a];
+      TORCH_CHECK_VALUE(std::adjacent_find(b.begin(), b.end(), std::greater_equal<int64_t>()) == b.end(),
+                        "lora_ops op table: ", op, ": bounds of axis ", a, " must increase");
+      next += count;
+      regimes *= table->bounds[a].size() + 1;
+    }
+    TORCH_CHECK_VALUE(next == bounds.size() && triton.size() == regimes, "lora_ops op table: ", op, ": ",
+                      triton.size(), " regimes given for ", regimes, " (", bounds.size(), " bounds)");
+    bool any_triton = false;
+    for (const int64_t t : triton) {
+      TORCH_CHECK_VALUE(t == 0 || t == 1, "lora_ops op table: ", op, ": regime values must be 0 or 1");
+      table->triton.push_back(static_cast<uint8_t>(t));
+      any_triton |= t == 1;
+    }
+    if (any_triton) check_triton_twin(which);
+  }
+  const std::lock_guard<std::mutex> lock(g_op_tables_mutex);
+  g_op_tables[index].store(table.get(), std::memory_order_release);
+  if (table) g_op_tables_kept.push_back(std::move(table));
+}
+
+std::string cuda_op_table_choice(const std::string& op, at::IntArrayRef values) {
+  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", kTableAxes,
+                    " axis values expected, got ", values.size());
+  return table_says_triton(table_op(op), {values[0], values[1], values[2]}) ? "triton" : "cuda";
 }
 
 }  // namespace
