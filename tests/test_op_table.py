@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-import lora_ops
 from lora_ops import backends, op_table, reference, testing
 from lora_ops.bench import report
 

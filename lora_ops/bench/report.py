@@ -195,8 +195,9 @@ def _grouped_gemm_claims(records: List[dict]) -> List[str]:
                        f"{ours['tflops'] / torch_mm['tflops']:.2f}× the TFLOP/s of torch._grouped_mm "
                        f"({ours['tflops']:.0f} against {torch_mm['tflops']:.0f}).")
         elif w == "float16":
-            twin = next((b for (s2, *_rest, w2, x2, y2, a2), b in cases.items()
-                         if s2 == shape and w2 == "bfloat16" and best(b) is not None), None)
+            # the same case in bf16: key (shape, groups, T, K, N, w, x, y, accumulate)
+            twin = next((b for k, b in cases.items() if k[0] == shape and k[5] == "bfloat16" and best(b) is not None),
+                        None)
             if twin is not None:
                 out.append(f"- grouped_gemm {shape} in fp16: {ours['tflops']:.0f} TFLOP/s, "
                            f"{ours['tflops'] / best(twin)['tflops']:.2f}× its bf16 speed (torch._grouped_mm has no "
