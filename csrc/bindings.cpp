@@ -94,10 +94,12 @@ TORCH_LIBRARY(lora_ops, m) {
   // into the base layer's GEMM).
   m.def((std::string("lora_expand") + lora_ops::schema::kLoraExpand).c_str());
   m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
-  // The Triton kernels of sgmv and lora_expand under names of their own (registered for CUDA from Python), so
-  // that a caller choosing the backend per regime (lora_ops/routes.py) reaches either one through the dispatcher.
+  // The Triton kernels of sgmv, lora_expand and grouped_gemm under names of their own (registered for CUDA from
+  // Python), so that a caller choosing the backend per regime (lora_ops/routes.py, the CUDA kernels' op table)
+  // reaches either one through the dispatcher.
   m.def((std::string("_triton_sgmv") + lora_ops::schema::kSgmv).c_str());
   m.def((std::string("_triton_lora_expand") + lora_ops::schema::kLoraExpand).c_str());
+  m.def((std::string("_triton_grouped_gemm") + lora_ops::schema::kGroupedGemm).c_str());
   // Return the index tensors as the kernels read them: (seg_indptr, slots, token_indices, then per-slot sizes).
   m.def(
       "_check_sgmv(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
@@ -126,6 +128,7 @@ TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {
   m.impl("lora_expand", &lora_expand_meta);
   m.impl("_triton_sgmv", &sgmv_meta);
   m.impl("_triton_lora_expand", &lora_expand_meta);
+  m.impl("_triton_grouped_gemm", &grouped_gemm_meta);
   m.impl("grouped_gemm", &grouped_gemm_meta);
   m.impl("build_segments", &build_segments_meta);
 }

@@ -1,7 +1,8 @@
 """Which backend serves which op on which device, as data (xformers style), and the Triton registration.
 
-Dispatch (docs/design.md §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in, else Triton; LORA_OPS_BACKEND=triton
-forces Triton on CUDA; PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
+Dispatch (docs/design.md §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in (which hands the regimes that
+lora_ops/op_table.json gives to Triton over to it), else Triton; LORA_OPS_BACKEND=triton forces Triton on CUDA;
+PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
 reason, printed by `python -m lora_ops.info`.
 """
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Dict, Optional
 import torch
 
 OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
-# Ops whose Triton kernel is also registered as lora_ops::_triton_<op>, so a route can choose it explicitly.
-TRITON_BY_NAME = ("sgmv", "lora_expand")
+# Ops whose Triton kernel is also registered as lora_ops::_triton_<op>, so that a route (routes.py) or the C++ CUDA
+# kernels (by their op table, op_table.py) can choose it explicitly.
+TRITON_BY_NAME = ("sgmv", "lora_expand", "grouped_gemm")
 
 # Filled by register_triton_where_needed(): which ops have a C++ CUDA kernel (read before Triton registers any),
 # op -> "cuda" | "triton" | None, and why a backend is absent.
@@ -52,7 +54,8 @@ def forced_backend() -> str:
 
 
 def register_triton_where_needed() -> None:
-    """Serve the CUDA key with Triton for every op without a C++ CUDA kernel (or all, when forced)."""
+    """Serve the CUDA key with Triton for every op without a C++ CUDA kernel (or all, when forced), then hand the
+    op table to the C++ CUDA kernels (op_table.install_default)."""
     for name, entry in build_info().get("backends", {}).items():
         if not entry.get("built"):
             unavailable[name] = entry.get("reason", "not built")
@@ -68,6 +71,8 @@ def register_triton_where_needed() -> None:
             _unserve_triton()
     except Exception as exc:  # installed but broken: keep lora_ops importable, but say so loudly
         _triton_failed(exc)
+    from . import op_table
+    op_table.install_default()
 
 
 def _register_triton(force: bool) -> None:
@@ -83,7 +88,7 @@ def _register_triton(force: bool) -> None:
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" when forced
             _lib.impl(op, kernels[op], "CUDA")
         cuda_served_by[op] = "triton"
-    for op in TRITON_BY_NAME:  # reachable by name whatever serves the CUDA key (lora_ops/routes.py picks them)
+    for op in TRITON_BY_NAME:  # reachable by name whatever serves the CUDA key
         _lib.impl(f"_triton_{op}", kernels[op], "CUDA")
 
 

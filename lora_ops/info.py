@@ -1,11 +1,12 @@
 """`python -m lora_ops.info`: version, torch, which backend serves which op on which device, and why any
 backend is absent."""
+import os
 import platform
 
 import torch
 
 import lora_ops
-from lora_ops import backends
+from lora_ops import backends, op_table
 
 
 def report() -> str:
@@ -26,6 +27,7 @@ def report() -> str:
         where = {"cuda": "cuda (csrc/cuda)", "triton": "triton (lora_ops/triton)"}.get(served, "none")
         lines.append(f"{'cuda':<8} {op:<16} {where}")
     lines.append(f"CUDA device: {gpu}")
+    lines += _op_table_lines()
     if info.get("backends", {}).get("ascend", {}).get("built"):
         for op in backends.OPS:
             served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none: no AscendC kernel for it yet"
@@ -40,6 +42,22 @@ def report() -> str:
         for name, why in sorted(backends.unavailable.items()):
             lines.append(f"  {name}: {why}")
     return "\n".join(lines)
+
+
+def _op_table_lines() -> list:
+    """Which regimes the C++ CUDA kernels hand to Triton (lora_ops/op_table.py), or why none."""
+    setting = os.environ.get("LORA_OPS_OP_TABLE", "").strip()
+    if not op_table.cuda_kernels_take_tables():
+        return ["op table: unused (no C++ CUDA kernels)"]
+    table = op_table.installed
+    if table is None:
+        why = ("LORA_OPS_OP_TABLE=off" if setting.lower() == "off"
+               else f"triton {backends.unavailable.get('triton', 'absent')}")
+        return [f"op table: none ({why}): the C++ CUDA kernels serve every regime"]
+    lines = [f"op table ({setting or 'lora_ops/op_table.json'}; measured on {table['gpu']}, {table['date']}, "
+             f"commit {table['git_sha'][:7]}; fp16/bf16 weights; a forced LORA_OPS_CUDA_*_KERNEL bypasses it):"]
+    lines += [f"  {op:<14} {op_table.describe(table, op)}" for op in op_table.OPS]
+    return lines
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import subprocess
@@ -10,7 +11,7 @@ from typing import List
 
 import torch
 
-from lora_ops import backends
+from lora_ops import backends, op_table
 
 from . import decode_step, ops, report
 from .timing import copy_bandwidth_tbps, launch_floor_us
@@ -26,12 +27,50 @@ def git_sha() -> str:
         return "unknown"
 
 
+OP_KINDS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
+
+
+def run_op_bench(kinds, quick, only, dtype, device, l2, copy_tbps, records, failures, log) -> None:
+    """The op bench's cases of each kind (--quick: the first few), timed on every implementation in `only`."""
+    pick = lambda impls: {k: v for k, v in impls.items() if not only or k in only}
+    cpu = device == "cpu"
+    if "sgmv" in kinds:
+        impls = pick(ops.implementations(device))
+        cases = ops.CPU_CASES if cpu else ops.GPU_CASES
+        for case in cases[:3] if quick else cases:
+            log(f"sgmv T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) K={case.K} "
+                f"N={case.N} slices={case.slices}")
+            ops.bench_case(case, impls, dtype, device, l2, copy_tbps, records, failures, log)
+    if "lora_expand" in kinds:
+        impls = pick(ops.expand_implementations(device))
+        cases = ops.CPU_EXPAND_CASES if cpu else ops.GPU_EXPAND_CASES
+        for case in cases[:1] if quick else cases:
+            log(f"lora_expand T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) "
+                f"N={case.N} slices={case.slices}")
+            ops.bench_expand_case(case, impls, dtype, device, l2, copy_tbps, records, failures, log)
+    if "grouped_gemm" in kinds:
+        impls = pick(ops.gg_implementations(device))
+        cases = ops.CPU_GG_CASES if cpu else ops.GPU_GG_CASES
+        for case in cases[:1] + cases[-2:] if quick else cases:
+            log(f"grouped_gemm {case.shape}: {case.groups} groups, T={case.T} K={case.K} N={case.N} w {case.dtype}"
+                f" x {case.x_dtype or case.dtype} y {case.y_dtype or case.dtype}"
+                f"{' accumulate' if case.accumulate else ''}")
+            ops.bench_gg_case(case, impls, device, l2, copy_tbps, records, failures, log)
+    if "build_segments" in kinds:
+        ops.bench_build_segments(device, records, log)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_ops.bench", description=ops.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--ops", action="store_true", help="the op bench (the default when --decode-step is not given)")
+    ap.add_argument("--op-kinds", default=",".join(OP_KINDS),
+                    help=f"with the op bench: which ops, comma-separated (default: {','.join(OP_KINDS)})")
+    ap.add_argument("--op-table", default=None, metavar="PATH",
+                    help="with the op bench: write the CUDA kernels' op table from this run's graph records "
+                         "(lora_ops/op_table.json; needs --out, whose .json the table names as its source)")
     ap.add_argument("--decode-step", action="store_true", help="the decode-step bench (CUDA only; see decode_step.py)")
     ap.add_argument("--models", default="llama3-8b",
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")
@@ -44,6 +83,13 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
     args = ap.parse_args(argv)
+    kinds = args.op_kinds.split(",")
+    if set(kinds) - set(OP_KINDS):
+        ap.error(f"--op-kinds: unknown {sorted(set(kinds) - set(OP_KINDS))}; expected some of {OP_KINDS}")
+    if args.op_table and not args.out:
+        ap.error("--op-table needs --out: the table names the results file it was built from")
+    if args.op_table and args.decode_step and not args.ops:
+        ap.error("--op-table needs the op bench (--ops)")
     dtype = getattr(torch, args.dtype)
     device = args.device
     only = args.impls.split(",") if args.impls else None
@@ -52,45 +98,54 @@ def main(argv=None) -> int:
     failures: List[str] = []
     copy_tbps = None
     if device == "cpu":
-        gpu, l2, cases = "cpu", 0, ops.CPU_CASES
+        gpu, l2 = "cpu", 0
         if args.decode_step:
             ap.error("--decode-step needs a CUDA device")
     else:
         props = torch.cuda.get_device_properties(device)
-        gpu, l2, cases = props.name, getattr(props, "L2_cache_size", 50 << 20), ops.GPU_CASES
+        gpu, l2 = props.name, getattr(props, "L2_cache_size", 50 << 20)
         copy_tbps = copy_bandwidth_tbps(device)
         log(f"{gpu}: copy bandwidth {copy_tbps:.2f} TB/s, L2 {l2 >> 20} MiB")
         floor_us = launch_floor_us(device)
         records.append(dict(op="launch_floor", backend="torch", mode="graph", us=round(floor_us, 3)))
         log(f"graph replay of a one-element add (per-kernel floor): {floor_us:.2f} us")
+    # Each backend is timed alone: the C++ kernels without the op table that hands some regimes to Triton.
     if args.ops or not args.decode_step:
         if device != "cpu":
-            host_us = ops.host_overhead_us(device)
-            records.append(dict(op="sgmv", backend=backends.cuda_served_by.get("sgmv"), mode="host",
-                                dtype="bfloat16", T=1, adapters=1, rank=8, K=64, N=64, slices=1,
-                                us=round(host_us, 3), pct_roofline=None))
-            log(f"eager host overhead of lora_ops.sgmv: {host_us:.2f} us/call")
-        impls = ops.implementations(device)
-        if only:
-            impls = {k: v for k, v in impls.items() if k in only}
-        for case in cases[:3] if args.quick else cases:
-            log(f"T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) K={case.K} N={case.N} "
-                f"slices={case.slices}")
-            ops.bench_case(case, impls, dtype, device, l2, copy_tbps, records, failures, log)
-        ops.bench_build_segments(device, records, log)
+            for table_on in (True, False):
+                with contextlib.nullcontext() if table_on else op_table.disabled():
+                    host_us = ops.host_overhead_us(device)
+                records.append(dict(op="sgmv", backend=backends.cuda_served_by.get("sgmv"), mode="host",
+                                    dtype="bfloat16", T=1, adapters=1, rank=8, K=64, N=64, slices=1,
+                                    us=round(host_us, 3), pct_roofline=None, op_table=table_on))
+                log(f"eager host overhead of lora_ops.sgmv, op table {'on' if table_on else 'off'}: "
+                    f"{host_us:.2f} us/call")
+        with op_table.disabled():
+            run_op_bench(kinds, args.quick, only, dtype, device, l2, copy_tbps, records, failures, log)
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = decode_step.STEPS[:1] if args.quick else decode_step.STEPS
-        decode_step.run(models, device, records, failures, log, only, steps, args.parts)
+        with op_table.disabled():
+            decode_step.run(models, device, records, failures, log, only, steps, args.parts)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if args.routes:
         if not args.decode_step:
             ap.error("--routes needs --decode-step")
-        decode_step.write_routes(args.routes, device, records, failures, log, meta)
+        with op_table.disabled():
+            decode_step.write_routes(args.routes, device, records, failures, log, meta)
     result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, records=records)
     if args.out:
         report.write(result, args.out)
         log(f"wrote {args.out}.json / .csv")
+    if args.op_table:
+        if failures:
+            log("op table not written: the bench failed")
+        else:
+            table = op_table.write(args.op_table, records,
+                                   report.table_meta(result, source=os.path.basename(args.out) + ".json"))
+            log(f"wrote {args.op_table}:")
+            for op in op_table.OPS:
+                log(f"  {op:<14} {op_table.describe(table, op)}")
     for f in failures:
         log(f"FAILURE: {f}")
     return 1 if failures else 0

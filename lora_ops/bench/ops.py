@@ -1,5 +1,5 @@
-"""The op bench: sgmv and build_segments on every available backend against baselines (docs/design.md §6): a
-PyTorch per-adapter loop, gather+bmm, and torch._grouped_mm where present.
+"""The op bench: sgmv, lora_expand, grouped_gemm and build_segments on every available backend against baselines
+(docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present.
 
 Every implementation is checked against the float64 oracle before it is timed; a wrong or crashing
 implementation of lora_ops (or a wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each
@@ -7,7 +7,8 @@ case is timed as CUDA-graph replay and eagerly, rotating among enough input sets
 layer of a real model has its own activations and weights, so they are not L2-resident; the segment metadata,
 built once per step for all layers, is shared), and reported as µs, GB/s and % of the memory roofline: minimum
 bytes (x read, the true-rank rows of the adapters present, y read and written) over the device-to-device copy
-bandwidth measured in the same run.
+bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against torch._grouped_mm (bf16
+only: its other dtypes are recorded as unavailable, with torch's error).
 """
 from __future__ import annotations
 
@@ -176,32 +177,37 @@ def host_overhead_us(device, n=2000) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
-               log) -> None:
-    pb0 = Problem(case, dtype, device, seed=1)
-    set_bytes = pb0.min_bytes() + pb0.p.lora_a.numel() * pb0.p.lora_a.element_size() * 2
-    n_sets = 1 if device == "cpu" else int(min(16, max(1, (2 * l2_bytes) // max(set_bytes, 1) + 1)))
-    sets = [pb0] + [Problem(case, dtype, device, seed=2 + i, like=pb0) for i in range(n_sets - 1)]
-    ref = reference.sgmv(*pb0.p.args())
-    before = pb0.p.y.clone()
-    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
-           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+def _n_sets(set_bytes: int, l2_bytes: int, device) -> int:
+    """Input sets to rotate among so that together they exceed twice the L2 (a real model's layers each have their
+    own activations and weights)."""
+    return 1 if device == "cpu" else int(min(16, max(1, (2 * l2_bytes) // max(set_bytes, 1) + 1)))
+
+
+def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, ref, inputs_dtype,
+             min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict], failures: List[str],
+             log) -> None:
+    """Checks each implementation on the first input set against the float64 oracle `ref`, then times it over all
+    sets (graph replay and eager on CUDA), one record per mode. `impls` are f(problem, y) -> None writing into y;
+    y_of(problem) is the problem's initial y."""
+    before = y_of(sets[0]).clone()
     for name, fn in impls.items():
         y = before.clone()
         try:
-            fn(pb0, y)
+            fn(sets[0], y)
         except Exception as exc:
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
             if name in OURS:
-                failures.append(f"sgmv {name} {row}: raised {msg}")
+                failures.append(f"{op} {name} {row}: raised {msg}")
+            else:
+                records.append(dict(op=op, backend=name, mode="graph", us=None, unavailable=msg, **row))
             log(f"  {name:<11} {'FAILED' if name in OURS else 'unavailable'}: {msg}")
             continue
-        bad = testing.check_against_reference(y, before, ref, dtype)
+        bad = testing.check_against_reference(y, before, ref, inputs_dtype)
         if bad:
-            failures.append(f"sgmv {name} {row}: WRONG vs the float64 oracle: {bad}")
+            failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle: {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
-        ys = [pb.p.y.clone() for pb in sets]
+        ys = [y_of(pb).clone() for pb in sets]
         calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
         got = []
         for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
@@ -209,17 +215,31 @@ def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: L
                 us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph=(mode == "graph"))
             except Exception as exc:  # e.g. a baseline that syncs cannot be captured
                 if name in OURS:
-                    failures.append(f"sgmv {name} {row} {mode}: {type(exc).__name__}")
+                    failures.append(f"{op} {name} {row} {mode}: {type(exc).__name__}")
                 log(f"  {name:<11} {mode}: not timed ({type(exc).__name__})")
                 continue
-            gbps = pb0.min_bytes() / (us * 1e-6) / 1e9
-            rec = dict(op="sgmv", backend=name, mode=mode, us=round(us, 3), gbps=round(gbps, 1),
+            gbps = min_bytes / (us * 1e-6) / 1e9
+            rec = dict(op=op, backend=name, mode=mode, us=round(us, 3), gbps=round(gbps, 1),
                        pct_roofline=round(100 * gbps / (copy_tbps * 1e3), 1) if copy_tbps else None, **row)
+            if flops is not None:
+                rec["tflops"] = float(f"{flops / (us * 1e-6) / 1e12:.4g}")  # 4 digits: CPU runs are far below 1
             records.append(rec)
             got.append(rec)
-        log("  " + f"{name:<11}" + "  ".join(f"{r['mode']} {r['us']:9.2f} us" +
-                                             (f" ({r['pct_roofline']}% roofline)" if r["pct_roofline"] else "")
-                                             for r in got))
+        log("  " + f"{name:<11}" + "  ".join(
+            f"{r['mode']} {r['us']:9.2f} us" + (f" {r['tflops']:8.4g} TFLOP/s" if "tflops" in r else "")
+            + (f" ({r['pct_roofline']}% roofline)" if r["pct_roofline"] else "") for r in got))
+
+
+def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
+               log) -> None:
+    pb0 = Problem(case, dtype, device, seed=1)
+    set_bytes = pb0.min_bytes() + pb0.p.lora_a.numel() * pb0.p.lora_a.element_size() * 2
+    sets = [pb0] + [Problem(case, dtype, device, seed=2 + i, like=pb0)
+                    for i in range(_n_sets(set_bytes, l2_bytes, device) - 1)]
+    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
+           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+    _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, reference.sgmv(*pb0.p.args()), dtype, pb0.min_bytes(),
+             None, device, copy_tbps, records, failures, log)
 
 
 def bench_build_segments(device, records, log):
@@ -232,3 +252,184 @@ def bench_build_segments(device, records, log):
                                 if device != "cpu" else "cpu", mode=mode, dtype="int32", T=T, adapters=32, rank=0,
                                 K=0, N=0, slices=0, us=round(us, 3), pct_roofline=None))
             log(f"  build_segments T={T:<6} {mode:<5} {us:8.2f} us")
+
+
+# ---- lora_expand: the decode route's expand alone (h from the base GEMM against [W; A of every slot]) ----
+
+# Decode steps of issue 12 (rank 16, 32-slot pool; o/down N = 4096, gate_up 2 × 14336, qkv 4096/1024/1024), then the
+# rank-64 row and the fold route's largest regime (the serving layer folds up to 1024 tokens).
+GPU_EXPAND_CASES = [Case(32, 32, 16), Case(32, 32, 16, N=28672, slices=2), Case(32, 32, 16, N=6144, slices=3),
+                    Case(128, 32, 16), Case(64, 16, 64), Case(1024, 8, 16)]
+CPU_EXPAND_CASES = [Case(8, 4, 16, N=1024), Case(32, 8, 16, N=1024, slices=2)]
+
+
+class ExpandProblem(Problem):
+    """A Problem with h [T, L, S·R] (the dtype of the weights): every slot's rank vector for every row, as the fold
+    route's GEMM leaves it. K plays no part (the shrink is done elsewhere): the sgmv inputs get K = 16."""
+
+    def __init__(self, case: Case, dtype, device, seed, like: Optional["ExpandProblem"] = None):
+        super().__init__(dataclasses.replace(case, K=16), dtype, device, seed, like)
+        gen = torch.Generator().manual_seed(seed + 7919)
+        self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen).to(dtype).to(device)
+
+    def args(self, y):
+        p = self.p
+        return (y, self.h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
+                p.slice_offsets, p.scale)
+
+    def min_bytes(self) -> int:
+        c, p = self.case, self.p
+        e, ey = p.lora_b.element_size(), p.y.element_size()
+        return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + 2 * c.T * c.N * ey
+
+
+def _ours_expand(module):
+    def run(pb: ExpandProblem, y):
+        module.lora_expand(*pb.args(y))
+    return run
+
+
+def expand_torch_loop(pb: ExpandProblem, y):
+    """Per adapter and slice: gather its rows' window of h, one matmul with B, scatter-add."""
+    p, R, r = pb.p, pb.case.R, pb.case.rank
+    for slot, rows in pb.rows_by_slot:
+        coef = p.lora_scales[slot] * p.scale
+        for s in range(len(pb.offsets) - 1):
+            lo, hi = pb.offsets[s], pb.offsets[s + 1]
+            h = pb.h.index_select(0, rows)[:, slot, s * R: s * R + r]
+            y[:, lo:hi].index_add_(0, rows, ((h @ p.lora_b[slot, lo:hi, :r].T) * coef).to(y.dtype))
+
+
+def expand_implementations(device) -> Dict[str, Callable]:
+    impls = {"cpu": _ours_expand(lora_ops.ops)} if device == "cpu" else {}
+    if device != "cpu" and backends.cuda_served_by.get("lora_expand") == "cuda":
+        impls["cuda"] = _ours_expand(lora_ops.ops)
+    if device != "cpu" and "triton" not in backends.unavailable:
+        import lora_ops.triton as lt
+        impls["triton"] = _ours_expand(lt)
+    impls["torch_loop"] = expand_torch_loop
+    return impls
+
+
+def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records, failures, log) -> None:
+    pb0 = ExpandProblem(case, dtype, device, seed=1)
+    sets = [pb0] + [ExpandProblem(case, dtype, device, seed=2 + i, like=pb0)
+                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "N": case.N,
+           "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+    _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, reference.lora_expand(*pb0.args(pb0.p.y)), dtype,
+             pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
+
+
+# ---- grouped_gemm: the segmented matmul primitive (issue 13) ----
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmCase:
+    groups: int
+    M: int                 # rows per group (the groups' rows are contiguous: no token_indices)
+    K: int
+    N: int
+    dtype: str             # w's dtype
+    x_dtype: Optional[str] = None  # default: w's
+    y_dtype: Optional[str] = None  # default: w's
+    accumulate: bool = False
+    shape: str = ""        # what the case stands for
+
+    @property
+    def T(self):
+        return self.groups * self.M
+
+
+def _gg_cases(groups, M, K, N, dtypes, **kw):
+    return [GroupedGemmCase(groups, M, K, N, d, shape=kw.pop("shape", f"{groups}x{M}x{K}x{N}"), **kw)
+            for d in dtypes]
+
+
+# Issue 13's targets: G×M×K×N against torch._grouped_mm in bf16 and fp16; a LoRA shrink (n = 16, y fp32: the h of
+# a rank-16 adapter) and expand (k = 16, x fp32: that h, added into y) over 16384 rows in 8 groups, at their memory
+# floors (csrc/cuda/NOTES.md: 32 and 64 µs on the H200).
+GPU_GG_CASES = (_gg_cases(8, 512, 4096, 4096, ("bfloat16", "float16"))
+                + _gg_cases(64, 128, 2048, 1408, ("bfloat16", "float16"))
+                + [GroupedGemmCase(8, 2048, 4096, 16, "bfloat16", y_dtype="float32", shape="LoRA shrink"),
+                   GroupedGemmCase(8, 2048, 16, 4096, "bfloat16", x_dtype="float32", accumulate=True,
+                                   shape="LoRA expand")])
+CPU_GG_CASES = (_gg_cases(4, 64, 256, 256, ("bfloat16", "float32"))
+                + [GroupedGemmCase(4, 128, 256, 16, "bfloat16", y_dtype="float32", shape="LoRA shrink"),
+                   GroupedGemmCase(4, 128, 16, 256, "bfloat16", x_dtype="float32", accumulate=True,
+                                   shape="LoRA expand")])
+
+
+class GroupedGemmProblem:
+    """One input set of a grouped_gemm case: group g owns rows [g·M, (g+1)·M) and weight w[g]."""
+
+    def __init__(self, case: GroupedGemmCase, device, seed):
+        gen = torch.Generator().manual_seed(seed)
+        dt = lambda name: getattr(torch, name) if name else None
+        token_groups = torch.arange(case.groups, dtype=torch.int32).repeat_interleave(case.M)
+        self.p = testing.make_grouped_gemm(token_groups, num_groups=case.groups, K=case.K, N=case.N,
+                                           dtype=dt(case.dtype), device=device, gen=gen, gathered=False,
+                                           x_dtype=dt(case.x_dtype), y_dtype=dt(case.y_dtype),
+                                           accumulate=case.accumulate)
+        self.groups = [(g, g * case.M, (g + 1) * case.M) for g in range(case.groups)]
+        self.case = case
+
+    def min_bytes(self) -> int:
+        c, p = self.case, self.p
+        y_trips = 2 if c.accumulate else 1
+        return (c.T * c.K * p.x.element_size() + c.groups * c.N * c.K * p.w.element_size()
+                + y_trips * c.T * c.N * p.y.element_size())
+
+    def flops(self) -> int:
+        return 2 * self.case.T * self.case.N * self.case.K
+
+
+def _ours_gg(module):
+    def run(pb: GroupedGemmProblem, y):
+        module.grouped_gemm(*pb.p.args(y))
+    return run
+
+
+def _store(y, d, p):
+    """y = d·alpha, or y += d·alpha when accumulating."""
+    if p.accumulate:
+        y.add_(d.to(y.dtype), alpha=p.alpha)
+    else:
+        y.copy_(d if p.alpha == 1 else d * p.alpha)
+
+
+def gg_torch_loop(pb: GroupedGemmProblem, y):
+    """Per group: its rows of x times w[g]ᵀ, in the wider of x's and y's dtypes."""
+    p = pb.p
+    dtype = torch.promote_types(p.x.dtype, y.dtype)
+    for g, lo, hi in pb.groups:
+        _store(y[lo:hi], p.x[lo:hi].to(dtype) @ p.w[g].to(dtype).T, p)
+
+
+def gg_grouped_mm(pb: GroupedGemmProblem, y):
+    """torch._grouped_mm over the contiguous groups, its output in y's dtype."""
+    p = pb.p
+    _store(y, torch._grouped_mm(p.x, p.w.transpose(1, 2), offs=p.seg_indptr[1:], out_dtype=y.dtype), p)
+
+
+def gg_implementations(device) -> Dict[str, Callable]:
+    impls = {"cpu": _ours_gg(lora_ops.ops)} if device == "cpu" else {}
+    if device != "cpu" and backends.cuda_served_by.get("grouped_gemm") == "cuda":
+        impls["cuda"] = _ours_gg(lora_ops.ops)
+    if device != "cpu" and "triton" not in backends.unavailable:
+        import lora_ops.triton as lt
+        impls["triton"] = _ours_gg(lt)
+    if device != "cpu" and hasattr(torch, "_grouped_mm"):
+        impls["grouped_mm"] = gg_grouped_mm
+    impls["torch_loop"] = gg_torch_loop
+    return impls
+
+
+def bench_gg_case(case: GroupedGemmCase, impls, device, l2_bytes, copy_tbps, records, failures, log) -> None:
+    pb0 = GroupedGemmProblem(case, device, seed=1)
+    sets = [pb0] + [GroupedGemmProblem(case, device, seed=2 + i)
+                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    row = {"shape": case.shape, "groups": case.groups, "T": case.T, "K": case.K, "N": case.N, "dtype": case.dtype,
+           "x_dtype": case.x_dtype or case.dtype, "y_dtype": case.y_dtype or case.dtype,
+           "accumulate": case.accumulate}
+    _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, reference.grouped_gemm(*pb0.p.args()),
+             pb0.p.w.dtype, pb0.min_bytes(), pb0.flops(), device, copy_tbps, records, failures, log)

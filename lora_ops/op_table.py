@@ -1,0 +1,255 @@
+"""Which backend the CUDA kernels of sgmv, lora_expand and grouped_gemm hand each call to, per regime: data measured
+by the op bench, not code (docs/design.md §3).
+
+The table (op_table.json beside this file) is written from the op bench's own graph-replay records
+(`python -m lora_ops.bench --ops --op-table lora_ops/op_table.json`) and records the GPU, commit and date of the
+measurement. At import, lora_ops hands it to the C++ CUDA kernels (csrc/cuda/registration.cpp); a call whose
+regime the table gives to Triton is redispatched there to lora_ops::_triton_<op>, in C++, with no Python on the
+C++ kernels' path. It applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not
+when LORA_OPS_CUDA_SGMV_KERNEL / LORA_OPS_CUDA_GG_KERNEL force a C++ kernel.
+
+LORA_OPS_OP_TABLE=off keeps every call on the C++ kernels; LORA_OPS_OP_TABLE=<path> loads another table.
+
+A regime is one class per axis; the classes of an axis are given by inclusive upper bounds, the last class is
+open-ended, so the classes of every axis cover all values >= 1 and the cells (row-major over the axes) cover
+every call. The axes are what the C++ kernels see on the host, without reading device memory:
+
+- positions: the length of token_indices (else the rows);
+- rank: the pool's max rank R (lora_b.shape[2]; the true ranks live on the device);
+- slices: len(slice_offsets) - 1;
+- n, k (grouped_gemm): w.shape[1], w.shape[2], the pool's widest group.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import json
+import os
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "op_table.json")
+OPS = ("sgmv", "lora_expand", "grouped_gemm")
+BACKENDS = ("cuda", "triton")
+# The dtypes the table applies to (the C++ kernels treat both alike); records in others are not used.
+DTYPES = ("bfloat16", "float16")
+
+# Axes of each op's regimes, with the upper bounds of their classes:
+# - positions 1023: the C++ sgmv takes its tensor-core kernel from 1024 positions, so no class mixes two C++
+#   kernels; 16/64/256: decode batches (as routes.py); 4096: the rank-16 crossover measured on the H200 (CUDA at
+#   4096, Triton at 16384).
+# - rank 16/32/64: the measured choice changes with the rank (256 positions: CUDA at 16, closer at 64; 4096 at 128:
+#   Triton by 3.6×).
+# - slices 1: the tensor-core sgmv loses on fused modules (3 slices, 1024 positions: Triton by 2.6×).
+# - grouped_gemm n/k 128: the C++ kernels' skinny paths (LoRA shrink n <= 128, expand k <= 128) against their tile
+#   kernel; positions 256/4096: decode, prefill, long prefill.
+_SGMV_AXES = (("positions", (16, 64, 256, 1023, 4096)), ("rank", (16, 32, 64)), ("slices", (1,)))
+AXES: Dict[str, Tuple[Tuple[str, Tuple[int, ...]], ...]] = {
+    "sgmv": _SGMV_AXES,
+    "lora_expand": _SGMV_AXES,
+    "grouped_gemm": (("positions", (256, 4096)), ("n", (128,)), ("k", (128,))),
+}
+
+
+def record_regime(record: dict) -> Dict[str, int]:
+    """The axis values of an op-bench record (every row of the bench's cases is reached through token_indices of
+    length T, so positions = T)."""
+    if record["op"] == "grouped_gemm":
+        return {"positions": record["T"], "n": record["N"], "k": record["K"]}
+    return {"positions": record["T"], "rank": record["pool_rank"], "slices": record["slices"]}
+
+
+def _class_of(bounds: Sequence[int], value: int) -> int:
+    """The class of `value` on an axis: the number of upper bounds below it (values below 1 fall in the first)."""
+    return bisect.bisect_left(list(bounds), value)
+
+
+def _cell_index(axes: List[dict], values: Dict[str, int]) -> int:
+    index = 0
+    for axis in axes:
+        index = index * (len(axis["max"]) + 1) + _class_of(axis["max"], values[axis["name"]])
+    return index
+
+
+def _case_key(record: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in record.items()
+                        if k not in ("backend", "us", "gbps", "tflops", "pct_roofline", "mode")))
+
+
+def build(records: Iterable[dict], meta: dict) -> dict:
+    """The table from op-bench records: per op and regime, the backend whose worst slowdown against the faster
+    one, over the cases measured in that regime with both backends (graph replay, fp16/bf16), is smallest (ties:
+    cuda). A regime without such a case keeps the C++ kernel and says it was not measured."""
+    ops = {}
+    records = list(records)
+    for op in OPS:
+        cases: Dict[tuple, Dict[str, dict]] = {}
+        for r in records:
+            if r["op"] == op and r.get("mode") == "graph" and r.get("dtype") in DTYPES and r["backend"] in BACKENDS:
+                cases.setdefault(_case_key(r), {})[r["backend"]] = r
+        axes = [{"name": name, "max": list(bounds)} for name, bounds in AXES[op]]
+        by_cell: Dict[int, List[Dict[str, dict]]] = {}
+        for by in cases.values():
+            if all(b in by for b in BACKENDS):
+                by_cell.setdefault(_cell_index(axes, record_regime(by["cuda"])), []).append(by)
+        cells = []
+        for index, classes in enumerate(itertools.product(*(range(len(a["max"]) + 1) for a in axes))):
+            cell = {a["name"]: _class_range(a["max"], c) for a, c in zip(axes, classes)}
+            measured = by_cell.get(index, [])
+            if measured:
+                worst = {b: max(by[b]["us"] / min(by[o]["us"] for o in BACKENDS) for by in measured) for b in BACKENDS}
+                cell["backend"] = min(BACKENDS, key=lambda b: (worst[b], BACKENDS.index(b)))
+                cell["measured"] = True
+                cell["cases"] = [dict(_case_fields(by["cuda"]), us={b: by[b]["us"] for b in BACKENDS})
+                                 for by in measured]
+            else:
+                cell["backend"] = "cuda"
+                cell["measured"] = False
+            cells.append(cell)
+        ops[op] = {"axes": axes, "cells": cells}
+    table = dict(meta, mode="graph", dtypes=list(DTYPES), ops=ops)
+    validate(table)
+    return table
+
+
+def write(path: str, records: Iterable[dict], meta: dict) -> dict:
+    """Builds the table from op-bench records and writes it to `path` (the bench's --op-table, and
+    `python -m lora_ops.bench.report RESULTS.json --op-table PATH` from a results file)."""
+    table = build(records, meta)
+    with open(path, "w") as f:
+        f.write(_dumps(table))
+    return table
+
+
+def _dumps(table: dict) -> str:
+    """JSON with one line per regime, so that a diff of two measurements reads regime by regime."""
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in table.items() if k != "ops"] + [' "ops": {']
+    for i, (op, spec) in enumerate(table["ops"].items()):
+        cells = spec["cells"]
+        lines += [f"  {json.dumps(op)}: {{", f'   "axes": {json.dumps(spec["axes"])},', '   "cells": [']
+        lines += [f"    {json.dumps(c)}" + ("," if j + 1 < len(cells) else "") for j, c in enumerate(cells)]
+        lines += ["   ]", "  }" + ("," if i + 1 < len(table["ops"]) else "")]
+    return "\n".join(lines + [" }", "}", ""])
+
+
+def _class_range(bounds: Sequence[int], c: int) -> List[Optional[int]]:
+    return [1 if c == 0 else bounds[c - 1] + 1, bounds[c] if c < len(bounds) else None]
+
+
+def _case_fields(record: dict) -> dict:
+    keep = ("T", "adapters", "rank", "pool_rank", "K", "N", "slices", "groups", "shape", "dtype", "x_dtype",
+            "y_dtype")
+    return {k: record[k] for k in keep if k in record}
+
+
+def validate(table: dict) -> None:
+    """Raises ValueError unless the table has every op with its axes, each axis' classes cover every value >= 1
+    (increasing bounds from 1, the last class open), and one cell per regime with a known backend."""
+    ops = table.get("ops") or {}
+    for op in OPS:
+        spec = ops.get(op)
+        if spec is None:
+            raise ValueError(f"op table: no entry for {op}")
+        axes = spec.get("axes") or []
+        names = [a.get("name") for a in axes]
+        if names != [name for name, _ in AXES[op]]:
+            raise ValueError(f"op table: {op} axes are {names}, expected {[name for name, _ in AXES[op]]}")
+        for a in axes:
+            bounds = a.get("max")
+            if not isinstance(bounds, list) or any(not isinstance(b, int) or isinstance(b, bool) for b in bounds):
+                raise ValueError(f"op table: {op} axis {a['name']}: bounds must be a list of ints, got {bounds}")
+            if any(b < 1 for b in bounds) or any(x >= y for x, y in zip(bounds, bounds[1:])):
+                raise ValueError(f"op table: {op} axis {a['name']}: bounds must increase from 1, got {bounds}")
+        cells = spec.get("cells") or []
+        classes = list(itertools.product(*(range(len(a["max"]) + 1) for a in axes)))
+        if len(cells) != len(classes):
+            raise ValueError(f"op table: {op} has {len(cells)} cells for {len(classes)} regimes")
+        for cell, cls in zip(cells, classes):
+            for a, c in zip(axes, cls):
+                if cell.get(a["name"]) != _class_range(a["max"], c):
+                    raise ValueError(f"op table: {op} cell {cell} out of order: expected {a['name']} "
+                                     f"{_class_range(a['max'], c)}")
+            if cell.get("backend") not in BACKENDS:
+                raise ValueError(f"op table: {op} cell {cell}: unknown backend {cell.get('backend')!r}")
+
+
+def choice(table: dict, op: str, **values: int) -> str:
+    """The backend the table gives a call of `op` with these axis values (e.g. positions=, rank=, slices=)."""
+    spec = table["ops"][op]
+    return spec["cells"][_cell_index(spec["axes"], values)]["backend"]
+
+
+def load(path: str = PATH) -> dict:
+    with open(path) as f:
+        table = json.load(f)
+    validate(table)
+    return table
+
+
+# The table the C++ CUDA kernels hold now (None: none, or no C++ CUDA kernels: every call on the C++ kernels).
+installed: Optional[dict] = None
+
+
+def cuda_kernels_take_tables() -> bool:
+    """True when the C++ CUDA kernels are compiled in (they, and only they, consult the table)."""
+    return hasattr(torch.ops.lora_ops, "_set_cuda_op_table")
+
+
+def install(table: Optional[dict]) -> None:
+    """Hands `table` to the C++ CUDA kernels (None: clears it). Its Triton regimes need Triton's kernels registered
+    as lora_ops::_triton_<op> (backends.py): without Triton, every regime stays on the C++ kernels."""
+    global installed
+    from . import backends
+    if table is not None:
+        validate(table)
+    usable = table if table is not None and "triton" not in backends.unavailable else None
+    if cuda_kernels_take_tables():
+        for op in OPS:
+            if usable is None:
+                torch.ops.lora_ops._set_cuda_op_table(op, "", [], [], [])
+                continue
+            spec = usable["ops"][op]
+            torch.ops.lora_ops._set_cuda_op_table(
+                op, ",".join(a["name"] for a in spec["axes"]), [len(a["max"]) for a in spec["axes"]],
+                [b for a in spec["axes"] for b in a["max"]], [int(c["backend"] == "triton") for c in spec["cells"]])
+    installed = usable if cuda_kernels_take_tables() else None
+
+
+def install_default() -> None:
+    """At import: the packaged table, another one (LORA_OPS_OP_TABLE=<path>), or none (LORA_OPS_OP_TABLE=off)."""
+    setting = os.environ.get("LORA_OPS_OP_TABLE", "").strip()
+    install(None if setting.lower() == "off" else load(setting or PATH))
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every call on the C++ kernels inside the block (the bench times each backend alone)."""
+    previous = installed
+    install(None)
+    try:
+        yield
+    finally:
+        install(previous)
+
+
+def cuda_choice(op: str, **values: int) -> str:
+    """The C++ kernels' own lookup of the installed table (what a call of fp16/bf16 `op` with these axis values
+    runs on); needs the CUDA kernels compiled in."""
+    return torch.ops.lora_ops._cuda_op_table_choice(op, [values[name] for name, _ in AXES[op]])
+
+
+def describe(table: dict, op: str) -> str:
+    """One line: the regimes the table gives to Triton, and how many regimes were measured."""
+    spec = table["ops"][op]
+    triton = [" & ".join(f"{a['name']} {_fmt(c[a['name']])}" for a in spec["axes"])
+              for c in spec["cells"] if c["backend"] == "triton"]
+    measured = sum(c["measured"] for c in spec["cells"])
+    where = ("triton where " + "; ".join(triton) + ", cuda elsewhere") if triton else "cuda everywhere"
+    return f"{where} ({measured} of {len(spec['cells'])} regimes measured; the others default to cuda)"
+
+
+def _fmt(r: List[Optional[int]]) -> str:
+    lo, hi = r
+    return f"{lo}+" if hi is None else (str(lo) if lo == hi else f"{lo}-{hi}")

@@ -1,0 +1,124 @@
+"""The op bench on the CPU (`python -m lora_ops.bench --device cpu --quick`): every op kind runs and is recorded, a
+wrong implementation of ours fails the run, the op table is written from a run's records, and the README section
+renders the lora_expand and grouped_gemm tables."""
+import json
+
+import pytest
+import torch
+
+from lora_ops import op_table, reference, testing
+from lora_ops.bench import __main__ as bench, ops, report
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "cpu"
+    rc = bench.main(["--device", "cpu", "--quick", "--out", str(out)])
+    with open(f"{out}.json") as f:
+        return rc, json.load(f), out
+
+
+def test_quick_cpu_bench_times_every_op_kind(quick_run):
+    rc, result, out = quick_run
+    assert rc == 0
+    recs = result["records"]
+    kinds = {(r["op"], r["backend"]) for r in recs}
+    for op in ("sgmv", "lora_expand", "grouped_gemm"):
+        assert (op, "cpu") in kinds and (op, "torch_loop") in kinds, op
+    assert ("build_segments", "cpu") in kinds
+    gg = [r for r in recs if r["op"] == "grouped_gemm"]
+    assert {r["shape"] for r in gg} == {ops.CPU_GG_CASES[0].shape, "LoRA shrink", "LoRA expand"}
+    for r in gg:
+        assert r["us"] > 0 and r["tflops"] > 0 and "gbps" in r  # GB/s of a loaded CPU may round to 0.0
+        assert r["tflops"] == pytest.approx(2 * r["T"] * r["N"] * r["K"] / (r["us"] * 1e-6) / 1e12, rel=0.01)
+    shrink = next(r for r in gg if r["shape"] == "LoRA shrink")
+    assert (shrink["dtype"], shrink["x_dtype"], shrink["y_dtype"], shrink["accumulate"]) == \
+        ("bfloat16", "bfloat16", "float32", False)
+    assert out.with_suffix(".csv").exists()
+
+
+@pytest.mark.parametrize("kind,factory", [("grouped_gemm", "gg_implementations"),
+                                          ("lora_expand", "expand_implementations")])
+def test_a_wrong_result_of_ours_fails_the_bench(kind, factory, monkeypatch, capsys):
+    real = getattr(ops, factory)
+
+    def with_a_bug(device):
+        impls = real(device)
+        right = impls["cpu"]
+
+        def off_by_one_row(pb, y):
+            right(pb, y)
+            y[0] += 1  # one row wrong
+        impls["cpu"] = off_by_one_row
+        return impls
+    monkeypatch.setattr(ops, factory, with_a_bug)
+    assert bench.main(["--device", "cpu", "--quick", "--op-kinds", kind, "--impls", "cpu"]) == 1
+    assert f"FAILURE: {kind} cpu" in capsys.readouterr().out
+
+
+def test_op_table_flag_writes_the_table_from_the_run(tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--op-table", str(tmp_path / "t.json")])  # no --out: refused
+    rc = bench.main(["--device", "cpu", "--quick", "--op-kinds", "grouped_gemm", "--impls", "cpu",
+                     "--out", str(tmp_path / "run"), "--op-table", str(tmp_path / "t.json")])
+    assert rc == 0
+    table = op_table.load(str(tmp_path / "t.json"))
+    assert table["source"] == "run.json" and table["gpu"] == "cpu"
+    # a CPU run has eager records of one backend only: nothing measured, every regime on the C++ kernels
+    assert all(c["backend"] == "cuda" and not c["measured"] for op in op_table.OPS
+               for c in table["ops"][op]["cells"])
+
+
+def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=4096, groups=8, pct=None,
+        unavailable=None):
+    r = dict(op="grouped_gemm", backend=backend, mode="graph", shape=shape, groups=groups, T=T, K=K, N=N, dtype=w,
+             x_dtype=w, y_dtype=w, accumulate=False, us=us, pct_roofline=pct)
+    if us is not None:
+        r["tflops"] = round(2 * T * N * K / (us * 1e-6) / 1e12, 2)
+    else:
+        r["unavailable"] = unavailable
+    return r
+
+
+def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
+    records = [_gg("cuda", 200.0, pct=20.0), _gg("triton", 250.0, pct=16.0), _gg("grouped_mm", 190.0),
+               _gg("cuda", 210.0, w="float16", pct=19.0), _gg("triton", 260.0, w="float16", pct=15.0),
+               _gg("grouped_mm", None, w="float16", unavailable="RuntimeError: expected bf16"),
+               _gg("cuda", 40.0, shape="LoRA shrink", T=16384, N=16, pct=80.0),
+               _gg("triton", 36.0, shape="LoRA shrink", T=16384, N=16, pct=89.0),
+               dict(op="lora_expand", backend="cuda", mode="graph", T=32, adapters=32, rank=16, pool_rank=16,
+                    N=4096, slices=1, dtype="bfloat16", us=5.0, pct_roofline=30.0),
+               dict(op="lora_expand", backend="triton", mode="graph", T=32, adapters=32, rank=16, pool_rank=16,
+                    N=4096, slices=1, dtype="bfloat16", us=7.0, pct_roofline=21.0)]
+    result = dict(gpu="test GPU", date="2026-12-01", git_sha="abcdef0", torch="2.x", copy_tbps=4.2, records=records)
+    text = report.readme_section(result)
+    assert "**grouped_gemm op**" in text and "**lora_expand op**" in text
+    assert "| 8x512x4096x4096 | 8 × 512, 4096 × 4096 | bf16 / bf16 / bf16 |" in text
+    assert "unavailable" in text
+    assert "lora_ops (cuda) reaches 0.95× the TFLOP/s of torch._grouped_mm" in text
+    assert "(687 against 723)" in text
+    assert "8x512x4096x4096 in fp16: 654 TFLOP/s, 0.95× its bf16 speed" in text
+    assert "grouped_gemm LoRA shrink: 36.0 µs, 89% of the memory roofline (triton)" in text
+    assert "| 32 | 32 | 16 (16) | 4096, 1 | 5.0 (30%) | 7.0 (21%) | cuda |" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\noutro\n")
+    report.update_readme(str(readme), result)
+    assert readme.read_text() == f"intro\n{report.BEGIN}\n{text}\n{report.END}\noutro\n"
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
+    """torch._grouped_mm and the torch loop as the bench calls them: right, or (torch._grouped_mm in fp16 or with
+    an fp32 x) refused by torch."""
+    for case in ops.CPU_GG_CASES:
+        pb = ops.GroupedGemmProblem(case, "cuda", seed=3)
+        for name, fn in (("grouped_mm", ops.gg_grouped_mm), ("torch_loop", ops.gg_torch_loop)):
+            y = pb.p.y.clone()
+            ref = reference.grouped_gemm(*pb.p.args())
+            try:
+                fn(pb, y)
+            except RuntimeError:
+                assert name == "grouped_mm" and (case.dtype != "bfloat16" or case.x_dtype == "float32"), case
+                continue
+            assert not testing.check_against_reference(y, pb.p.y, ref, pb.p.w.dtype), (name, case)
+    torch.cuda.synchronize()

@@ -1,0 +1,311 @@
+"""The CUDA kernels' op table (lora_ops/op_table.py, op_table.json): built from bench records, covering every regime,
+looked up alike in Python and in the C++ kernels, and overridable; on a GPU, the regimes it gives to Triton run
+Triton's kernels and match the oracle."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lora_ops import backends, op_table, reference, testing
+from lora_ops.bench import report
+
+from conftest import case_generator, triton_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _boundary_values(bounds):
+    """1, each bound and the value past it, and a huge value: every class edge of an axis."""
+    return sorted({1, 1 << 30} | {b for b in bounds} | {b + 1 for b in bounds})
+
+
+def _regime_points(op):
+    return itertools.product(*(_boundary_values(bounds) for _, bounds in op_table.AXES[op]))
+
+
+def test_committed_table_covers_every_regime_and_says_where_it_came_from():
+    table = op_table.load()
+    for key in ("gpu", "git_sha", "date", "torch", "source"):
+        assert table.get(key), f"the table does not say which measurement it came from ({key})"
+    for op in op_table.OPS:
+        names = [name for name, _ in op_table.AXES[op]]
+        for point in _regime_points(op):
+            assert op_table.choice(table, op, **dict(zip(names, point))) in op_table.BACKENDS
+
+
+def test_committed_table_is_the_builder_output_of_its_results_file():
+    """No hand-written entry: the table is exactly what the builder makes of the results file it names."""
+    table = op_table.load()
+    with open(os.path.join(ROOT, "benchmarks", "results", table["source"])) as f:
+        result = json.load(f)
+    assert op_table.build(result["records"], report.table_meta(result, table["source"])) == table
+
+
+def _rec(op, backend, us, T, mode="graph", dtype="bfloat16", **kw):
+    if op == "grouped_gemm":
+        fields = dict(groups=8, K=kw.get("K", 4096), N=kw.get("N", 4096))
+    else:
+        fields = dict(adapters=4, rank=kw.get("rank", 16), pool_rank=kw.get("pool_rank", kw.get("rank", 16)),
+                      K=4096, N=4096, slices=kw.get("slices", 1))
+    return dict(op=op, backend=backend, mode=mode, dtype=dtype, T=T, us=us, **fields)
+
+
+def _pair(op, cuda_us, triton_us, T, **kw):
+    return [_rec(op, "cuda", cuda_us, T, **kw), _rec(op, "triton", triton_us, T, **kw)]
+
+
+META = dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", source="synthetic.json")
+
+
+def test_build_picks_the_smallest_worst_slowdown_per_regime_and_marks_unmeasured_ones():
+    records = (_pair("sgmv", 10.0, 12.0, T=8)                            # cuda wins
+               + _pair("sgmv", 400.0, 120.0, T=4096, rank=128)           # triton wins by 3.3x
+               # one regime, two cases: triton by 1.2x on one, cuda by 2.6x on the other -> cuda (worst 1.2x)
+               + _pair("sgmv", 44.0, 37.0, T=256, rank=64) + _pair("sgmv", 14.6, 38.0, T=256, rank=8, pool_rank=64)
+               + [_rec("sgmv", "cuda", 1.0, T=2048)]                      # one backend only: not a comparison
+               + _pair("sgmv", 99.0, 1.0, T=40, mode="eager")            # eager: ignored
+               + _pair("sgmv", 99.0, 1.0, T=40, dtype="float32")         # fp32: the table does not apply
+               + [dict(r, backend="torch_loop") for r in _pair("sgmv", 1.0, 1.0, T=40)]  # baselines: ignored
+               + _pair("sgmv", 5.0, 5.0, T=100)                          # a tie keeps the C++ kernel
+               + _pair("grouped_gemm", 50.0, 40.0, T=16384, N=16)         # a shrink
+               + _pair("lora_expand", 9.0, 3.0, T=32, slices=2))
+    table = op_table.build(records, META)
+    op_table.validate(table)
+    assert {k: table[k] for k in META} == META
+
+    def cell(op, **values):
+        spec = table["ops"][op]
+        return spec["cells"][op_table._cell_index(spec["axes"], values)]
+
+    assert cell("sgmv", positions=8, rank=16, slices=1)["backend"] == "cuda"
+    big = cell("sgmv", positions=4096, rank=128, slices=1)
+    assert big["backend"] == "triton" and big["measured"]
+    assert big["cases"] == [dict(T=4096, adapters=4, rank=128, pool_rank=128, K=4096, N=4096, slices=1,
+                                 dtype="bfloat16", us={"cuda": 400.0, "triton": 120.0})]
+    mixed = cell("sgmv", positions=256, rank=64, slices=1)
+    assert mixed["backend"] == "cuda" and len(mixed["cases"]) == 2
+    assert not cell("sgmv", positions=2048, rank=16, slices=1)["measured"]
+    assert not cell("sgmv", positions=40, rank=16, slices=1)["measured"]
+    tie = cell("sgmv", positions=100, rank=16, slices=1)
+    assert tie["measured"] and tie["backend"] == "cuda"
+    assert cell("grouped_gemm", positions=16384, n=16, k=4096)["backend"] == "triton"
+    assert cell("grouped_gemm", positions=16384, n=4096, k=4096)["backend"] == "cuda"
+    assert cell("lora_expand", positions=32, rank=16, slices=2)["backend"] == "triton"
+    assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 6
+    unmeasured = [c for op in op_table.OPS for c in table["ops"][op]["cells"] if not c["measured"]]
+    assert all(c["backend"] == "cuda" and "cases" not in c for c in unmeasured)
+
+
+def _table(**overrides):
+    table = op_table.build([], META)
+    for op, cells in overrides.items():
+        spec = table["ops"][op]
+        for values in cells:
+            spec["cells"][op_table._cell_index(spec["axes"], values)]["backend"] = "triton"
+    return table
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda t: t["ops"].pop("grouped_gemm"), "no entry for grouped_gemm"),
+    (lambda t: t["ops"]["sgmv"]["axes"].reverse(), "axes are"),
+    (lambda t: t["ops"]["sgmv"]["axes"][0].update(max=[16, 16, 256, 1023, 4096]), "bounds must increase"),
+    (lambda t: t["ops"]["sgmv"]["axes"][0].update(max=[0, 16, 256, 1023, 4096]), "bounds must increase from 1"),
+    (lambda t: t["ops"]["sgmv"]["axes"][1].update(max=[16.5, 32, 64]), "bounds must be a list of ints"),
+    (lambda t: t["ops"]["lora_expand"]["cells"].pop(), "47 cells for 48 regimes"),
+    (lambda t: t["ops"]["sgmv"]["cells"].reverse(), "out of order"),
+    (lambda t: t["ops"]["grouped_gemm"]["cells"][3].update(backend="rocm"), "unknown backend 'rocm'"),
+])
+def test_validate_rejects_a_table_with_gaps_or_unknown_names(mutate, msg):
+    table = _table()
+    mutate(table)
+    with pytest.raises(ValueError, match=msg):
+        op_table.validate(table)
+
+
+def test_choice_follows_the_class_bounds():
+    table = _table(sgmv=[dict(positions=1024, rank=17, slices=2)], grouped_gemm=[dict(positions=257, n=128, k=129)])
+    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=2) == "triton"
+    assert op_table.choice(table, "sgmv", positions=4096, rank=32, slices=3) == "triton"     # same class
+    assert op_table.choice(table, "sgmv", positions=1023, rank=17, slices=2) == "cuda"       # the kernel switch
+    assert op_table.choice(table, "sgmv", positions=4097, rank=17, slices=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=16, slices=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=33, slices=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=1) == "cuda"
+    assert op_table.choice(table, "grouped_gemm", positions=4096, n=1, k=1 << 20) == "triton"
+    assert op_table.choice(table, "grouped_gemm", positions=256, n=128, k=129) == "cuda"
+    assert op_table.choice(table, "grouped_gemm", positions=257, n=129, k=129) == "cuda"
+    assert op_table.choice(table, "grouped_gemm", positions=257, n=128, k=128) == "cuda"
+
+
+def test_override_picks_the_table_at_import(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(op_table, "install", seen.append)
+    monkeypatch.delenv("LORA_OPS_OP_TABLE", raising=False)
+    op_table.install_default()
+    assert seen.pop() == op_table.load()
+    monkeypatch.setenv("LORA_OPS_OP_TABLE", "off")
+    op_table.install_default()
+    assert seen.pop() is None
+    custom = _table(sgmv=[dict(positions=1, rank=1, slices=1)])
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(custom))
+    monkeypatch.setenv("LORA_OPS_OP_TABLE", str(path))
+    op_table.install_default()
+    assert seen.pop() == custom
+    path.write_text(json.dumps(dict(custom, ops={})))
+    with pytest.raises(ValueError, match="no entry for sgmv"):
+        op_table.install_default()
+
+
+def test_a_missing_table_file_fails_the_import_with_its_path():
+    env = dict(os.environ, LORA_OPS_OP_TABLE="/nonexistent/op_table.json")
+    out = subprocess.run([sys.executable, "-c", "import lora_ops"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "/nonexistent/op_table.json" in out.stderr
+
+
+def test_every_op_of_the_table_has_a_triton_twin_by_name():
+    triton_backend()
+    for op in op_table.OPS:
+        assert op in backends.TRITON_BY_NAME
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::_triton_{op}", "CUDA"), op
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::_triton_{op}", "Meta"), op
+
+
+needs_cuda_kernels = pytest.mark.skipif(not op_table.cuda_kernels_take_tables(),
+                                        reason="the C++ CUDA kernels (which hold the table) are not compiled in")
+
+
+@needs_cuda_kernels
+def test_cpp_lookup_agrees_with_the_python_lookup_at_every_class_edge():
+    triton_backend()
+    tables = [op_table.load(), _table(sgmv=[dict(positions=1024, rank=17, slices=2)],
+                                      lora_expand=[dict(positions=1, rank=1, slices=1)],
+                                      grouped_gemm=[dict(positions=257, n=128, k=129)])]
+    previous = op_table.installed
+    try:
+        for table in tables:
+            op_table.install(table)
+            for op in op_table.OPS:
+                names = [name for name, _ in op_table.AXES[op]]
+                for point in _regime_points(op):
+                    values = dict(zip(names, point))
+                    assert op_table.cuda_choice(op, **values) == op_table.choice(table, op, **values), (op, values)
+        with op_table.disabled():
+            assert op_table.installed is None
+            assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "cuda"
+        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "triton"  # restored
+    finally:
+        op_table.install(previous)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("args,msg", [
+    (("bgmv", "", [], [], []), "unknown op 'bgmv'"),
+    (("sgmv", "positions,n,k", [1, 1, 1], [1, 1, 1], [0] * 8), "axes 'positions,n,k', expected"),
+    (("sgmv", "positions,rank,slices", [1, 1], [1, 1], [0] * 4), "2 bound counts for 3 axes"),
+    (("sgmv", "positions,rank,slices", [1, 1, 1], [1, 1, 1], [0] * 7), "7 regimes given for 8"),
+    (("sgmv", "positions,rank,slices", [2, 1, 1], [5, 5, 1, 1], [0] * 12), "must increase"),
+    (("sgmv", "positions,rank,slices", [1, 1, 1], [1, 1, 1], [0] * 7 + [2]), "must be 0 or 1"),
+    (("sgmv", "positions,rank,slices", [1, 1, 9], [1, 1, 1], [0] * 8), "do not match"),
+])
+def test_cpp_setter_rejects_a_malformed_table(args, msg):
+    with pytest.raises(ValueError, match=msg):
+        torch.ops.lora_ops._set_cuda_op_table(*args)
+
+
+# ---- on a GPU: the regimes the table gives to Triton ----
+
+def _profiled_kernels(fn):
+    """The names of the GPU kernels fn launches: a Triton kernel by its bare name, a C++ one demangled with its
+    namespace and arguments (the C++ lora_expand_kernel never equals Triton's)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+def _routed_problem(op, T=2048, dtype=torch.bfloat16):
+    """A problem of `op` in a regime that a test table gives to Triton (positions 1024-4096, rank 17-32,
+    slices 2+; grouped_gemm: positions 257-4096, n <= 128, k > 128)."""
+    gen = case_generator(f"op_table-{op}")
+    token_lora = testing.random_token_slots(T, [0, 3, 5], gen)
+    if op == "grouped_gemm":
+        p = testing.make_grouped_gemm(token_lora, num_groups=6, K=256, N=32, dtype=dtype, device="cuda", gen=gen)
+        return p, reference.grouped_gemm
+    p = testing.make_sgmv(token_lora, num_slots=6, K=256, N=96, max_rank=32, dtype=dtype, device="cuda", gen=gen,
+                          slice_offsets=[0, 32, 64, 96])
+    if op == "sgmv":
+        return p, reference.sgmv
+    h = torch.randn(T, 6, 3 * 32, generator=gen).to(dtype).cuda()
+    return testing.SgmvProblem(p.y, h, None, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
+                               p.lora_scales, p.slice_offsets, p.scale), reference.lora_expand
+
+
+def _args(op, p, y=None):
+    if op == "lora_expand":
+        return (p.y if y is None else y, p.x, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
+                p.lora_scales, p.slice_offsets, p.scale)
+    return p.args(y)
+
+
+def _weights_dtype(op, p):
+    return p.w.dtype if op == "grouped_gemm" else p.lora_b.dtype
+
+
+TRITON_KERNEL = {"sgmv": "sgmv_kernel", "lora_expand": "lora_expand_kernel", "grouped_gemm": "grouped_gemm_kernel"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", op_table.OPS)
+def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
+    triton_backend()
+    if backends.cuda_served_by[op] != "cuda":
+        pytest.skip(f"{op} has no C++ CUDA kernel to consult the table")
+    table = _table(**{op: [dict(positions=2048, n=32, k=256) if op == "grouped_gemm"
+                           else dict(positions=2048, rank=32, slices=3)]})
+    p, oracle = _routed_problem(op)
+    public = getattr(torch.ops.lora_ops, op).default
+    before = p.y.clone()
+    ref = oracle(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in _args(op, p)])
+    previous = op_table.installed
+    try:
+        op_table.install(table)
+        y = before.clone()
+        kernels = _profiled_kernels(lambda: public(*_args(op, p, y)))
+        assert TRITON_KERNEL[op] in kernels, kernels
+        assert not testing.check_against_reference(y, before, ref, _weights_dtype(op, p))
+        y_graph = before.clone()  # capturable: no host sync on the way to Triton
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            public(*_args(op, p, y_graph))
+        torch.cuda.current_stream().wait_stream(stream)
+        y_graph.copy_(before)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph, y)
+        compiled = torch.compile(lambda yy: public(*_args(op, p, yy)), fullgraph=True)
+        y_compiled = before.clone()
+        compiled(y_compiled)
+        assert torch.equal(y_compiled, y)
+        # Forcing the C++ backend: LORA_OPS_OP_TABLE=off (no table), or a forced C++ kernel where there is one.
+        with op_table.disabled():
+            assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p, before.clone())))
+        forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma")}
+        if op in forced:
+            monkeypatch.setenv(*forced[op])
+            y_forced = before.clone()
+            assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p, y_forced)))
+            assert not testing.check_against_reference(y_forced, before, ref, _weights_dtype(op, p))
+        # fp32 weights stay on the C++ kernels: the table was measured on fp16/bf16
+        p32, _ = _routed_problem(op, dtype=torch.float32)
+        monkeypatch.delenv("LORA_OPS_CUDA_SGMV_KERNEL", raising=False)
+        monkeypatch.delenv("LORA_OPS_CUDA_GG_KERNEL", raising=False)
+        assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p32)))
+    finally:
+        op_table.install(previous)
