@@ -108,8 +108,8 @@ def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
 
 @pytest.mark.gpu
 def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
-    """torch._grouped_mm and the torch loop as the bench calls them: right, or (torch._grouped_mm in fp16 or with
-    an fp32 x) refused by torch."""
+    """torch._grouped_mm and the torch loop as the bench calls them: right, or (torch._grouped_mm in fp16, with an
+    fp32 x, or with an fp32 y from half inputs: torch 2.11 wants out_dtype = x's dtype) refused by torch."""
     for case in ops.CPU_GG_CASES:
         pb = ops.GroupedGemmProblem(case, "cuda", seed=3)
         for name, fn in (("grouped_mm", ops.gg_grouped_mm), ("torch_loop", ops.gg_torch_loop)):
@@ -118,7 +118,7 @@ def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
             try:
                 fn(pb, y)
             except RuntimeError:
-                assert name == "grouped_mm" and (case.dtype != "bfloat16" or case.x_dtype == "float32"), case
+                assert name == "grouped_mm" and (case.dtype != "bfloat16" or "float32" in (case.x_dtype, case.y_dtype)), case
                 continue
             assert not testing.check_against_reference(y, pb.p.y, ref, pb.p.w.dtype), (name, case)
     torch.cuda.synchronize()
