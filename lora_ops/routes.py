@@ -5,7 +5,8 @@ regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes l
 
 - route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
 - route "fold": one GEMM against [W; A of every slot] gives y and every slot's h, then the lora_expand op;
-- backend "cuda" (the C++ kernels) or "triton".
+- backend "cuda" (the public op: the C++ kernels, which hand the regimes lora_ops/op_table.json gives to Triton
+  over to it) or "triton" (the Triton kernel by name).
 
 Regimes are ranges of T, the rows of the layer's input; each entry covers T up to its max_tokens (the last one
 has none: every larger T). The file records the GPU, commit and date of the measurement.
