@@ -42,16 +42,20 @@ INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
     (16383, 32, "random"), (16385, 32, "random"),  # more than one counting step of 16 tokens per thread
     (32769, 32, "random"), (70000, 32, "random"),  # 32 CTAs: several batches per warp
     (20000, 32, "one"), (20000, 32, "none"), (5000, 32, "extremes"), (3000, 0, "random"),
-    (20000, 421, "random"), (20000, 422, "random"),  # the last slot count with 32 count copies, the first with one
-    (20000, 3000, "random"), (20000, 10239, "random"),  # fewer placing warps; the largest slot count
+    (20000, "last_replicated", "random"), (20000, "first_single", "random"),  # 32 count copies, then one
+    (20000, 3000, "random"), (20000, 10239, "random"),  # fewer placing warps; an A100's largest slot count
 ])
 def test_cuda_build_segments_edges(T, num_slots, kind):
     """The CUDA kernel's edges (a chunk of ~1024 tokens per CTA, at most 32 CTAs; 128 to 1024 threads; 32 copies
-    of each count up to 421 slots, one beyond; fewer placing warps with many slots) against the CPU kernel, which
+    of each count while they fit the device's shared memory (597 slots on an H200), one beyond; fewer placing warps with many slots) against the CPU kernel, which
     the test above checks against the reference. The output memory is poisoned first: an unwritten entry shows."""
     if backends.cuda_served_by.get("build_segments") != "cuda":
         pytest.skip("the CUDA build_segments kernel is not built")
     gen = case_generator(f"{T},{num_slots},{kind}")
+    if isinstance(num_slots, str):  # where the device's shared memory stops holding 32 copies of every count
+        budget = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 4 * 32  # less warp_total[32]
+        last = budget // (4 * (2 * 32 + 32 + 1)) - 1  # counts [2][buckets][32] + cursors [32 warps] + starts
+        num_slots = last if num_slots == "last_replicated" else last + 1
     if kind == "random":
         token_lora = torch.randint(-2, num_slots + 2, (T,), generator=gen, dtype=torch.int32)
     elif kind == "one":  # every token in one bucket: stability across all CTAs and warps
@@ -63,9 +67,16 @@ def test_cuda_build_segments_edges(T, num_slots, kind):
         token_lora = picks[torch.randint(0, len(picks), (T,), generator=gen)]
     want = ops.build_segments(token_lora, num_slots)
     token_lora_gpu = token_lora.cuda()
-    for n in (T, num_slots + 1, num_slots):  # freed blocks that the outputs will reuse, filled with -7
-        torch.full((n,), -7, dtype=torch.int32, device="cuda")
-    got = ops.build_segments(token_lora_gpu, num_slots)
+    # The outputs reuse memory filled with -7: in a private pool, blocks of the outputs' sizes are allocated in the
+    # outputs' order, poisoned, and freed just before the call (the pool holds nothing else to hand out).
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        poison = [torch.full((n,), -7, dtype=torch.int32, device="cuda") for n in (T, num_slots + 1, num_slots)]
+        spans = [(t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in poison]
+        del poison
+        got = ops.build_segments(token_lora_gpu, num_slots)
+    for g in got:
+        assert any(lo <= g.data_ptr() < hi for lo, hi in spans), "an output missed the poisoned memory"
     again = ops.build_segments(token_lora_gpu, num_slots)
     for name, g, a, w in zip(("token_indices", "seg_indptr", "seg_lora"), got, again, want):
         assert torch.equal(g.cpu(), w), name

@@ -14,6 +14,8 @@
 // count is an integer sum, so the output is deterministic.
 // Bucket num_slots collects rows whose slot is outside [0, num_slots): sorted last, not covered.
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -27,7 +29,6 @@ constexpr int kMaxWarps = kMaxThreads / 32;
 constexpr int64_t kTokensPerCta = 1024;  // one token per thread to place
 constexpr int64_t kMaxCtas = 32;         // every CTA reads all T tokens: bounds the repeated reads
 constexpr int kLoadsInFlight = 16;       // tokens per thread per counting step (T = 16384: one step)
-constexpr size_t kMaxSmem = 160 * 1024;  // an A100 can run it too
 
 // Shared memory: counts [2][buckets][replicas], warp_cursor [warps][buckets], bucket_start [buckets].
 size_t smem_bytes(int64_t buckets, int replicas, int warps) {
@@ -187,18 +188,41 @@ cudaError_t launch(const BuildSegmentsParams& p, int ctas, int threads, int plac
   return cudaLaunchKernelEx(&cfg, kernel, p, placing_warps);
 }
 
+// Dynamic shared memory a CTA may take on the current device: the opt-in maximum (227 KB on an H100/H200, 163 KB
+// on an A100, 99 KB on sm_86/sm_89) less the kernel's static shared memory; 0 when the device cannot be asked.
+// Read once per device.
+size_t smem_budget() {
+  static std::mutex mutex;
+  static std::map<int, size_t> known;
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(device); it != known.end()) return it->second;
+  cudaFuncAttributes one, replicated;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      cudaFuncGetAttributes(&one, build_segments_kernel<1>) != cudaSuccess ||
+      cudaFuncGetAttributes(&replicated, build_segments_kernel<32>) != cudaSuccess) {
+    cudaGetLastError();  // no budget is the answer here, not a sticky error
+    return 0;
+  }
+  const size_t fixed = std::max(one.sharedSizeBytes, replicated.sharedSizeBytes);
+  return known[device] = optin > (int)fixed ? optin - fixed : 0;
+}
+
 }  // namespace
 
-int64_t build_segments_max_slots() { return (int64_t)(kMaxSmem / smem_bytes(1, 1, 1)) - 1; }
+// On the current device (the caller's device guard).
+int64_t build_segments_max_slots() { return (int64_t)(smem_budget() / smem_bytes(1, 1, 1)) - 1; }
 
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream) {
+  const size_t budget = smem_budget();
   const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
   const int ctas = (int)std::clamp<int64_t>((T + kTokensPerCta - 1) / kTokensPerCta, 1, kMaxCtas);
   // A thread per token up to 1024 (fewer threads: cheaper barriers and zeroing for short batches).
   const int threads = (int)std::clamp<int64_t>((T + 127) / 128 * 128, 128, kMaxThreads);
-  const int replicas = smem_bytes(buckets, 32, threads / 32) <= kMaxSmem ? 32 : 1;
+  const int replicas = smem_bytes(buckets, 32, threads / 32) <= budget ? 32 : 1;
   // A cursor row per placing warp; fewer placing warps when the slots are many.
-  const int64_t fit = (int64_t)(kMaxSmem / sizeof(int32_t)) / buckets - 2 * replicas - 1;
+  const int64_t fit = (int64_t)(budget / sizeof(int32_t)) / buckets - 2 * replicas - 1;
   if (fit < 1) return cudaErrorInvalidValue;
   const int placing_warps = (int)std::min<int64_t>(threads / 32, fit);
   const size_t smem = smem_bytes(buckets, replicas, placing_warps);
