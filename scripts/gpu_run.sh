@@ -4,8 +4,10 @@
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
 #   bench      python -m lora_ops.bench --ops --decode-step --models all -> benchmarks/results/<date>-<gpu>.*
-# Default: all four. Logs and results are copied to $OUT when set (the device tool's return folder).
-# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [-- extra bench args]
+#   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
+# Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
+# folder).
+# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [mutate] [-- bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -67,6 +69,12 @@ if want bench; then
     2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   cp benchmarks/results/"$name".* "$OUT"/ 2>/dev/null
+fi
+if want mutate; then
+  step mutate
+  $PY scripts/mutate.py --gpu --fast --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" 2>&1 \
+    | grep -v "^not run" | tail -8
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "gpu_run status: $status"
 exit $status

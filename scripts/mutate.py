@@ -432,7 +432,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scratch", help="scratch directory to (re)use; default: a new temporary one, removed after")
     ap.add_argument("--log", help="also write the report to this file")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
-    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes per run (default: none)")
+    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes per run (needs pytest-xdist; default: none)")
     args = ap.parse_args(argv)
 
     if args.list:
