@@ -86,10 +86,11 @@ def _extensions(info):
     cxx = ["-O3"]
     # Test-only: the Ascend host path and kernels on the CPU model of the AscendC API, as lora_ops_ascend_model::*
     # ops on CPU tensors (tests/test_ascend_model.py). registration.cpp is compiled against stand-ins for
-    # torch_npu and ACL.
+    # torch_npu and ACL. The op table (csrc/common/op_table.cpp) stays out: _C holds it.
     model = cpp_extension.CppExtension(
         "lora_ops._ascend_model",
-        rel("csrc/common/*.cpp") + rel("csrc/ascend/cpu_model/*.cpp") + rel("csrc/ascend/*.cpp"),
+        [s for s in rel("csrc/common/*.cpp") if s != "csrc/common/op_table.cpp"] + rel("csrc/ascend/cpu_model/*.cpp")
+        + rel("csrc/ascend/*.cpp"),
         include_dirs=[os.path.join(ROOT, "csrc", "ascend", "cpu_model"),
                       os.path.join(ROOT, "csrc", "ascend", "cpu_model", "standin")],
         define_macros=[("LORA_OPS_ASCEND_CPU_MODEL", None), ("LORA_OPS_ASCEND_LIBRARY", "lora_ops_ascend_model"),

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/checks.h"
+#include "common/op_table.h"
 #include "common/schemas.h"
 
 namespace {
@@ -114,6 +115,11 @@ TORCH_LIBRARY(lora_ops, m) {
       "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None) -> (Tensor, Tensor, Tensor?, "
       "Tensor?, Tensor?)");
   m.def("_check_build_segments(Tensor token_lora, int num_slots) -> Tensor");
+  // The op table the CUDA kernels consult (csrc/common/op_table.h, lora_ops/op_table.py): its setter and its
+  // lookup, in every build (host-only), so that both are tested without a GPU.
+  m.def("_set_cuda_op_table(str op, str axes, int[] bounds_per_axis, int[] bounds, int[] triton) -> ()",
+        &lora_ops::op_table::set_table);
+  m.def("_cuda_op_table_choice(str op, int[] values) -> str", &lora_ops::op_table::choice);
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {

@@ -7,6 +7,7 @@ reason, printed by `python -m lora_ops.info`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -89,7 +90,29 @@ def _register_triton(force: bool) -> None:
             _lib.impl(op, kernels[op], "CUDA")
         cuda_served_by[op] = "triton"
     for op in TRITON_BY_NAME:  # reachable by name whatever serves the CUDA key
-        _lib.impl(f"_triton_{op}", kernels[op], "CUDA")
+        _lib.impl(f"_triton_{op}", noting_the_op_table(op, kernels[op]), "CUDA")
+
+
+def noting_the_op_table(op: str, kernel):
+    """Triton's kernel of `op` as lora_ops::_triton_<op>, whose errors carry a note (Python 3.11+) on how a call of
+    the public op gets there: the C++ CUDA kernels redispatch the op table's Triton regimes to it, so without the
+    note an error would come from Triton with no word of the table. The try costs nothing until something raises;
+    the wrapper adds one Python call (~0.1 µs) to a routed eager call, which is in Python already (Triton's
+    launcher), and nothing to graph replay. (A catch in C++ could not annotate it: the error arrives there as a
+    Python exception, and _C has no Python symbols.)"""
+    note = (f"lora_ops: raised in lora_ops::_triton_{op} (Triton's kernel). A CUDA call of lora_ops.{op} is routed "
+            "there when the op table (lora_ops/op_table.json) gives its regime to Triton; LORA_OPS_OP_TABLE=off "
+            "keeps every call on the C++ kernels.")
+
+    @functools.wraps(kernel)
+    def twin(*args, **kwargs):
+        try:
+            return kernel(*args, **kwargs)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            raise
+    return twin
 
 
 def _triton_failed(exc: BaseException) -> None:

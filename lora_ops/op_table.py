@@ -3,10 +3,16 @@ by the op bench, not code (docs/design.md §3).
 
 The table (op_table.json beside this file) is written from the op bench's own graph-replay records
 (`python -m lora_ops.bench --ops --op-table lora_ops/op_table.json`) and records the GPU, commit and date of the
-measurement. At import, lora_ops hands it to the C++ CUDA kernels (csrc/cuda/registration.cpp); a call whose
-regime the table gives to Triton is redispatched there to lora_ops::_triton_<op>, in C++, with no Python on the
-C++ kernels' path. It applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not
+measurement; a results file with failures, or from a partial run (CPU, --quick, --impls, some ops left out, fp32),
+or without a case of every op timed on both backends, makes none (results_problems). At import, lora_ops hands
+the table to the C++ side (csrc/common/op_table.h, in every build); the C++ CUDA kernels look a call up there and
+redispatch one in a Triton regime to lora_ops::_triton_<op>, in C++, with no Python on the C++ kernels' path. It applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not
 when LORA_OPS_CUDA_SGMV_KERNEL / LORA_OPS_CUDA_GG_KERNEL force a C++ kernel.
+
+A regime goes to Triton only when Triton wins there by a margin (TRITON_MARGIN): the C++ kernel's worst slowdown
+over the regime's measured cases is at least 1.1× Triton's. A near-tie stays on the C++ kernel, which is cheaper
+to call eagerly (a call routed to Triton pays a hop into Python, where Triton launches its kernel; graph replay
+does not) and whose win or loss by a few percent is within the spread of one measurement.
 
 LORA_OPS_OP_TABLE=off keeps every call on the C++ kernels; LORA_OPS_OP_TABLE=<path> loads another table.
 
@@ -35,6 +41,8 @@ OPS = ("sgmv", "lora_expand", "grouped_gemm")
 BACKENDS = ("cuda", "triton")
 # The dtypes the table applies to (the C++ kernels treat both alike); records in others are not used.
 DTYPES = ("bfloat16", "float16")
+# How much smaller Triton's worst slowdown in a regime must be than the C++ kernel's for the regime to go to Triton.
+TRITON_MARGIN = 1.1
 
 # Axes of each op's regimes, with the upper bounds of their classes:
 # - positions 1023: the C++ sgmv takes its tensor-core kernel from 1024 positions, so no class mixes two C++
@@ -78,29 +86,38 @@ def _case_key(record: dict) -> tuple:
                         if k not in ("backend", "us", "gbps", "tflops", "pct_roofline", "mode")))
 
 
+def _comparisons(records: List[dict], op: str) -> List[Dict[str, dict]]:
+    """The cases of `op` timed on both backends (graph replay, fp16/bf16): per case, backend -> record. Raises
+    ValueError for a timing that is not a positive number (no slowdown can be computed from it)."""
+    cases: Dict[tuple, Dict[str, dict]] = {}
+    for r in records:
+        if r["op"] == op and r.get("mode") == "graph" and r.get("dtype") in DTYPES and r["backend"] in BACKENDS:
+            us = r.get("us")
+            if isinstance(us, bool) or not isinstance(us, (int, float)) or not us > 0:
+                raise ValueError(f"op table: {op} {r['backend']} record {_case_fields(r)} has a timing of {us!r} µs")
+            cases.setdefault(_case_key(r), {})[r["backend"]] = r
+    return [by for by in cases.values() if all(b in by for b in BACKENDS)]
+
+
 def build(records: Iterable[dict], meta: dict) -> dict:
-    """The table from op-bench records: per op and regime, the backend whose worst slowdown against the faster
-    one, over the cases measured in that regime with both backends (graph replay, fp16/bf16), is smallest (ties:
-    cuda). A regime without such a case keeps the C++ kernel and says it was not measured."""
+    """The table from op-bench records: per op and regime, over the cases measured in that regime with both
+    backends (graph replay, fp16/bf16), each backend's worst slowdown against the faster one; the regime goes to
+    Triton when the C++ kernel's worst slowdown is at least TRITON_MARGIN times Triton's, else it stays on the C++
+    kernel. A regime without such a case keeps the C++ kernel and says it was not measured."""
     ops = {}
     records = list(records)
     for op in OPS:
-        cases: Dict[tuple, Dict[str, dict]] = {}
-        for r in records:
-            if r["op"] == op and r.get("mode") == "graph" and r.get("dtype") in DTYPES and r["backend"] in BACKENDS:
-                cases.setdefault(_case_key(r), {})[r["backend"]] = r
         axes = [{"name": name, "max": list(bounds)} for name, bounds in AXES[op]]
         by_cell: Dict[int, List[Dict[str, dict]]] = {}
-        for by in cases.values():
-            if all(b in by for b in BACKENDS):
-                by_cell.setdefault(_cell_index(axes, record_regime(by["cuda"])), []).append(by)
+        for by in _comparisons(records, op):
+            by_cell.setdefault(_cell_index(axes, record_regime(by["cuda"])), []).append(by)
         cells = []
         for index, classes in enumerate(itertools.product(*(range(len(a["max"]) + 1) for a in axes))):
             cell = {a["name"]: _class_range(a["max"], c) for a, c in zip(axes, classes)}
             measured = by_cell.get(index, [])
             if measured:
                 worst = {b: max(by[b]["us"] / min(by[o]["us"] for o in BACKENDS) for by in measured) for b in BACKENDS}
-                cell["backend"] = min(BACKENDS, key=lambda b: (worst[b], BACKENDS.index(b)))
+                cell["backend"] = "triton" if worst["cuda"] >= TRITON_MARGIN * worst["triton"] else "cuda"
                 cell["measured"] = True
                 cell["cases"] = [dict(_case_fields(by["cuda"]), us={b: by[b]["us"] for b in BACKENDS})
                                  for by in measured]
@@ -109,15 +126,55 @@ def build(records: Iterable[dict], meta: dict) -> dict:
                 cell["measured"] = False
             cells.append(cell)
         ops[op] = {"axes": axes, "cells": cells}
-    table = dict(meta, mode="graph", dtypes=list(DTYPES), ops=ops)
+    table = dict(meta, mode="graph", dtypes=list(DTYPES), triton_margin=TRITON_MARGIN, ops=ops)
     validate(table)
     return table
 
 
-def write(path: str, records: Iterable[dict], meta: dict) -> dict:
-    """Builds the table from op-bench records and writes it to `path` (the bench's --op-table, and
-    `python -m lora_ops.bench.report RESULTS.json --op-table PATH` from a results file)."""
-    table = build(records, meta)
+def run_problems(settings: dict) -> List[str]:
+    """Why an op-bench run with these settings (the bench's `op_bench` entry of a results file: device, quick,
+    impls, op_kinds, dtype) cannot make a table; empty when it can."""
+    problems = []
+    if torch.device(settings["device"]).type != "cuda":
+        problems.append(f"the device is {settings['device']}, not a CUDA GPU")
+    if settings["quick"]:
+        problems.append("--quick times only the first few cases")
+    if settings["impls"]:
+        problems.append(f"--impls {','.join(settings['impls'])} times only some implementations")
+    missing = [op for op in OPS if op not in settings["op_kinds"]]
+    if missing:
+        problems.append(f"--op-kinds leaves out {','.join(missing)}")
+    if settings["dtype"] not in DTYPES:
+        problems.append(f"--dtype {settings['dtype']}: the table applies to {' and '.join(DTYPES)}")
+    return problems
+
+
+def results_problems(result: dict) -> List[str]:
+    """Why a results file (python -m lora_ops.bench --out) cannot make a table: its run's settings (run_problems),
+    a CPU run, failures of the run, or an op without a case timed on both backends; empty when it can. (Results
+    files written before the bench stored `op_bench` and `failures` are judged by their device and records.)"""
+    if "op_bench" in result:
+        problems = run_problems(result["op_bench"])
+    else:
+        problems = ["the results come from a CPU run"] if result.get("gpu") == "cpu" else []
+    failures = result.get("failures") or []
+    if failures:
+        problems.append(f"the run had {len(failures)} failure(s), the first: {failures[0]}")
+    for op in OPS:
+        if not _comparisons(result["records"], op):
+            problems.append(f"no {op} case was timed on both {' and '.join(BACKENDS)} (graph replay, "
+                            f"{' or '.join(DTYPES)})")
+    return problems
+
+
+def write(path: str, result: dict, meta: dict) -> dict:
+    """Builds the table from a bench run's results (its records, and what results_problems checks) and writes it
+    to `path` (the bench's --op-table, and `python -m lora_ops.bench.report RESULTS.json --op-table PATH`).
+    Raises ValueError, writing nothing, when the results cannot make a table."""
+    problems = results_problems(result)
+    if problems:
+        raise ValueError("op table not written: " + "; ".join(problems))
+    table = build(result["records"], meta)
     with open(path, "w") as f:
         f.write(_dumps(table))
     return table
@@ -145,8 +202,12 @@ def _case_fields(record: dict) -> dict:
 
 
 def validate(table: dict) -> None:
-    """Raises ValueError unless the table has every op with its axes, each axis' classes cover every value >= 1
-    (increasing bounds from 1, the last class open), and one cell per regime with a known backend."""
+    """Raises ValueError unless the table says which measurement it came from (gpu, date, git_sha), has every op
+    with its axes, each axis' classes cover every value >= 1 (increasing bounds from 1, the last class open), and
+    one cell per regime with a known backend and whether it was measured."""
+    for key in ("gpu", "date", "git_sha"):
+        if not isinstance(table.get(key), str) or not table[key]:
+            raise ValueError(f"op table: no {key} (which measurement it came from)")
     ops = table.get("ops") or {}
     for op in OPS:
         spec = ops.get(op)
@@ -173,6 +234,8 @@ def validate(table: dict) -> None:
                                      f"{_class_range(a['max'], c)}")
             if cell.get("backend") not in BACKENDS:
                 raise ValueError(f"op table: {op} cell {cell}: unknown backend {cell.get('backend')!r}")
+            if not isinstance(cell.get("measured"), bool):
+                raise ValueError(f"op table: {op} cell {cell}: no 'measured' flag")
 
 
 def choice(table: dict, op: str, **values: int) -> str:
@@ -188,33 +251,47 @@ def load(path: str = PATH) -> dict:
     return table
 
 
-# The table the C++ CUDA kernels hold now (None: none, or no C++ CUDA kernels: every call on the C++ kernels).
+# The table the C++ kernels hold now (None: none, every call on the C++ kernels).
 installed: Optional[dict] = None
 
 
 def cuda_kernels_take_tables() -> bool:
-    """True when the C++ CUDA kernels are compiled in (they, and only they, consult the table)."""
-    return hasattr(torch.ops.lora_ops, "_set_cuda_op_table")
+    """True when the C++ CUDA kernels are compiled in: they, and only they, consult the table (which every build
+    holds, csrc/common/op_table.h)."""
+    from . import backends
+    return any(backends.cuda_compiled.get(op) for op in OPS)
 
 
 def install(table: Optional[dict]) -> None:
-    """Hands `table` to the C++ CUDA kernels (None: clears it). Its Triton regimes need Triton's kernels registered
-    as lora_ops::_triton_<op> (backends.py): without Triton, every regime stays on the C++ kernels."""
+    """Hands `table` to the C++ kernels (None: clears it), all ops or none: if any op's table is refused (e.g. its
+    Triton twin has no CUDA kernel), the ops already set get the previous table back before the error propagates.
+    Its Triton regimes need Triton's kernels registered as lora_ops::_triton_<op> (backends.py): without Triton,
+    every regime stays on the C++ kernels."""
     global installed
     from . import backends
     if table is not None:
         validate(table)
     usable = table if table is not None and "triton" not in backends.unavailable else None
-    if cuda_kernels_take_tables():
+    done = []
+    try:
         for op in OPS:
-            if usable is None:
-                torch.ops.lora_ops._set_cuda_op_table(op, "", [], [], [])
-                continue
-            spec = usable["ops"][op]
-            torch.ops.lora_ops._set_cuda_op_table(
-                op, ",".join(a["name"] for a in spec["axes"]), [len(a["max"]) for a in spec["axes"]],
-                [b for a in spec["axes"] for b in a["max"]], [int(c["backend"] == "triton") for c in spec["cells"]])
-    installed = usable if cuda_kernels_take_tables() else None
+            _set_cpp_table(op, usable)
+            done.append(op)
+    except Exception:
+        for op in done:
+            _set_cpp_table(op, installed)
+        raise
+    installed = usable
+
+
+def _set_cpp_table(op: str, table: Optional[dict]) -> None:
+    if table is None:
+        torch.ops.lora_ops._set_cuda_op_table(op, "", [], [], [])
+        return
+    spec = table["ops"][op]
+    torch.ops.lora_ops._set_cuda_op_table(
+        op, ",".join(a["name"] for a in spec["axes"]), [len(a["max"]) for a in spec["axes"]],
+        [b for a in spec["axes"] for b in a["max"]], [int(c["backend"] == "triton") for c in spec["cells"]])
 
 
 def install_default() -> None:
@@ -235,8 +312,7 @@ def disabled():
 
 
 def cuda_choice(op: str, **values: int) -> str:
-    """The C++ kernels' own lookup of the installed table (what a call of fp16/bf16 `op` with these axis values
-    runs on); needs the CUDA kernels compiled in."""
+    """The C++ lookup of the installed table: what a CUDA call of fp16/bf16 `op` with these axis values runs on."""
     return torch.ops.lora_ops._cuda_op_table_choice(op, [values[name] for name, _ in AXES[op]])
 
 

@@ -1,12 +1,13 @@
 """The op bench on the CPU (`python -m lora_ops.bench --device cpu --quick`): every op kind runs and is recorded, a
-wrong implementation of ours fails the run, the op table is written from a run's records, and the README section
-renders the lora_expand and grouped_gemm tables."""
+wrong implementation of ours or a broken Triton fails the run (and is stored in the results), the op table is
+refused from a partial run and written from a full one's results file, and the README section renders the
+lora_expand and grouped_gemm tables."""
 import json
 
 import pytest
 import torch
 
-from lora_ops import op_table, reference, testing
+from lora_ops import backends, op_table, reference, testing
 from lora_ops.bench import __main__ as bench, ops, report
 
 
@@ -35,11 +36,15 @@ def test_quick_cpu_bench_times_every_op_kind(quick_run):
     assert (shrink["dtype"], shrink["x_dtype"], shrink["y_dtype"], shrink["accumulate"]) == \
         ("bfloat16", "bfloat16", "float32", False)
     assert out.with_suffix(".csv").exists()
+    assert result["failures"] == []
+    assert result["op_bench"] == dict(device="cpu", quick=True, impls=None,
+                                      op_kinds=["sgmv", "lora_expand", "grouped_gemm", "build_segments"],
+                                      dtype="bfloat16")
 
 
 @pytest.mark.parametrize("kind,factory", [("grouped_gemm", "gg_implementations"),
                                           ("lora_expand", "expand_implementations")])
-def test_a_wrong_result_of_ours_fails_the_bench(kind, factory, monkeypatch, capsys):
+def test_a_wrong_result_of_ours_fails_the_bench(kind, factory, monkeypatch, capsys, tmp_path):
     real = getattr(ops, factory)
 
     def with_a_bug(device):
@@ -52,21 +57,65 @@ def test_a_wrong_result_of_ours_fails_the_bench(kind, factory, monkeypatch, caps
         impls["cpu"] = off_by_one_row
         return impls
     monkeypatch.setattr(ops, factory, with_a_bug)
-    assert bench.main(["--device", "cpu", "--quick", "--op-kinds", kind, "--impls", "cpu"]) == 1
+    out = tmp_path / "run"
+    assert bench.main(["--device", "cpu", "--quick", "--op-kinds", kind, "--impls", "cpu", "--out", str(out)]) == 1
     assert f"FAILURE: {kind} cpu" in capsys.readouterr().out
+    with open(f"{out}.json") as f:
+        failures = json.load(f)["failures"]
+    assert failures and all(f.startswith(f"{kind} cpu") and "WRONG vs the float64 oracle" in f for f in failures)
 
 
-def test_op_table_flag_writes_the_table_from_the_run(tmp_path):
+def test_a_broken_triton_fails_the_bench(monkeypatch, capsys):
+    monkeypatch.setattr(backends, "triton_error", ImportError("triton's compiler failed to load"))
+    monkeypatch.setitem(backends.unavailable, "triton", "installed but failed to load: ImportError: ...")
+    assert bench.main(["--device", "cpu", "--quick", "--op-kinds", "lora_expand", "--impls", "cpu"]) == 1
+    assert "FAILURE: triton installed but failed to load" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--device", "cpu"], "not a CUDA GPU"),
+    (["--device", "cuda", "--quick"], "--quick times only the first few cases"),
+    (["--device", "cuda", "--impls", "cuda"], "--impls cuda"),
+    (["--device", "cuda", "--op-kinds", "sgmv,grouped_gemm"], "leaves out lora_expand"),
+    (["--device", "cuda", "--dtype", "float32"], "--dtype float32"),
+])
+def test_op_table_flag_refuses_a_partial_run_before_running(argv, msg, tmp_path, capsys):
+    table = tmp_path / "t.json"
     with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--op-table", str(tmp_path / "t.json")])  # no --out: refused
-    rc = bench.main(["--device", "cpu", "--quick", "--op-kinds", "grouped_gemm", "--impls", "cpu",
-                     "--out", str(tmp_path / "run"), "--op-table", str(tmp_path / "t.json")])
-    assert rc == 0
-    table = op_table.load(str(tmp_path / "t.json"))
-    assert table["source"] == "run.json" and table["gpu"] == "cpu"
-    # a CPU run has eager records of one backend only: nothing measured, every regime on the C++ kernels
-    assert all(c["backend"] == "cuda" and not c["measured"] for op in op_table.OPS
-               for c in table["ops"][op]["cells"])
+        bench.main(argv + ["--out", str(tmp_path / "run"), "--op-table", str(table)])
+    assert msg in capsys.readouterr().err
+    assert not table.exists() and not (tmp_path / "run.json").exists()
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--op-table", str(table)])  # no --out: refused
+    assert "needs --out" in capsys.readouterr().err
+
+
+def _table_results(failures=()):
+    """A full GPU run's results file, as the bench writes it (op_bench settings, failures, graph records)."""
+    pair = lambda op, cuda_us, triton_us, **kw: [dict(op=op, backend=b, mode="graph", dtype="bfloat16", us=us, **kw)
+                                                  for b, us in (("cuda", cuda_us), ("triton", triton_us))]
+    sgmv = dict(adapters=4, rank=16, pool_rank=16, K=4096, N=4096, slices=1)
+    records = (pair("sgmv", 10.0, 12.0, T=8, **sgmv) + pair("sgmv", 400.0, 120.0, T=4096, **dict(sgmv, rank=128,
+                                                                                              pool_rank=128))
+               + pair("lora_expand", 9.0, 3.0, T=32, **sgmv)
+               + pair("grouped_gemm", 50.0, 40.0, T=16384, groups=8, K=4096, N=16))
+    return dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", copy_tbps=4.2,
+                op_bench=dict(device="cuda:0", quick=False, impls=None, op_kinds=list(bench.OP_KINDS),
+                              dtype="bfloat16"), failures=list(failures), records=records)
+
+
+def test_report_writes_the_op_table_from_a_full_runs_results_and_refuses_one_with_failures(tmp_path):
+    result = _table_results()
+    results, table = tmp_path / "run.json", tmp_path / "t.json"
+    results.write_text(json.dumps(result))
+    assert report.main([str(results), "--op-table", str(table)]) == 0
+    assert op_table.load(str(table)) == op_table.build(result["records"], report.table_meta(result, "run.json"))
+    assert op_table.choice(op_table.load(str(table)), "sgmv", positions=4096, rank=128, slices=1) == "triton"
+    table.unlink()
+    results.write_text(json.dumps(_table_results(failures=["sgmv triton {...}: raised RuntimeError"])))
+    with pytest.raises(SystemExit, match="op table not written: the run had 1 failure"):
+        report.main([str(results), "--op-table", str(table)])
+    assert not table.exists()
 
 
 def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=4096, groups=8, pct=None,
@@ -81,9 +130,12 @@ def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=40
 
 
 def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
-    records = [_gg("cuda", 200.0, pct=20.0), _gg("triton", 250.0, pct=16.0), _gg("grouped_mm", 190.0),
+    records = [_gg("cuda", 200.0, pct=20.0), _gg("triton", 250.0, pct=16.0), dict(_gg("grouped_mm", 190.0),
+                                                                                  timed_alone=True),
                _gg("cuda", 210.0, w="float16", pct=19.0), _gg("triton", 260.0, w="float16", pct=15.0),
                _gg("grouped_mm", None, w="float16", unavailable="RuntimeError: expected bf16"),
+               _gg("cuda", 100.0, shape="64x128x2048x1408", groups=64, T=8192, K=2048, N=1408),
+               _gg("grouped_mm", 120.0, shape="64x128x2048x1408", groups=64, T=8192, K=2048, N=1408),
                _gg("cuda", 40.0, shape="LoRA shrink", T=16384, N=16, pct=80.0),
                _gg("triton", 36.0, shape="LoRA shrink", T=16384, N=16, pct=89.0),
                dict(op="lora_expand", backend="cuda", mode="graph", T=32, adapters=32, rank=16, pool_rank=16,
@@ -96,8 +148,10 @@ def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
     assert "| 8x512x4096x4096 | 8 × 512, 4096 × 4096 | bf16 / bf16 / bf16 |" in text
     assert "unavailable" in text
     assert "lora_ops (cuda) reaches 0.95× the TFLOP/s of torch._grouped_mm" in text
-    assert "(687 against 723)" in text
+    assert "(687 against 723; torch._grouped_mm timed alone, on its own output)" in text
     assert "8x512x4096x4096 in fp16: 654 TFLOP/s, 0.95× its bf16 speed" in text
+    assert "lora_ops (cuda) reaches 1.20× the TFLOP/s of torch._grouped_mm (472 against 394; torch._grouped_mm timed " \
+           "with the store of its output into y)" in text
     assert "grouped_gemm LoRA shrink: 36.0 µs, 89% of the memory roofline (triton)" in text
     assert "| 32 | 32 | 16 (16) | 4096, 1 | 5.0 (30%) | 7.0 (21%) | cuda |" in text
     readme = tmp_path / "README.md"

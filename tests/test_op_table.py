@@ -61,11 +61,14 @@ def _pair(op, cuda_us, triton_us, T, **kw):
 META = dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", source="synthetic.json")
 
 
-def test_build_picks_the_smallest_worst_slowdown_per_regime_and_marks_unmeasured_ones():
+def test_build_gives_triton_only_regimes_it_wins_by_the_margin_and_marks_unmeasured_ones():
+    assert op_table.TRITON_MARGIN == 1.1
     records = (_pair("sgmv", 10.0, 12.0, T=8)                            # cuda wins
                + _pair("sgmv", 400.0, 120.0, T=4096, rank=128)           # triton wins by 3.3x
                # one regime, two cases: triton by 1.2x on one, cuda by 2.6x on the other -> cuda (worst 1.2x)
                + _pair("sgmv", 44.0, 37.0, T=256, rank=64) + _pair("sgmv", 14.6, 38.0, T=256, rank=8, pool_rank=64)
+               + _pair("sgmv", 109.0, 100.0, T=16384, rank=16)           # triton by 9%: within the margin
+               + _pair("sgmv", 111.0, 100.0, T=16384, rank=64)           # triton by 11%: past it
                + [_rec("sgmv", "cuda", 1.0, T=2048)]                      # one backend only: not a comparison
                + _pair("sgmv", 99.0, 1.0, T=40, mode="eager")            # eager: ignored
                + _pair("sgmv", 99.0, 1.0, T=40, dtype="float32")         # fp32: the table does not apply
@@ -92,12 +95,66 @@ def test_build_picks_the_smallest_worst_slowdown_per_regime_and_marks_unmeasured
     assert not cell("sgmv", positions=40, rank=16, slices=1)["measured"]
     tie = cell("sgmv", positions=100, rank=16, slices=1)
     assert tie["measured"] and tie["backend"] == "cuda"
+    assert cell("sgmv", positions=16384, rank=16, slices=1)["backend"] == "cuda"
+    assert cell("sgmv", positions=16384, rank=64, slices=1)["backend"] == "triton"
+    assert table["triton_margin"] == op_table.TRITON_MARGIN
     assert cell("grouped_gemm", positions=16384, n=16, k=4096)["backend"] == "triton"
     assert cell("grouped_gemm", positions=16384, n=4096, k=4096)["backend"] == "cuda"
     assert cell("lora_expand", positions=32, rank=16, slices=2)["backend"] == "triton"
-    assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 6
+    assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 8
     unmeasured = [c for op in op_table.OPS for c in table["ops"][op]["cells"] if not c["measured"]]
     assert all(c["backend"] == "cuda" and "cases" not in c for c in unmeasured)
+
+
+@pytest.mark.parametrize("us", [0.0, -1.0, None])
+def test_build_refuses_a_timing_that_is_not_positive(us):
+    records = _pair("sgmv", 10.0, 12.0, T=8) + [_rec("sgmv", "triton", us, T=16), _rec("sgmv", "cuda", 5.0, T=16)]
+    with pytest.raises(ValueError, match="timing of"):
+        op_table.build(records, META)
+
+
+def _results(records, **kw):
+    """A results file of a full GPU op-bench run (as python -m lora_ops.bench --out writes it)."""
+    settings = dict(device="cuda", quick=False, impls=None, op_kinds=list(op_table.OPS) + ["build_segments"],
+                    dtype="bfloat16")
+    settings.update(kw.pop("settings", {}))
+    return dict(dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", op_bench=settings,
+                     failures=[], records=records), **kw)
+
+
+FULL_RECORDS = (_pair("sgmv", 10.0, 12.0, T=8) + _pair("lora_expand", 9.0, 3.0, T=32)
+                + _pair("grouped_gemm", 50.0, 40.0, T=16384, N=16))
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(settings=dict(device="cpu")), "not a CUDA GPU"),
+    (dict(settings=dict(quick=True)), "--quick"),
+    (dict(settings=dict(impls=["cuda", "triton"])), "--impls cuda,triton"),
+    (dict(settings=dict(op_kinds=["sgmv", "grouped_gemm"])), "leaves out lora_expand"),
+    (dict(settings=dict(dtype="float32")), "--dtype float32"),
+    (dict(failures=["sgmv triton {...}: raised RuntimeError"]), "1 failure"),
+    (dict(records=[r for r in FULL_RECORDS if not (r["op"] == "lora_expand" and r["backend"] == "triton")]),
+     "no lora_expand case was timed on both"),
+])
+def test_a_partial_or_failed_run_makes_no_table(change, msg, tmp_path):
+    records = change.pop("records", FULL_RECORDS)
+    result = _results(records, **change)
+    assert any(msg in p for p in op_table.results_problems(result)), op_table.results_problems(result)
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match="op table not written"):
+        op_table.write(str(path), result, META)
+    assert not path.exists()
+
+
+def test_a_full_run_makes_the_builders_table(tmp_path):
+    result = _results(FULL_RECORDS)
+    assert op_table.results_problems(result) == []
+    path = tmp_path / "t.json"
+    assert op_table.write(str(path), result, META) == op_table.load(str(path)) == op_table.build(FULL_RECORDS, META)
+    # a results file from before the bench stored its settings and failures: judged by its device and records
+    legacy = {k: v for k, v in result.items() if k not in ("op_bench", "failures")}
+    assert op_table.results_problems(legacy) == []
+    assert op_table.results_problems(dict(legacy, gpu="cpu")) == ["the results come from a CPU run"]
 
 
 def _table(**overrides):
@@ -118,6 +175,10 @@ def _table(**overrides):
     (lambda t: t["ops"]["lora_expand"]["cells"].pop(), "47 cells for 48 regimes"),
     (lambda t: t["ops"]["sgmv"]["cells"].reverse(), "out of order"),
     (lambda t: t["ops"]["grouped_gemm"]["cells"][3].update(backend="rocm"), "unknown backend 'rocm'"),
+    (lambda t: t["ops"]["grouped_gemm"]["cells"][3].pop("measured"), "no 'measured' flag"),
+    (lambda t: t.pop("gpu"), "no gpu"),
+    (lambda t: t.update(date=""), "no date"),
+    (lambda t: t.update(git_sha=None), "no git_sha"),
 ])
 def test_validate_rejects_a_table_with_gaps_or_unknown_names(mutate, msg):
     table = _table()
@@ -175,11 +236,8 @@ def test_every_op_of_the_table_has_a_triton_twin_by_name():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::_triton_{op}", "Meta"), op
 
 
-needs_cuda_kernels = pytest.mark.skipif(not op_table.cuda_kernels_take_tables(),
-                                        reason="the C++ CUDA kernels (which hold the table) are not compiled in")
+# The C++ table (csrc/common/op_table.h) is in every build: its lookup and setter are tested without a GPU.
 
-
-@needs_cuda_kernels
 def test_cpp_lookup_agrees_with_the_python_lookup_at_every_class_edge():
     triton_backend()
     tables = [op_table.load(), _table(sgmv=[dict(positions=1024, rank=17, slices=2)],
@@ -202,7 +260,6 @@ def test_cpp_lookup_agrees_with_the_python_lookup_at_every_class_edge():
         op_table.install(previous)
 
 
-@needs_cuda_kernels
 @pytest.mark.parametrize("args,msg", [
     (("bgmv", "", [], [], []), "unknown op 'bgmv'"),
     (("sgmv", "positions,n,k", [1, 1, 1], [1, 1, 1], [0] * 8), "axes 'positions,n,k', expected"),
@@ -217,6 +274,46 @@ def test_cpp_setter_rejects_a_malformed_table(args, msg):
         torch.ops.lora_ops._set_cuda_op_table(*args)
 
 
+def test_install_is_all_or_nothing(monkeypatch):
+    """An op whose table the C++ setter refuses leaves every op on the previous table."""
+    triton_backend()
+    before = _table(sgmv=[dict(positions=1024, rank=17, slices=2)])
+    after = _table(sgmv=[dict(positions=1, rank=1, slices=1)], grouped_gemm=[dict(positions=1, n=1, k=1)])
+    real = torch.ops.lora_ops._set_cuda_op_table
+
+    def refusing_grouped_gemm(op, axes, *rest):
+        if op == "grouped_gemm" and axes:
+            raise RuntimeError("lora_ops op table: refused for the test")
+        return real(op, axes, *rest)
+    previous = op_table.installed
+    try:
+        op_table.install(before)
+        monkeypatch.setattr(torch.ops.lora_ops, "_set_cuda_op_table", refusing_grouped_gemm)
+        with pytest.raises(RuntimeError, match="refused for the test"):
+            op_table.install(after)
+        assert op_table.installed is before
+        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "triton"
+        assert op_table.cuda_choice("sgmv", positions=1, rank=1, slices=1) == "cuda"
+        assert op_table.cuda_choice("grouped_gemm", positions=1, n=1, k=1) == "cuda"
+    finally:
+        monkeypatch.undo()
+        op_table.install(previous)
+
+
+def test_an_error_of_the_triton_twin_says_the_op_table_routes_there():
+    """lora_ops::_triton_<op> (what the C++ kernels redispatch the table's Triton regimes to) is Triton's kernel
+    with a note on its errors; here the same wrapper around the kernel on CPU tensors (TRITON_INTERPRET)."""
+    lt = triton_backend()
+    p, _ = _routed_problem("sgmv", T=64, device="cpu", dtype=torch.float32)
+    bad_ranks = p.lora_ranks[:-1]  # one slot short
+    twin = backends.noting_the_op_table("sgmv", lt.sgmv)
+    args = list(p.args())
+    args[7] = bad_ranks
+    with pytest.raises(ValueError, match="lora_ranks") as raised:
+        twin(*args)
+    assert any("op table" in n and "LORA_OPS_OP_TABLE=off" in n for n in raised.value.__notes__)
+
+
 # ---- on a GPU: the regimes the table gives to Triton ----
 
 def _profiled_kernels(fn):
@@ -228,19 +325,23 @@ def _profiled_kernels(fn):
     return {e.key for e in prof.key_averages()}
 
 
-def _routed_problem(op, T=2048, dtype=torch.bfloat16):
+def _routed_problem(op, T=2048, dtype=torch.bfloat16, device="cuda"):
     """A problem of `op` in a regime that a test table gives to Triton (positions 1024-4096, rank 17-32,
-    slices 2+; grouped_gemm: positions 257-4096, n <= 128, k > 128)."""
+    slices 2+; grouped_gemm: positions 257-4096, n <= 128, k > 128), with every optional argument away from its
+    default (varied true ranks, scale 0.5; per-group sizes, alpha 0.5, y = instead of y +=), so that a dropped or
+    swapped argument on the way to Triton gives a wrong result."""
     gen = case_generator(f"op_table-{op}")
     token_lora = testing.random_token_slots(T, [0, 3, 5], gen)
     if op == "grouped_gemm":
-        p = testing.make_grouped_gemm(token_lora, num_groups=6, K=256, N=32, dtype=dtype, device="cuda", gen=gen)
+        p = testing.make_grouped_gemm(token_lora, num_groups=6, K=256, N=32, dtype=dtype, device=device, gen=gen,
+                                      n_sizes=[32, 20, 7, 13, 1, 25], k_sizes=[256, 100, 64, 200, 256, 177],
+                                      alpha=0.5, accumulate=False)
         return p, reference.grouped_gemm
-    p = testing.make_sgmv(token_lora, num_slots=6, K=256, N=96, max_rank=32, dtype=dtype, device="cuda", gen=gen,
-                          slice_offsets=[0, 32, 64, 96])
+    p = testing.make_sgmv(token_lora, num_slots=6, K=256, N=96, max_rank=32, dtype=dtype, device=device, gen=gen,
+                          ranks=[32, 5, 17, 9, 1, 23], slice_offsets=[0, 32, 64, 96], scale=0.5)
     if op == "sgmv":
         return p, reference.sgmv
-    h = torch.randn(T, 6, 3 * 32, generator=gen).to(dtype).cuda()
+    h = torch.randn(T, 6, 3 * 32, generator=gen).to(dtype).to(device)
     return testing.SgmvProblem(p.y, h, None, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
                                p.lora_scales, p.slice_offsets, p.scale), reference.lora_expand
 
@@ -257,6 +358,22 @@ def _weights_dtype(op, p):
 
 
 TRITON_KERNEL = {"sgmv": "sgmv_kernel", "lora_expand": "lora_expand_kernel", "grouped_gemm": "grouped_gemm_kernel"}
+CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"), "lora_expand": ("lora_expand_kernel",),
+               "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel")}
+
+
+def _assert_cpp_ran(op, kernels, names=None):
+    """The call ran a C++ kernel of `op` (demangled in lora_ops::cuda; `names`: one of these) and no Triton one."""
+    assert TRITON_KERNEL[op] not in kernels, kernels
+    assert any("lora_ops::cuda::" in k and any(n in k for n in names or CPP_KERNELS[op]) for k in kernels), kernels
+
+
+def _with_a_short_size_vector(op, p):
+    """The problem's arguments with its per-slot size vector one entry short (a contract error)."""
+    args = list(_args(op, p, p.y.clone()))
+    index = {"sgmv": 7, "lora_expand": 6, "grouped_gemm": 6}[op]  # lora_ranks; grouped_gemm: n_sizes
+    args[index] = args[index][:-1]
+    return args
 
 
 @pytest.mark.gpu
@@ -293,19 +410,29 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
         y_compiled = before.clone()
         compiled(y_compiled)
         assert torch.equal(y_compiled, y)
+        # an error on the routed path says the op table sent the call to Triton
+        with pytest.raises(ValueError) as raised:
+            public(*_with_a_short_size_vector(op, p))
+        assert any("LORA_OPS_OP_TABLE=off" in n for n in getattr(raised.value, "__notes__", [])), raised.value
         # Forcing the C++ backend: LORA_OPS_OP_TABLE=off (no table), or a forced C++ kernel where there is one.
         with op_table.disabled():
-            assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p, before.clone())))
-        forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma")}
+            y_off = before.clone()
+            _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_off))))
+            assert not testing.check_against_reference(y_off, before, ref, _weights_dtype(op, p))
+        forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split", "sgmv_shrink_kernel"),
+                  "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma", "grouped_gemm_tile_kernel")}
         if op in forced:
-            monkeypatch.setenv(*forced[op])
+            variable, value, kernel = forced[op]
+            monkeypatch.setenv(variable, value)
             y_forced = before.clone()
-            assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p, y_forced)))
+            _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_forced))), (kernel,))
             assert not testing.check_against_reference(y_forced, before, ref, _weights_dtype(op, p))
+            monkeypatch.delenv(variable)
         # fp32 weights stay on the C++ kernels: the table was measured on fp16/bf16
         p32, _ = _routed_problem(op, dtype=torch.float32)
-        monkeypatch.delenv("LORA_OPS_CUDA_SGMV_KERNEL", raising=False)
-        monkeypatch.delenv("LORA_OPS_CUDA_GG_KERNEL", raising=False)
-        assert TRITON_KERNEL[op] not in _profiled_kernels(lambda: public(*_args(op, p32)))
+        ref32 = oracle(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in _args(op, p32)])
+        y32 = p32.y.clone()
+        _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p32, y32))))
+        assert not testing.check_against_reference(y32, p32.y, ref32, torch.float32)
     finally:
         op_table.install(previous)

@@ -7,18 +7,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <array>
-#include <functional>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <vector>
+#include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/op_table.h"
 #include "kernels.h"
 
 namespace lora_ops {
@@ -32,46 +27,11 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   return value;
 }
 
-// ---- the op table (lora_ops/op_table.py): per op, the regimes whose measured faster backend is Triton ----
-// Set from Python at import (lora_ops::_set_cuda_op_table); read on every call with one atomic load and a few
-// integer compares of host-known sizes: no Python, no device read, so capture and torch.compile are unaffected.
-// A call in a Triton regime is redispatched to lora_ops::_triton_<op>'s CUDA kernel (registered from Python).
-enum class TableOp { Sgmv, LoraExpand, GroupedGemm };
-constexpr int kTableOps = 3;
-constexpr const char* kTableOpNames[kTableOps] = {"sgmv", "lora_expand", "grouped_gemm"};
-constexpr const char* kTableOpAxes[kTableOps] = {"positions,rank,slices", "positions,rank,slices", "positions,n,k"};
-constexpr int kTableAxes = 3;
-
-struct OpTable {
-  // Per axis: the inclusive upper bounds of its classes but the last, which is open-ended.
-  std::array<std::vector<int64_t>, kTableAxes> bounds;
-  std::vector<uint8_t> triton;  // per regime, row-major over the axes: 1 = Triton
-};
-
-std::atomic<const OpTable*> g_op_tables[kTableOps] = {};
-// Every table ever installed lives until exit (a handful, a few hundred bytes each), so that a call reading the
-// previous one while Python swaps it (the bench, the tests) never reads freed memory.
-std::mutex g_op_tables_mutex;
-std::vector<std::unique_ptr<OpTable>> g_op_tables_kept;
-
-TableOp table_op(const std::string& op) {
-  for (int i = 0; i < kTableOps; ++i) {
-    if (op == kTableOpNames[i]) return static_cast<TableOp>(i);
-  }
-  TORCH_CHECK_VALUE(false, "lora_ops op table: unknown op '", op, "' (expected sgmv, lora_expand or grouped_gemm)");
-}
-
-// The installed table's backend for these axis values (also for lora_ops::_cuda_op_table_choice).
-bool table_says_triton(TableOp op, const std::array<int64_t, kTableAxes>& values) {
-  const OpTable* table = g_op_tables[static_cast<int>(op)].load(std::memory_order_acquire);
-  if (table == nullptr) return false;
-  size_t regime = 0;
-  for (int a = 0; a < kTableAxes; ++a) {
-    const auto& b = table->bounds[a];
-    regime = regime * (b.size() + 1) + (std::lower_bound(b.begin(), b.end(), values[a]) - b.begin());
-  }
-  return table->triton[regime] != 0;
-}
+// ---- the op table (csrc/common/op_table.h): a call in a regime it gives to Triton is redispatched to
+// lora_ops::_triton_<op>'s CUDA kernel (registered from Python). The lookup reads host-known sizes only: no Python,
+// no device read, so capture and torch.compile are unaffected.
+using op_table::Op;
+using op_table::triton_twin;
 
 // The table's axes from host-visible sizes only. A tensor of the wrong rank reads as 0 here; the checks of
 // whichever backend runs then raise the contract's error.
@@ -87,14 +47,8 @@ bool table_dtype(const at::Tensor& weights) {
   return weights.scalar_type() == at::kHalf || weights.scalar_type() == at::kBFloat16;
 }
 
-// lora_ops::_triton_<op>, typed like the op's kernel Fn (one handle per Fn: the three ops' signatures differ). Its
-// CUDA kernel is reached with kCudaKeys, below every dispatch layer already passed on the way here.
+// The Triton twin's CUDA kernel is reached with kCudaKeys, below every dispatch layer already passed on the way here.
 const c10::DispatchKeySet kCudaKeys(c10::DispatchKey::CUDA);
-template <typename Fn>
-const c10::TypedOperatorHandle<Fn>& triton_twin(const char* name) {
-  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-  return handle;
-}
 
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
 // cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
@@ -146,10 +100,10 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const c10::cuda::CUDAGuard guard(y.device());
   const SgmvKernel preferred = preferred_sgmv_kernel();  // a forced C++ kernel bypasses the op table
   if (preferred == SgmvKernel::Auto && table_dtype(lora_b) &&
-      table_says_triton(TableOp::Sgmv, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
-                                        slices_of(slice_offsets)})) {
-    triton_twin<decltype(sgmv_cuda)>("lora_ops::_triton_sgmv").redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                      lora_scales, slice_offsets, scale);
+      op_table::says_triton(Op::Sgmv, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
+                                       slices_of(slice_offsets)})) {
+    triton_twin<Op::Sgmv>().redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
+                                       lora_ranks, lora_scales, slice_offsets, scale);
     return;
   }
   SgmvIndexTensors keep;
@@ -180,11 +134,11 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
                       const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
                       double scale) {
   const c10::cuda::CUDAGuard guard(y.device());
-  if (table_dtype(lora_b) && table_says_triton(TableOp::LoraExpand, {positions_of(y, token_indices),
-                                                                      size_or_zero(lora_b, 2),
-                                                                      slices_of(slice_offsets)})) {
-    triton_twin<decltype(lora_expand_cuda)>("lora_ops::_triton_lora_expand").redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                      slice_offsets, scale);
+  if (table_dtype(lora_b) && op_table::says_triton(Op::LoraExpand, {positions_of(y, token_indices),
+                                                                     size_or_zero(lora_b, 2),
+                                                                     slices_of(slice_offsets)})) {
+    triton_twin<Op::LoraExpand>().redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices,
+                                             lora_ranks, lora_scales, slice_offsets, scale);
     return;
   }
   SgmvIndexTensors keep;
@@ -213,10 +167,10 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   const c10::cuda::CUDAGuard guard(y.device());
   const GroupedGemmKernel preferred = preferred_grouped_gemm_kernel();  // a forced C++ kernel bypasses the table
   if (preferred == GroupedGemmKernel::Auto && table_dtype(w) &&
-      table_says_triton(TableOp::GroupedGemm, {positions_of(y, token_indices), size_or_zero(w, 1),
-                                               size_or_zero(w, 2)})) {
-    triton_twin<decltype(grouped_gemm_cuda)>("lora_ops::_triton_grouped_gemm").redispatch(kCudaKeys, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
-                      accumulate);
+      op_table::says_triton(Op::GroupedGemm, {positions_of(y, token_indices), size_or_zero(w, 1),
+                                              size_or_zero(w, 2)})) {
+    triton_twin<Op::GroupedGemm>().redispatch(kCudaKeys, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes,
+                                              k_sizes, alpha, accumulate);
     return;
   }
   GroupedGemmIndexTensors keep;
@@ -237,6 +191,11 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
 }
 
+// The kernels and their Triton twins share one signature (the op's schema).
+static_assert(std::is_same_v<decltype(sgmv_cuda), op_table::SgmvSignature>);
+static_assert(std::is_same_v<decltype(lora_expand_cuda), op_table::LoraExpandSignature>);
+static_assert(std::is_same_v<decltype(grouped_gemm_cuda), op_table::GroupedGemmSignature>);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Tensor& token_lora, int64_t num_slots) {
   const c10::cuda::CUDAGuard guard(token_lora.device());
   TORCH_CHECK_VALUE(num_slots <= cuda::build_segments_max_slots(), "lora_ops.build_segments: num_slots = ",
@@ -248,77 +207,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_cuda(const at::Ten
   return {token_indices, seg_indptr, seg_lora};
 }
 
-// ---- the op table's setter and lookup, as ops for lora_ops/op_table.py ----
-
-// Before a table sends any regime to Triton: the twin has a CUDA kernel, and its typed handle (the signature check)
-// is made now, at import, rather than on the first call in a Triton regime.
-void check_triton_twin(TableOp op) {
-  const std::string twin = std::string("lora_ops::_triton_") + kTableOpNames[static_cast<int>(op)];
-  TORCH_CHECK(c10::Dispatcher::singleton().findSchemaOrThrow(twin.c_str(), "")
-                  .hasKernelForDispatchKey(c10::DispatchKey::CUDA),
-              "lora_ops op table: Triton regimes for ", twin, ", which has no CUDA kernel (Triton absent)");
-  switch (op) {
-    case TableOp::Sgmv: triton_twin<decltype(sgmv_cuda)>(twin.c_str()); break;
-    case TableOp::LoraExpand: triton_twin<decltype(lora_expand_cuda)>(twin.c_str()); break;
-    case TableOp::GroupedGemm: triton_twin<decltype(grouped_gemm_cuda)>(twin.c_str()); break;
-  }
-}
-
-// op: which op; axes: its axis names, comma-separated, as the kernels compute them (checked); bounds_per_axis and
-// bounds: each axis' upper bounds, concatenated; triton: one 0/1 per regime. An empty `triton` clears the table.
-void set_cuda_op_table(const std::string& op, const std::string& axes, at::IntArrayRef bounds_per_axis,
-                       at::IntArrayRef bounds, at::IntArrayRef triton) {
-  const TableOp which = table_op(op);
-  const int index = static_cast<int>(which);
-  std::unique_ptr<OpTable> table;
-  if (!triton.empty()) {
-    TORCH_CHECK_VALUE(axes == kTableOpAxes[index], "lora_ops op table: ", op, " axes '", axes, "', expected '",
-                      kTableOpAxes[index], "'");
-    TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", op, ": ",
-                      bounds_per_axis.size(), " bound counts for ", kTableAxes, " axes");
-    table = std::make_unique<OpTable>();
-    size_t next = 0, regimes = 1;
-    for (int a = 0; a < kTableAxes; ++a) {
-      const auto count = static_cast<size_t>(std::max<int64_t>(bounds_per_axis[a], 0));
-      TORCH_CHECK_VALUE(bounds_per_axis[a] >= 0 && next + count <= bounds.size(), "lora_ops op table: ", op,
-                        ": bound counts ", bounds_per_axis, " do not match ", bounds.size(), " bounds");
-      table->bounds[a].assign(bounds.begin() + next, bounds.begin() + next + count);
-      const auto& b = table->bounds[a];
-      TORCH_CHECK_VALUE(std::adjacent_find(b.begin(), b.end(), std::greater_equal<int64_t>()) == b.end(),
-                        "lora_ops op table: ", op, ": bounds of axis ", a, " must increase");
-      next += count;
-      regimes *= table->bounds[a].size() + 1;
-    }
-    TORCH_CHECK_VALUE(next == bounds.size() && triton.size() == regimes, "lora_ops op table: ", op, ": ",
-                      triton.size(), " regimes given for ", regimes, " (", bounds.size(), " bounds)");
-    bool any_triton = false;
-    for (const int64_t t : triton) {
-      TORCH_CHECK_VALUE(t == 0 || t == 1, "lora_ops op table: ", op, ": regime values must be 0 or 1");
-      table->triton.push_back(static_cast<uint8_t>(t));
-      any_triton |= t == 1;
-    }
-    if (any_triton) check_triton_twin(which);
-  }
-  const std::lock_guard<std::mutex> lock(g_op_tables_mutex);
-  g_op_tables[index].store(table.get(), std::memory_order_release);
-  if (table) g_op_tables_kept.push_back(std::move(table));
-}
-
-std::string cuda_op_table_choice(const std::string& op, at::IntArrayRef values) {
-  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(kTableAxes), "lora_ops op table: ", kTableAxes,
-                    " axis values expected, got ", values.size());
-  return table_says_triton(table_op(op), {values[0], values[1], values[2]}) ? "triton" : "cuda";
-}
-
 }  // namespace
 }  // namespace lora_ops
-
-// The op table's setter and lookup (lora_ops/op_table.py): defined with the CUDA kernels, which alone consult it.
-TORCH_LIBRARY_FRAGMENT(lora_ops, m) {
-  m.def("_set_cuda_op_table(str op, str axes, int[] bounds_per_axis, int[] bounds, int[] triton) -> ()",
-        &lora_ops::set_cuda_op_table);
-  m.def("_cuda_op_table_choice(str op, int[] values) -> str", &lora_ops::cuda_op_table_choice);
-}
 
 TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("sgmv", &lora_ops::sgmv_cuda);

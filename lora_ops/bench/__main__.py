@@ -70,7 +70,9 @@ def main(argv=None) -> int:
                     help=f"with the op bench: which ops, comma-separated (default: {','.join(OP_KINDS)})")
     ap.add_argument("--op-table", default=None, metavar="PATH",
                     help="with the op bench: write the CUDA kernels' op table from this run's graph records "
-                         "(lora_ops/op_table.json; needs --out, whose .json the table names as its source)")
+                         "(lora_ops/op_table.json; needs --out, whose .json the table names as its source, a CUDA "
+                         "device, bf16 or fp16, every op and implementation, not --quick; a run with failures "
+                         "writes none)")
     ap.add_argument("--decode-step", action="store_true", help="the decode-step bench (CUDA only; see decode_step.py)")
     ap.add_argument("--models", default="llama3-8b",
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")
@@ -93,9 +95,15 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     device = args.device
     only = args.impls.split(",") if args.impls else None
+    run_ops = args.ops or not args.decode_step
+    settings = dict(device=device, quick=args.quick, impls=only, op_kinds=kinds, dtype=args.dtype)
+    if args.op_table and op_table.run_problems(settings):
+        ap.error("--op-table: no table from this run: " + "; ".join(op_table.run_problems(settings)))
     log = lambda s: print(s, flush=True)
     records: List[dict] = []
     failures: List[str] = []
+    if backends.triton_error is not None:  # installed but broken: its kernels cannot be timed
+        failures.append(f"triton {backends.unavailable['triton']}")
     copy_tbps = None
     if device == "cpu":
         gpu, l2 = "cpu", 0
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
         records.append(dict(op="launch_floor", backend="torch", mode="graph", us=round(floor_us, 3)))
         log(f"graph replay of a one-element add (per-kernel floor): {floor_us:.2f} us")
     # Each backend is timed alone: the C++ kernels without the op table that hands some regimes to Triton.
-    if args.ops or not args.decode_step:
+    if run_ops:
         if device != "cpu":
             for table_on in (True, False):
                 with contextlib.nullcontext() if table_on else op_table.disabled():
@@ -133,22 +141,26 @@ def main(argv=None) -> int:
             ap.error("--routes needs --decode-step")
         with op_table.disabled():
             decode_step.write_routes(args.routes, device, records, failures, log, meta)
-    result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, records=records)
+    result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None,
+                  **({"op_bench": settings} if run_ops else {}), failures=failures, records=records)
     if args.out:
         report.write(result, args.out)
         log(f"wrote {args.out}.json / .csv")
+    table_refused = False
     if args.op_table:
-        if failures:
-            log("op table not written: the bench failed")
-        else:
-            table = op_table.write(args.op_table, records,
+        try:
+            table = op_table.write(args.op_table, result,
                                    report.table_meta(result, source=os.path.basename(args.out) + ".json"))
+        except ValueError as exc:
+            log(str(exc))
+            table_refused = True
+        else:
             log(f"wrote {args.op_table}:")
             for op in op_table.OPS:
                 log(f"  {op:<14} {op_table.describe(table, op)}")
     for f in failures:
         log(f"FAILURE: {f}")
-    return 1 if failures else 0
+    return 1 if failures or table_refused else 0
 
 
 if __name__ == "__main__":

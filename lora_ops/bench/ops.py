@@ -8,7 +8,8 @@ layer of a real model has its own activations and weights, so they are not L2-re
 built once per step for all layers, is shared), and reported as µs, GB/s and % of the memory roofline: minimum
 bytes (x read, the true-rank rows of the adapters present, y read and written) over the device-to-device copy
 bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against torch._grouped_mm (bf16
-only: its other dtypes are recorded as unavailable, with torch's error).
+only: its other dtypes are recorded as unavailable, with torch's error), which is checked storing its output into y
+and, where grouped_gemm only stores (y = output), timed alone on an output of its own.
 """
 from __future__ import annotations
 
@@ -185,10 +186,13 @@ def _n_sets(set_bytes: int, l2_bytes: int, device) -> int:
 
 def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, ref, inputs_dtype,
              min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict], failures: List[str],
-             log) -> None:
+             log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
     """Checks each implementation on the first input set against the float64 oracle `ref`, then times it over all
     sets (graph replay and eager on CUDA), one record per mode. `impls` are f(problem, y) -> None writing into y;
-    y_of(problem) is the problem's initial y."""
+    y_of(problem) is the problem's initial y. timed_alone: per implementation, f(problem) to time instead, once
+    its f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y;
+    its records say timed_alone=True)."""
+    timed_alone = timed_alone or {}
     before = y_of(sets[0]).clone()
     for name, fn in impls.items():
         y = before.clone()
@@ -207,8 +211,11 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
             failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle: {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
-        ys = [y_of(pb).clone() for pb in sets]
-        calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
+        if name in timed_alone:
+            calls = [(lambda pb=pb: timed_alone[name](pb)) for pb in sets]
+        else:
+            ys = [y_of(pb).clone() for pb in sets]
+            calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
         got = []
         for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
             try:
@@ -223,6 +230,8 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
                        pct_roofline=round(100 * gbps / (copy_tbps * 1e3), 1) if copy_tbps else None, **row)
             if flops is not None:
                 rec["tflops"] = float(f"{flops / (us * 1e-6) / 1e12:.4g}")  # 4 digits: CPU runs are far below 1
+            if name in timed_alone:
+                rec["timed_alone"] = True
             records.append(rec)
             got.append(rec)
         log("  " + f"{name:<11}" + "  ".join(
@@ -405,10 +414,15 @@ def gg_torch_loop(pb: GroupedGemmProblem, y):
         _store(y[lo:hi], p.x[lo:hi].to(dtype) @ p.w[g].to(dtype).T, p)
 
 
-def gg_grouped_mm(pb: GroupedGemmProblem, y):
-    """torch._grouped_mm over the contiguous groups, its output in y's dtype."""
+def gg_grouped_mm_output(pb: GroupedGemmProblem):
+    """torch._grouped_mm over the contiguous groups, into an output of its own in y's dtype."""
     p = pb.p
-    _store(y, torch._grouped_mm(p.x, p.w.transpose(1, 2), offs=p.seg_indptr[1:], out_dtype=y.dtype), p)
+    return torch._grouped_mm(p.x, p.w.transpose(1, 2), offs=p.seg_indptr[1:], out_dtype=p.y.dtype)
+
+
+def gg_grouped_mm(pb: GroupedGemmProblem, y):
+    """torch._grouped_mm's output stored into y (as grouped_gemm does), for the check against the oracle."""
+    _store(y, gg_grouped_mm_output(pb), pb.p)
 
 
 def gg_implementations(device) -> Dict[str, Callable]:
@@ -431,5 +445,9 @@ def bench_gg_case(case: GroupedGemmCase, impls, device, l2_bytes, copy_tbps, rec
     row = {"shape": case.shape, "groups": case.groups, "T": case.T, "K": case.K, "N": case.N, "dtype": case.dtype,
            "x_dtype": case.x_dtype or case.dtype, "y_dtype": case.y_dtype or case.dtype,
            "accumulate": case.accumulate}
+    # torch._grouped_mm makes its own output: unless the case accumulates or scales (y += alpha·output, part of the
+    # op), it is timed alone, without the copy into y that its check needs.
+    alone = ({"grouped_mm": gg_grouped_mm_output}
+             if not case.accumulate and pb0.p.alpha == 1 and "grouped_mm" in impls else None)
     _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, reference.grouped_gemm(*pb0.p.args()),
-             pb0.p.w.dtype, pb0.min_bytes(), pb0.flops(), device, copy_tbps, records, failures, log)
+             pb0.p.w.dtype, pb0.min_bytes(), pb0.flops(), device, copy_tbps, records, failures, log, alone)

@@ -5,7 +5,7 @@ table and its claims cannot drift from the data:
 
 rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
 `--op-table lora_ops/op_table.json` it also writes the CUDA kernels' op table from the file's records
-(lora_ops/op_table.py)."""
+(lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems)."""
 from __future__ import annotations
 
 import argparse
@@ -191,9 +191,11 @@ def _grouped_gemm_claims(records: List[dict]) -> List[str]:
         if ours is None:
             continue
         if torch_mm is not None and torch_mm["us"] is not None:
+            how = ("timed alone, on its own output" if torch_mm.get("timed_alone")
+                   else "timed with the store of its output into y")
             out.append(f"- grouped_gemm {shape} ({_short(w)}): lora_ops ({ours['backend']}) reaches "
                        f"{ours['tflops'] / torch_mm['tflops']:.2f}× the TFLOP/s of torch._grouped_mm "
-                       f"({ours['tflops']:.0f} against {torch_mm['tflops']:.0f}).")
+                       f"({ours['tflops']:.0f} against {torch_mm['tflops']:.0f}; torch._grouped_mm {how}).")
         elif w == "float16":
             # the same case in bf16: key (shape, groups, T, K, N, w, x, y, accumulate)
             twin = next((b for k, b in cases.items() if k[0] == shape and k[5] == "bfloat16" and best(b) is not None),
@@ -288,7 +290,10 @@ def main(argv=None) -> int:
         result = json.load(f)
     if args.op_table:
         from lora_ops import op_table
-        op_table.write(args.op_table, result["records"], table_meta(result, source=os.path.basename(args.results)))
+        try:
+            op_table.write(args.op_table, result, table_meta(result, source=os.path.basename(args.results)))
+        except ValueError as exc:
+            raise SystemExit(f"{args.results}: {exc}")
     elif args.readme:
         update_readme(args.readme, result)
     else:
