@@ -3,7 +3,8 @@
 #   tests      ctest + the GPU pytest suite (-m gpu: the CPU-only tests run in CI)
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
-#   bench      python -m lora_ops.bench --ops --decode-step --models all -> benchmarks/results/<date>-<gpu>.*
+#   bench      python -m lora_ops.bench --ops --decode-step --models all -> benchmarks/results/<date>-<gpu>.*,
+#              and, without extra bench arguments, the op table it measures (lora_ops/op_table.json)
 #   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder).
@@ -65,10 +66,14 @@ if want bench; then
   step bench
   gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
   name="$(date +%F)-$gpu"
-  $PY -m lora_ops.bench --ops --decode-step --models all --out "benchmarks/results/$name" "${bench_args[@]}" \
+  table=()  # the op table comes only from a full run: none with extra bench arguments (e.g. --quick)
+  [ ${#bench_args[@]} -gt 0 ] || table=(--op-table lora_ops/op_table.json)
+  $PY -m lora_ops.bench --ops --decode-step --models all --out "benchmarks/results/$name" "${table[@]}" \
+    "${bench_args[@]}" \
     2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   cp benchmarks/results/"$name".* "$OUT"/ 2>/dev/null
+  [ ${#table[@]} -eq 0 ] || cp lora_ops/op_table.json "$OUT"/
 fi
 if want mutate; then
   step mutate
