@@ -57,7 +57,7 @@ def run_op_bench(kinds, quick, only, dtype, device, l2, copy_tbps, records, fail
                 f"{' accumulate' if case.accumulate else ''}")
             ops.bench_gg_case(case, impls, device, l2, copy_tbps, records, failures, log)
     if "build_segments" in kinds:
-        ops.bench_build_segments(device, records, log)
+        ops.bench_build_segments(device, records, failures, log)
 
 
 def main(argv=None) -> int:

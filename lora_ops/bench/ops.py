@@ -251,10 +251,16 @@ def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: L
              None, device, copy_tbps, records, failures, log)
 
 
-def bench_build_segments(device, records, log):
+def bench_build_segments(device, records, failures, log):
+    """Each size is checked against the oracle (reference.build_segments) before it is timed."""
     for T in (1, 256, 4096, 16384):
         token_lora = torch.randint(-1, 32, (T,), dtype=torch.int32, device=device)
         fn = lambda: lora_ops.build_segments(token_lora, 32)
+        want = reference.build_segments(token_lora.cpu(), 32)
+        if not all(torch.equal(g.cpu().long(), w.long()) for g, w in zip(fn(), want)):
+            failures.append(f"build_segments T={T}: WRONG vs the oracle")
+            log(f"  build_segments T={T:<6} WRONG vs the oracle; not timed")
+            continue
         for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
             us = time_cpu(fn) if device == "cpu" else time_cuda([fn], graph=(mode == "graph"))
             records.append(dict(op="build_segments", backend=backends.cuda_served_by.get("build_segments", "cpu")
