@@ -1,3 +1,4 @@
+import glob
 import os
 import secrets
 import zlib
@@ -55,6 +56,16 @@ def triton_backend():
     return lora_ops.triton
 
 
+def ascend_model():
+    """torch.ops.lora_ops_ascend_model: csrc/ascend's registration, launchers, tiling and kernels on the CPU model of
+    the AscendC API, as ops on CPU tensors (a test-only library that setup.py always builds). Nothing there ran on an
+    NPU."""
+    libs = glob.glob(os.path.join(os.path.dirname(lora_ops.__file__), "_ascend_model*.so"))
+    assert libs, "lora_ops/_ascend_model.so is missing: setup.py builds it with _C"
+    torch.ops.load_library(libs[0])
+    return torch.ops.lora_ops_ascend_model
+
+
 class Impl:
     """One way to run the ops: through the dispatcher on a device, or the Triton entry points directly."""
 
@@ -81,17 +92,27 @@ def _impls():
 
 IMPLS = _impls()
 
+# The Ascend backend on the CPU model, for the test files of the ops it serves: they add it to IMPLS with a
+# module-level `impl` fixture that yields from use_impl. Ascend tests fp16 first (the tests that take one dtype use
+# impl.dtypes[0], and impl.dtypes[-1] for a float32 h with half weights).
+ASCEND_MODEL_IMPL = pytest.param(Impl("ascend-model", "cpu", None, (torch.float16, torch.float32, torch.bfloat16)),
+                                 id="ascend-model")
 
-@pytest.fixture(params=IMPLS)
-def impl(request):
-    impl = request.param
+
+def use_impl(impl):
+    """The body of the `impl` fixture: resolves the module of a parameter, then yields it."""
     if impl.module is None:
-        impl.module = triton_backend()
+        impl.module = ascend_model() if impl.name == "ascend-model" else triton_backend()
     if impl.name == "cuda":  # the C++ kernels themselves, not the regimes the op table hands to Triton
         with op_table.disabled():
             yield impl
     else:
         yield impl
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    yield from use_impl(request.param)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,24 +3,20 @@
 lora_ops._ascend_model is a test-only library built by setup.py: csrc/ascend's registration, launchers, tiling and
 kernels compiled with g++ against the CPU model and stand-ins for torch_npu/ACL, registered as the
 lora_ops_ascend_model::* ops on CPU tensors. The grids are those of the CPU, CUDA and Triton tests (tests/grid.py),
-checked against lora_ops/reference.py. Nothing here ran on an NPU.
+checked against lora_ops/reference.py; lora_expand runs tests/test_lora_expand.py's whole grid (its `impl`
+"ascend-model"). Nothing here ran on an NPU.
 """
-import glob
-import os
 import zlib
 
 import pytest
 import torch
 
-import lora_ops
 from lora_ops import reference, testing
 
+from conftest import ascend_model
 from grid import GG_CASES, SGMV_CASES
 
-_LIBS = glob.glob(os.path.join(os.path.dirname(lora_ops.__file__), "_ascend_model*.so"))
-assert _LIBS, "lora_ops/_ascend_model.so is missing: setup.py builds it with _C"
-torch.ops.load_library(_LIBS[0])
-ascend = torch.ops.lora_ops_ascend_model
+ascend = ascend_model()
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -48,7 +44,7 @@ def _check_grouped_gemm(problem, dtype):
     return testing.check_against_reference(problem.y, before, ref, dtype)
 
 
-@pytest.mark.parametrize("op", ["sgmv", "grouped_gemm", "build_segments"])
+@pytest.mark.parametrize("op", ["sgmv", "lora_expand", "grouped_gemm", "build_segments"])
 def test_test_ops_have_the_real_schemas(op):
     real = str(getattr(torch.ops.lora_ops, op).default._schema)
     assert str(getattr(ascend, op).default._schema) == real.replace("lora_ops::", "lora_ops_ascend_model::")

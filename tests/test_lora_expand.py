@@ -1,6 +1,7 @@
-"""lora_expand against the float64 oracle on every backend: the sgmv parity grid with a random h in place of the
-shrink (every slot's window, or one window per row broadcast over the slots), float32 or half h, NaN in h past
-each slot's rank, garbage metadata, determinism, opcheck, argument errors, and compile."""
+"""lora_expand against the float64 oracle on every backend, the Ascend one on its CPU model included: the sgmv
+parity grid with a random h in place of the shrink (every slot's window, or one window per row broadcast over the
+slots), float32 or half h, NaN in h past each slot's rank, garbage metadata, determinism, opcheck, argument errors,
+and compile."""
 import pytest
 import torch
 import torch._dynamo.testing
@@ -8,10 +9,15 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import reference, testing
 
-from conftest import case_generator
+from conftest import ASCEND_MODEL_IMPL, IMPLS, case_generator, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=IMPLS + [ASCEND_MODEL_IMPL])
+def impl(request):
+    yield from use_impl(request.param)
 
 
 def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False):

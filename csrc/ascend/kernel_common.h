@@ -1,15 +1,17 @@
-// Device code shared by the AscendC matmul kernels (sgmv, grouped_gemm): the tile walk over untrusted segment
-// metadata, the cube staging path (GM -> L1 (NZ) -> L0A/L0B -> Mmad), and the vector update of y rows.
+// Device code shared by the AscendC matmul kernels (sgmv, lora_expand, grouped_gemm): the tile walk over untrusted
+// segment metadata, the cube staging path (GM -> L1 (NZ) -> L0A/L0B -> Mmad), the expand stage of sgmv and
+// lora_expand, and the vector update of y rows.
 //
 // A MIX kernel runs one AIC and two AIVs per block. Both walk the same tiles in the same order: the AIC computes an
 // output block of tile_rows x n_block floats into one of its two workspace slots and raises kReady[slot]; each AIV
 // waits on it, reads its half of the rows, raises kFree[slot] once its reads are done, and adds the block into y.
 //
 // The cube's two operands share one type. An fp32 left operand (sgmv's h for a float32 y, grouped_gemm's float32
-// x with a 16-bit w) is split by the AIVs into hi = T(v) and lo = T(v - hi), each AIV its half of the tile's rows,
-// into the block's split planes in GM (kSplitDone); the AIC multiplies both by the same right operand into one
-// fp32 accumulator, so the product keeps ~16 (bf16) or ~22 (fp16) bits of v instead of T's 8 or 11. sgmv's h is
-// born on the AIC: it goes to the AIVs first, as fp32 in the split workspace (kSplitSource).
+// x with a 16-bit w, lora_expand's float32 h with a 16-bit B) is split by the AIVs into hi = T(v) and
+// lo = T(v - hi), each AIV its half of the tile's rows, into the block's split planes in GM (kSplitDone); the AIC
+// multiplies both by the same right operand into one fp32 accumulator, so the product keeps ~16 (bf16) or ~22
+// (fp16) bits of v instead of T's 8 or 11. sgmv's h is born on the AIC: it goes to the AIVs first, as fp32 in the
+// split workspace (kSplitSource).
 #pragma once
 #include <type_traits>
 
@@ -98,16 +100,17 @@ class TileWalk {
 template <typename T>
 class Cube {
  public:
+  // k_chunk 0: no left operand is staged from GM rows (LoadRows unused; lora_expand keeps its h in L1 itself).
   __aicore__ inline void Init(TPipe& pipe, int64_t tile_rows, int64_t k_chunk) {
     tile_rows_ = tile_rows;
-    pipe.InitBuffer(x_l1_, 2, tile_rows * k_chunk * sizeof(T));
+    if (k_chunk > 0) pipe.InitBuffer(x_l1_, 2, tile_rows * k_chunk * sizeof(T));
     pipe.InitBuffer(w_l1_, 2, kL0BStage);
     pipe.InitBuffer(a_l0_, 2, kL0AStage);
     pipe.InitBuffer(b_l0_, 2, kL0BStage);
     pipe.InitBuffer(c_l0_, 2, kL0CStage);
     // Rows past a tile's last row and columns past a weight's last row still enter the cube as fractal padding:
     // keep them finite (stale L1 could hold NaN patterns, which Mmad must not be fed).
-    ZeroQueue(x_l1_, tile_rows * k_chunk);
+    if (k_chunk > 0) ZeroQueue(x_l1_, tile_rows * k_chunk);
     ZeroQueue(w_l1_, kL0BStage / sizeof(T));
     PipeBarrier<PIPE_MTE2>();
   }
@@ -117,16 +120,24 @@ class Cube {
   __aicore__ inline LocalTensor<T> LoadRows(const GlobalTensor<T>& gm, const int32_t* rows, int32_t count,
                                             int64_t row_stride, int64_t k0, int64_t k_len) {
     LocalTensor<T> l1 = x_l1_.template AllocTensor<T>();
-    for (int32_t i = 0; i < count; ++i) {
-      DataCopy(l1[i * C0<T>], gm[(rows != nullptr ? rows[i] : i) * row_stride + k0],
-               Nd2NzParams{1, 1, static_cast<uint16_t>(k_len), 0, static_cast<uint16_t>(k_len),
-                           static_cast<uint16_t>(tile_rows_), 1, 0});
-    }
+    GatherToL1(l1, gm[k0], rows, count, row_stride, k_len);
     x_l1_.EnQue(l1);
     l1 = x_l1_.template DeQue<T>();
     LocalTensor<T> a = ToLeft(l1, 0, CeilDiv(count, kFrac), CeilDiv(k_len, C0<T>));
     x_l1_.FreeTensor(l1);
     return a;
+  }
+
+  // Rows rows[0, count) (rows 0, 1, ... when rows is null) of a [*, row_stride] GM matrix, columns [0, cols), into
+  // an L1 tensor as NZ with tile_rows rows per column group: one DMA per row, so any row stride (rows past count
+  // keep what they held; columns past cols up to the next C0 are zeroed).
+  __aicore__ inline void GatherToL1(const LocalTensor<T>& l1, const GlobalTensor<T>& gm, const int32_t* rows,
+                                    int32_t count, int64_t row_stride, int64_t cols) {
+    for (int32_t i = 0; i < count; ++i) {
+      DataCopy(l1[i * C0<T>], gm[(rows != nullptr ? rows[i] : i) * row_stride],
+               Nd2NzParams{1, 1, static_cast<uint16_t>(cols), 0, static_cast<uint16_t>(cols),
+                           static_cast<uint16_t>(tile_rows_), 1, 0});
+    }
   }
 
   // Rows [0, count) of a [*, row_stride] GM matrix, columns [0, cols), into an L1 tensor as NZ with tile_rows rows
@@ -136,6 +147,11 @@ class Cube {
     DataCopy(l1, gm,
              Nd2NzParams{1, static_cast<uint16_t>(count), static_cast<uint16_t>(cols), 0,
                          static_cast<uint16_t>(row_stride), static_cast<uint16_t>(tile_rows_), 1, 0});
+  }
+
+  // An NZ matrix in L1 with tile_rows rows per column group, from its column col0 (a multiple of C0) on.
+  __aicore__ inline LocalTensor<T> NzColumns(const LocalTensor<T>& l1, int64_t col0) const {
+    return l1[col0 / C0<T> * tile_rows_ * C0<T>];
   }
 
   // Columns [col0, col0 + k_len) of an NZ matrix held in L1 with tile_rows rows per column group, into L0A.
@@ -206,9 +222,9 @@ class Cube {
   // NZ (tile_rows rows per column group) starting at column col0 -> Zz in L0A: one LoadData per 16-row band.
   __aicore__ inline LocalTensor<T> ToLeft(const LocalTensor<T>& l1, int64_t col0, int64_t m_frac, int64_t k_frac) {
     LocalTensor<T> a = a_l0_.template AllocTensor<T>();
-    const int64_t group0 = col0 / C0<T> * tile_rows_ * C0<T>;
+    const LocalTensor<T> from = NzColumns(l1, col0);
     for (int64_t mb = 0; mb < m_frac; ++mb) {
-      LoadData(a[mb * k_frac * kFracElems], l1[group0 + mb * kFracElems],
+      LoadData(a[mb * k_frac * kFracElems], from[mb * kFracElems],
                LoadData2DParams{0, static_cast<uint8_t>(k_frac), static_cast<uint16_t>(tile_rows_ / kFrac), 0, 0,
                                 false, 0});
     }
@@ -242,6 +258,9 @@ class SlotWriter {
     CrossCoreSetFlag<2, PIPE_FIX>(kReadyFlag + slot_);
     slot_ ^= 1;
   }
+
+  // Output columns per slot.
+  __aicore__ inline int64_t n_block() const { return n_block_; }
 
   // Waits for the AIVs' last reads, so that every flag raised is consumed before the kernel ends.
   __aicore__ inline void Drain() {
@@ -387,6 +406,13 @@ struct SplitPlanes {
     lo.SetGlobalBuffer(base + plane);
     source.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(base + 2 * plane));
   }
+  // The planes from column c0 on (the source tile is not moved).
+  __aicore__ inline SplitPlanes Columns(int64_t c0) const {
+    SplitPlanes shifted = *this;
+    shifted.hi = hi[c0];
+    shifted.lo = lo[c0];
+    return shifted;
+  }
   int64_t ld;
   GlobalTensor<T> hi, lo;
   GlobalTensor<float> source;
@@ -456,5 +482,98 @@ class HiLoSplitter {
   TQue<TPosition::VECOUT, 1> hi_, lo_;
   TBuf<TPosition::VECCALC> wide_;
 };
+
+// The expand of sgmv and lora_expand on the AIC. A tile's h (kParts of T: h itself, or the hi and lo halves of an
+// fp32 h) is held in L1 as NZ with tile_rows rows per 16-column group, slice s at columns [s * rank_pad, s *
+// rank_pad + rank), rank_pad = round16(rank); the caller writes it between BeginTile and Expand. Then for every
+// slice and block of n_block of its columns, delta = h_s . B[block, :rank]^T in fp32, one Mmad per part into the
+// same accumulator, goes to a workspace slot. Only the true rank of h and B is read. kHWritten names the pipes that
+// write h and read it (FIX_MTE1: Fixpipe rounds it into L1; MTE2_MTE1: it is copied in from GM).
+template <typename T, int kParts, HardEvent kHWritten>
+class ExpandStage {
+  static constexpr bool kCopiedIn = kHWritten == HardEvent::MTE2_MTE1;
+  static constexpr HardEvent kHRead = kCopiedIn ? HardEvent::MTE1_MTE2 : HardEvent::MTE1_FIX;
+
+ public:
+  __aicore__ inline void Init(TPipe& pipe, Cube<T>& cube, const ExpandTiling& e, int64_t tile_rows) {
+    for (int p = 0; p < kParts; ++p) {
+      pipe.InitBuffer(h_buf_[p], tile_rows * e.h_cols * sizeof(T));
+      h[p] = h_buf_[p].template Get<T>();
+      // Copied rows stop at a tile's count, yet the rows past it enter the cube as fractal padding: finite.
+      if constexpr (kCopiedIn) cube.ZeroL1(h[p], tile_rows * e.h_cols);
+    }
+    if constexpr (kCopiedIn) PipeBarrier<PIPE_MTE2>();
+    h_written_ = pipe.template AllocEventID<kHWritten>();
+    h_read_ = pipe.template AllocEventID<kHRead>();
+    SetFlag<kHRead>(h_read_);  // nothing reads h yet
+  }
+
+  // Before writing h: the previous tile's expand has read it.
+  __aicore__ inline void BeginTile() { WaitFlag<kHRead>(h_read_); }
+
+  __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const ExpandTiling& e, int32_t count,
+                                const GlobalTensor<T>& b, int64_t rank) {
+    SetFlag<kHWritten>(h_written_);
+    WaitFlag<kHWritten>(h_written_);
+    const int64_t m_pad = RoundUp(count, kFrac), rank_pad = RoundUp(rank, kFrac);
+    for (int64_t s = 0; s < e.num_slices; ++s) {
+      const int64_t lo = e.slice_offsets[s], hi = e.slice_offsets[s + 1];
+      for (int64_t n0 = lo; n0 < hi; n0 += slots.n_block()) {
+        const int64_t n = Min(slots.n_block(), hi - n0);
+        LocalTensor<float> acc = cube.AllocAcc();
+        for (int64_t r0 = 0; r0 < rank; r0 += e.rank_chunk) {
+          const int64_t r_len = Min(e.rank_chunk, rank - r0);
+          LocalTensor<T> wb = cube.LoadWeight(b, n0, n, e.b_stride1, r0, r_len);
+          for (int p = 0; p < kParts; ++p) {
+            LocalTensor<T> ha = cube.LoadLeftFromL1(h[p], s * rank_pad + r0, count, r_len);
+            cube.Mmad(acc, ha, wb, m_pad, n, r_len, r0 > 0 || p > 0);
+            cube.FreeLeft(ha);
+          }
+          cube.FreeRight(wb);
+        }
+        acc = cube.Finish(acc);
+        slots.Write(acc, count, m_pad, n);
+        cube.FreeAcc(acc);
+      }
+    }
+    SetFlag<kHRead>(h_read_);
+  }
+
+  __aicore__ inline void Finish(TPipe& pipe) {
+    WaitFlag<kHRead>(h_read_);
+    pipe.template ReleaseEventID<kHWritten>(h_written_);
+    pipe.template ReleaseEventID<kHRead>(h_read_);
+  }
+
+  LocalTensor<T> h[kParts];
+
+ private:
+  TBuf<TPosition::A1> h_buf_[kParts];
+  TEventID h_written_, h_read_;
+};
+
+// A slot's rank: lora_ranks[slot] clamped to [0, R], R without lora_ranks.
+__aicore__ inline int64_t SlotRank(GM_ADDR lora_ranks, const ExpandTiling& e, int64_t slot) {
+  return SlotSize(lora_ranks, e.has_ranks, slot, e.max_rank);
+}
+
+// The AIVs' side of ExpandStage::Expand for one tile of slot `walk.slot`: y[rows, block] += scale *
+// lora_scales[slot] * delta for every block, in the order the AIC writes them.
+template <typename Y>
+__aicore__ inline void ApplyExpand(RowUpdater<Y>& rows, const TileWalk& walk, const ExpandTiling& e,
+                                   int64_t n_block, GM_ADDR lora_scales) {
+  float coef = e.scale;
+  if (e.has_scales) {
+    GlobalTensor<float> scales;
+    scales.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(lora_scales));
+    coef *= scales.GetValue(walk.slot);
+  }
+  for (int64_t s = 0; s < e.num_slices; ++s) {
+    const int64_t lo = e.slice_offsets[s], hi = e.slice_offsets[s + 1];
+    for (int64_t n0 = lo; n0 < hi; n0 += n_block) {
+      rows.Apply(walk.rows, walk.count, n0, Min(n_block, hi - n0), coef, true);
+    }
+  }
+}
 
 }  // namespace lora_ops::ascend

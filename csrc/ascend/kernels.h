@@ -14,6 +14,15 @@ struct SgmvBuffers {
 };
 void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& buffers, void* stream);
 
+struct LoraExpandBuffers {
+  void* y;
+  const void *h, *lora_b, *seg_indptr, *seg_lora;
+  const void *token_indices, *lora_ranks, *lora_scales;  // nullptr when absent
+  void* workspace;  // tiles.block_dim * 2 * tile_rows * n_block floats
+  void* split;      // tiles.block_dim * split_block_elems 16-bit elements (float32 h, 16-bit B), else unused
+};
+void launch_lora_expand(const LoraExpandTiling& tiling, const LoraExpandBuffers& buffers, void* stream);
+
 struct GroupedGemmBuffers {
   void* y;
   const void *x, *w, *seg_indptr, *seg_weight;

@@ -57,6 +57,34 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
               device.stream);
 }
 
+void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+                     const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+                     at::OptionalIntArrayRef slice_offsets, double scale, const Device& device) {
+  SgmvIndexTensors keep;
+  const ExpandParams p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
+                                           lora_scales, slice_offsets, scale, keep);
+  const auto plan = plan_lora_expand(p, device.target);
+  require(plan);
+  if (!plan.launch) return;  // no rows, segments, N or rank: y is already the result
+  const at::Tensor ws = workspace(y, plan.workspace_bytes, at::kFloat);
+  const at::Tensor split = workspace(y, plan.split_bytes, lora_b.scalar_type());
+  declare_gm("y", y, true);  // first: h may be a view beside y in the same rows (the folded base GEMM's output)
+  declare_gm("h", h, false);
+  declare_gm("lora_b", lora_b, false);
+  declare_segments(keep.seg_indptr, keep.seg_lora, keep.token_indices);
+  declare_gm("lora_ranks", keep.lora_ranks, false);
+  declare_gm("lora_scales", keep.lora_scales, false);
+  declare_gm("workspace", ws, true);
+  declare_gm("split workspace", split, true);
+  launch_lora_expand(plan.tiling,
+                     LoraExpandBuffers{y.data_ptr(), h.data_ptr(), lora_b.data_ptr(), keep.seg_indptr.data_ptr(),
+                                       keep.seg_lora.data_ptr(), data_or_null(keep.token_indices),
+                                       data_or_null(keep.lora_ranks), data_or_null(keep.lora_scales), ws.data_ptr(),
+                                       split.data_ptr()},
+                     device.stream);
+}
+
 void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,

@@ -21,6 +21,11 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
               const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
               at::OptionalIntArrayRef slice_offsets, double scale, const Device& device);
 
+void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+                     const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+                     at::OptionalIntArrayRef slice_offsets, double scale, const Device& device);
+
 void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,

@@ -9,6 +9,7 @@
 
 TORCH_LIBRARY(lora_ops_ascend_model, m) {
   m.def((std::string("sgmv") + lora_ops::schema::kSgmv).c_str());
+  m.def((std::string("lora_expand") + lora_ops::schema::kLoraExpand).c_str());
   m.def((std::string("grouped_gemm") + lora_ops::schema::kGroupedGemm).c_str());
   m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
 }

@@ -31,6 +31,16 @@ int64_t tile_rows_for(const Segments& s) {
   return std::clamp<int64_t>(round_up(mean, 16), 16, kMaxTileRows);
 }
 
+// The largest tile for which l1_bytes(tile_rows) (which also sets the sizes that depend on the tile) fits L1: from
+// tile_rows_for(s) down by halves, kept multiples of 16, to 16 rows; 0 when none fits.
+template <class L1Bytes>
+int64_t fit_tile_rows(const Segments& s, L1Bytes l1_bytes) {
+  for (int64_t rows = tile_rows_for(s);; rows = std::max<int64_t>(round_down(rows / 2, 16), 16)) {
+    if (l1_bytes(rows) <= kL1Bytes) return rows;
+    if (rows == 16) return 0;
+  }
+}
+
 // Tiles of tile_rows positions over all segments are at most G + P / tile_rows: launch no more blocks than that.
 uint32_t blocks_for(const Segments& s, int64_t tile_rows, const Target& target) {
   const int64_t tiles = s.num_segments + ceil_div(s.positions, tile_rows);
@@ -49,6 +59,37 @@ uint64_t set_split(MatmulTiles& tiles, int64_t ld, bool with_source) {
   tiles.split_ld = static_cast<uint32_t>(ld);
   tiles.split_block_elems = uint64_t(tiles.tile_rows) * ld * (with_source ? 4 : 2);
   return uint64_t(tiles.block_dim) * tiles.split_block_elems * 2;
+}
+
+// Output columns of one L0C stage of floats for tiles of tile_rows rows (a multiple of 16, a valid Mmad n).
+int64_t l0c_cols(int64_t tile_rows) {
+  return std::min<int64_t>(round_down(kL0CStage / (tile_rows * 4), 16), kMaxMmadDim);
+}
+
+// The expand stage of sgmv and lora_expand (kernel_common.h ExpandStage) from their params, but for the sizes that
+// depend on the tile (set_expand_blocks).
+template <class Params>
+ExpandTiling expand_of(const Params& p) {
+  ExpandTiling e{};
+  e.max_rank = p.max_rank;
+  e.num_slices = p.num_slices;
+  e.b_stride0 = p.b_stride0;
+  e.b_stride1 = p.b_stride1;
+  std::copy(p.slice_offsets, p.slice_offsets + p.num_slices + 1, e.slice_offsets);
+  e.scale = p.scale;
+  e.has_ranks = p.lora_ranks != nullptr;
+  e.has_scales = p.lora_scales != nullptr;
+  e.h_cols = static_cast<uint32_t>(p.num_slices * round_up(p.max_rank, 16));
+  return e;
+}
+
+// For tiles of tile_rows rows and elem-byte cube operands: n_block output columns per L0C tile and workspace slot
+// (at most 256), rank_chunk of the rank per L0A/L0B load.
+void set_expand_blocks(MatmulTiles& tiles, ExpandTiling& e, int64_t tile_rows, int64_t elem, int64_t n) {
+  tiles.n_block = static_cast<uint32_t>(std::min<int64_t>({l0c_cols(tile_rows), 256, round_up(n, 16)}));
+  e.rank_chunk = static_cast<uint32_t>(std::min<int64_t>(
+      {round_down(kL0BStage / (tiles.n_block * elem), 16), round_down(kL0AStage / (tile_rows * elem), 16),
+       round_up(e.max_rank, 16), kMaxMmadDim}));
 }
 
 // The reduction chunk of one L0A load of tile_rows rows (a fractal multiple, at most 256 and the reduction).
@@ -76,54 +117,84 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
     return plan;
   }
   constexpr int64_t elem = 2;
-  const int64_t rank_pad = round_up(p.max_rank, 16), h_cols = p.num_slices * rank_pad;
+  SgmvTiling& t = plan.tiling;
+  t.expand = expand_of(p);
+  const int64_t rank_pad = round_up(p.max_rank, 16), h_cols = t.expand.h_cols;
   // A float32 y keeps h in L1 as hi and lo halves (kernel_common.h), else rounded once to x's dtype.
   const bool split = p.y_dtype == DType::F32;
   const int64_t h_parts = split ? 2 : 1;
-  SgmvTiling& t = plan.tiling;
-  int64_t tile_rows = tile_rows_for(p.seg);
-  for (;; tile_rows /= 2) {
-    const int64_t k_chunk = k_chunk_for(tile_rows, elem, p.k);
-    const int64_t l0c_cols = std::min<int64_t>(round_down(kL0CStage / (tile_rows * 4), 16), kMaxMmadDim);
+  const int64_t tile_rows = fit_tile_rows(p.seg, [&](int64_t rows) {
+    const int64_t k_chunk = k_chunk_for(rows, elem, p.k);
     t.tiles.k_chunk = static_cast<uint32_t>(k_chunk);
     t.part_cols = static_cast<uint32_t>(std::min<int64_t>(round_down(kL0BStage / (k_chunk * elem), 16), rank_pad));
-    t.group_cols = static_cast<uint32_t>(std::min<int64_t>(l0c_cols, h_cols));
-    t.tiles.n_block = static_cast<uint32_t>(std::min<int64_t>({l0c_cols, 256, round_up(p.n, 16)}));
-    t.rank_chunk = static_cast<uint32_t>(std::min<int64_t>(
-        {round_down(kL0BStage / (t.tiles.n_block * elem), 16), round_down(kL0AStage / (tile_rows * elem), 16),
-         rank_pad, kMaxMmadDim}));
-    const int64_t l1 = 2 * tile_rows * k_chunk * elem + 2 * int64_t(kL0BStage) + h_parts * tile_rows * h_cols * elem;
-    if (l1 <= kL1Bytes) break;
-    if (tile_rows == 16) {
-      plan.error = "lora_ops.sgmv on Ascend: S*R = " + std::to_string(h_cols) +
-                   " intermediate columns (slices x rank rounded up to 16" +
-                   (split ? ", kept as hi and lo halves for a float32 y" : "") +
-                   ") do not fit in L1 even with 16-row tiles";
-      return plan;
-    }
+    t.group_cols = static_cast<uint32_t>(std::min<int64_t>(l0c_cols(rows), h_cols));
+    set_expand_blocks(t.tiles, t.expand, rows, elem, p.n);
+    return 2 * rows * k_chunk * elem + 2 * int64_t(kL0BStage) + h_parts * rows * h_cols * elem;
+  });
+  if (tile_rows == 0) {
+    plan.error = "lora_ops.sgmv on Ascend: S*R = " + std::to_string(h_cols) +
+                 " intermediate columns (slices x rank rounded up to 16" +
+                 (split ? ", kept as hi and lo halves for a float32 y" : "") +
+                 ") do not fit in L1 even with 16-row tiles";
+    return plan;
   }
   t.tiles.tile_rows = static_cast<uint32_t>(tile_rows);
   t.tiles.block_dim = blocks_for(p.seg, tile_rows, target);
   t.seg = segment_shape(p.seg, p.rows, p.num_slots);
   t.k = p.k;
   t.n = p.n;
-  t.max_rank = p.max_rank;
-  t.num_slices = p.num_slices;
   t.y_row_stride = p.y_row_stride;
   t.x_row_stride = p.x_row_stride;
   t.a_stride0 = p.a_stride0;
   t.a_stride1 = p.a_stride1;
-  t.b_stride0 = p.b_stride0;
-  t.b_stride1 = p.b_stride1;
-  std::copy(p.slice_offsets, p.slice_offsets + p.num_slices + 1, t.slice_offsets);
-  t.scale = p.scale;
   t.x_dtype = code(p.x_dtype);
   t.y_dtype = code(p.y_dtype);
-  t.has_ranks = p.lora_ranks != nullptr;
-  t.has_scales = p.lora_scales != nullptr;
-  t.h_cols = static_cast<uint32_t>(h_cols);
   plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
   if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/true);
+  plan.launch = true;
+  return plan;
+}
+
+Plan<LoraExpandTiling> plan_lora_expand(const ExpandParams& p, const Target& target) {
+  Plan<LoraExpandTiling> plan;
+  if (!nd2nz_stride_ok(p.b_stride1)) {
+    plan.error = "lora_ops.lora_expand on Ascend: the row stride of lora_b (" + std::to_string(p.b_stride1) +
+                 ") must be in [1, 65535] elements (Nd2Nz)";
+    return plan;
+  }
+  // No row, segment, column or rank: y is unchanged, nothing to launch.
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.seg.positions == 0 || p.n == 0 || p.max_rank == 0) return plan;
+  const int64_t elem = dtype_size(p.b_dtype);  // the cube's operand type (a float32 h enters as two halves of it)
+  // A float32 h with a 16-bit B is held in L1 as hi and lo halves (kernel_common.h).
+  const bool split = p.h_dtype == DType::F32 && p.b_dtype != DType::F32;
+  const int64_t h_parts = split ? 2 : 1;
+  LoraExpandTiling& t = plan.tiling;
+  t.expand = expand_of(p);
+  const int64_t h_cols = t.expand.h_cols;
+  // No x staging: L1 holds the weight stages and h.
+  const int64_t tile_rows = fit_tile_rows(p.seg, [&](int64_t rows) {
+    set_expand_blocks(t.tiles, t.expand, rows, elem, p.n);
+    return 2 * int64_t(kL0BStage) + h_parts * rows * h_cols * elem;
+  });
+  if (tile_rows == 0) {
+    plan.error = "lora_ops.lora_expand on Ascend: S*R = " + std::to_string(h_cols) +
+                 " columns of h (slices x rank rounded up to 16" +
+                 (split ? ", kept as hi and lo halves for a float32 h" : "") +
+                 ") do not fit in L1 even with 16-row tiles";
+    return plan;
+  }
+  t.tiles.tile_rows = static_cast<uint32_t>(tile_rows);
+  t.tiles.k_chunk = 0;  // no rows staged through Cube's x buffers: the kernel copies h into L1 itself
+  t.tiles.block_dim = blocks_for(p.seg, tile_rows, target);
+  t.seg = segment_shape(p.seg, p.rows, p.num_slots);
+  t.y_row_stride = p.y_row_stride;
+  t.h_row_stride = p.h_row_stride;
+  t.h_slot_stride = p.h_slot_stride;
+  t.h_dtype = code(p.h_dtype);
+  t.b_dtype = code(p.b_dtype);
+  t.y_dtype = code(p.y_dtype);
+  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/false);
   plan.launch = true;
   return plan;
 }

@@ -26,6 +26,7 @@ struct Plan {
 };
 
 Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target);
+Plan<LoraExpandTiling> plan_lora_expand(const ExpandParams& p, const Target& target);
 Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Target& target);
 Plan<BuildSegmentsTiling> plan_build_segments(const BuildSegmentsParams& p, const Target& target);
 

@@ -49,6 +49,15 @@ void sgmv_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
            device_of(y));
 }
 
+void lora_expand_npu(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+                     const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
+                     at::OptionalIntArrayRef slice_offsets, double scale) {
+  const c10::DeviceGuard guard(y.device());
+  run_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale,
+                  device_of(y));
+}
+
 void grouped_gemm_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                       const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
@@ -67,6 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_npu(const at::Tens
 
 TORCH_LIBRARY_IMPL(LORA_OPS_ASCEND_LIBRARY, LORA_OPS_ASCEND_DISPATCH_KEY, m) {
   m.impl("sgmv", &lora_ops::ascend::sgmv_npu);
+  m.impl("lora_expand", &lora_ops::ascend::lora_expand_npu);
   m.impl("grouped_gemm", &lora_ops::ascend::grouped_gemm_npu);
   m.impl("build_segments", &lora_ops::ascend::build_segments_npu);
 }

@@ -2,8 +2,8 @@
 //   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1 for the
 //         expand, whose operands are 16-bit: for a half-precision y rounded once to x's dtype (below y's own
 //         rounding), for a float32 y as hi + lo halves (split by the AIVs, kernel_common.h), so that h keeps ~2x
-//         x's precision; then for every slice and block of its columns, delta = h_s . B[l, block, :r]^T in fp32
-//         (one Mmad per half) -> workspace slot;
+//         x's precision; then the expand lora_expand shares (kernel_common.h ExpandStage): for every slice and
+//         block of its columns, delta = h_s . B[l, block, :r]^T in fp32 (one Mmad per half) -> workspace slot;
 //   AIVs: y[rows, block] += scale * lora_scales[l] * delta, in fp32, rounded once to y's dtype.
 // Only the true rank is read and computed. Every slice is handled in the one launch.
 #include <type_traits>
@@ -20,8 +20,7 @@ class SgmvKernel {
   // A float32 y takes h as hi + lo: the L1 halves are written by MTE2 (from the split planes), else by Fixpipe.
   static constexpr bool kSplit = std::is_same_v<Y, float>;
   static constexpr int kParts = kSplit ? 2 : 1;
-  static constexpr HardEvent kHWritten = kSplit ? HardEvent::MTE2_MTE1 : HardEvent::FIX_MTE1;
-  static constexpr HardEvent kHRead = kSplit ? HardEvent::MTE1_MTE2 : HardEvent::MTE1_FIX;
+  using Stage = ExpandStage<T, kParts, kSplit ? HardEvent::MTE2_MTE1 : HardEvent::FIX_MTE1>;
 
  public:
   __aicore__ inline SgmvKernel(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
@@ -39,46 +38,29 @@ class SgmvKernel {
     TPipe pipe;
     Cube<T> cube;
     cube.Init(pipe, tile_rows, t_.tiles.k_chunk);
-    // The intermediate (h, or its hi and lo halves), NZ with tile_rows rows per 16-column group.
-    TBuf<TPosition::A1> h_buf[kParts];
-    LocalTensor<T> h[kParts];
-    for (int p = 0; p < kParts; ++p) {
-      pipe.InitBuffer(h_buf[p], tile_rows * t_.h_cols * sizeof(T));
-      h[p] = h_buf[p].template Get<T>();
-      // The halves' rows past a tile's count are not copied in, yet enter the cube as fractal padding: finite.
-      if constexpr (kSplit) cube.ZeroL1(h[p], tile_rows * t_.h_cols);
-    }
-    if constexpr (kSplit) PipeBarrier<PIPE_MTE2>();
+    Stage stage;  // the intermediate (h, or its hi and lo halves) in L1, and the expand
+    stage.Init(pipe, cube, t_.expand, tile_rows);
     const SplitPlanes<T> planes(split_, block, t_.tiles);
     SlotWriter slots(workspace_, block, t_.tiles);
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, tile_rows);
-    // h is written by Fixpipe or MTE2 and read by LoadData (MTE1): order the two both ways.
-    const TEventID h_written = pipe.template AllocEventID<kHWritten>();
-    const TEventID h_read = pipe.template AllocEventID<kHRead>();
-    SetFlag<kHRead>(h_read);  // nothing reads h yet
     while (walk.Next()) {
-      const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
+      const int64_t rank = SlotRank(ranks_, t_.expand, walk.slot);
       if (rank == 0) continue;
       const int64_t m_pad = RoundUp(walk.count, kFrac), rank_pad = RoundUp(rank, kFrac);
-      const int64_t h_cols = t_.num_slices * rank_pad;
-      WaitFlag<kHRead>(h_read);
+      const int64_t h_cols = t_.expand.num_slices * rank_pad;
+      stage.BeginTile();
       if constexpr (kSplit) {
         Shrink(cube, walk, planes.source, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
         CrossCoreSetFlag<2, PIPE_FIX>(kSplitSourceFlag);
         CrossCoreWaitFlag(kSplitDoneFlag);
-        cube.CopyToL1(h[0], planes.hi, walk.count, planes.ld, h_cols);
-        cube.CopyToL1(h[1], planes.lo, walk.count, planes.ld, h_cols);
+        cube.CopyToL1(stage.h[0], planes.hi, walk.count, planes.ld, h_cols);
+        cube.CopyToL1(stage.h[1], planes.lo, walk.count, planes.ld, h_cols);
       } else {
-        Shrink(cube, walk, h[0], a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+        Shrink(cube, walk, stage.h[0], a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
       }
-      SetFlag<kHWritten>(h_written);
-      WaitFlag<kHWritten>(h_written);
-      Expand(cube, slots, walk, h, b_[walk.slot * t_.b_stride0], rank, rank_pad, m_pad);
-      SetFlag<kHRead>(h_read);
+      stage.Expand(cube, slots, t_.expand, walk.count, b_[walk.slot * t_.expand.b_stride0], rank);
     }
-    WaitFlag<kHRead>(h_read);
-    pipe.template ReleaseEventID<kHWritten>(h_written);
-    pipe.template ReleaseEventID<kHRead>(h_read);
+    stage.Finish(pipe);
     slots.Drain();
   }
 
@@ -91,25 +73,18 @@ class SgmvKernel {
     if constexpr (kSplit) splitter.Init(pipe);
     const SplitPlanes<T> planes(split_, block, t_.tiles);
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, t_.tiles.tile_rows);
-    GlobalTensor<float> scales;
-    if (t_.has_scales) scales.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(scales_));
     while (walk.Next()) {
-      const int64_t rank = SlotSize(ranks_, t_.has_ranks, walk.slot, t_.max_rank);
+      const int64_t rank = SlotRank(ranks_, t_.expand, walk.slot);
       if (rank == 0) continue;
       if constexpr (kSplit) {
         int32_t first, mine;
         rows.Share(walk.count, first, mine);
         CrossCoreWaitFlag(kSplitSourceFlag);
-        splitter.Split(planes, planes.source, nullptr, planes.ld, first, mine, t_.num_slices * RoundUp(rank, kFrac));
+        splitter.Split(planes, planes.source, nullptr, planes.ld, first, mine,
+                       t_.expand.num_slices * RoundUp(rank, kFrac));
         CrossCoreSetFlag<2, PIPE_MTE3>(kSplitDoneFlag);
       }
-      const float coef = t_.scale * (t_.has_scales ? scales.GetValue(walk.slot) : 1.0f);
-      for (int64_t s = 0; s < t_.num_slices; ++s) {
-        const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
-        for (int64_t n0 = lo; n0 < hi; n0 += t_.tiles.n_block) {
-          rows.Apply(walk.rows, walk.count, n0, Min(t_.tiles.n_block, hi - n0), coef, true);
-        }
-      }
+      ApplyExpand(rows, walk, t_.expand, t_.tiles.n_block, scales_);
     }
   }
 
@@ -119,7 +94,7 @@ class SgmvKernel {
   template <class H>
   __aicore__ inline void Shrink(Cube<T>& cube, const TileWalk& walk, const H& h, const GlobalTensor<T>& a,
                                 int64_t rank, int64_t rank_pad, int64_t m_pad) {
-    const int64_t h_cols = t_.num_slices * rank_pad;
+    const int64_t h_cols = t_.expand.num_slices * rank_pad;
     for (int64_t c0 = 0; c0 < h_cols; c0 += t_.group_cols) {
       const int64_t c1 = Min(c0 + t_.group_cols, h_cols);
       LocalTensor<float> acc = cube.AllocAcc();
@@ -127,11 +102,11 @@ class SgmvKernel {
         const int64_t k_len = Min(t_.tiles.k_chunk, t_.k - k0);
         LocalTensor<T> xa = cube.LoadRows(x_, walk.rows, walk.count, t_.x_row_stride, k0, k_len);
         for (int64_t s = c0 / rank_pad; s * rank_pad < c1; ++s) {
-          if (t_.slice_offsets[s] == t_.slice_offsets[s + 1]) continue;  // an empty slice needs no h
+          if (t_.expand.slice_offsets[s] == t_.expand.slice_offsets[s + 1]) continue;  // an empty slice needs no h
           const int64_t j0 = Max(c0 - s * rank_pad, 0), j1 = Min(Min(c1 - s * rank_pad, rank_pad), rank);
           for (int64_t p0 = j0; p0 < j1; p0 += t_.part_cols) {
             const int64_t cols = Min(t_.part_cols, j1 - p0);
-            LocalTensor<T> wb = cube.LoadWeight(a, s * t_.max_rank + p0, cols, t_.a_stride1, k0, k_len);
+            LocalTensor<T> wb = cube.LoadWeight(a, s * t_.expand.max_rank + p0, cols, t_.a_stride1, k0, k_len);
             cube.Mmad(acc[(s * rank_pad + p0 - c0) / kFrac * m_pad * kFrac], xa, wb, m_pad, cols, k_len, k0 > 0);
             cube.FreeRight(wb);
           }
@@ -146,39 +121,13 @@ class SgmvKernel {
                                   QuantMode_t::NoQuant, 0, 1, 0, 0, 0});
       } else {
         constexpr QuantMode_t to_t = std::is_same_v<T, half> ? QuantMode_t::F322F16 : QuantMode_t::F322BF16;
-        Fixpipe<T, float, CFG_NZ>(h[c0 / kFrac * t_.tiles.tile_rows * kFrac], acc,
+        Fixpipe<T, float, CFG_NZ>(cube.NzColumns(h, c0), acc,
                                   FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(m_pad),
                                                     static_cast<uint16_t>(m_pad),
                                                     static_cast<uint32_t>(t_.tiles.tile_rows), false, to_t, 0, 1, 0,
                                                     0, 0});
       }
       cube.FreeAcc(acc);
-    }
-  }
-
-  // For every slice and block of n_block of its columns: delta = h_s . B[block, :rank]^T -> a workspace slot, with
-  // one Mmad per part of h (h itself, or hi and lo) into the same fp32 accumulator.
-  __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const TileWalk& walk, const LocalTensor<T>* h,
-                                const GlobalTensor<T>& b, int64_t rank, int64_t rank_pad, int64_t m_pad) {
-    for (int64_t s = 0; s < t_.num_slices; ++s) {
-      const int64_t lo = t_.slice_offsets[s], hi = t_.slice_offsets[s + 1];
-      for (int64_t n0 = lo; n0 < hi; n0 += t_.tiles.n_block) {
-        const int64_t n = Min(t_.tiles.n_block, hi - n0);
-        LocalTensor<float> acc = cube.AllocAcc();
-        for (int64_t r0 = 0; r0 < rank; r0 += t_.rank_chunk) {
-          const int64_t r_len = Min(t_.rank_chunk, rank - r0);
-          LocalTensor<T> wb = cube.LoadWeight(b, n0, n, t_.b_stride1, r0, r_len);
-          for (int p = 0; p < kParts; ++p) {
-            LocalTensor<T> ha = cube.LoadLeftFromL1(h[p], s * rank_pad + r0, walk.count, r_len);
-            cube.Mmad(acc, ha, wb, m_pad, n, r_len, r0 > 0 || p > 0);
-            cube.FreeLeft(ha);
-          }
-          cube.FreeRight(wb);
-        }
-        acc = cube.Finish(acc);
-        slots.Write(acc, walk.count, m_pad, n);
-        cube.FreeAcc(acc);
-      }
     }
   }
 

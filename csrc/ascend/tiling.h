@@ -21,7 +21,7 @@ constexpr uint32_t kSplitElems = 4096;
 
 enum DTypeCode : uint32_t { kHalf = 0, kBf16 = 1, kFloat = 2 };
 
-// Segment metadata shared by sgmv and grouped_gemm (docs/design.md §2): positions, segments, rows, slots.
+// Segment metadata shared by the matmul ops (docs/design.md §2): positions, segments, rows, slots.
 struct SegmentShape {
   int64_t positions;     // len(token_indices), else the number of rows
   int64_t num_segments;  // len(seg_indptr) - 1
@@ -30,11 +30,11 @@ struct SegmentShape {
   uint32_t gathered;     // token_indices given
 };
 
-// MIX kernel geometry common to both matmul ops: tiles of tile_rows positions of one segment, output blocks of
+// MIX kernel geometry common to the matmul ops: tiles of tile_rows positions of one segment, output blocks of
 // n_block columns, handed from each AIC to its two AIVs through two workspace slots of tile_rows x n_block floats.
-// An fp32 left operand of the cube (sgmv's h for a float32 y, grouped_gemm's float32 x with a 16-bit w) goes
-// through the split workspace: per block, a hi and a lo plane of tile_rows x split_ld 16-bit elements, then (sgmv)
-// the fp32 source tile of tile_rows x split_ld floats.
+// An fp32 left operand of the cube (sgmv's h for a float32 y, grouped_gemm's float32 x with a 16-bit w,
+// lora_expand's float32 h with a 16-bit B) goes through the split workspace: per block, a hi and a lo plane of
+// tile_rows x split_ld 16-bit elements, then (sgmv) the fp32 source tile of tile_rows x split_ld floats.
 struct MatmulTiles {
   uint32_t block_dim;  // AI cores (one AIC + two AIVs each)
   uint32_t tile_rows;  // positions per tile, a multiple of 16 (<= kMaxTileRows)
@@ -44,19 +44,37 @@ struct MatmulTiles {
   uint64_t split_block_elems;  // 16-bit elements of the split workspace per block
 };
 
+// The expand stage sgmv and lora_expand share (kernel_common.h ExpandStage): for a tile of rows of slot l,
+// y[rows, slice s] += scale * lora_scales[l] * h_s . B[l, slice s, :r_l]^T, h held in L1.
+struct ExpandTiling {
+  int64_t max_rank, num_slices;
+  int64_t b_stride0, b_stride1;
+  int64_t slice_offsets[kMaxSlices + 1];
+  float scale;
+  uint32_t has_ranks, has_scales;
+  uint32_t rank_chunk;  // rank per L0A/L0B load
+  uint32_t h_cols;      // L1 intermediate capacity: num_slices * max_rank rounded up to 16 (= split_ld with a split)
+};
+
 struct SgmvTiling {
   SegmentShape seg;
   MatmulTiles tiles;
-  int64_t k, n, max_rank, num_slices;
-  int64_t y_row_stride, x_row_stride, a_stride0, a_stride1, b_stride0, b_stride1;
-  int64_t slice_offsets[kMaxSlices + 1];
-  float scale;
+  ExpandTiling expand;
+  int64_t k, n;
+  int64_t y_row_stride, x_row_stride, a_stride0, a_stride1;
   uint32_t x_dtype, y_dtype;  // DTypeCode; the weights share x's dtype
-  uint32_t has_ranks, has_scales;
   uint32_t part_cols;   // shrink: rank columns per L0B load
   uint32_t group_cols;  // shrink: intermediate columns per L0C pass
-  uint32_t rank_chunk;  // expand: rank per L0A/L0B load
-  uint32_t h_cols;      // L1 intermediate capacity: num_slices * max_rank rounded up to 16 (= split_ld for fp32 y)
+};
+
+// lora_expand: h [T, L, S*R] read at row * h_row_stride + slot * h_slot_stride (any strides, a zero one included).
+struct LoraExpandTiling {
+  SegmentShape seg;
+  MatmulTiles tiles;
+  ExpandTiling expand;
+  int64_t y_row_stride, h_row_stride, h_slot_stride;
+  uint32_t h_dtype, b_dtype, y_dtype;  // DTypeCode; h and y are B's dtype or float32 (a float32 h with a 16-bit B
+                                       // enters the cube as hi + lo halves)
 };
 
 struct GroupedGemmTiling {

@@ -325,15 +325,22 @@ TEST(AscendSgmv, DeterministicRunToRun) {
   EXPECT_TRUE(at::equal(outs[0].view(at::kShort), outs[1].view(at::kShort)));
 }
 
+namespace {
+
+// The message of the ValueError f throws, "" when it throws none.
+std::string value_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::ValueError& e) {
+    return e.msg();
+  }
+  return "";
+}
+
+}  // namespace
+
 TEST(AscendSgmv, UnsupportedInputsFailWithAClearError) {
-  auto error = [](const std::function<void()>& f) -> std::string {
-    try {
-      f();
-    } catch (const c10::ValueError& e) {
-      return e.msg();
-    }
-    return "";
-  };
+  const auto& error = value_error;
   const at::Tensor idx = i32({0, 1}), slots = i32({0});
   const std::string f32 = error([&] {
     at::Tensor y = at::zeros({2, 8});
@@ -348,6 +355,155 @@ TEST(AscendSgmv, UnsupportedInputsFailWithAClearError) {
                                std::nullopt, std::nullopt, 1.0, model_device(2));
   });
   EXPECT_NE(huge_rank.find("do not fit in L1"), std::string::npos) << huge_rank;
+}
+
+// ------------------------------------------------------------------------------------------------ lora_expand
+
+namespace {
+
+at::Tensor ref_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& b, const Meta& m,
+                           const std::vector<int32_t>& ranks, const std::vector<float>& scales,
+                           const std::vector<int64_t>& offsets, double scale) {
+  at::Tensor out = y.to(at::kDouble).clone();
+  const int64_t L = b.size(0), R = b.size(2), S = int64_t(offsets.size()) - 1;
+  const at::Tensor hd = h.to(at::kDouble), bd = b.to(at::kDouble);
+  for (const auto& [slot, rows] : segment_rows(m, y.size(0), L)) {
+    const int64_t r = ranks.empty() ? R : std::clamp<int64_t>(ranks[slot], 0, R);
+    if (r == 0 || rows.empty()) continue;
+    const double coef = scale * (scales.empty() ? 1.0 : scales[slot]);
+    const at::Tensor idx = rows_of(rows), h_l = hd.index_select(0, idx).select(1, slot);
+    for (int64_t s = 0; s < S; ++s) {
+      if (offsets[s] == offsets[s + 1]) continue;
+      const at::Tensor b_s = bd[slot].narrow(0, offsets[s], offsets[s + 1] - offsets[s]).narrow(1, 0, r);
+      const at::Tensor delta = h_l.narrow(1, s * R, r).matmul(b_s.t());
+      at::Tensor cols = out.narrow(1, offsets[s], offsets[s + 1] - offsets[s]);
+      cols.index_copy_(0, idx, cols.index_select(0, idx) + coef * delta);
+    }
+  }
+  return out;
+}
+
+// How h [T, L, S*R] is laid out: its own tensor, a view with padded rows and slots in a NaN-filled pool, or one
+// window per row broadcast over the slots (slot stride 0).
+enum class HLayout { kDense, kPooled, kBroadcast };
+
+// Runs sgmv case c as a lora_expand (h drawn in place of the shrink; K unused) on the model and returns compare()'s
+// verdict. h past each slot's rank holds NaN, which only a read past the rank can bring into y.
+std::string run_lora_expand(const SgmvCase& c, at::ScalarType dtype, at::ScalarType h_dtype, at::ScalarType y_dtype,
+                            uint32_t cores, HLayout layout = HLayout::kDense) {
+  at::manual_seed(std::hash<std::string>{}(c.name) & 0xffff);
+  const int64_t T = int64_t(c.token_slots.size());
+  const std::vector<int64_t> offsets = c.offsets.empty() ? std::vector<int64_t>{0, c.N} : c.offsets;
+  const int64_t S = int64_t(offsets.size()) - 1;
+  at::Tensor h;
+  if (layout == HLayout::kBroadcast) {
+    h = at::randn({T, 1, S * c.R}).to(h_dtype).expand({T, c.L, S * c.R});
+  } else {
+    h = layout == HLayout::kPooled
+            ? at::full({T, c.L + 2, S * c.R + 5}, NAN, h_dtype).narrow(1, 1, c.L).narrow(2, 3, S * c.R)
+            : at::empty({T, c.L, S * c.R}, h_dtype);
+    h.copy_(at::randn({T, c.L, S * c.R}));
+    for (size_t l = 0; l < c.ranks.size(); ++l) {
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t r = std::clamp<int64_t>(c.ranks[l], 0, c.R);
+        h.select(1, int64_t(l)).narrow(1, s * c.R + r, c.R - r).fill_(NAN);
+      }
+    }
+  }
+  const at::Tensor b = (at::randn({c.L, c.N, c.R}) / std::sqrt(double(c.R))).to(dtype);
+  const at::Tensor y_full = at::randn({T, c.N + c.y_col_pad}).to(y_dtype);
+  at::Tensor y = y_full.narrow(1, c.y_col_pad / 2, c.N);
+  const Meta m = c.meta.indptr.empty() ? segments_for(c.token_slots, c.L, c.gathered) : c.meta;
+  std::vector<float> scales;
+  for (int64_t l = 0; l < c.L; ++l) scales.push_back(0.5f + 0.25f * float(l % 5));
+  const double scale = 0.75;
+  const at::Tensor ref = ref_lora_expand(y, h, b, m, c.ranks, scales, offsets, scale);
+  const at::Tensor before_full = y_full.clone();
+  lora_ops::ascend::run_lora_expand(
+      y, h, b, i32(m.indptr), i32(m.slots), opt_i32(m.idx), opt_i32(c.ranks),
+      at::tensor(at::ArrayRef<float>(scales), at::TensorOptions().dtype(at::kFloat)),
+      c.offsets.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(c.offsets), scale, model_device(cores));
+  const int64_t left = c.y_col_pad / 2;
+  if (!at::equal(y_full.narrow(1, 0, left), before_full.narrow(1, 0, left)) ||
+      !at::equal(y_full.narrow(1, left + c.N, c.y_col_pad - left),
+                 before_full.narrow(1, left + c.N, c.y_col_pad - left))) {
+    return "columns outside the y view changed";
+  }
+  return compare(y, before_full.narrow(1, left, c.N), ref, dtype);
+}
+
+}  // namespace
+
+TEST(AscendLoraExpand, ParityGridOverDtypesLayoutsAndCoreCounts) {
+  for (const SgmvCase& c : sgmv_grid()) {
+    for (auto dtype : {at::kHalf, at::kBFloat16, at::kFloat}) {
+      for (uint32_t cores : {1u, 24u}) {
+        EXPECT_EQ(run_lora_expand(c, dtype, dtype, dtype, cores), "") << c.name << " " << dtype << " cores=" << cores;
+      }
+      EXPECT_EQ(run_lora_expand(c, dtype, dtype, at::kFloat, 5, HLayout::kPooled), "")
+          << c.name << " " << dtype << " pooled h, y=float32";
+      if (dtype != at::kFloat) {
+        // A float32 h (e.g. the shrink's fp32 partials) with a 16-bit B: split into hi + lo halves.
+        EXPECT_EQ(run_lora_expand(c, dtype, at::kFloat, dtype, 3, HLayout::kBroadcast), "")
+            << c.name << " " << dtype << " broadcast float32 h";
+      }
+    }
+  }
+}
+
+TEST(AscendLoraExpand, Float32HWithHalfBKeepsItsPrecisionAtRealisticSizes) {
+  // A float32 y from a float32 h is within the fp32-accumulation bound (5e-5), which h rounded to 16 bits fails.
+  std::mt19937 gen(31);
+  const std::vector<SgmvCase> cases = {
+      {"decode_n4096", random_slots(gen, 24, {0, 1, 2, 3}), 0, 4096, 16, 4},
+      {"prefill_qkv_rank_64", random_slots(gen, 160, {0, 2, -1}), 0, 768, 64, 3, {64, 3, 40}, {0, 512, 640, 768}},
+  };
+  for (const SgmvCase& c : cases) {
+    for (auto dtype : {at::kHalf, at::kBFloat16}) {
+      EXPECT_EQ(run_lora_expand(c, dtype, at::kFloat, at::kFloat, 4, HLayout::kPooled), "") << c.name << " " << dtype;
+    }
+  }
+}
+
+TEST(AscendLoraExpand, AHugeRankShrinksTheTileToAMultipleOf16) {
+  // One 48-row segment asks for 48-row tiles; S*R = 6000 fits L1 only at 16 or 32 rows (never at 24, which would
+  // break the NZ layout).
+  EXPECT_EQ(run_lora_expand({"rank_6000", std::vector<int32_t>(48, 0), 0, 20, 6000, 1}, at::kHalf, at::kHalf,
+                            at::kFloat, 2),
+            "");
+}
+
+TEST(AscendLoraExpand, GarbageMetadataAndEmptyWork) {
+  SgmvCase c{"garbage", std::vector<int32_t>(16, 0), 0, 12, 4, 3, {4, 99, -3}};
+  c.meta.idx = {3, -5, 7, 16 + 7, 1, 2, 1 << 30, 9, 0, 4, 5, 6, 8, 10, 11, 12};
+  c.meta.indptr = {-4, 3, 1, 9, 1 << 30};
+  c.meta.slots = {0, 1, -1, 2};
+  EXPECT_EQ(run_lora_expand(c, at::kHalf, at::kHalf, at::kHalf, 3), "");
+  c.meta.slots = {1 << 30, -(1 << 30), 7, 3};
+  EXPECT_EQ(run_lora_expand(c, at::kBFloat16, at::kFloat, at::kFloat, 3), "");
+  std::mt19937 gen(2);
+  EXPECT_EQ(run_lora_expand({"empty_batch", {}, 0, 32, 8}, at::kHalf, at::kHalf, at::kHalf, 4), "");
+  EXPECT_EQ(run_lora_expand({"all_rank_0", random_slots(gen, 8, {0, 1}), 0, 16, 8, 2, {0, 0}}, at::kHalf, at::kHalf,
+                            at::kHalf, 4),
+            "");
+}
+
+TEST(AscendLoraExpand, UnsupportedInputsFailWithAClearError) {
+  const at::Tensor slots = i32({0});
+  const std::string huge_rank = value_error([&] {
+    at::Tensor y = at::zeros({2, 8}, at::kHalf);
+    lora_ops::ascend::run_lora_expand(y, at::zeros({2, 1, 16384}, at::kHalf), at::zeros({1, 8, 16384}, at::kHalf),
+                                      i32({0, 2}), slots, std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0,
+                                      model_device(2));
+  });
+  EXPECT_NE(huge_rank.find("lora_expand on Ascend: S*R = 16384 columns of h"), std::string::npos) << huge_rank;
+  const std::string b_stride = value_error([&] {
+    at::Tensor y = at::zeros({2, 8}, at::kHalf);
+    const at::Tensor b = at::zeros({1, 8, 70000}, at::kHalf).narrow(2, 0, 4);
+    lora_ops::ascend::run_lora_expand(y, at::zeros({2, 1, 4}, at::kHalf), b, i32({0, 2}), slots, std::nullopt,
+                                      std::nullopt, std::nullopt, std::nullopt, 1.0, model_device(2));
+  });
+  EXPECT_NE(b_stride.find("the row stride of lora_b (70000)"), std::string::npos) << b_stride;
 }
 
 // ------------------------------------------------------------------------------------------------ grouped_gemm
