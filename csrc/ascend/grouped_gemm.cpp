@@ -123,12 +123,7 @@ __aicore__ inline void RunGroupedGemm(const GroupedGemmTiling& t, GM_ADDR y, GM_
                                       GM_ADDR k_sizes, GM_ADDR workspace, GM_ADDR split) {
   GroupedGemmKernel<X, W, Y> kernel(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, workspace,
                                     split);
-  if ASCEND_IS_AIC {
-    kernel.RunCube();
-  }
-  if ASCEND_IS_AIV {
-    kernel.RunVector();
-  }
+  RunOnCores(kernel);
 }
 
 // A 16-bit w: x and y each in w's dtype or float32.

@@ -34,6 +34,17 @@ __aicore__ inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < 
 __aicore__ inline int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 __aicore__ inline int64_t CeilDiv(int64_t v, int64_t m) { return (v + m - 1) / m; }
 
+// A MIX kernel's two sides: the AI cube core runs kernel.RunCube(), each AI vector core kernel.RunVector().
+template <class Kernel>
+__aicore__ inline void RunOnCores(Kernel& kernel) {
+  if ASCEND_IS_AIC {
+    kernel.RunCube();
+  }
+  if ASCEND_IS_AIV {
+    kernel.RunVector();
+  }
+}
+
 template <typename T>
 constexpr int64_t C0 = 32 / sizeof(T);  // elements per 32-byte fractal row
 

@@ -118,12 +118,7 @@ __aicore__ inline void RunLoraExpand(const LoraExpandTiling& t, GM_ADDR y, GM_AD
                                      GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split) {
   LoraExpandKernel<H, T, Y> kernel(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    workspace, split);
-  if ASCEND_IS_AIC {
-    kernel.RunCube();
-  }
-  if ASCEND_IS_AIV {
-    kernel.RunVector();
-  }
+  RunOnCores(kernel);
 }
 
 // A 16-bit B: h and y each in B's dtype or float32.

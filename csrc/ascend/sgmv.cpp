@@ -150,12 +150,7 @@ __aicore__ inline void RunSgmv(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADD
                                GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split) {
   SgmvKernel<T, Y> kernel(t, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                           workspace, split);
-  if ASCEND_IS_AIC {
-    kernel.RunCube();
-  }
-  if ASCEND_IS_AIV {
-    kernel.RunVector();
-  }
+  RunOnCores(kernel);
 }
 
 }  // namespace

@@ -34,22 +34,21 @@ Op op_named(const std::string& op) {
   TORCH_CHECK_VALUE(false, "lora_ops op table: unknown op '", op, "' (expected sgmv, lora_expand or grouped_gemm)");
 }
 
-// Before a table sends any regime to Triton: the twin has a CUDA kernel, and its typed handle (the signature
+// Before a table sends any regime of `op` to Triton: the twin has a CUDA kernel, and its typed handle (the signature
 // check) is made now rather than on the first call in a Triton regime.
-void check_triton_twin(Op op) {
-  const char* twin = nullptr;
-  switch (op) {
-    case Op::Sgmv: twin = Twin<Op::Sgmv>::name; break;
-    case Op::LoraExpand: twin = Twin<Op::LoraExpand>::name; break;
-    case Op::GroupedGemm: twin = Twin<Op::GroupedGemm>::name; break;
-  }
-  TORCH_CHECK(c10::Dispatcher::singleton().findSchemaOrThrow(twin, "").hasKernelForDispatchKey(
+template <Op op>
+void check_twin() {
+  TORCH_CHECK(c10::Dispatcher::singleton().findSchemaOrThrow(Twin<op>::name, "").hasKernelForDispatchKey(
                   c10::DispatchKey::CUDA),
-              "lora_ops op table: Triton regimes for ", twin, ", which has no CUDA kernel (Triton absent)");
+              "lora_ops op table: Triton regimes for ", Twin<op>::name, ", which has no CUDA kernel (Triton absent)");
+  triton_twin<op>();
+}
+
+void check_triton_twin(Op op) {
   switch (op) {
-    case Op::Sgmv: triton_twin<Op::Sgmv>(); break;
-    case Op::LoraExpand: triton_twin<Op::LoraExpand>(); break;
-    case Op::GroupedGemm: triton_twin<Op::GroupedGemm>(); break;
+    case Op::Sgmv: return check_twin<Op::Sgmv>();
+    case Op::LoraExpand: return check_twin<Op::LoraExpand>();
+    case Op::GroupedGemm: return check_twin<Op::GroupedGemm>();
   }
 }
 

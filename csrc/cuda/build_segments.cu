@@ -183,9 +183,8 @@ cudaError_t launch(const BuildSegmentsParams& p, int ctas, int threads, int plac
                    cudaStream_t stream) {
   const auto kernel = build_segments_kernel<kReplicas>;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(ctas, threads, 1, smem, stream, &attr);  // a plain launch
-  return cudaLaunchKernelEx(&cfg, kernel, p, placing_warps);
+  kernel<<<ctas, threads, smem, stream>>>(p, placing_warps);
+  return cudaGetLastError();
 }
 
 // Dynamic shared memory a CTA may take on the current device: the opt-in maximum (227 KB on an H100/H200, 163 KB

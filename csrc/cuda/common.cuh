@@ -8,10 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <map>
 #include <mutex>
 #include <set>
-#include <tuple>
 #include <utility>
 
 #include "../common/dispatch.h"
@@ -167,31 +165,6 @@ inline cudaLaunchConfig_t cluster_launch_config(int64_t blocks, int threads, int
   cfg.attrs = attr;
   cfg.numAttrs = cluster > 1 ? 1 : 0;
   return cfg;
-}
-
-// Whether clusters of `cluster` CTAs of `kernel` (`threads` each, `smem` dynamic shared memory) can be resident,
-// raising the attributes that needs (large shared memory, clusters over 8). Cached per device and shape.
-inline bool cluster_fits(const void* kernel, int threads, int64_t cluster, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int, int64_t, size_t>, bool> known;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const auto key = std::make_tuple(device, kernel, threads, cluster, smem);
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = known.find(key); it != known.end()) return it->second;
-  bool fits = allow_dynamic_smem(kernel, smem) == cudaSuccess;
-  if (fits && cluster > 8) {
-    fits = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  }
-  if (fits) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, smem, nullptr, &attr);
-    int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  if (!fits) cudaGetLastError();  // a refused attribute or query is an answer here, not a sticky error
-  known[key] = fits;
-  return fits;
 }
 
 // Up to `tile_rows` consecutive positions [begin, end) of one segment, the segment's slot, and the slot's size
