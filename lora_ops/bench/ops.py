@@ -88,6 +88,9 @@ class Problem:
         self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.case = case
 
+    def args(self, y):
+        return self.p.args(y)
+
     def min_bytes(self) -> int:
         c, p = self.case, self.p
         e, ey = p.x.element_size(), p.y.element_size()
@@ -97,10 +100,26 @@ class Problem:
 
 # ---- implementations: each is f(problem, y) -> None, adding the LoRA delta into y ----
 
-def _ours(module):
-    def run(pb: Problem, y):
-        module.sgmv(*pb.p.args(y))
+def _ours(module, op: str):
+    """lora_ops' `op` through `module` (lora_ops.ops: the dispatcher; lora_ops.triton: Triton's kernel)."""
+    fn = getattr(module, op)
+
+    def run(pb, y):
+        fn(*pb.args(y))
     return run
+
+
+def _our_implementations(device, op: str) -> Dict[str, Callable]:
+    """Every backend of lora_ops that serves `op` on the device (a failure of one of these fails the bench)."""
+    if device == "cpu":
+        return {"cpu": _ours(lora_ops.ops, op)}
+    impls = {}
+    if backends.cuda_served_by.get(op) == "cuda":
+        impls["cuda"] = _ours(lora_ops.ops, op)
+    if "triton" not in backends.unavailable:
+        import lora_ops.triton as lt
+        impls["triton"] = _ours(lt, op)
+    return impls
 
 
 def torch_loop(pb: Problem, y):
@@ -147,15 +166,7 @@ def grouped_mm(pb: Problem, y):
 
 
 def implementations(device) -> Dict[str, Callable]:
-    impls: Dict[str, Callable] = {}
-    if device == "cpu":
-        impls["cpu"] = _ours(lora_ops.ops)
-    else:
-        if backends.cuda_served_by.get("sgmv") == "cuda":
-            impls["cuda"] = _ours(lora_ops.ops)
-        if "triton" not in backends.unavailable:
-            import lora_ops.triton as lt
-            impls["triton"] = _ours(lt)
+    impls = _our_implementations(device, "sgmv")
     impls["torch_loop"] = torch_loop
     impls["gather_bmm"] = gather_bmm
     if device != "cpu" and hasattr(torch, "_grouped_mm"):
@@ -298,12 +309,6 @@ class ExpandProblem(Problem):
         return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + 2 * c.T * c.N * ey
 
 
-def _ours_expand(module):
-    def run(pb: ExpandProblem, y):
-        module.lora_expand(*pb.args(y))
-    return run
-
-
 def expand_torch_loop(pb: ExpandProblem, y):
     """Per adapter and slice: gather its rows' window of h, one matmul with B, scatter-add."""
     p, R, r = pb.p, pb.case.R, pb.case.rank
@@ -316,12 +321,7 @@ def expand_torch_loop(pb: ExpandProblem, y):
 
 
 def expand_implementations(device) -> Dict[str, Callable]:
-    impls = {"cpu": _ours_expand(lora_ops.ops)} if device == "cpu" else {}
-    if device != "cpu" and backends.cuda_served_by.get("lora_expand") == "cuda":
-        impls["cuda"] = _ours_expand(lora_ops.ops)
-    if device != "cpu" and "triton" not in backends.unavailable:
-        import lora_ops.triton as lt
-        impls["triton"] = _ours_expand(lt)
+    impls = _our_implementations(device, "lora_expand")
     impls["torch_loop"] = expand_torch_loop
     return impls
 
@@ -388,6 +388,9 @@ class GroupedGemmProblem:
         self.groups = [(g, g * case.M, (g + 1) * case.M) for g in range(case.groups)]
         self.case = case
 
+    def args(self, y):
+        return self.p.args(y)
+
     def min_bytes(self) -> int:
         c, p = self.case, self.p
         y_trips = 2 if c.accumulate else 1
@@ -396,12 +399,6 @@ class GroupedGemmProblem:
 
     def flops(self) -> int:
         return 2 * self.case.T * self.case.N * self.case.K
-
-
-def _ours_gg(module):
-    def run(pb: GroupedGemmProblem, y):
-        module.grouped_gemm(*pb.p.args(y))
-    return run
 
 
 def _store(y, d, p):
@@ -432,12 +429,7 @@ def gg_grouped_mm(pb: GroupedGemmProblem, y):
 
 
 def gg_implementations(device) -> Dict[str, Callable]:
-    impls = {"cpu": _ours_gg(lora_ops.ops)} if device == "cpu" else {}
-    if device != "cpu" and backends.cuda_served_by.get("grouped_gemm") == "cuda":
-        impls["cuda"] = _ours_gg(lora_ops.ops)
-    if device != "cpu" and "triton" not in backends.unavailable:
-        import lora_ops.triton as lt
-        impls["triton"] = _ours_gg(lt)
+    impls = _our_implementations(device, "grouped_gemm")
     if device != "cpu" and hasattr(torch, "_grouped_mm"):
         impls["grouped_mm"] = gg_grouped_mm
     impls["torch_loop"] = gg_torch_loop
