@@ -75,8 +75,8 @@ def test_cuda_build_segments_edges(T, num_slots, kind):
         spans = [(t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in poison]
         del poison
         got = ops.build_segments(token_lora_gpu, num_slots)
-    for g in got:
-        assert any(lo <= g.data_ptr() < hi for lo, hi in spans), "an output missed the poisoned memory"
+    for g in got:  # an empty output (no slots) has no memory to poison
+        assert g.numel() == 0 or any(lo <= g.data_ptr() < hi for lo, hi in spans), "an output missed the poison"
     again = ops.build_segments(token_lora_gpu, num_slots)
     for name, g, a, w in zip(("token_indices", "seg_indptr", "seg_lora"), got, again, want):
         assert torch.equal(g.cpu(), w), name
