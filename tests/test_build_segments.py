@@ -53,8 +53,7 @@ def test_cuda_build_segments_edges(T, num_slots, kind):
         pytest.skip("the CUDA build_segments kernel is not built")
     gen = case_generator(f"{T},{num_slots},{kind}")
     if isinstance(num_slots, str):  # where the device's shared memory stops holding 32 copies of every count
-        budget = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - 4 * 32  # less warp_total[32]
-        last = budget // (4 * (2 * 32 + 32 + 1)) - 1  # counts [2][buckets][32] + cursors [32 warps] + starts
+        last = testing.cuda_build_segments_max_slots(32)
         num_slots = last if num_slots == "last_replicated" else last + 1
     if kind == "random":
         token_lora = torch.randint(-2, num_slots + 2, (T,), generator=gen, dtype=torch.int32)

@@ -10,7 +10,7 @@ import torch
 
 import lora_ops
 import lora_ops.ops as ops
-from lora_ops import backends
+from lora_ops import backends, testing
 
 
 def sgmv_args(T=4, K=16, N=12, L=3, R=4, S=1, dtype=torch.float32):
@@ -127,12 +127,13 @@ def test_cuda_build_segments_slot_limit():
     """The CUDA kernel's shared-memory bound on num_slots is a clear error, and the bound itself runs."""
     if backends.cuda_served_by.get("build_segments") != "cuda":
         pytest.skip("the CUDA build_segments kernel is not built")
-    token_lora = torch.tensor([0, 10238, -1, 10238], dtype=torch.int32, device="cuda")
-    seg = ops.build_segments(token_lora, 10239)
+    top = testing.cuda_build_segments_max_slots(1)  # the device's own bound (14519 slots on an H200)
+    token_lora = torch.tensor([0, top - 1, -1, top - 1], dtype=torch.int32, device="cuda")
+    seg = ops.build_segments(token_lora, top)
     assert seg.seg_indptr[-1].item() == 3 and seg.token_indices.tolist() == [0, 1, 3, 2]
-    with pytest.raises(ValueError, match=r"lora_ops\.build_segments: num_slots = 10240 exceeds the CUDA kernel's "
-                                         r"shared-memory histogram \(max 10239\)"):
-        ops.build_segments(token_lora, 10240)
+    with pytest.raises(ValueError, match=rf"lora_ops\.build_segments: num_slots = {top + 1} exceeds the CUDA "
+                                         rf"kernel's shared-memory histogram \(max {top}\)"):
+        ops.build_segments(token_lora, top + 1)
 
 
 def test_debug_mode_rejects_bad_metadata():
