@@ -3,8 +3,9 @@
 #   tests      ctest + the GPU pytest suite (-m gpu: the CPU-only tests run in CI)
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
-#   bench      python -m lora_ops.bench --ops --decode-step --models all -> benchmarks/results/<date>-<gpu>.*,
-#              and, without extra bench arguments, the op table it measures (lora_ops/op_table.json)
+#   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
+#              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
+#              (lora_ops/op_table.json)
 #   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder).
@@ -65,15 +66,26 @@ fi
 if want bench; then
   step bench
   gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
-  name="$(date +%F)-$gpu"
-  table=()  # the op table comes only from a full run: none with extra bench arguments (e.g. --quick)
-  [ ${#bench_args[@]} -gt 0 ] || table=(--op-table lora_ops/op_table.json)
-  $PY -m lora_ops.bench --ops --decode-step --models all --out "benchmarks/results/$name" "${table[@]}" \
-    "${bench_args[@]}" \
-    2>&1 | tee "$OUT/bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  cp benchmarks/results/"$name".* "$OUT"/ 2>/dev/null
-  [ ${#table[@]} -eq 0 ] || cp lora_ops/op_table.json "$OUT"/
+  name="benchmarks/results/$(date +%F)-$gpu"
+  # The op bench and the decode-step bench run as two processes, so that one's results survive the other's crash
+  # or timeout (each part is copied to $OUT when done); then merged into <name>.json, and the op table is written
+  # from the merged file, only from a full run: none with extra bench arguments (e.g. --quick).
+  parts=()
+  for part in ops decode; do
+    args=(--ops); [ $part = ops ] || args=(--decode-step --models all)
+    $PY -m lora_ops.bench "${args[@]}" --out "$name-$part" "${bench_args[@]}" 2>&1 | tee "$OUT/bench-$part.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    [ -f "$name-$part.json" ] && parts+=("$name-$part.json") && cp "$name-$part.json" "$OUT"/
+  done
+  if [ ${#parts[@]} -gt 0 ]; then
+    $PY -m lora_ops.bench.report "${parts[@]}" --out "$name" >/dev/null || status=1
+    rm -f "${parts[@]}" "${parts[@]/%.json/.csv}" "${parts[@]/%.json/.png}"
+    cp "$name".* "$OUT"/ 2>/dev/null
+    if [ ${#bench_args[@]} -eq 0 ]; then
+      $PY -m lora_ops.bench.report "$name.json" --op-table lora_ops/op_table.json && cp lora_ops/op_table.json "$OUT"/ \
+        || status=1
+    fi
+  fi
 fi
 if want mutate; then
   step mutate

@@ -118,6 +118,33 @@ def test_report_writes_the_op_table_from_a_full_runs_results_and_refuses_one_wit
     assert not table.exists()
 
 
+def test_report_merges_the_op_and_decode_runs_of_one_commit_and_writes_the_table_from_them(tmp_path):
+    ops_run = _table_results()
+    ops_run["records"] = [dict(op="launch_floor", backend="torch", mode="graph", us=0.9)] + ops_run["records"]
+    decode = [dict(op="launch_floor", backend="torch", mode="graph", us=0.95),
+              dict(op="decode_step", model="llama3-8b", T=32, adapters=32, rank=16, backend="fold-cuda",
+                   base_us=4370.0, us=6000.0, overhead_pct=37.3, floor_pct=19.0)]
+    decode_run = {k: v for k, v in ops_run.items() if k != "op_bench"}
+    decode_run.update(records=decode, failures=["decode_step fold-triton: raised RuntimeError"])
+    paths = [tmp_path / "ops.json", tmp_path / "decode.json"]
+    for path, run in zip(paths, (ops_run, decode_run)):
+        path.write_text(json.dumps(run))
+    assert report.main([str(p) for p in paths] + ["--out", str(tmp_path / "all")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert merged["op_bench"] == ops_run["op_bench"] and merged["failures"] == decode_run["failures"]
+    assert merged["records"] == ops_run["records"] + decode[1:]  # one launch floor: the first run's
+    with pytest.raises(SystemExit, match="op table not written: the run had 1 failure"):  # a failure of either run
+        report.main([str(p) for p in paths] + ["--op-table", str(tmp_path / "t.json")])
+    decode_run.update(failures=[], git_sha="fedcba9")
+    paths[1].write_text(json.dumps(decode_run))
+    with pytest.raises(SystemExit, match=r"the results disagree on git_sha: \['abc1234', 'fedcba9'\]"):
+        report.main([str(p) for p in paths])
+    decode_run.update(git_sha="abc1234", op_bench=ops_run["op_bench"])
+    paths[1].write_text(json.dumps(decode_run))
+    with pytest.raises(SystemExit, match="more than one of the results has an op bench"):
+        report.main([str(p) for p in paths])
+
+
 def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=4096, groups=8, pct=None,
         unavailable=None):
     r = dict(op="grouped_gemm", backend=backend, mode="graph", shape=shape, groups=groups, T=T, K=K, N=N, dtype=w,

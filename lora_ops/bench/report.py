@@ -5,7 +5,9 @@ table and its claims cannot drift from the data:
 
 rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
 `--op-table lora_ops/op_table.json` it also writes the CUDA kernels' op table from the file's records
-(lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems)."""
+(lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems).
+Several files of one commit and GPU (the op bench and the decode-step bench run as separate processes, so that
+one's results survive the other's crash or timeout) are merged first; `--out PATH` writes the merged results."""
 from __future__ import annotations
 
 import argparse
@@ -234,6 +236,25 @@ def _claims(records: List[dict]) -> List[str]:
     return out
 
 
+def merge(results: List[dict]) -> dict:
+    """One result from runs of one commit on one GPU: their records and failures together, the launch floor and
+    copy bandwidth of the first, the op bench's settings of the run that had one (at most one may)."""
+    for key in ("gpu", "git_sha", "torch"):
+        values = sorted({str(r[key]) for r in results})
+        if len(values) > 1:
+            raise ValueError(f"the results disagree on {key}: {values}; merge only runs of one commit on one GPU")
+    benches = [r["op_bench"] for r in results if "op_bench" in r]
+    if len(benches) > 1:
+        raise ValueError("more than one of the results has an op bench; merge at most one")
+    merged = {k: v for k, v in results[0].items() if k != "op_bench"}
+    merged["failures"] = [f for r in results for f in r["failures"]]
+    merged["records"] = list(results[0]["records"]) + [rec for r in results[1:] for rec in r["records"]
+                                                        if rec["op"] != "launch_floor"]
+    if benches:
+        merged["op_bench"] = benches[0]
+    return merged
+
+
 def readme_section(result: dict) -> str:
     records = result["records"]
     floor = next((r["us"] for r in records if r["op"] == "launch_floor"), None)
@@ -281,22 +302,34 @@ def table_meta(result: dict, source: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", help="a results JSON written by python -m lora_ops.bench --out")
+    ap.add_argument("results", nargs="+", help="results JSON written by python -m lora_ops.bench --out (several: "
+                                               "merged, see merge)")
     ap.add_argument("--readme", default=None, help="rewrite this file's bench section (default: print it)")
     ap.add_argument("--op-table", default=None, metavar="PATH",
                     help="write the op table built from the file's records (lora_ops/op_table.json) instead")
+    ap.add_argument("--out", default=None, help="write the merged results to <out>.json/.csv/.png")
     args = ap.parse_args(argv)
-    with open(args.results) as f:
-        result = json.load(f)
+    loaded = []
+    for path in args.results:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    try:
+        result = merge(loaded)
+    except ValueError as exc:
+        raise SystemExit(f"{', '.join(args.results)}: {exc}")
+    source = os.path.basename(args.results[0])
+    if args.out:
+        write(result, args.out)
+        source = os.path.basename(args.out) + ".json"
     if args.op_table:
         from lora_ops import op_table
         try:
-            op_table.write(args.op_table, result, table_meta(result, source=os.path.basename(args.results)))
+            op_table.write(args.op_table, result, table_meta(result, source=source))
         except ValueError as exc:
-            raise SystemExit(f"{args.results}: {exc}")
+            raise SystemExit(f"{', '.join(args.results)}: {exc}")
     elif args.readme:
         update_readme(args.readme, result)
-    else:
+    elif not args.out:
         print(readme_section(result))
     return 0
 
