@@ -202,10 +202,15 @@ def _grouped_gemm_claims(records: List[dict]) -> List[str]:
             # the same case in bf16: key (shape, groups, T, K, N, w, x, y, accumulate)
             twin = next((b for k, b in cases.items() if k[0] == shape and k[5] == "bfloat16" and best(b) is not None),
                         None)
+            eager = next((r for r in records if r["op"] == "grouped_gemm" and r["backend"] == "grouped_mm"
+                          and r["mode"] == "eager" and r.get("us") and r["shape"] == shape
+                          and r["dtype"] == "float16"), None)
+            torch_fp16 = ("torch._grouped_mm has no fp16 path" if eager is None else
+                          f"torch._grouped_mm's fp16 path cannot be captured in a graph; eager it takes "
+                          f"{eager['us']:.1f} µs, {eager['tflops']:.0f} TFLOP/s")
             if twin is not None:
                 out.append(f"- grouped_gemm {shape} in fp16: {ours['tflops']:.0f} TFLOP/s, "
-                           f"{ours['tflops'] / best(twin)['tflops']:.2f}× its bf16 speed (torch._grouped_mm has no "
-                           "fp16 path).")
+                           f"{ours['tflops'] / best(twin)['tflops']:.2f}× its bf16 speed ({torch_fp16}).")
         if min(K, N) <= 128 and ours.get("pct_roofline") is not None:
             out.append(f"- grouped_gemm {shape}: {ours['us']:.1f} µs, {ours['pct_roofline']:.0f}% of the memory "
                        f"roofline ({ours['backend']}).")
