@@ -120,26 +120,39 @@ def _scan_width(segments: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(segments)))
 
 
+def grouped_gemm_config(positions: int, N: int, K: int) -> dict:
+    """grouped_gemm's config by shape class (table from benchmarks/triton_sweep.py --op grouped_gemm)."""
+    block_m = 16 if positions <= 256 else 64
+    block_n = min(128, max(16, triton.next_power_of_2(N)))
+    block_k = min(64, max(16, triton.next_power_of_2(K)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
 def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
                  alpha: float = 1.0, accumulate: bool = True) -> None:
     seg_indptr, seg_weight, token_indices, n_sizes, k_sizes = _check_grouped_gemm(
         y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes)
+    launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate)
+
+
+def launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate,
+                        config: Optional[dict] = None) -> None:
+    """grouped_gemm without the argument checks (index tensors as _check_grouped_gemm returns them); `config`
+    overrides the shape-class table (for tuning sweeps)."""
     T, K = x.shape
     N = y.shape[1]
     G = seg_weight.shape[0]
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or N == 0:
         return
-    block_m = 16 if positions <= 256 else 64
-    block_n = min(128, max(16, triton.next_power_of_2(N)))
-    block_k = min(64, max(16, triton.next_power_of_2(K)))
-    grid = (tile_bound(positions, G, block_m), triton.cdiv(N, block_n))
+    cfg = config or grouped_gemm_config(positions, N, K)
+    grid = (tile_bound(positions, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     grouped_gemm_kernel[grid](
         y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
         T, N, K, w.shape[0], positions, G, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
         HAS_IDX=token_indices is not None, HAS_N=n_sizes is not None, HAS_K=k_sizes is not None,
         ACCUMULATE=bool(accumulate), X_F32=x.dtype != w.dtype, IEEE=w.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCAN=_scan_width(G), num_warps=4)
+        SCAN=_scan_width(G), **cfg)
 
 
 def build_segments(token_lora: torch.Tensor, num_slots: int):
