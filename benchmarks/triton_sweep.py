@@ -72,7 +72,8 @@ def sweep_grouped_gemm():
         ref = reference.grouped_gemm(*p.args(before.clone()))
         checked = lambda: (p.seg_indptr, p.seg_weight, p.token_indices, p.n_sizes, p.k_sizes)
         run = lambda y, cfg: launch_grouped_gemm(y, p.x, p.w, *checked(), p.alpha, p.accumulate, config=cfg)
-        default = grouped_gemm_config(case.T, case.N, case.K)
+        smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+        default = grouped_gemm_config(case.T, case.N, case.K, p.x.element_size(), p.w.element_size(), smem)
         results = []
         for cfg in gg_candidates(case):
             y = before.clone()

@@ -101,4 +101,9 @@ GG_LARGE_CASES = {
     "expand_4096": lambda g: (_slots(g, 2048, [0, 1, 2]), dict(K=64, N=4096, num_groups=4, x_dtype=torch.float32,
                                                               k_sizes=[64, 16, 8, 64])),
     "odd_gemm": lambda g: (_slots(g, 999, [0, 1]), dict(K=1000, N=777, num_groups=2)),
+    # the Triton table's LoRA classes past 256 positions (n <= 16: 128-deep K steps; k <= 16: 64-column blocks)
+    "shrink_n16": lambda g: (_slots(g, 1500, [0, 1, 2]), dict(K=1000, N=16, num_groups=3, y_dtype=torch.float32,
+                                                             n_sizes=[16, 8, 5])),
+    "expand_k16": lambda g: (_slots(g, 1500, [0, 1, 2]), dict(K=16, N=1000, num_groups=3, x_dtype=torch.float32,
+                                                             k_sizes=[16, 8, 5])),
 }

@@ -3,7 +3,7 @@ import torch
 
 from lora_ops import testing
 
-from conftest import case_generator
+from conftest import case_generator, triton_backend
 from grid import GG_CASES, GG_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -75,3 +75,43 @@ def test_grouped_gemm_deterministic(impl):
         impl.module.grouped_gemm(*problem.args(y))
         outs.append(y)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_triton_grouped_gemm_config_classes():
+    """The Triton table's shape classes (benchmarks/triton_sweep.py): each tuned tile only past 256 positions and
+    where its stages fit the device's shared memory; otherwise the default tile."""
+    config = triton_backend().grouped_gemm_config
+    h200, sm86 = 227 * 1024, 99 * 1024
+    default = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4)
+    big = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    assert config(4096, 4096, 4096, 2, 2, h200) == big
+    assert config(4096, 4096, 4096, 2, 2, sm86) == default  # 144 KB of stages: the default's 72 KB fits
+    assert config(4096, 4096, 4096, 4, 2, h200) == default  # fp32 x (split hi + lo) keeps the default
+    assert config(256, 4096, 4096, 2, 2, h200) == dict(default, BLOCK_M=16)
+    assert config(16384, 16, 4096, 2, 2, h200) == dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4,
+                                                       num_stages=3)
+    assert config(16384, 4096, 16, 4, 2, h200) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4,
+                                                       num_stages=3)
+
+
+@pytest.mark.parametrize("tile", ["big", "shrink", "expand"])
+def test_triton_grouped_gemm_tuned_tiles_match_the_oracle(tile):
+    """Each tuned tile of the Triton table on a problem of its class (fp32 under the interpreter, bf16 on a GPU;
+    the GPU grid's shrink_n16/expand_k16/odd_gemm reach them through the table), forced through
+    launch_grouped_gemm's config: ragged groups, partial tiles, n/k sizes, rows without a group."""
+    module = triton_backend()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = case_generator(f"tuned-{tile}")
+    token_lora = testing.random_token_slots(300, [0, 1, 2, -1], gen)
+    N, K = {"big": (300, 70), "shrink": (16, 200), "expand": (300, 16)}[tile]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the tiles are sized for 16-bit inputs
+    problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=N, dtype=dtype, device=device, gen=gen,
+                                        n_sizes=[N, N - 3, 5], k_sizes=[K, K - 1, 7])
+    cfg = module.grouped_gemm_config(problem.token_indices.shape[0], N, K, 2, 2, 1 << 30)
+    assert cfg["num_stages"] == 3 and (tile != "big" or cfg["BLOCK_N"] == 256)
+
+    def run(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate):
+        module.launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
+                                   accumulate, config=cfg)
+
+    assert testing.run_and_check(run, problem) == ""

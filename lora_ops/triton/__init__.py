@@ -7,6 +7,7 @@ backends); then a kernel config is picked from a small table by shape class: no 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -120,12 +121,31 @@ def _scan_width(segments: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(segments)))
 
 
-def grouped_gemm_config(positions: int, N: int, K: int) -> dict:
-    """grouped_gemm's config by shape class (table from benchmarks/triton_sweep.py --op grouped_gemm)."""
-    block_m = 16 if positions <= 256 else 64
-    block_n = min(128, max(16, triton.next_power_of_2(N)))
-    block_k = min(64, max(16, triton.next_power_of_2(K)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+def grouped_gemm_config(positions: int, N: int, K: int, x_bytes: int, w_bytes: int, smem_bytes: int) -> dict:
+    """grouped_gemm's config by shape class (table from benchmarks/triton_sweep.py --op grouped_gemm on the H200,
+    lora_ops/triton/NOTES.md). Past 256 positions: the LoRA shrink (n <= 16) takes K steps of 128 (40.1 -> 35.3 µs),
+    the LoRA expand (k <= 16) 64-column blocks (132 -> 123 µs), and a GEMM with n >= 256 and 16-bit inputs 128 x 256
+    tiles of 8 warps (424 -> 631 TFLOP/s at 8x512x4096x4096). Each only where its 3 stages of an x tile and a w
+    tile (x_bytes, w_bytes per element) fit the device's shared memory, smem_bytes."""
+    cfg = dict(BLOCK_M=16 if positions <= 256 else 64, BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+               BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), num_warps=4)
+    if positions <= 256:
+        return cfg
+    if N <= 16:
+        tuned = dict(cfg, BLOCK_K=min(128, max(16, triton.next_power_of_2(K))), num_stages=3)
+    elif K <= 16:
+        tuned = dict(cfg, BLOCK_N=64, num_stages=3)
+    elif N >= 256 and K >= 64 and x_bytes == w_bytes == 2:
+        tuned = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    else:
+        return cfg
+    stages = tuned["num_stages"] * tuned["BLOCK_K"] * (tuned["BLOCK_M"] * x_bytes + tuned["BLOCK_N"] * w_bytes)
+    return tuned if stages <= smem_bytes else cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 def grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices=None, n_sizes=None, k_sizes=None,
@@ -145,7 +165,10 @@ def launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes,
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or N == 0:
         return
-    cfg = config or grouped_gemm_config(positions, N, K)
+    # Under the interpreter (CPU tensors) shared memory does not bound a tile.
+    smem = _smem_optin(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+        if x.device.type == "cuda" else 1 << 30
+    cfg = config or grouped_gemm_config(positions, N, K, x.element_size(), w.element_size(), smem)
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     grouped_gemm_kernel[grid](
         y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
