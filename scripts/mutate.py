@@ -131,8 +131,8 @@ MUTATIONS: List[Mutation] = [
              'acc = tl.dot(xt, wt, input_precision="ieee")',
              "Triton grouped_gemm keeps only the last K block (no accumulation across K blocks)", tests=TILING_T),
     Mutation("triton-gg-column-block", "lora_ops/triton/__init__.py",
-             "grid = (tile_bound(positions, G, block_m), triton.cdiv(N, block_n))",
-             "grid = (tile_bound(positions, G, block_m), max(1, N // block_n))",
+             'grid = (tile_bound(positions, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))',
+             'grid = (tile_bound(positions, G, cfg["BLOCK_M"]), max(1, N // cfg["BLOCK_N"]))',
              "Triton grouped_gemm launches floor(N / BLOCK_N) column blocks: the last partial one is dropped",
              tests=TILING_T),
     # ---- Triton half precision (fp16/bf16 run only on a GPU) ----
