@@ -141,7 +141,6 @@ def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rma
     rank = tl.zeros((BLOCK_M,), dtype=tl.int32) + R
     if HAS_RANKS:
         rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot, mask=valid, other=0), 0), R).to(tl.int32)
-    rank = tl.where(valid, rank, 0)
     coef = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if HAS_SCALES:
         coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=valid, other=0.0)
