@@ -165,14 +165,13 @@ def test_linear_lora_deterministic_and_counters_reset(fl):
 
 
 def test_plain_skinny_gemm_without_lora(fl):
-    """launch_linear without LoRA (the decode bench's GEMM-alone part): x·Wᵀ + bias, no LoRA part."""
-    args = _problem("partial_tiles", torch.float32, "plain")
-    cfg = fl.linear_config(19, 70, 45, True)
-    ws = torch.empty(fl.linear_workspace_size(19, 70, False, cfg), device=DEVICE)
-    fl.launch_linear(args["y"], args["x"], args["w"], args["bias"], torch.empty(19, 0, device=DEVICE),
-                     args["lora_b"], args["token_lora"], None, None, [0, 70], 1.0, False, ws, cfg)
-    ref = args["x"].double() @ args["w"].double().t() + args["bias"].double()
-    assert testing.relative_error(args["y"], ref) <= testing.TOLERANCE[torch.float32]
+    """linear(): the kernel without its LoRA part (the decode bench's GEMM-alone part), x·Wᵀ + bias."""
+    for cfg in (None, SPLIT_CFGS[0]):
+        args = _problem("partial_tiles", torch.float32, "plain")
+        before = args["y"].clone()
+        fl.linear(args["y"], args["x"], args["w"], args["bias"], config=cfg)
+        ref = args["x"].double() @ args["w"].double().t() + args["bias"].double()
+        assert testing.check_against_reference(args["y"], before, ref, torch.float32) == ""
 
 
 @pytest.mark.parametrize("change,exc,msg", [
@@ -254,3 +253,17 @@ def test_linear_lora_graph_replay(fl):
         torch.cuda.synchronize()
         ref = reference_linear_lora(**{k: v for k, v in args.items() if k != "y"})
         assert testing.check_against_reference(args["y"], before, ref, torch.bfloat16) == ""
+
+
+@pytest.mark.gpu
+def test_decode_step_fused_routes_match_the_oracle(fl):
+    """The decode-step bench's fused routes and parts on a small 2-layer model: checked against its float64 oracle
+    before they are timed (bench_step records a failure otherwise)."""
+    from lora_ops.bench import decode_step
+    model = decode_step.ModelShape("small", 512, 512, 128, 1024, 2)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(32, 4, 16), "cuda", records, failures, lambda line: None,
+                           only=["fused-triton", "fused-triton-nopdl"], parts=True)
+    assert failures == []
+    assert {"fused-triton", "fused-triton-nopdl", "fused-gemm-only-triton", "shrink-only-triton"} <= \
+        {r["backend"] for r in records}

@@ -217,14 +217,15 @@ def linear_lora_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, h_ptr, b_ptr, token_lora_p
 
 def linear_config(T: int, N: int, K: int, fp32: bool) -> dict:
     """Tiles for a skinny GEMM that streams W once (decode: T <= 128): BLOCK_M covers the rows (two row tiles
-    past 64), 64 columns per tile, 128-deep K steps in 4 stages (24 KB a stage at BLOCK_M = 32: two programs per
-    SM), and K split until there are about two programs per SM (each split at least 4 K steps)."""
+    past 64, adjacent in the grid so that the second reads W from L2), 64 columns per tile, 128-deep K steps in 4
+    stages (24 KB a stage at BLOCK_M = 32), 3 at BLOCK_M = 64 (32 KB a stage): two programs fit an SM either way.
+    K is split until there are about two W programs per SM (each split at least 4 K steps)."""
     block_m = min(64, max(16, triton.next_power_of_2(max(T, 1))))
-    block_k = 32 if fp32 else 128  # fp32 tiles under ieee would not fit 4 stages at 128
+    block_k = 32 if fp32 else 128  # fp32 tiles (ieee) stay small: the interpreter and fp32 are for correctness
     tiles = triton.cdiv(T, block_m) * triton.cdiv(N, 64)
     split_k = max(1, min(triton.cdiv(_TARGET_PROGRAMS, tiles), K // (4 * block_k)))
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
-                num_stages=2 if fp32 else 4)
+                num_stages=2 if fp32 else (4 if block_m <= 32 else 3))
 
 
 def shrink_config(T: int, K: int, fp32: bool) -> dict:
@@ -355,6 +356,28 @@ def linear_lora(y, x, w, bias, lora_a, lora_b, token_lora, lora_ranks=None, lora
         launch_shrink(h, x, lora_a, token_lora, lora_ranks, R, ws[:n_shrink], shrink_cfg)
     launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales, offsets, scale, has_lora,
                   ws[n_shrink:], lin_cfg, pdl=pdl)
+
+
+def linear(y, x, w, bias=None, *, config: Optional[dict] = None) -> None:
+    """y = x·wᵀ + bias by the linear kernel without its LoRA part: the skinny GEMM alone (to compare with cuBLAS)."""
+    lora_b = x.new_empty(0, y.shape[1], 0)
+    no_slots = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+    _check(y, x, w, bias, x.new_empty(0, 0, x.shape[1]), lora_b, no_slots, None, None, None)
+    if y.numel() == 0:
+        return
+    cfg = config or linear_config(x.shape[0], y.shape[1], x.shape[1], x.dtype == torch.float32)
+    ws = torch.empty(linear_workspace_size(x.shape[0], y.shape[1], False, cfg), dtype=torch.float32, device=x.device)
+    launch_linear(y, x, w, bias, x.new_empty(x.shape[0], 0, dtype=torch.float32), lora_b, no_slots, None, None,
+                  [0, y.shape[1]], 1.0, False, ws, cfg)
+
+
+def lora_shrink(h, x, lora_a, token_lora, lora_ranks, R: int) -> None:
+    """The shrink alone, as linear_lora runs it (for timing its part): h [T, S·R] float32, contiguous."""
+    T, K = x.shape
+    L, SR, _ = lora_a.shape
+    cfg = shrink_config(T, K, x.dtype == torch.float32)
+    ws = torch.empty(shrink_workspace_size(T, L, SR, cfg), dtype=torch.float32, device=x.device)
+    launch_shrink(h, x, lora_a, token_lora, lora_ranks, R, ws, cfg)
 
 
 def shrink_workspace_size(T: int, L: int, SR: int, cfg: dict) -> int:
