@@ -30,7 +30,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # Triton before 3.4 (no grid dependency control): launched without PDL, these never run
+    gdc_launch_dependents = gdc_wait = None
+    _HAS_GDC = False
 
 from .kernels import _dot_f32_lhs, _pick
 
@@ -258,7 +263,7 @@ def _pdl_capable(device_index: int) -> bool:
 
 
 def _use_pdl(device: torch.device, pdl: Optional[bool]) -> bool:
-    if device.type != "cuda":  # the interpreter has no grid dependency control
+    if device.type != "cuda" or not _HAS_GDC:  # the interpreter has no grid dependency control
         return False
     capable = _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
     return capable if pdl is None else (pdl and capable)
