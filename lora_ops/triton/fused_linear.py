@@ -136,19 +136,24 @@ def _linear_chunk(x_ptr, w_ptr, rows64, rmask, nn64, nmask, k_begin, k_end, x_st
 def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rmask, nn, nmask, L, R, h_stride,
                 b_s0, b_s1, scales_stride, scale, num_slices, o0, o1, o2, o3, o4, o5, o6, o7, o8,
                 HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LORA_K: tl.constexpr):
+                H_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                LORA_K: tl.constexpr):
     """The tile's LoRA delta, float32: coef_t · h[t, s·R : s·R + r_l] · B[l, tile columns of slice s, :r_l]ᵀ,
     as steps of LORA_K = G slots × BLOCK_R ranks. Per-row slot, rank and coefficient are loaded once; inside the
-    loop only h and B are loaded, B only for slots present in the tile and ranks below theirs."""
+    loop only h and B are loaded (masked loads, nothing else carried between pipeline stages: registers), B only
+    for slots present in the tile and ranks below theirs. A row has one slot, so its coefficient scales its row
+    of the sum once, after the loop. H_SPLIT: h enters the dot as hi + lo halves (float32-accurate, for a float32
+    y); else rounded once to B's dtype, below a half-precision y's own rounding (as the CUDA sgmv does)."""
     slot = tl.load(token_lora_ptr + rows64, mask=rmask, other=-1)
     valid = rmask & (slot >= 0) & (slot < L)
     slot = tl.where(valid, slot, -1).to(tl.int32)  # an int64 slot past int32 becomes -1, never a valid one
     rank = tl.zeros((BLOCK_M,), dtype=tl.int32) + R
     if HAS_RANKS:
         rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot, mask=valid, other=0), 0), R).to(tl.int32)
+    rank = tl.where(valid, rank, 0)  # a row without LoRA takes no step and gets exactly 0 below
     coef = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale
     if HAS_SCALES:
-        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=valid, other=0.0)
+        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=valid, other=1.0)
     if USE_PDL:
         gdc_wait()  # h is the shrink kernel's output
     kk = tl.arange(0, LORA_K)
@@ -169,11 +174,14 @@ def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rma
                 takes = (slot[:, None] == lk[None, :]) & (r[None, :] < rank[:, None])  # [BLOCK_M, LORA_K]
                 present = tl.max(takes.to(tl.int32), axis=0) > 0  # a row of the tile has slot lk, rank > r
                 hv = tl.load(h_base, mask=takes, other=0.0)
-                hx = tl.where(takes, hv * coef[:, None], 0.0)  # not 0 · coef: coef may be inf or NaN
                 bt = tl.load(b_ptr + lk.to(tl.int64)[:, None] * b_s0 + nn64[None, :] * b_s1 + r[:, None],
                              mask=present[:, None] & cols[None, :], other=0.0)
-                acc += _dot_f32_lhs(hx, bt, IEEE)
-    return acc
+                if IEEE | H_SPLIT:
+                    acc += _dot_f32_lhs(hv, bt, IEEE)
+                else:
+                    acc += tl.dot(hv.to(bt.dtype), bt)
+    # Rows without a slot or of a rank-0 slot took no step: exactly 0, not 0 · coef (coef may be inf or NaN).
+    return tl.where((rank > 0)[:, None], acc * coef[:, None], 0.0)
 
 
 @triton.jit
@@ -182,7 +190,7 @@ def linear_lora_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, h_ptr, b_ptr, token_lora_p
                        T, N, K, L, R, y_stride, x_stride, w_stride, h_stride, b_s0, b_s1, scales_stride, scale,
                        num_slices, o0, o1, o2, o3, o4, o5, o6, o7, o8,
                        HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr,
-                       HAS_SCALES: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_SCALES: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr, H_SPLIT: tl.constexpr,
                        SPLIT_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, LORA_K: tl.constexpr):
     """Program (output tile, part): part 0 is the LoRA delta when HAS_LORA, the others K-chunks of x·Wᵀ
@@ -201,7 +209,7 @@ def linear_lora_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, h_ptr, b_ptr, token_lora_p
     if split < 0:
         acc = _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rmask, nn, nmask, L, R,
                           h_stride, b_s0, b_s1, scales_stride, scale, num_slices, o0, o1, o2, o3, o4, o5, o6, o7,
-                          o8, HAS_RANKS, HAS_SCALES, USE_PDL, IEEE, BLOCK_M, BLOCK_N, BLOCK_R, LORA_K)
+                          o8, HAS_RANKS, HAS_SCALES, USE_PDL, IEEE, H_SPLIT, BLOCK_M, BLOCK_N, BLOCK_R, LORA_K)
     else:
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_begin = split * chunk
@@ -433,5 +441,9 @@ def launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales,
         T, N, K, L, R, y.stride(0), x.stride(0), w.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1),
         lora_scales.stride(0) if lora_scales is not None else 0, float(scale), len(offsets) - 1, *padded,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, HAS_RANKS=lora_ranks is not None,
-        HAS_SCALES=lora_scales is not None, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32, PARTS=parts,
-        BLOCK_R=block_r, LORA_K=max(block_r, 64), **({"launch_pdl": True} if use_pdl else {}), **cfg)
+        HAS_SCALES=lora_scales is not None, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
+        H_SPLIT=y.dtype == torch.float32, PARTS=parts,
+        # One slot per LoRA step: 4 slots a step (LORA_K = 64) took 255 registers a thread with spills (ptxas,
+        # sm_90a, T=32 qkv), and the register count of the LoRA part is the whole kernel's, W parts included; one
+        # slot takes 128 and none spilled.
+        BLOCK_R=block_r, LORA_K=block_r, **({"launch_pdl": True} if use_pdl else {}), **cfg)
