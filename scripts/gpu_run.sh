@@ -28,6 +28,8 @@ status=0
 step() { echo; echo "=== $* ($(date +%T)) ==="; }
 
 step build
+# Wheels carried to a machine without a registry (.whl/, git-ignored), e.g. nvidia-cutlass for the sm_90a build.
+if compgen -G ".whl/*.whl" >/dev/null; then $PY -m pip install -q --no-deps .whl/*.whl || exit 1; fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc)
 t0=$(date +%s)
 $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 || exit 1
