@@ -136,10 +136,10 @@ def _linear_chunk(x_ptr, w_ptr, rows64, rmask, nn64, nmask, k_begin, k_end, x_st
 def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rmask, nn, nmask, L, R, h_stride,
                 b_s0, b_s1, scales_stride, scale, num_slices, o0, o1, o2, o3, o4, o5, o6, o7, o8,
                 HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
-                H_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                LORA_K: tl.constexpr):
+                H_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """The tile's LoRA delta, float32: coef_t · h[t, s·R : s·R + r_l] · B[l, tile columns of slice s, :r_l]ᵀ,
-    as steps of LORA_K = G slots × BLOCK_R ranks. Per-row slot, rank and coefficient are loaded once; inside the
+    as one step of BLOCK_R ranks per slot (4 slots a step took 255 registers a thread with spills on sm_90a, and
+    this part's register count is the whole kernel's; one slot takes 128, none spilled). Per-row slot, rank and coefficient are loaded once; inside the
     loop only h and B are loaded (masked loads, nothing else carried between pipeline stages: registers), B only
     for slots present in the tile and ranks below theirs. A row has one slot, so its coefficient scales its row
     of the sum once, after the loop. H_SPLIT: h enters the dot as hi + lo halves (float32-accurate, for a float32
@@ -156,9 +156,7 @@ def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rma
         coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=valid, other=1.0)
     if USE_PDL:
         gdc_wait()  # h is the shrink kernel's output
-    kk = tl.arange(0, LORA_K)
-    g = kk // BLOCK_R
-    r = kk % BLOCK_R
+    r = tl.arange(0, BLOCK_R)
     nn64 = nn.to(tl.int64)
     n_first = tl.min(nn, axis=0)
     n_last = tl.max(tl.where(nmask, nn, n_first), axis=0)
@@ -169,10 +167,10 @@ def _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rma
         if (lo < hi) & (lo <= n_last) & (hi > n_first):  # the tile holds columns of slice s
             cols = nmask & (nn >= lo) & (nn < hi)
             h_base = h_ptr + rows64[:, None] * h_stride + (s * R + r)[None, :]
-            for l0 in range(0, L, LORA_K // BLOCK_R):
-                lk = l0 + g
-                takes = (slot[:, None] == lk[None, :]) & (r[None, :] < rank[:, None])  # [BLOCK_M, LORA_K]
-                present = tl.max(takes.to(tl.int32), axis=0) > 0  # a row of the tile has slot lk, rank > r
+            for l in range(0, L):
+                lk = l + tl.zeros((BLOCK_R,), dtype=tl.int32)  # the step's slot, per rank column
+                takes = (slot[:, None] == lk[None, :]) & (r[None, :] < rank[:, None])  # [BLOCK_M, BLOCK_R]
+                present = tl.max(takes.to(tl.int32), axis=0) > 0  # a row of the tile has slot l, rank > r
                 hv = tl.load(h_base, mask=takes, other=0.0)
                 bt = tl.load(b_ptr + lk.to(tl.int64)[:, None] * b_s0 + nn64[None, :] * b_s1 + r[:, None],
                              mask=present[:, None] & cols[None, :], other=0.0)
@@ -192,7 +190,7 @@ def linear_lora_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, h_ptr, b_ptr, token_lora_p
                        HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr,
                        HAS_SCALES: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr, H_SPLIT: tl.constexpr,
                        SPLIT_K: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, LORA_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program (output tile, part): part 0 is the LoRA delta when HAS_LORA, the others K-chunks of x·Wᵀ
     (PARTS = SPLIT_K + HAS_LORA). Parts of one tile are adjacent programs, the row tiles of one column block
     adjacent tiles (they read the same W columns at about the same time)."""
@@ -209,7 +207,7 @@ def linear_lora_kernel(y_ptr, x_ptr, w_ptr, bias_ptr, h_ptr, b_ptr, token_lora_p
     if split < 0:
         acc = _lora_delta(h_ptr, b_ptr, token_lora_ptr, ranks_ptr, scales_ptr, rows64, rmask, nn, nmask, L, R,
                           h_stride, b_s0, b_s1, scales_stride, scale, num_slices, o0, o1, o2, o3, o4, o5, o6, o7,
-                          o8, HAS_RANKS, HAS_SCALES, USE_PDL, IEEE, H_SPLIT, BLOCK_M, BLOCK_N, BLOCK_R, LORA_K)
+                          o8, HAS_RANKS, HAS_SCALES, USE_PDL, IEEE, H_SPLIT, BLOCK_M, BLOCK_N, BLOCK_R)
     else:
         chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_begin = split * chunk
@@ -442,8 +440,5 @@ def launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales,
         lora_scales.stride(0) if lora_scales is not None else 0, float(scale), len(offsets) - 1, *padded,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, HAS_RANKS=lora_ranks is not None,
         HAS_SCALES=lora_scales is not None, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
-        H_SPLIT=y.dtype == torch.float32, PARTS=parts,
-        # One slot per LoRA step: 4 slots a step (LORA_K = 64) took 255 registers a thread with spills (ptxas,
-        # sm_90a, T=32 qkv), and the register count of the LoRA part is the whole kernel's, W parts included; one
-        # slot takes 128 and none spilled.
-        BLOCK_R=block_r, LORA_K=block_r, **({"launch_pdl": True} if use_pdl else {}), **cfg)
+        H_SPLIT=y.dtype == torch.float32, PARTS=parts, BLOCK_R=block_r,
+        **({"launch_pdl": True} if use_pdl else {}), **cfg)
