@@ -91,19 +91,9 @@ def lora_shrink_kernel(h_ptr, x_ptr, a_ptr, token_lora_ptr, ranks_ptr, ws_ptr, c
     k_begin = split * chunk
     k_end = tl.minimum(k_begin + chunk, K)
     rows64 = rows.to(tl.int64)
-    a_base = a_ptr + slot.to(tl.int64) * a_s0 + jj.to(tl.int64)[None, :] * a_s1
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_SR), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < k_end
-        xt = tl.load(x_ptr + rows64[:, None] * x_stride + kk[None, :], mask=mine[:, None] & kmask[None, :],
-                     other=0.0)
-        at = tl.load(a_base + kk[:, None], mask=kmask[:, None] & live[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(xt, at, input_precision="ieee")
-        else:
-            acc += tl.dot(xt, at)
+    # x[rows on slot l] · A[l]ᵀ: A[l] as the weight of a linear chunk, its rows j the output columns
+    acc = _linear_chunk(x_ptr, a_ptr + slot.to(tl.int64) * a_s0, rows64, mine, jj.to(tl.int64), live, k_begin, k_end,
+                        x_stride, a_s1, IEEE, BLOCK_M, BLOCK_SR, BLOCK_K)
     if SPLIT_K > 1:
         last, acc = _sum_parts(acc, ws_ptr + group.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_SR),
                                counters_ptr + group, split, SPLIT_K, BLOCK_M, BLOCK_SR)
