@@ -22,6 +22,7 @@ be read, at the same bandwidth), and the relative error of the first layer's out
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -220,8 +221,6 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
         import lora_ops.triton as lt
         out["sgmv-triton"] = ("sgmv", lt.sgmv)
         out["fold-triton"] = ("fold", lt.lora_expand)
-        import functools
-
         from lora_ops.triton.fused_linear import linear_lora
         out["fused-triton"] = ("fused", linear_lora)
         out["fused-triton-nopdl"] = ("fused", functools.partial(linear_lora, pdl=False))
@@ -286,8 +285,9 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
             continue
         backend = name.split("-")[1]
         if kind == "fused":
-            parts[f"fused-gemm-only-{backend}"] = s.fused_gemm_calls()
-            parts[f"shrink-only-{backend}"] = s.shrink_only_calls()
+            if f"fused-gemm-only-{backend}" not in parts:  # fused-triton and fused-triton-nopdl share their parts
+                parts[f"fused-gemm-only-{backend}"] = s.fused_gemm_calls()
+                parts[f"shrink-only-{backend}"] = s.shrink_only_calls()
             continue
         parts[f"{'expand' if kind == 'fold' else 'sgmv'}-only-{backend}"] = \
             s.expand_only_calls(op) if kind == "fold" else s.sgmv_only_calls(op)

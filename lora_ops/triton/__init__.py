@@ -143,6 +143,11 @@ def grouped_gemm_config(positions: int, N: int, K: int, x_bytes: int, w_bytes: i
     return tuned if stages <= smem_bytes else cfg
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_optin(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
@@ -166,8 +171,7 @@ def launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes,
     if T == 0 or G == 0 or N == 0:
         return
     # Under the interpreter (CPU tensors) shared memory does not bound a tile.
-    smem = _smem_optin(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-        if x.device.type == "cuda" else 1 << 30
+    smem = _smem_optin(device_index(x.device)) if x.device.type == "cuda" else 1 << 30
     cfg = config or grouped_gemm_config(positions, N, K, x.element_size(), w.element_size(), smem)
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     grouped_gemm_kernel[grid](

@@ -37,6 +37,7 @@ except ImportError:  # Triton before 3.4 (no grid dependency control): launched 
     gdc_launch_dependents = gdc_wait = None
     _HAS_GDC = False
 
+from . import device_index
 from .kernels import _dot_f32_lhs, _pick
 
 _MAX_SLICES = 8
@@ -261,7 +262,7 @@ def _pdl_capable(device_index: int) -> bool:
 def _use_pdl(device: torch.device, pdl: Optional[bool]) -> bool:
     if device.type != "cuda" or not _HAS_GDC:  # the interpreter has no grid dependency control
         return False
-    capable = _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    capable = _pdl_capable(device_index(device))
     return capable if pdl is None else (pdl and capable)
 
 
@@ -385,7 +386,7 @@ def shrink_workspace_size(T: int, L: int, SR: int, cfg: dict) -> int:
     """float32 elements of the shrink's K-split partials: a tile per (slot, row tile, split)."""
     if cfg["SPLIT_K"] == 1:
         return 0
-    return L * triton.cdiv(T, cfg["BLOCK_M"]) * cfg["SPLIT_K"] * cfg["BLOCK_M"] * _block_sr(SR)
+    return L * triton.cdiv(T, cfg["BLOCK_M"]) * cfg["SPLIT_K"] * cfg["BLOCK_M"] * _rank_block(SR)
 
 
 def linear_workspace_size(T: int, N: int, has_lora: bool, cfg: dict) -> int:
@@ -396,8 +397,9 @@ def linear_workspace_size(T: int, N: int, has_lora: bool, cfg: dict) -> int:
     return triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) * parts * cfg["BLOCK_M"] * cfg["BLOCK_N"]
 
 
-def _block_sr(SR: int) -> int:
-    return max(16, triton.next_power_of_2(SR))
+def _rank_block(width: int) -> int:
+    """The power-of-2 block (at least 16, the dot's minimum) that covers `width` ranks (S·R in the shrink)."""
+    return max(16, triton.next_power_of_2(width))
 
 
 def launch_shrink(h, x, lora_a, token_lora, lora_ranks, R: int, ws, cfg: dict) -> None:
@@ -409,7 +411,7 @@ def launch_shrink(h, x, lora_a, token_lora, lora_ranks, R: int, ws, cfg: dict) -
     lora_shrink_kernel[(groups * cfg["SPLIT_K"],)](
         h, x, lora_a, token_lora, lora_ranks, ws, _counters("shrink", x.device, groups), T, K, L, R, SR,
         h.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1), HAS_RANKS=lora_ranks is not None,
-        IEEE=x.dtype == torch.float32, USE_PDL=_use_pdl(x.device, None), BLOCK_SR=_block_sr(SR), **cfg)
+        IEEE=x.dtype == torch.float32, USE_PDL=_use_pdl(x.device, None), BLOCK_SR=_rank_block(SR), **cfg)
 
 
 def launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales, offsets: Sequence[int],
@@ -421,7 +423,6 @@ def launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales,
     L, _, R = lora_b.shape
     tiles = triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     parts = cfg["SPLIT_K"] + has_lora
-    block_r = max(16, triton.next_power_of_2(R))
     padded = list(offsets) + [N] * (_MAX_SLICES + 1 - len(offsets))
     use_pdl = has_lora and _use_pdl(x.device, pdl)
     linear_lora_kernel[(tiles * parts,)](
@@ -430,5 +431,5 @@ def launch_linear(y, x, w, bias, h, lora_b, token_lora, lora_ranks, lora_scales,
         lora_scales.stride(0) if lora_scales is not None else 0, float(scale), len(offsets) - 1, *padded,
         HAS_BIAS=bias is not None, HAS_LORA=has_lora, HAS_RANKS=lora_ranks is not None,
         HAS_SCALES=lora_scales is not None, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
-        H_SPLIT=y.dtype == torch.float32, PARTS=parts, BLOCK_R=block_r,
+        H_SPLIT=y.dtype == torch.float32, PARTS=parts, BLOCK_R=_rank_block(R),
         **({"launch_pdl": True} if use_pdl else {}), **cfg)
