@@ -61,6 +61,11 @@ uint64_t set_split(MatmulTiles& tiles, int64_t ld, bool with_source) {
   return uint64_t(tiles.block_dim) * tiles.split_block_elems * 2;
 }
 
+// The AIC -> AIV hand-off (kernel_common.h SlotWriter): per block, two slots of tile_rows x n_block floats.
+uint64_t slot_workspace_bytes(const MatmulTiles& tiles) {
+  return uint64_t(tiles.block_dim) * 2 * tiles.tile_rows * tiles.n_block * sizeof(float);
+}
+
 // Output columns of one L0C stage of floats for tiles of tile_rows rows (a multiple of 16, a valid Mmad n).
 int64_t l0c_cols(int64_t tile_rows) {
   return std::min<int64_t>(round_down(kL0CStage / (tile_rows * 4), 16), kMaxMmadDim);
@@ -149,7 +154,7 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   t.a_stride1 = p.a_stride1;
   t.x_dtype = code(p.x_dtype);
   t.y_dtype = code(p.y_dtype);
-  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  plan.workspace_bytes = slot_workspace_bytes(t.tiles);
   if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/true);
   plan.launch = true;
   return plan;
@@ -193,7 +198,7 @@ Plan<LoraExpandTiling> plan_lora_expand(const ExpandParams& p, const Target& tar
   t.h_dtype = code(p.h_dtype);
   t.b_dtype = code(p.b_dtype);
   t.y_dtype = code(p.y_dtype);
-  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  plan.workspace_bytes = slot_workspace_bytes(t.tiles);
   if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/false);
   plan.launch = true;
   return plan;
@@ -234,7 +239,7 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
   t.y_dtype = code(p.y_dtype);
   t.has_n_sizes = p.n_sizes != nullptr;
   t.has_k_sizes = p.k_sizes != nullptr;
-  plan.workspace_bytes = uint64_t(t.tiles.block_dim) * 2 * tile_rows * t.tiles.n_block * sizeof(float);
+  plan.workspace_bytes = slot_workspace_bytes(t.tiles);
   if (p.x_dtype != p.w_dtype) plan.split_bytes = set_split(t.tiles, round_up(p.k, 16), /*with_source=*/false);
   plan.launch = true;
   return plan;
