@@ -117,34 +117,6 @@ class GroupedGemmKernel {
   GlobalTensor<W> w_;
 };
 
-template <typename X, typename W, typename Y>
-__aicore__ inline void RunGroupedGemm(const GroupedGemmTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR w,
-                                      GM_ADDR seg_indptr, GM_ADDR seg_weight, GM_ADDR token_indices, GM_ADDR n_sizes,
-                                      GM_ADDR k_sizes, GM_ADDR workspace, GM_ADDR split) {
-  GroupedGemmKernel<X, W, Y> kernel(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, workspace,
-                                    split);
-  RunOnCores(kernel);
-}
-
-// A 16-bit w: x and y each in w's dtype or float32.
-template <typename W>
-__aicore__ inline void RunGroupedGemmHalfW(const GroupedGemmTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR w,
-                                           GM_ADDR seg_indptr, GM_ADDR seg_weight, GM_ADDR token_indices,
-                                           GM_ADDR n_sizes, GM_ADDR k_sizes, GM_ADDR workspace, GM_ADDR split) {
-  const bool f32_x = t.x_dtype == kFloat, f32_y = t.y_dtype == kFloat;
-  if (f32_x) {
-    f32_y ? RunGroupedGemm<float, W, float>(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
-                                            workspace, split)
-          : RunGroupedGemm<float, W, W>(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
-                                        workspace, split);
-  } else {
-    f32_y ? RunGroupedGemm<W, W, float>(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
-                                        workspace, split)
-          : RunGroupedGemm<W, W, W>(t, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, workspace,
-                                    split);
-  }
-}
-
 }  // namespace
 }  // namespace lora_ops::ascend
 
@@ -155,16 +127,8 @@ extern "C" __global__ __aicore__ void lora_ops_grouped_gemm(GM_ADDR y, GM_ADDR x
                                                             lora_ops::ascend::GroupedGemmTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
-  if (tiling.w_dtype == kHalf) {
-    RunGroupedGemmHalfW<half>(tiling, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, workspace,
-                              split);
-  } else if (tiling.w_dtype == kBf16) {
-    RunGroupedGemmHalfW<bfloat16_t>(tiling, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
-                                    workspace, split);
-  } else {
-    RunGroupedGemm<float, float, float>(tiling, y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
-                                        workspace, split);
-  }
+  RunForDtypes<GroupedGemmKernel>(tiling, tiling.w_dtype, tiling.x_dtype, tiling.y_dtype, y, x, w, seg_indptr,
+                                  seg_weight, token_indices, n_sizes, k_sizes, workspace, split);
 }
 
 namespace lora_ops::ascend {

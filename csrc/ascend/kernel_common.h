@@ -45,6 +45,40 @@ __aicore__ inline void RunOnCores(Kernel& kernel) {
   }
 }
 
+// Kernel<L, T, Y>(t, gm...) on both sides of a MIX kernel.
+template <template <typename, typename, typename> class Kernel, typename L, typename T, typename Y, class Tiling,
+          class... Gm>
+__aicore__ inline void RunKernel(const Tiling& t, Gm... gm) {
+  Kernel<L, T, Y> kernel(t, gm...);
+  RunOnCores(kernel);
+}
+
+// A 16-bit T: L and Y each T or float32.
+template <template <typename, typename, typename> class Kernel, typename T, class Tiling, class... Gm>
+__aicore__ inline void RunForHalfOperand(const Tiling& t, bool f32_left, bool f32_y, Gm... gm) {
+  if (f32_left) {
+    f32_y ? RunKernel<Kernel, float, T, float>(t, gm...) : RunKernel<Kernel, float, T, T>(t, gm...);
+  } else {
+    f32_y ? RunKernel<Kernel, T, T, float>(t, gm...) : RunKernel<Kernel, T, T, T>(t, gm...);
+  }
+}
+
+// Kernel<L, T, Y> (T: the cube's operand type, L: its left operand's, Y: y's) for the dtypes a matmul with an
+// optional hi + lo split takes: a 16-bit T with L and Y each T or float32 (a float32 L enters the cube as hi + lo
+// halves of T), else all float32. The dtypes are DTypeCode; gm are the kernel's GM arguments after the tiling.
+template <template <typename, typename, typename> class Kernel, class Tiling, class... Gm>
+__aicore__ inline void RunForDtypes(const Tiling& t, uint32_t operand_dtype, uint32_t left_dtype, uint32_t y_dtype,
+                                    Gm... gm) {
+  const bool f32_left = left_dtype == kFloat, f32_y = y_dtype == kFloat;
+  if (operand_dtype == kHalf) {
+    RunForHalfOperand<Kernel, half>(t, f32_left, f32_y, gm...);
+  } else if (operand_dtype == kBf16) {
+    RunForHalfOperand<Kernel, bfloat16_t>(t, f32_left, f32_y, gm...);
+  } else {
+    RunKernel<Kernel, float, float, float>(t, gm...);
+  }
+}
+
 template <typename T>
 constexpr int64_t C0 = 32 / sizeof(T);  // elements per 32-byte fractal row
 

@@ -112,34 +112,6 @@ class LoraExpandKernel {
   GlobalTensor<T> b_;
 };
 
-template <typename H, typename T, typename Y>
-__aicore__ inline void RunLoraExpand(const LoraExpandTiling& t, GM_ADDR y, GM_ADDR h, GM_ADDR lora_b,
-                                     GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices, GM_ADDR lora_ranks,
-                                     GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split) {
-  LoraExpandKernel<H, T, Y> kernel(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                                   workspace, split);
-  RunOnCores(kernel);
-}
-
-// A 16-bit B: h and y each in B's dtype or float32.
-template <typename T>
-__aicore__ inline void RunLoraExpandHalfB(const LoraExpandTiling& t, GM_ADDR y, GM_ADDR h, GM_ADDR lora_b,
-                                          GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices,
-                                          GM_ADDR lora_ranks, GM_ADDR lora_scales, GM_ADDR workspace, GM_ADDR split) {
-  const bool f32_h = t.h_dtype == kFloat, f32_y = t.y_dtype == kFloat;
-  if (f32_h) {
-    f32_y ? RunLoraExpand<float, T, float>(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                                           lora_scales, workspace, split)
-          : RunLoraExpand<float, T, T>(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                                       workspace, split);
-  } else {
-    f32_y ? RunLoraExpand<T, T, float>(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                                       workspace, split)
-          : RunLoraExpand<T, T, T>(t, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                                   workspace, split);
-  }
-}
-
 }  // namespace
 }  // namespace lora_ops::ascend
 
@@ -150,16 +122,8 @@ extern "C" __global__ __aicore__ void lora_ops_lora_expand(GM_ADDR y, GM_ADDR h,
                                                            lora_ops::ascend::LoraExpandTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
-  if (tiling.b_dtype == kHalf) {
-    RunLoraExpandHalfB<half>(tiling, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                             workspace, split);
-  } else if (tiling.b_dtype == kBf16) {
-    RunLoraExpandHalfB<bfloat16_t>(tiling, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                                   lora_scales, workspace, split);
-  } else {
-    RunLoraExpand<float, float, float>(tiling, y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
-                                       lora_scales, workspace, split);
-  }
+  RunForDtypes<LoraExpandKernel>(tiling, tiling.b_dtype, tiling.h_dtype, tiling.y_dtype, y, h, lora_b, seg_indptr,
+                                 seg_lora, token_indices, lora_ranks, lora_scales, workspace, split);
 }
 
 namespace lora_ops::ascend {
