@@ -222,8 +222,7 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
   t.tiles.tile_rows = static_cast<uint32_t>(tile_rows);
   t.tiles.k_chunk = static_cast<uint32_t>(k_chunk);
   t.tiles.n_block = static_cast<uint32_t>(std::min<int64_t>(
-      {round_down(kL0BStage / (k_chunk * elem), 16), round_down(kL0CStage / (tile_rows * 4), 16), 256,
-       round_up(p.n, 16)}));
+      {round_down(kL0BStage / (k_chunk * elem), 16), l0c_cols(tile_rows), 256, round_up(p.n, 16)}));
   t.tiles.block_dim = blocks_for(p.seg, tile_rows, target);
   t.seg = segment_shape(p.seg, p.rows, p.num_groups);
   t.k = p.k;
