@@ -25,6 +25,23 @@ def _cuda_home():
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
 
 
+def _configure_cutlass(arch_list):
+    """The sm_90a grouped_gemm (csrc/cuda/grouped_gemm_sm90.cu) builds when the arch list has 9.0a and the
+    nvidia-cutlass package (pinned in scripts/install.sh) provides CUTLASS's headers (docs/design.md §4)."""
+    if "9.0a" not in arch_list.replace(";", " ").split():
+        return {"built": False, "reason": f"TORCH_CUDA_ARCH_LIST={arch_list!r} has no 9.0a"}
+    try:
+        import cutlass_library
+    except ImportError as exc:
+        print(f"lora_ops: nvidia-cutlass not importable ({exc}); building without the sm_90a grouped_gemm")
+        return {"built": False, "reason": f"nvidia-cutlass not importable at build time: {exc}"}
+    include = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    if not os.path.exists(os.path.join(include, "cutlass", "cutlass.h")):
+        return {"built": False, "reason": f"nvidia-cutlass has no headers at {include}"}
+    from importlib.metadata import version
+    return {"built": True, "include": include, "nvidia_cutlass": version("nvidia-cutlass")}
+
+
 def _configure_ascend():
     """The Ascend backend builds when ASCEND_HOME_PATH names a CANN toolkit and torch_npu is importable."""
     cann = os.environ.get("ASCEND_HOME_PATH")
@@ -73,7 +90,8 @@ def _configure():
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
-                                        "cuda_home": cuda_home, "torch_cuda": torch.version.cuda}
+                                        "cuda_home": cuda_home, "torch_cuda": torch.version.cuda,
+                                        "grouped_gemm_sm90": _configure_cutlass(os.environ["TORCH_CUDA_ARCH_LIST"])}
     info["backends"]["ascend"] = _configure_ascend()
     return info
 
@@ -112,6 +130,10 @@ def _extensions(info):
                                            py_limited_api=True, **ext_kwargs), model]
     sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
     nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLORA_OPS_WITH_CUDA"]
+    cutlass = info["backends"]["cuda"]["grouped_gemm_sm90"]
+    if cutlass["built"]:
+        # CUTLASS's headers as system headers (their warnings are not ours); only grouped_gemm_sm90.cu includes them
+        nvcc += ["-isystem", cutlass["include"], "-DLORA_OPS_GG_SM90"]
     return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True, **ext_kwargs,
                                         extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc}),
             model]

@@ -40,6 +40,20 @@ cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cu
 constexpr int kGroupedGemmExpandMaxK = 128;
 cudaError_t launch_grouped_gemm_expand(const GroupedGemmParams& p, int num_sms, cudaStream_t stream);
 
+// grouped_gemm on sm_90a (grouped_gemm_sm90.cu: CUTLASS 3.x ptr-array, TMA + wgmma), compiled in when setup.py
+// builds for 9.0a with the nvidia-cutlass headers (LORA_OPS_GG_SM90). It takes only what it serves exactly:
+// a 9.0 device, x, w and y all fp16 or all bf16, no token_indices, 16-byte aligned bases and strides.
+// Preferred (by the automatic choice) from N, K >= kGroupedGemmSm90MinNK and kGroupedGemmSm90MinRowsPerGroup
+// positions per segment on average. The workspace (device arrays of the per-group problems and CUTLASS's
+// tensor maps) comes from the caller, grouped_gemm_sm90_workspace_bytes long.
+constexpr int64_t kGroupedGemmSm90MinNK = 128;
+constexpr int64_t kGroupedGemmSm90MinRowsPerGroup = 64;
+bool grouped_gemm_sm90_built();
+bool grouped_gemm_sm90_supported(const GroupedGemmParams& p, int cc_major, int cc_minor);
+bool grouped_gemm_sm90_preferred(const GroupedGemmParams& p);
+size_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmParams& p, int num_sms);
+cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace, int num_sms, cudaStream_t stream);
+
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);

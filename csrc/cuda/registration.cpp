@@ -21,10 +21,17 @@ namespace {
 
 // Device attributes the launch plans need, read once per device.
 int device_attribute(cudaDeviceAttr attr, int device) {
-  static int cached[2][64] = {};
-  int& value = cached[attr == cudaDevAttrMultiProcessorCount ? 0 : 1][device & 63];
-  if (value == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
-  return value;
+  static int cached[3][64] = {};
+  const int which = attr == cudaDevAttrMultiProcessorCount ? 0 : attr == cudaDevAttrComputeCapabilityMajor ? 1 : 2;
+  TORCH_INTERNAL_ASSERT(which < 2 || attr == cudaDevAttrComputeCapabilityMinor);
+  int& value = cached[which][device & 63];
+  // stored plus one, so that 0 means "not read yet" (a minor version of 0 is a valid value)
+  if (value == 0) {
+    int read = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&read, attr, device));
+    value = read + 1;
+  }
+  return value - 1;
 }
 
 // ---- the op table (csrc/common/op_table.h): a call in a regime it gives to Triton is redispatched to
@@ -150,14 +157,16 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
-// over the whole grid); unset or "auto": by shape.
-enum class GroupedGemmKernel { Auto, Mma, Skinny };
+// over the whole grid); =sm90 takes the sm_90a CUTLASS kernel wherever it can serve the input exactly (whatever
+// the sizes) and the automatic choice elsewhere; unset or "auto": by shape.
+enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90 };
 GroupedGemmKernel preferred_grouped_gemm_kernel() {
   const char* v = std::getenv("LORA_OPS_CUDA_GG_KERNEL");
   if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return GroupedGemmKernel::Auto;
   if (!std::strcmp(v, "mma")) return GroupedGemmKernel::Mma;
   if (!std::strcmp(v, "skinny")) return GroupedGemmKernel::Skinny;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_GG_KERNEL = '", v, "': expected auto, mma or skinny");
+  if (!std::strcmp(v, "sm90")) return GroupedGemmKernel::Sm90;
+  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_GG_KERNEL = '", v, "': expected auto, mma, skinny or sm90");
 }
 
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
@@ -179,12 +188,27 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   if (p.rows == 0 || p.seg.num_segments == 0 || p.num_groups == 0 || p.n == 0 || p.seg.positions == 0) return;
   if (p.k == 0 && p.accumulate) return;  // every reduction is empty: y stays as it is
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int device = y.get_device();
+  // Large groups on sm_90: TMA + wgmma (CUTLASS). Its workspace: the per-group problem arrays the prep kernel
+  // fills on the device, and CUTLASS's per-SM tensor maps, from the caching allocator on this stream.
+  if ((preferred == GroupedGemmKernel::Sm90 ||
+       (preferred == GroupedGemmKernel::Auto && cuda::grouped_gemm_sm90_preferred(p))) &&
+      cuda::grouped_gemm_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                        device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    const auto workspace = at::empty({static_cast<int64_t>(cuda::grouped_gemm_sm90_workspace_bytes(p, sms))},
+                                     y.options().dtype(at::kByte));
+    C10_CUDA_CHECK(cuda::launch_grouped_gemm_sm90(p, workspace.data_ptr(), sms, stream));
+    return;
+  }
   // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
+  // A forced sm90 the kernel cannot take falls back to the automatic choice.
+  const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90;
   const bool skinny = preferred == GroupedGemmKernel::Skinny ||
-                      (preferred == GroupedGemmKernel::Auto &&
+                      (automatic &&
                        (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));
   if (skinny && p.k <= cuda::kGroupedGemmExpandMaxK) {
-    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, y.get_device());
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
     return;
   }
