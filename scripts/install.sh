@@ -2,7 +2,7 @@
 # Installs what lora_ops needs and builds it, doing only what is missing or changed, one line per action:
 #   - system packages g++, cmake, libgtest-dev, python3.X-dev (apt-get), when absent;
 #   - Python packages (pip: torch==2.14.1 unless a torch is there, the build tools, pytest, the [hf] extras),
-#     when one is missing;
+#     when one is missing; nvidia-cutlass==4.2.0 (CUTLASS headers, --no-deps) unless LORA_OPS_NO_CUDA=1;
 #   - lora_ops/_C.so (`pip install --no-build-isolation --no-deps -e .`: CPU kernels, and the CUDA kernels when
 #     torch has CUDA and nvcc is found), when scripts/extension_stamp.py finds a reason, which it prints; the
 #     compiler then recompiles only the changed files.
@@ -37,6 +37,20 @@ PYCODE
 if [ -n "$to_install" ]; then
   say "installing Python packages into $("$PY" -c 'import sys; print(sys.prefix)'): $to_install"
   quietly "$PY" -m pip install $to_install
+fi
+
+# CUTLASS's headers for the sm_90a grouped_gemm (csrc/cuda/grouped_gemm_sm90.cu; setup.py finds them through
+# cutlass_library). Headers only, so --no-deps: its dependencies (cuda-python) would replace the cuda-bindings that
+# torch brought. The CPU-only build does not need it.
+CUTLASS_PIN=4.2.0
+if [ "${LORA_OPS_NO_CUDA:-}" != 1 ] && ! "$PY" - "$CUTLASS_PIN" 2>/dev/null <<'PYCODE'
+import importlib.metadata, sys
+have = importlib.metadata.version("nvidia-cutlass").split(".")
+sys.exit(have[:3] != sys.argv[1].split(".") or any(part != "0" for part in have[3:]))
+PYCODE
+then
+  say "installing nvidia-cutlass==$CUTLASS_PIN (headers for the sm_90a grouped_gemm; --no-deps)"
+  quietly "$PY" -m pip install --no-deps "nvidia-cutlass==$CUTLASS_PIN"
 fi
 
 if line=$("$PY" scripts/extension_stamp.py check); then
