@@ -3,7 +3,9 @@ cases the grid does not reach: rows that are not 16-byte aligned (element-wise s
 NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CUDA-graph replay.
 
 `mma`: the 128 x 128 tile kernel for every input; `skinny`: the expand kernel where K <= 128, else the narrow
-tiles of the tile kernel (several column tiles where N > 128)."""
+tiles of the tile kernel (several column tiles where N > 128); `sm90`: the sm_90a CUTLASS kernel where it can take
+the input (contiguous segments, 16-byte aligned fp16/bf16 tensors: few of this grid's cases), the automatic choice
+elsewhere (test_grouped_gemm_sm90.py covers its own grid)."""
 import zlib
 
 import pytest
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["mma", "skinny"])
+@pytest.fixture(params=["mma", "skinny", "sm90"])
 def kernel(request, monkeypatch):
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
