@@ -284,7 +284,7 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
   const size_t arrays_bytes = carve_arrays(p.seg.num_segments, base, &arr);
   grouped_gemm_sm90_prep_kernel<<<1, 32, 0, stream>>>(p, arr);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (!p.accumulate && p.k_sizes != nullptr) {  // only per-slot k_l can be 0 here (eligible calls have K >= 1)
+  if (!p.accumulate && (p.k_sizes != nullptr || p.k == 0)) {  // else no k_l is 0: nothing to zero
     constexpr int64_t kMaxBlocks = 1024;
     const int64_t rows_per_block = kZeroThreads / 32;
     const int blocks = (int)std::min<int64_t>(kMaxBlocks, (p.seg.positions + rows_per_block - 1) / rows_per_block);
@@ -295,6 +295,7 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
     using G = decltype(gemm);
     using Kernel = typename G::Kernel;
     auto args = arguments<G>(p, arr, num_sms);
+    if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;  // host-side checks (mode, schedule)
     void* cutlass_workspace = base + arrays_bytes;
     if (Kernel::initialize_workspace(args, cutlass_workspace, stream) != cutlass::Status::kSuccess) {
       return cudaErrorUnknown;
