@@ -48,8 +48,9 @@ def _kernels(fn):
 
 
 def _ran_sm90(kernels, schedule=None):
-    """The call ran the prep kernel and CUTLASS's grouped kernel (with `schedule` in its name, when given)."""
-    cutlass = [k for k in kernels if "cutlass::device_kernel" in k]
+    """The call ran the prep kernel and CUTLASS's grouped kernel (with `schedule` in its name, when given). The
+    profiler may report the names mangled (`_ZN7cutlass13device_kernel...`) or demangled."""
+    cutlass = [k for k in kernels if "cutlass" in k and "device_kernel" in k]
     return any(PREP in k for k in kernels) and bool(cutlass) and all(schedule in k for k in cutlass if schedule)
 
 
