@@ -9,10 +9,6 @@ adapter of a 32-slot pool. Routes:
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
                the lora_expand op adds each row's own window of h times its B (backend <b>).
-- fused-triton: no expand: a split-K shrink gives each row's own h (float32), then one Triton kernel streams the
-               plain W (the fold layout's first rows) and adds h·B[slot]ᵀ in the same pass
-               (lora_ops/triton/fused_linear.py), launched with PDL on sm_90; fused-triton-nopdl: without PDL.
-               Routed by token_lora directly (no build_segments). Not in the serving table yet (write_routes).
 
 The sgmv and fold routes also run build_segments once per step. Reported per route: µs per step, the overhead over base
 in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
@@ -22,7 +18,6 @@ be read, at the same bandwidth), and the relative error of the first layer's out
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -149,13 +144,6 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
-    def fused_calls(self, linear_lora) -> List[Callable[[], None]]:
-        # The first call is the step's preamble in every route (build_segments elsewhere): nothing here.
-        return [lambda: None] + [
-            lambda m=m, n=n: linear_lora(self.y[n], self.x[n], m.w, None, m.lora_a, m.lora_b, self.token_lora,
-                                         self.ranks, self.scales, m.slice_offsets, 1.0)
-            for layer in self.layers for n, m in zip(self.names, layer)]
-
     # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
     def fold_gemm_calls(self) -> List[Callable[[], None]]:
         return [lambda m=m, n=n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n])
@@ -176,19 +164,6 @@ class Setup:
                  self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
-
-    def fused_gemm_calls(self) -> List[Callable[[], None]]:
-        """The fused route's linear kernel without its LoRA part: the Triton skinny GEMM against cuBLAS (base)."""
-        import lora_ops.triton.fused_linear as fl
-        return [lambda m=m, n=n: fl.linear(self.y[n], self.x[n], m.w)
-                for layer in self.layers for n, m in zip(self.names, layer)]
-
-    def shrink_only_calls(self) -> List[Callable[[], None]]:
-        import lora_ops.triton.fused_linear as fl
-        h = {n: torch.empty(self.step.T, m.S * m.R, dtype=torch.float32, device=m.w.device)
-             for n, m in zip(self.names, self.layers[0])}
-        return [lambda m=m, n=n: fl.lora_shrink(h[n], self.x[n], m.lora_a, self.token_lora, self.ranks, m.R)
-                for layer in self.layers for n, m in zip(self.names, layer)]
 
     def outputs(self, route: str) -> Dict[str, torch.Tensor]:
         """The first layer's outputs as the route leaves them: valid after build_segments and layer 0's calls
@@ -221,9 +196,6 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
         import lora_ops.triton as lt
         out["sgmv-triton"] = ("sgmv", lt.sgmv)
         out["fold-triton"] = ("fold", lt.lora_expand)
-        from lora_ops.triton.fused_linear import linear_lora
-        out["fused-triton"] = ("fused", linear_lora)
-        out["fused-triton-nopdl"] = ("fused", functools.partial(linear_lora, pdl=False))
     return out
 
 
@@ -251,7 +223,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            calls = {"sgmv": s.sgmv_calls, "fold": s.fold_calls, "fused": s.fused_calls}[kind](op)
+            calls = {"sgmv": s.sgmv_calls, "fold": s.fold_calls}[kind](op)
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
@@ -277,18 +249,12 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
 
 def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
     """Each route's parts alone (op "decode_step_part"): the fold GEMMs, the expand kernels on their output, the
-    sgmv kernels without the base GEMM, and the fused route's shrink and its linear kernel without LoRA; µs per
-    step and as % of the base step."""
+    sgmv kernels without the base GEMM; µs per step and as % of the base step."""
     parts = {"fold-gemm": s.fold_gemm_calls()}
     for name, (kind, op) in routes().items():
         if only and name not in only:
             continue
         backend = name.split("-")[1]
-        if kind == "fused":
-            if f"fused-gemm-only-{backend}" not in parts:  # fused-triton and fused-triton-nopdl share their parts
-                parts[f"fused-gemm-only-{backend}"] = s.fused_gemm_calls()
-                parts[f"shrink-only-{backend}"] = s.shrink_only_calls()
-            continue
         parts[f"{'expand' if kind == 'fold' else 'sgmv'}-only-{backend}"] = \
             s.expand_only_calls(op) if kind == "fold" else s.sgmv_only_calls(op)
     for name, calls in parts.items():
@@ -314,10 +280,9 @@ def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
 
     from lora_ops import routes as table_format
     regimes = []
-    served = [name for name, (kind, _) in routes().items() if kind != "fused"]  # fused: not in serving yet
     for bound, T in zip(table_format.REGIME_BOUNDS, table_format.REGIME_SAMPLES):
         first = len(records)
-        bench_step(MODELS["llama3-8b"], Step(T, 32, 16), device, records, failures, log, only=served)
+        bench_step(MODELS["llama3-8b"], Step(T, 32, 16), device, records, failures, log)
         timed = {r["backend"]: r["us"] for r in records[first:]}
         lora = {k: v for k, v in timed.items() if k != "base"}
         if not lora:
