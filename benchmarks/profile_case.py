@@ -1,8 +1,9 @@
 """Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h) a few times, for a profiler
 or a tracing build:
-`ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank] [--expand]`.
+`ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
+[--expand] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one slice).
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
-import sys
+import argparse
 
 import torch
 
@@ -10,11 +11,19 @@ import lora_ops
 from lora_ops.bench.ops import Case, Problem
 
 
-def main(argv):
-    expand = "--expand" in argv
-    args = [int(v) for v in argv if v != "--expand"]
-    T, adapters, rank = args[:3]
-    case = Case(T, adapters, rank, pool_rank=args[3] if len(args) > 3 else None)
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    for name in ("T", "adapters", "rank"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("pool_rank", type=int, nargs="?")
+    parser.add_argument("--expand", action="store_true")
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--slices", type=int, default=1)
+    args = parser.parse_args()
+    expand = args.expand
+    case = Case(args.T, args.adapters, args.rank, K=args.k, N=args.n, slices=args.slices, pool_rank=args.pool_rank)
+    T = case.T
     pb = Problem(case, torch.bfloat16, "cuda", seed=1)
     p = pb.p
     h = torch.randn(T, *p.lora_a.shape[:2], dtype=torch.bfloat16, device="cuda")
@@ -34,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
