@@ -20,6 +20,13 @@
 //     and the epilogue is a large share of each tile's time.
 // Both in 2 x 1 clusters: the two CTAs of a cluster take adjacent M tiles of one group and N column, so each w
 // tile is fetched from memory once and multicast to both (w is the larger operand per tile).
+// NDEBUG before any include: otherwise CUTLASS's device asserts (cute/pointer_flagged.hpp's swizzle-alignment
+// check) compile to an __assertfail call in every kernel, and that ABI call costs the pingpong kernels a 32-byte
+// stack frame and spills (ptxas: 32 B spill stores, 36 B loads at the 168-register cap). torch builds the same
+// kernels in a Release (NDEBUG) build; this file has no asserts of its own.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
 #include "common.cuh"
 #include "kernels.h"
 
