@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -234,6 +235,27 @@ __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, i
   __syncthreads();
   *out = s_tile;
   return s_found;
+}
+
+// How many CTAs of `kernel` (`threads` threads, no dynamic shared memory) the current device holds at once, over
+// all its SMs; asked once per (device, kernel).
+inline cudaError_t resident_ctas(const void* kernel, int threads, int64_t* out) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int64_t> known;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find({device, kernel}); it != known.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  int per_sm = 0, sms = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  *out = known[{device, kernel}] = std::max<int64_t>(1, (int64_t)per_sm * sms);
+  return cudaSuccess;
 }
 
 // Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the previous kernel
