@@ -1,4 +1,3 @@
-import contextlib
 import glob
 import os
 import secrets
@@ -100,37 +99,15 @@ ASCEND_MODEL_IMPL = pytest.param(Impl("ascend-model", "cpu", None, (torch.float1
                                  id="ascend-model")
 
 
-# The CUDA expand's SIMT kernel, forced where the tensor-core kernel would serve (16-bit weights): for the test
-# files of the ops that run it (lora_expand, and the decode sgmv's second step).
-CUDA_SIMT_EXPAND_IMPL = pytest.param(Impl("cuda-simt-expand", "cuda", lora_ops.ops,
-                                          (torch.float32, torch.float16, torch.bfloat16)),
-                                     id="cuda-simt-expand", marks=pytest.mark.gpu)
-
-
 def use_impl(impl):
     """The body of the `impl` fixture: resolves the module of a parameter, then yields it."""
     if impl.module is None:
         impl.module = ascend_model() if impl.name == "ascend-model" else triton_backend()
-    if impl.name.startswith("cuda"):  # the C++ kernels themselves, not the regimes the op table hands to Triton
-        forced = {"LORA_OPS_CUDA_EXPAND_KERNEL": "simt"} if impl.name == "cuda-simt-expand" else {}
-        with op_table.disabled(), _environment(forced):
+    if impl.name == "cuda":  # the C++ kernels themselves, not the regimes the op table hands to Triton
+        with op_table.disabled():
             yield impl
     else:
         yield impl
-
-
-@contextlib.contextmanager
-def _environment(values):
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(params=IMPLS)

@@ -9,13 +9,13 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import reference, testing
 
-from conftest import ASCEND_MODEL_IMPL, CUDA_SIMT_EXPAND_IMPL, IMPLS, case_generator, use_impl
+from conftest import ASCEND_MODEL_IMPL, IMPLS, case_generator, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=IMPLS + [CUDA_SIMT_EXPAND_IMPL, ASCEND_MODEL_IMPL])
+@pytest.fixture(params=IMPLS + [ASCEND_MODEL_IMPL])
 def impl(request):
     yield from use_impl(request.param)
 

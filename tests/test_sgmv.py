@@ -93,18 +93,15 @@ def test_sgmv_deterministic(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "split-simt-expand", "mma"])
+@pytest.mark.parametrize("kernel", ["split", "mma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     """Every CUDA sgmv kernel over the whole grid, not only where the automatic choice puts it on this GPU
-    (a preferred kernel that cannot take an input leaves it to the automatic choice). split-simt-expand: the
-    split shrink, then the expand's SIMT kernel where the tensor-core one would serve."""
+    (a preferred kernel that cannot take an input leaves it to the automatic choice)."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel.split("-")[0])
-    if kernel.endswith("simt-expand"):
-        monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", "simt")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name == "garbage_metadata":
         _check_garbage_metadata(cuda, dtype)

@@ -1,13 +1,12 @@
 // grouped_gemm on sm_90a: a CUTLASS 3.x ptr-array grouped GEMM (TMA loads and stores, wgmma, warp-specialized
 // persistent CTAs in 2 x 1 clusters) for the large-group case: fp16/bf16 x, w and y, rows of each segment
-// contiguous (no token_indices), TMA-aligned tensors. Everything else stays on the mma.sync kernels.
+// contiguous (no token_indices), TMA-aligned tensors, every group the full N x K (no n_sizes/k_sizes), N and K
+// positive multiples of 8. Everything else stays on the mma.sync kernels.
 //
 // The per-group problems live only on the device: a one-warp prep kernel walks the segments (clamped, running
 // maximum: docs/design.md §2) and writes CUTLASS's arrays (problem shapes, A/B/D pointers, strides) into the
 // workspace; the host passes no problem shapes, so nothing is read back and the call is capturable. A segment
-// with an invalid slot, no rows, n_l = 0 or k_l = 0 becomes an empty problem (no tiles) whose pointers are the
-// tensors' bases. CUTLASS's mainloop leaves the accumulators unset for a zero-length K, so k_l = 0 never reaches
-// it: with accumulate those rows stay bitwise as they are, without it a second small kernel writes their zeros.
+// with an invalid slot or no rows becomes an empty problem (no tiles) whose pointers are the tensors' bases.
 // accumulate is the epilogue's beta = 1 reading C = y (same pointers as D); beta = 0 skips the C load entirely.
 //
 // Two tile configurations, the two that torch._grouped_mm (aten GroupMM.cu) uses on sm_90, so that the kernel
@@ -95,7 +94,7 @@ struct GroupedGemm {
                 "the prep kernel writes (leading dimension, 1, 0) strides");
 };
 
-// The device arrays CUTLASS reads (one entry per segment), plus what the zero kernel needs.
+// The device arrays CUTLASS reads (one entry per segment).
 struct Arrays {
   MNK* shapes;
   const void** a;
@@ -104,8 +103,6 @@ struct Arrays {
   RowStride* stride_a;
   RowStride* stride_b;
   RowStride* stride_d;
-  int32_t* bounds;     // [G + 1]: m_0 .. m_G, the clamped running maximum of seg_indptr
-  int32_t* zero_cols;  // [G]: columns to zero in the segment's rows (k_l = 0 without accumulate), else 0
 };
 
 constexpr size_t kArrayAlign = 128;
@@ -127,13 +124,11 @@ size_t carve_arrays(int64_t groups, unsigned char* base, Arrays* out) {
   take(out->stride_a, g * sizeof(RowStride));
   take(out->stride_b, g * sizeof(RowStride));
   take(out->stride_d, g * sizeof(RowStride));
-  take(out->bounds, (g + 1) * sizeof(int32_t));
-  take(out->zero_cols, g * sizeof(int32_t));
   return offset;
 }
 
 // One warp, 32 segments per step: segment g covers [m_g, m_{g+1}) with m the clamped running maximum of
-// seg_indptr; its slot, n_l and k_l are clamped as in every other kernel. Anything invalid or empty becomes the
+// seg_indptr; its slot is clamped as in every other kernel. Anything invalid or empty becomes the
 // empty problem (0, 0, 0) with the tensors' base pointers.
 __global__ void grouped_gemm_sm90_prep_kernel(GroupedGemmParams p, Arrays out) {
   const int lane = threadIdx.x;
@@ -142,7 +137,6 @@ __global__ void grouped_gemm_sm90_prep_kernel(GroupedGemmParams p, Arrays out) {
   const auto* w = static_cast<const unsigned char*>(p.w);
   auto* y = static_cast<unsigned char*>(p.y);
   int64_t m_carry = clamped_indptr(p.seg, 0);
-  if (lane == 0) out.bounds[0] = static_cast<int32_t>(m_carry);
   for (int64_t base = 0; base < p.seg.num_segments; base += 32) {
     const int64_t g = base + lane;
     const bool in = g < p.seg.num_segments;
@@ -153,47 +147,16 @@ __global__ void grouped_gemm_sm90_prep_kernel(GroupedGemmParams p, Arrays out) {
     if (in) {
       const int64_t slot = segment_slot(p.seg, g, p.num_groups);
       const int64_t rows = m_end - m_begin;
-      const int64_t n_l = slot >= 0 ? slot_size(p.n_sizes, slot, p.n) : 0;
-      const int64_t k_l = slot >= 0 ? slot_size(p.k_sizes, slot, p.k) : 0;
-      const bool work = rows > 0 && n_l > 0 && k_l > 0;
-      out.shapes[g] = work ? MNK(static_cast<int>(rows), static_cast<int>(n_l), static_cast<int>(k_l)) : MNK(0, 0, 0);
+      const bool work = rows > 0 && slot >= 0;
+      out.shapes[g] = work ? MNK(static_cast<int>(rows), static_cast<int>(p.n), static_cast<int>(p.k)) : MNK(0, 0, 0);
       out.a[g] = x + (work ? m_begin * p.x_row_stride * ex : 0);
       out.b[g] = w + (work ? slot * p.w_stride0 * ew : 0);
       out.d[g] = y + (work ? m_begin * p.y_row_stride * ey : 0);
       out.stride_a[g] = RowStride(p.x_row_stride, _1{}, _0{});
       out.stride_b[g] = RowStride(p.w_stride1, _1{}, _0{});
       out.stride_d[g] = RowStride(p.y_row_stride, _1{}, _0{});
-      out.bounds[g + 1] = static_cast<int32_t>(m_end);
-      out.zero_cols[g] = (!p.accumulate && slot >= 0 && rows > 0 && k_l == 0) ? static_cast<int32_t>(n_l) : 0;
     }
     m_carry = __shfl_sync(0xffffffffu, m_end, 31);
-  }
-}
-
-// y[row, :zero_cols[g]] = 0 (16-bit y, the only eligible kind) for the rows of segments with an empty reduction
-// and accumulate = false: one warp per row finds its segment by binary search over the bounds.
-constexpr int kZeroThreads = 256;
-__global__ void __launch_bounds__(kZeroThreads) grouped_gemm_sm90_zero_kernel(GroupedGemmParams p,
-                                                                              const int32_t* bounds,
-                                                                              const int32_t* zero_cols) {
-  constexpr int kWarps = kZeroThreads / 32;
-  const int lane = threadIdx.x & 31;
-  const int64_t groups = p.seg.num_segments;
-  for (int64_t row = blockIdx.x * (int64_t)kWarps + threadIdx.x / 32; row < p.seg.positions;
-       row += (int64_t)gridDim.x * kWarps) {
-    int64_t lo = 0, hi = groups + 1;  // first i in [0, G + 1) with bounds[i] > row
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (bounds[mid] <= row) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const int64_t g = lo - 1;  // bounds[g] <= row < bounds[g + 1] when 0 <= g < G
-    if (g < 0 || g >= groups) continue;
-    uint16_t* dst = static_cast<uint16_t*>(p.y) + row * p.y_row_stride;
-    for (int64_t c = lane; c < zero_cols[g]; c += 32) dst[c] = 0;  // +0.0 in fp16 and bf16
   }
 }
 
@@ -260,6 +223,11 @@ bool grouped_gemm_sm90_supported(const GroupedGemmParams& p, int cc_major, int c
       !aligned16(p.y, {p.y_row_stride * es})) {
     return false;
   }
+  // Full-width groups of N and K multiples of 8 only. On the H200, groups with n_l = 129 and n_l = 1
+  // (n_sizes) had 7 columns past n_l written: the 16-byte TMA tiles round a group's extent up to 8 elements.
+  // Per-group sizes are device data the host cannot check, so any n_sizes or k_sizes goes to the mma kernel, and
+  // so does K = 0 (no reduction: y is only zeroed or kept).
+  if (p.n_sizes != nullptr || p.k_sizes != nullptr || p.n % 8 != 0 || p.k % 8 != 0 || p.k == 0) return false;
   // CUTLASS's problem shapes and group count are int.
   return p.n <= INT_MAX && p.k <= INT_MAX && p.seg.num_segments <= INT_MAX && p.seg.positions <= INT_MAX;
 }
@@ -291,13 +259,6 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
   const size_t arrays_bytes = carve_arrays(p.seg.num_segments, base, &arr);
   grouped_gemm_sm90_prep_kernel<<<1, 32, 0, stream>>>(p, arr);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (!p.accumulate && (p.k_sizes != nullptr || p.k == 0)) {  // else no k_l is 0: nothing to zero
-    constexpr int64_t kMaxBlocks = 1024;
-    const int64_t rows_per_block = kZeroThreads / 32;
-    const int blocks = (int)std::min<int64_t>(kMaxBlocks, (p.seg.positions + rows_per_block - 1) / rows_per_block);
-    grouped_gemm_sm90_zero_kernel<<<blocks, kZeroThreads, 0, stream>>>(p, arr.bounds, arr.zero_cols);
-    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  }
   return dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
     using Kernel = typename G::Kernel;

@@ -21,10 +21,8 @@ ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms);
 cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream);
 
 // y += h * B^T per segment (the lora_expand op, and step 2 of the decode sgmv). From sm_90 it is launched
-// programmatically dependent on the previous kernel in the stream. The tensor-core kernel serves the inputs
-// lora_expand_mma_supported accepts (16-bit B, sm_80+) unless `prefer_simt`; the SIMT kernel serves every input.
-bool lora_expand_mma_supported(const ExpandParams& p, int cc_major);
-cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, bool prefer_simt, cudaStream_t stream);
+// programmatically dependent on the previous kernel in the stream.
+cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

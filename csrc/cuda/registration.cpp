@@ -68,16 +68,6 @@ SgmvKernel preferred_sgmv_kernel() {
   TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma or split");
 }
 
-// LORA_OPS_CUDA_EXPAND_KERNEL=simt makes the lora_expand op and the decode sgmv's expand take the SIMT kernel
-// (tests use it to cover it on 16-bit weights); unset, "auto" or "mma": the tensor-core kernel where it can take
-// the input.
-bool prefer_simt_expand() {
-  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_KERNEL");
-  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto") || !std::strcmp(v, "mma")) return false;
-  if (!std::strcmp(v, "simt")) return true;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_EXPAND_KERNEL = '", v, "': expected auto, mma or simt");
-}
-
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
 constexpr int64_t kMmaMinPositions = 1024;
 
@@ -142,8 +132,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const auto plan = cuda::plan_sgmv_shrink(p, sms);
   const auto partials = at::empty({plan.splits * p.rows * p.num_slices * p.max_rank}, y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_shrink(p, plan, partials.data_ptr<float>(), stream));
-  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), cc_major,
-                                          prefer_simt_expand(), stream));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), cc_major, stream));
 }
 
 void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -163,8 +152,8 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
-  C10_CUDA_CHECK(cuda::launch_lora_expand(p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()),
-                                          prefer_simt_expand(), c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(
+      p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), c10::cuda::getCurrentCUDAStream()));
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
