@@ -149,6 +149,20 @@ def make_grouped_gemm(token_lora: torch.Tensor, *, num_groups: int, K: int, N: i
                               to(as_t(k_sizes)), alpha, accumulate)
 
 
+def capture_grouped_gemm(op, problem, y: torch.Tensor) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of op(*problem.args(y)): one call on a scratch copy of y first, on a side stream outside the
+    capture (it sets kernel attributes, which a capture cannot), then the captured call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(*problem.args(y.clone()))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(*problem.args(y))
+    return graph
+
+
 def cuda_build_segments_max_slots(count_copies: int) -> int:
     """The most slots the CUDA build_segments kernel holds on the current device with `count_copies` (32 or 1)
     copies of each count: the opt-in shared memory less its static warp_total[32], over the int32 words per bucket

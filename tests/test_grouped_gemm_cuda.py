@@ -117,14 +117,7 @@ def test_cuda_graph_replay(kernel, name):
     dtype = torch.bfloat16
     problem = gg._problem(GG_LARGE_CASES[name], _cuda(dtype), dtype, key=f"{name}-11")
     y = problem.y.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first call outside the capture (sets kernel attributes)
-        lora_ops.ops.grouped_gemm(*problem.args(y.clone()))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lora_ops.ops.grouped_gemm(*problem.args(y))
+    graph = testing.capture_grouped_gemm(lora_ops.ops.grouped_gemm, problem, y)
     fresh = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
     y.copy_(fresh)
     graph.replay()

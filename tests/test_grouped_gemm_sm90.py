@@ -203,14 +203,7 @@ def test_sm90_cuda_graph_replay(sm90, name):
     problem = testing.make_grouped_gemm(token_lora, num_groups=5, dtype=torch.bfloat16, device="cuda", gen=gen,
                                         gathered=False, **kw)
     y = problem.y.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first call outside the capture (sets kernel attributes)
-        lora_ops.ops.grouped_gemm(*problem.args(y.clone()))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lora_ops.ops.grouped_gemm(*problem.args(y))
+    graph = testing.capture_grouped_gemm(lora_ops.ops.grouped_gemm, problem, y)
     fresh = torch.randn(y.shape, generator=gen).to(y.dtype).cuda()
     y.copy_(fresh)
     problem.seg_weight.copy_(problem.seg_weight.flip(0))  # the replay reads the metadata on the device
