@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
-#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -237,24 +237,26 @@ __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, i
   return s_found;
 }
 
-// How many CTAs of `kernel` (`threads` threads, no dynamic shared memory) the current device holds at once, over
-// all its SMs; asked once per (device, kernel).
-inline cudaError_t resident_ctas(const void* kernel, int threads, int64_t* out) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, int64_t> known;
+// How many CTAs of kKernel (`threads` threads, no dynamic shared memory) the current device holds at once, over
+// all its SMs. Asked once per (kernel, device) and kept lock-free: decode launches the expand hundreds of times a
+// step, and a racing first call only stores the same value twice.
+template <auto kKernel>
+cudaError_t resident_ctas(int threads, int64_t* out) {
+  static std::atomic<int64_t> per_device[64];  // 0: not asked yet
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = known.find({device, kernel}); it != known.end()) {
-    *out = it->second;
-    return cudaSuccess;
+  std::atomic<int64_t>& known = per_device[device & 63];
+  int64_t value = known.load(std::memory_order_relaxed);
+  if (value == 0) {
+    int per_sm = 0, sms = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    value = std::max<int64_t>(1, (int64_t)per_sm * sms);
+    known.store(value, std::memory_order_relaxed);
   }
-  int per_sm = 0, sms = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  *out = known[{device, kernel}] = std::max<int64_t>(1, (int64_t)per_sm * sms);
+  *out = value;
   return cudaSuccess;
 }
 

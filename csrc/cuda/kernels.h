@@ -42,7 +42,8 @@ cudaError_t launch_grouped_gemm_expand(const GroupedGemmParams& p, int num_sms, 
 
 // grouped_gemm on sm_90a (grouped_gemm_sm90.cu: CUTLASS 3.x ptr-array, TMA + wgmma), compiled in when setup.py
 // builds for 9.0a with the nvidia-cutlass headers (LORA_OPS_GG_SM90). It takes only what it serves exactly:
-// a 9.0 device, x, w and y all fp16 or all bf16, no token_indices, 16-byte aligned bases and strides.
+// a 9.0 device, x, w and y all fp16 or all bf16, no token_indices, 16-byte aligned bases and strides, every
+// group the full N x K (no n_sizes/k_sizes) with N and K positive multiples of 8.
 // Preferred (by the automatic choice) from N, K >= kGroupedGemmSm90MinNK and kGroupedGemmSm90MinRowsPerGroup
 // positions per segment on average. The workspace (device arrays of the per-group problems and CUTLASS's
 // tensor maps) comes from the caller, grouped_gemm_sm90_workspace_bytes long.

@@ -182,7 +182,9 @@ cudaError_t launch_typed(const ExpandParams& p, int64_t col_blocks, int64_t tile
                          cudaStream_t stream) {
   auto kernel = vec ? lora_expand_kernel<TB, TH, TY, true> : lora_expand_kernel<TB, TH, TY, false>;
   int64_t resident = 0;
-  if (const cudaError_t err = resident_ctas((const void*)kernel, kThreads, &resident); err != cudaSuccess) return err;
+  const cudaError_t err = vec ? resident_ctas<lora_expand_kernel<TB, TH, TY, true>>(kThreads, &resident)
+                              : resident_ctas<lora_expand_kernel<TB, TH, TY, false>>(kThreads, &resident);
+  if (err != cudaSuccess) return err;
   const int64_t tile_rows = std::max<int64_t>(1, resident / col_blocks);
   const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
   return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
