@@ -11,10 +11,11 @@
 //   2. each warp (64 columns, 2 per lane) starts copying B for its first items (an item: one tile's next 32 rank
 //      columns) into its own shared-memory stages with cp.async, several items in flight and no register held;
 //      weights are never written by the producer, so this happens before grid_dependency_wait (sm_90 PDL);
-//   3. after the wait, loads the window's h (summed over splits, scaled) into shared memory in one trip;
+//   3. after the wait, loads the window's h (summed over splits, scaled) into shared memory, and copies y of the
+//      tiles whose last item is in flight into that item's stage, in the same trip;
 //   4. each warp then runs through the items on its own (no CTA barrier): wait for the item's stage, FMA for the
-//      tile's rows only, refill the stage with the item `stages` ahead; y of the next tile is loaded while this one
-//      computes, and y is written once per tile.
+//      tile's rows only, and at a tile's last item write y + acc from the staged y; then refill the stage with
+//      the item `stages` ahead (B, and y if it ends a tile).
 // Each y element belongs to one lane of one CTA: no atomics, deterministic.
 #include <algorithm>
 
@@ -33,13 +34,14 @@ constexpr int kTileRows = 8;
 constexpr int kMaxWindow = 64;              // tiles listed at a time
 constexpr int kMaxStages = 8;
 constexpr int64_t kItemRanks = 32;          // rank columns of B per item (at most)
-constexpr int64_t kStageBudget = 48 * 1024;  // shared memory for the B stages of the 4 warps
-constexpr int64_t kHBudget = 16 * 1024;      // shared memory for a window's h (at least one tile's)
+constexpr int64_t kStageBudget = 60 * 1024;  // shared memory for the 4 warps' stages
+constexpr int64_t kHBudget = 8 * 1024;       // shared memory for a window's h (at least one tile's)
 constexpr int64_t kMaxRank = 2048;          // one tile's h (8 x R float32, 64 KB) and the stages fit sm_80's shared memory
 
 // Sizes the host chooses per call (shared memory depends on the pool's rank and B's dtype).
 struct Plan {
   int units;     // 16-byte units of B per column and item: item_ranks * sizeof(B) / 16
+  int stage_bytes;  // one warp's stage: B's units for 64 columns, then y for 8 rows x 64 columns
   int stages;    // items in flight per warp
   int window;    // tiles per window
   int h_stride;  // floats per row of the window's h: max_rank rounded up to 8
@@ -59,24 +61,12 @@ __device__ __forceinline__ void cp_async_wait_at_most(int pending) {
   }
 }
 
-// A lane's kCols columns of y for the rows of one tile (rows < 0 are skipped).
-template <class TY, bool kVec>
-struct YTile {
-  TY v[kTileRows][kCols];
-  __device__ __forceinline__ void load(const TY* y, const int64_t* rows, int64_t stride, int cols) {
-#pragma unroll
-    for (int m = 0; m < kTileRows; ++m) {
-      if (rows[m] < 0) continue;
-      const TY* src = y + rows[m] * stride;
-      if (kVec && cols == kCols) {
-        using Vec = std::conditional_t<sizeof(TY) == 2, uint32_t, uint2>;
-        *reinterpret_cast<Vec*>(v[m]) = *reinterpret_cast<const Vec*>(src);
-      } else {
-        for (int c = 0; c < cols; ++c) v[m][c] = src[c];
-      }
-    }
-  }
-};
+// Asynchronous copy of `bytes` (4 or 8) from global to shared memory.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(gmem), "n"(kBytes));
+}
 
 // Copies item (tile, ranks [j0, j0 + item_ranks)) of the warp's 64 columns into `stage`: unit q (ranks
 // [q*E, q*E + E), E = 16 / sizeof(TB)) of column c goes to stage[(q * kCols + c % kCols) * 32 + c / kCols], so
@@ -109,15 +99,21 @@ struct Item {
   int64_t j0;
 };
 
+// Shared memory of a CTA: the window's tiles, scales and rows, then each warp's stages, then the window's h.
+struct WindowTiles {
+  TileRef tiles[kMaxWindow];  // size: the slot's rank
+  float coef[kMaxWindow];
+  int64_t rows[kMaxWindow][kTileRows];
+  int count;
+};
+
 // kVec: B allows 16-byte copies (aligned base and strides) and y kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
-__global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, Plan plan) {
+__global__ void __launch_bounds__(kThreads, 3) lora_expand_kernel(ExpandParams p, Plan plan) {
   constexpr int kUnit = 16 / sizeof(TB);
+  constexpr int kYBytes = kCols * sizeof(TY);  // a lane's part of one y row
   extern __shared__ uint4 smem[];
-  __shared__ TileRef s_tiles[kMaxWindow];  // size: the slot's rank
-  __shared__ float s_coef[kMaxWindow];
-  __shared__ int64_t s_rows[kMaxWindow][kTileRows];
-  __shared__ int s_count;
+  WindowTiles& win = *reinterpret_cast<WindowTiles*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // Slice and columns of this CTA's block.
@@ -133,89 +129,108 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, P
   const int64_t n0 = warp_n0 + lane * kCols;
   const int cols = (int)std::clamp<int64_t>(warp_cols - lane * kCols, 0, kCols);
 
-  const int stage_units = plan.units * kWarpCols;
-  uint4* stages = smem + warp * plan.stages * stage_units;
-  float* h_s = reinterpret_cast<float*>(smem + kWarps * plan.stages * stage_units);
+  unsigned char* stages = reinterpret_cast<unsigned char*>(smem) + (sizeof(WindowTiles) + 15) / 16 * 16 +
+                          (size_t)warp * plan.stages * plan.stage_bytes;
+  float* h_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) +
+                                        (sizeof(WindowTiles) + 15) / 16 * 16 +
+                                        (size_t)kWarps * plan.stages * plan.stage_bytes);
   const TB* lora_b = static_cast<const TB*>(p.lora_b);
   const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
   TY* y = static_cast<TY*>(p.y);
+  const int y_offset = plan.units * kWarpCols * 16;  // y's place in a stage
 
   for (int64_t k0 = 0;; k0 += plan.window) {
     if (k0 > 0) __syncthreads();  // the previous window's readers are done
     if (warp == 0) {
       const int count = warp_list_tiles(p.seg, p.num_slots, kTileRows, blockIdx.y, gridDim.y, k0, plan.window,
-                                        s_tiles);
-      if (lane == 0) s_count = count;
+                                        win.tiles);
+      if (lane == 0) win.count = count;
     }
     __syncthreads();
-    const int count = s_count;
+    const int count = win.count;
     if (count == 0) return;
     for (int i = tid; i < count * kTileRows; i += kThreads) {
       const int w = i / kTileRows, m = i % kTileRows;
-      const int64_t pos = s_tiles[w].begin + m;
-      s_rows[w][m] = pos < s_tiles[w].end ? segment_row(p.seg, pos, p.rows) : -1;
+      const int64_t pos = win.tiles[w].begin + m;
+      win.rows[w][m] = pos < win.tiles[w].end ? segment_row(p.seg, pos, p.rows) : -1;
     }
     for (int w = tid; w < count; w += kThreads) {
-      const int64_t slot = s_tiles[w].slot;
-      s_tiles[w].size = slot_size(p.lora_ranks, slot, p.max_rank);
-      s_coef[w] = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
+      const int64_t slot = win.tiles[w].slot;
+      win.tiles[w].size = slot_size(p.lora_ranks, slot, p.max_rank);
+      win.coef[w] = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
     }
     __syncthreads();
 
-    // Items in window order; both cursors below step through the same sequence.
+    // Items in window order; every cursor below steps through the same sequence.
     auto skip_empty = [&](Item it) {
-      while (it.w < count && it.j0 >= s_tiles[it.w].size) it = {it.w + 1, 0};
+      while (it.w < count && it.j0 >= win.tiles[it.w].size) it = {it.w + 1, 0};
       return it;
     };
     auto next = [&](Item it) { return skip_empty({it.w, it.j0 + plan.item_ranks}); };
-    auto issue = [&](Item it, int stage) {
-      const TileRef& t = s_tiles[it.w];
-      stage_item<TB, kVec>(stages + stage * stage_units,
+    auto ends_tile = [&](Item it) { return it.j0 + plan.item_ranks >= win.tiles[it.w].size; };
+    auto copy_b = [&](Item it, int stage) {
+      const TileRef& t = win.tiles[it.w];
+      stage_item<TB, kVec>(reinterpret_cast<uint4*>(stages + stage * plan.stage_bytes),
                            lora_b + t.slot * p.b_stride0 + warp_n0 * p.b_stride1 + it.j0, p.b_stride1,
                            std::min(plan.item_ranks, t.size - it.j0), warp_cols, plan, lora_b);
     };
-    Item ahead = skip_empty({0, 0});
+    // y of the tile, staged with its last item: row m of the lane at (m * 32 + lane) * kYBytes.
+    auto copy_y = [&](Item it, int stage) {
+      unsigned char* dst = stages + stage * plan.stage_bytes + y_offset + lane * kYBytes;
+#pragma unroll
+      for (int m = 0; m < kTileRows; ++m) {
+        const int64_t row = win.rows[it.w][m];
+        if (row < 0 || cols == 0) continue;
+        const TY* src = y + row * p.y_row_stride + n0;
+        TY* d = reinterpret_cast<TY*>(dst + m * 32 * kYBytes);
+        if constexpr (kVec) {
+          cp_async_small<kYBytes>(d, src);
+        } else {
+          for (int c = 0; c < cols; ++c) d[c] = src[c];
+        }
+      }
+    };
+
+    const Item first = skip_empty({0, 0});
+    Item ahead = first;
+    for (int st = 0; st < plan.stages && ahead.w < count; ++st) {
+      copy_b(ahead, st);
+      ahead = next(ahead);
+    }
+    grid_dependency_wait();  // h and y come from the previous kernel
+    Item staged = first;
     for (int st = 0; st < plan.stages; ++st) {  // one commit group per stage, empty past the last item
-      if (ahead.w < count) {
-        issue(ahead, st);
-        ahead = next(ahead);
+      if (staged.w < count) {
+        if (ends_tile(staged)) copy_y(staged, st);
+        staged = next(staged);
       }
       cp_async_commit();
     }
-
-    grid_dependency_wait();  // h and y come from the previous kernel
     for (int i = tid; i < count * kTileRows * plan.h_stride; i += kThreads) {
       const int w = i / (kTileRows * plan.h_stride), m = i / plan.h_stride % kTileRows, j = i % plan.h_stride;
-      const int64_t row = s_rows[w][m];
+      const int64_t row = win.rows[w][m];
       float v = 0.f;
-      if (row >= 0 && j < s_tiles[w].size) {
-        const TH* src = h + row * p.h_row_stride + s_tiles[w].slot * p.h_slot_stride + j;
+      if (row >= 0 && j < win.tiles[w].size) {
+        const TH* src = h + row * p.h_row_stride + win.tiles[w].slot * p.h_slot_stride + j;
         for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
-        v *= s_coef[w];
+        v *= win.coef[w];
       }
       h_s[i] = v;
     }
     __syncthreads();
 
-    Item it = skip_empty({0, 0});
-    YTile<TY, kVec> y_cur, y_next;
-    if (it.w < count) y_next.load(y + n0, s_rows[it.w], p.y_row_stride, cols);
     float acc[kTileRows][kCols] = {};
-    for (int stage = 0; it.w < count; stage = stage + 1 == plan.stages ? 0 : stage + 1) {
+    int stage = 0;
+    for (Item it = first; it.w < count; it = next(it)) {
       const int w = it.w;
-      const TileRef& t = s_tiles[w];
-      if (it.j0 == 0) {  // a new tile: its y is in y_next; start loading the next tile's
-        y_cur = y_next;
-        const Item after = skip_empty({w + 1, 0});
-        if (after.w < count) y_next.load(y + n0, s_rows[after.w], p.y_row_stride, cols);
-      }
       cp_async_wait_at_most(plan.stages - 1);
       __syncwarp();  // every lane's copies of this stage have landed
 
-      const uint4* b_s = stages + stage * stage_units;
+      const unsigned char* st_base = stages + stage * plan.stage_bytes;
+      const uint4* b_s = reinterpret_cast<const uint4*>(st_base);
       const float* h_w = h_s + w * kTileRows * plan.h_stride + it.j0;
-      const int nrows = (int)(t.end - t.begin);
-      const int64_t jn = std::min(plan.item_ranks, t.size - it.j0);
+      const int nrows = (int)(win.tiles[w].end - win.tiles[w].begin);
+      const int64_t jn = std::min(plan.item_ranks, win.tiles[w].size - it.j0);
       for (int q = 0; q * kUnit < jn; ++q) {
         float b[kCols][kUnit];
 #pragma unroll
@@ -241,24 +256,17 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, P
           }
         }
       }
-      __syncwarp();  // every lane is done with this stage before it is refilled
-      if (ahead.w < count) {
-        issue(ahead, stage);
-        ahead = next(ahead);
-      }
-      cp_async_commit();
-
-      it = next(it);
-      if (it.w != w) {  // the tile's last item: y = y + acc, written once
+      if (ends_tile(it)) {  // y = y + acc from the staged y, written once
 #pragma unroll
         for (int m = 0; m < kTileRows; ++m) {
-          const int64_t row = s_rows[w][m];
-          if (row >= 0) {
-            TY* dst = y + row * p.y_row_stride + n0;
+          const int64_t row = win.rows[w][m];
+          if (row >= 0 && cols > 0) {
+            const TY* staged_y = reinterpret_cast<const TY*>(st_base + y_offset + (m * 32 + lane) * kYBytes);
             TY out[kCols];
 #pragma unroll
-            for (int c = 0; c < kCols; ++c) out[c] = from_f32<TY>(to_f32(y_cur.v[m][c]) + acc[m][c]);
-            if (kVec && cols == kCols) {
+            for (int c = 0; c < kCols; ++c) out[c] = from_f32<TY>(to_f32(staged_y[c]) + acc[m][c]);
+            TY* dst = y + row * p.y_row_stride + n0;
+            if (kVec) {
               using Vec = std::conditional_t<sizeof(TY) == 2, uint32_t, uint2>;
               *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(out);
             } else {
@@ -269,8 +277,17 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, P
           for (int c = 0; c < kCols; ++c) acc[m][c] = 0.f;
         }
       }
+      __syncwarp();  // every lane is done with this stage before it is refilled
+      if (ahead.w < count) {
+        copy_b(ahead, stage);
+        if (ends_tile(ahead)) copy_y(ahead, stage);
+        ahead = next(ahead);
+      }
+      cp_async_commit();
+      stage = stage + 1 == plan.stages ? 0 : stage + 1;
     }
     cp_async_wait<0>();  // no copy into this window's stages outlives it
+    if (count < plan.window) return;  // that was the last window
   }
 }
 
@@ -313,17 +330,19 @@ cudaError_t launch_lora_expand(const ExpandParams& p, int num_sms, int cc_major,
   plan.h_stride = (int)((p.max_rank + 7) / 8 * 8);
   plan.item_ranks = std::min<int64_t>(kItemRanks, plan.h_stride);
   plan.units = (int)(plan.item_ranks * eb / 16);
-  const int64_t stage_bytes = (int64_t)kWarps * plan.units * kWarpCols * 16;
-  plan.stages = (int)std::clamp<int64_t>(kStageBudget / stage_bytes, 1, kMaxStages);
+  plan.stage_bytes = (int)(plan.units * kWarpCols * 16 + kTileRows * kWarpCols * dtype_size(p.y_dtype));
+  const int64_t cta_stage_bytes = (int64_t)kWarps * plan.stage_bytes;
+  plan.stages = (int)std::clamp<int64_t>(kStageBudget / cta_stage_bytes, 1, kMaxStages);
   const int64_t tile_h_bytes = (int64_t)kTileRows * plan.h_stride * 4;
   plan.window = (int)std::clamp<int64_t>(kHBudget / tile_h_bytes, 1, kMaxWindow);
-  const size_t smem = (size_t)(plan.stages * stage_bytes + plan.window * tile_h_bytes);
+  const size_t smem = (sizeof(WindowTiles) + 15) / 16 * 16 + (size_t)(plan.stages * cta_stage_bytes +
+                                                                       plan.window * tile_h_bytes);
 
   // About one wave: as many groups per column block as the SMs hold CTAs of this size (floor: a partial second
   // wave costs a whole chain), at most one per tile. Shared memory per SM: 228 KB from sm_90, 164 KB on sm_80;
   // registers (<= 128 per thread) allow 4 CTAs.
   const int64_t smem_per_sm = (cc_major >= 9 ? 228 : 164) * 1024;
-  const int64_t per_sm = std::clamp<int64_t>(smem_per_sm / (int64_t)(smem + 8 * 1024), 1, 4);
+  const int64_t per_sm = std::clamp<int64_t>(smem_per_sm / (int64_t)(smem + 1024), 1, 4);
   const int64_t groups = std::clamp<int64_t>(num_sms * per_sm / col_blocks, 1, std::min<int64_t>(tiles, 65535));
 
   // Vector path: 16-byte copies of B, kCols-element accesses of y (every slice starts on one).
