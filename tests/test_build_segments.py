@@ -36,22 +36,27 @@ INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,num_slots,kind", [
-    (1, 32, "random"), (31, 32, "random"), (129, 32, "random"),  # 128..1024 threads, one CTA
-    (1023, 32, "random"), (1024, 32, "random"), (1025, 32, "random"), (2049, 32, "random"),  # chunk edges
-    (16383, 32, "random"), (16385, 32, "random"),  # more than one counting step of 16 tokens per thread
-    (32769, 32, "random"), (70000, 32, "random"),  # 32 CTAs: several batches per warp
-    (20000, 32, "one"), (20000, 32, "none"), (5000, 32, "extremes"), (3000, 0, "random"),
-    (20000, "last_replicated", "random"), (20000, "first_single", "random"),  # 32 count copies, then one
-    (20000, 3000, "random"), (20000, 10239, "random"),  # fewer placing warps; an A100's largest slot count
+@pytest.mark.parametrize("T,num_slots,kind,offset", [
+    (1, 32, "random", 0), (31, 32, "random", 0), (127, 32, "random", 0),  # one partial counting tile, 128 threads
+    (128, 32, "random", 0), (129, 32, "random", 0), (257, 32, "random", 0), (511, 32, "random", 0),  # 128..512 thr
+    (512, 32, "random", 0), (513, 32, "random", 0), (1023, 32, "random", 0), (1025, 32, "random", 0),  # chunk edges
+    (4095, 32, "random", 0), (4096, 32, "random", 0), (4097, 32, "random", 0),
+    (16383, 32, "random", 0), (16384, 32, "random", 0),  # 32 CTAs, one counting step of 8 tiles per warp
+    (16385, 32, "random", 0), (32769, 32, "random", 0),  # more steps; chunks of 640 and 1152: several batches
+    (65536, 32, "random", 0), (70000, 32, "random", 0),
+    (129, 32, "random", 1), (4099, 32, "random", 2), (16385, 32, "random", 3),  # not 16-byte aligned: scalar loads
+    (20000, 32, "one", 0), (20000, 32, "none", 0), (5000, 32, "extremes", 0), (3000, 0, "random", 0),
+    (20000, "last_replicated", "random", 0), (20000, "first_single", "random", 0),  # 32 count copies, then one
+    (20000, 3000, "random", 0), (20000, 10239, "random", 0),  # fewer placing warps; an A100's largest slot count
 ])
-def test_cuda_build_segments_edges(T, num_slots, kind):
-    """The CUDA kernel's edges (a chunk of ~1024 tokens per CTA, at most 32 CTAs; 128 to 1024 threads; 32 copies
-    of each count while they fit the device's shared memory (597 slots on an H200), one beyond; fewer placing warps with many slots) against the CPU kernel, which
-    the test above checks against the reference. The output memory is poisoned first: an unwritten entry shows."""
+def test_cuda_build_segments_edges(T, num_slots, kind, offset):
+    """The CUDA kernel's edges (chunks of ~512 tokens, whole 128-token counting tiles, at most 32 CTAs; 128 to 512
+    threads; 16-byte loads where token_lora is aligned, else scalar ones; 32 copies of each count while they fit
+    the device's shared memory, one beyond; fewer placing warps with many slots) against the CPU kernel, which the
+    test above checks against the reference. The output memory is poisoned first: an unwritten entry shows."""
     if backends.cuda_served_by.get("build_segments") != "cuda":
         pytest.skip("the CUDA build_segments kernel is not built")
-    gen = case_generator(f"{T},{num_slots},{kind}")
+    gen = case_generator(f"{T},{num_slots},{kind},{offset}")
     if isinstance(num_slots, str):  # where the device's shared memory stops holding 32 copies of every count
         last = testing.cuda_build_segments_max_slots(32)
         num_slots = last if num_slots == "last_replicated" else last + 1
@@ -65,7 +70,9 @@ def test_cuda_build_segments_edges(T, num_slots, kind):
         picks = torch.tensor([INT32_MIN, -1, 0, num_slots - 1, num_slots, INT32_MAX], dtype=torch.int32)
         token_lora = picks[torch.randint(0, len(picks), (T,), generator=gen)]
     want = ops.build_segments(token_lora, num_slots)
-    token_lora_gpu = token_lora.cuda()
+    # A view `offset` int32 into a fresh (512-byte aligned) allocation.
+    token_lora_gpu = torch.cat([torch.zeros(offset, dtype=torch.int32), token_lora]).cuda()[offset:]
+    assert token_lora_gpu.data_ptr() % 16 == 4 * offset
     # The outputs reuse memory filled with -7: in a private pool, blocks of the outputs' sizes are allocated in the
     # outputs' order, poisoned, and freed just before the call (the pool holds nothing else to hand out).
     pool = torch.cuda.MemPool()

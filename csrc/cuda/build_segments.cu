@@ -1,9 +1,11 @@
 // build_segments: stable counting sort of rows by slot in ONE launch (no host sync, fixed-size outputs), with no
-// communication between CTAs. The tokens are cut into contiguous chunks, one per CTA (~1024 tokens, at most
-// kMaxCtas chunks); each CTA on its own:
+// communication between CTAs. The tokens are cut into contiguous chunks, one per CTA (~512 tokens, a multiple of
+// the 128-token counting tile, at most kMaxCtas chunks); each CTA on its own:
 //   1. counts the bucket of EVERY token into two shared histograms: the tokens before its chunk, and the rest.
 //      Every CTA repeats this, but one pass over T int32 (64 KB at T = 16384) with all loads in flight costs less
-//      than an exchange between CTAs (a cluster barrier and remote reads, or global flags and a spin);
+//      than an exchange between CTAs (a cluster barrier and remote reads, or global flags and a spin). A warp
+//      counts a tile of 128 tokens at a time, 4 per lane from one 16-byte load; chunks start on tile edges, so a
+//      tile lies wholly before the chunk or not (one histogram per tile, chosen once per warp);
 //   2. ranks its own chunk: each placing warp takes a contiguous part, 32 tokens at a time; ballots over the
 //      bucket's bits give the lanes with the same bucket, and the warp counts each bucket's tokens;
 //   3. per bucket, one thread sums the histograms (the bucket's total, and its tokens in earlier chunks) and turns
@@ -24,15 +26,16 @@ namespace lora_ops::cuda {
 namespace {
 
 constexpr unsigned kAll = 0xffffffffu;
-constexpr int kMaxThreads = 1024;
-constexpr int kMaxWarps = kMaxThreads / 32;
-constexpr int64_t kTokensPerCta = 1024;  // one token per thread to place
-constexpr int64_t kMaxCtas = 32;         // every CTA reads all T tokens: bounds the repeated reads
-constexpr int kLoadsInFlight = 16;       // tokens per thread per counting step (T = 16384: one step)
+constexpr int kMaxThreads = 512;
+constexpr int64_t kTokensPerCta = 512;  // one token per thread to place
+constexpr int64_t kMaxCtas = 32;        // every CTA reads all T tokens: bounds the repeated reads (2 MB at 16384)
+constexpr uint32_t kTile = 128;         // tokens a warp counts at once: 4 per lane, one 16-byte load
+constexpr int kTilesInFlight = 8;       // tiles per warp per counting step (T = 16384, 16 warps: one step)
 
-// Shared memory: counts [2][buckets][replicas], warp_cursor [warps][buckets], bucket_start [buckets].
+// Shared memory: counts [2][buckets][replicas], warp_cursor [warps][buckets], bucket_start [buckets], rounded up
+// to 16 bytes (zeroed 16 bytes at a time).
 size_t smem_bytes(int64_t buckets, int replicas, int warps) {
-  return (size_t)buckets * (2 * replicas + warps + 1) * sizeof(int32_t);
+  return ((size_t)buckets * (2 * replicas + warps + 1) * sizeof(int32_t) + 15) / 16 * 16;
 }
 
 // A warp's batch of up to 32 consecutive tokens [t0, min(t0 + 32, end)), a token per lane: its bucket, the
@@ -65,45 +68,70 @@ __device__ __forceinline__ Batch rank_batch(const int32_t* token_lora, uint32_t 
 // kReplicas copies of each count, lane l adding to copy l % kReplicas: with 32, copy l lies in bank l, so a
 // warp's 32 atomic adds never collide whatever the slots. One copy when there are too many buckets for 32.
 template <int kReplicas>
-__global__ void __launch_bounds__(kMaxThreads) build_segments_kernel(BuildSegmentsParams p, int placing_warps) {
-  extern __shared__ int32_t smem[];
-  __shared__ int32_t warp_total[kMaxWarps];
-  // T < 2^31 (checked on the host): a token index plus one counting step still fits uint32.
+__global__ void __launch_bounds__(kMaxThreads) build_segments_kernel(BuildSegmentsParams p, uint32_t chunk,
+                                                                     int placing_warps) {
+  extern __shared__ __align__(16) int32_t smem[];
+  __shared__ int32_t warp_total[32];  // read by lane: 32 whatever the warps (fixes the slot bound's static part)
+  // T < 2^31 (checked on the host): token and tile indices, and a chunk's end, fit uint32.
   const uint32_t T = (uint32_t)p.num_tokens, num_slots = (uint32_t)p.num_slots, buckets = num_slots + 1;
-  const uint32_t threads = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t threads = blockDim.x, warps = threads >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int bucket_bits = 32 - __clz((int)num_slots);
   int32_t* counts = smem;                                      // [2][buckets][kReplicas]
   int32_t* warp_cursor = counts + 2 * buckets * kReplicas;     // [placing_warps][buckets]
   int32_t* bucket_start = warp_cursor + placing_warps * buckets;  // [buckets]
-  int64_t begin, end, part_begin, part_end;
-  split_range(T, gridDim.x, blockIdx.x, &begin, &end);
-  split_range(end - begin, placing_warps, warp, &part_begin, &part_end);
-  const uint32_t chunk_begin = (uint32_t)begin;
-  const uint32_t warp_begin = chunk_begin + (uint32_t)part_begin, warp_end = chunk_begin + (uint32_t)part_end;
+  // The chunk (a multiple of kTile tokens) and the warp's part of it (whole batches of 32).
+  const uint32_t chunk_begin = min(T, blockIdx.x * chunk), chunk_len = min(T - chunk_begin, chunk);
+  const uint32_t per_warp = (chunk_len + placing_warps * 32 - 1) / (placing_warps * 32) * 32;
+  const uint32_t warp_begin = chunk_begin + min(chunk_len, warp * per_warp);
+  const uint32_t warp_end = chunk_begin + min(chunk_len, warp * per_warp + per_warp);
 
-  // 1. Count every token. The first step's loads are in flight while shared memory is zeroed.
-  int32_t slot[kLoadsInFlight];
-  auto load_step = [&](uint32_t base) {
+  // 1. Count every token: warp w takes tiles w, w + warps, ...; lane l tokens 4l..4l+3 of a tile. The first
+  //    step's loads are in flight while shared memory is zeroed. The last tile may be partial: loads bounded,
+  //    its tokens past T add 0.
+  const bool vector_loads = (reinterpret_cast<uintptr_t>(p.token_lora) & 15) == 0;
+  const uint32_t full_tiles = T / kTile, tiles = (T + kTile - 1) / kTile;
+  int4 slot4[kTilesInFlight];
+  auto load_step = [&](uint32_t first) {
 #pragma unroll
-    for (int k = 0; k < kLoadsInFlight; ++k) {
-      const uint32_t t = base + k * threads + threadIdx.x;
-      slot[k] = t < T ? __ldg(&p.token_lora[t]) : 0;
+    for (int k = 0; k < kTilesInFlight; ++k) {
+      const uint32_t tile = first + k * warps, t = tile * kTile + lane * 4;
+      if (tile < full_tiles && vector_loads) {
+        slot4[k] = __ldg(reinterpret_cast<const int4*>(p.token_lora + t));
+      } else if (tile < tiles) {
+        slot4[k].x = t < T ? __ldg(&p.token_lora[t]) : 0;
+        slot4[k].y = t + 1 < T ? __ldg(&p.token_lora[t + 1]) : 0;
+        slot4[k].z = t + 2 < T ? __ldg(&p.token_lora[t + 2]) : 0;
+        slot4[k].w = t + 3 < T ? __ldg(&p.token_lora[t + 3]) : 0;
+      }
     }
   };
-  load_step(0);
-  for (uint32_t i = threadIdx.x; i < buckets * (2 * kReplicas + placing_warps); i += threads) smem[i] = 0;
+  load_step(warp);
+  int32_t* const counts_before = counts;
+  int32_t* const counts_rest = counts + buckets * kReplicas;
+  const uint32_t zero_words = buckets * (2 * kReplicas + placing_warps);
+  for (uint32_t i = threadIdx.x; i < (zero_words + 3) / 4; i += threads) {
+    reinterpret_cast<int4*>(smem)[i] = make_int4(0, 0, 0, 0);
+  }
   __syncthreads();
-  for (uint32_t base = 0;;) {
+  for (uint32_t first = warp; first < tiles; first += kTilesInFlight * warps) {
+    if (first != warp) load_step(first);
 #pragma unroll
-    for (int k = 0; k < kLoadsInFlight; ++k) {
-      const uint32_t t = base + k * threads + threadIdx.x;
-      const uint32_t row = t < chunk_begin ? 0 : buckets;
-      // Adds 0 past the end: no branch around each atomic.
-      atomicAdd(&counts[(row + min((uint32_t)slot[k], num_slots)) * kReplicas + lane % kReplicas], t < T ? 1 : 0);
+    for (int k = 0; k < kTilesInFlight; ++k) {
+      const uint32_t tile = first + k * warps;
+      if (tile >= tiles) break;
+      // A negative slot is a huge unsigned value: min() sends it, like slots >= num_slots, to bucket num_slots.
+      int32_t* histogram = (tile * kTile < chunk_begin ? counts_before : counts_rest) + lane % kReplicas;
+      const int32_t slot[4] = {slot4[k].x, slot4[k].y, slot4[k].z, slot4[k].w};
+      if (tile < full_tiles) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) atomicAdd(&histogram[min((uint32_t)slot[j], num_slots) * kReplicas], 1);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          atomicAdd(&histogram[min((uint32_t)slot[j], num_slots) * kReplicas], tile * kTile + lane * 4 + j < T);
+        }
+      }
     }
-    base += kLoadsInFlight * threads;
-    if (base >= T) break;
-    load_step(base);
   }
 
   // 2. Each placing warp counts its part of the chunk per bucket (its tokens were just read: L1 hits).
@@ -179,11 +207,11 @@ __global__ void __launch_bounds__(kMaxThreads) build_segments_kernel(BuildSegmen
 }
 
 template <int kReplicas>
-cudaError_t launch(const BuildSegmentsParams& p, int ctas, int threads, int placing_warps, size_t smem,
-                   cudaStream_t stream) {
+cudaError_t launch(const BuildSegmentsParams& p, int ctas, uint32_t chunk, int threads, int placing_warps,
+                   size_t smem, cudaStream_t stream) {
   const auto kernel = build_segments_kernel<kReplicas>;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  kernel<<<ctas, threads, smem, stream>>>(p, placing_warps);
+  kernel<<<ctas, threads, smem, stream>>>(p, chunk, placing_warps);
   return cudaGetLastError();
 }
 
@@ -205,7 +233,7 @@ size_t smem_budget() {
     return 0;
   }
   const size_t fixed = std::max(one.sharedSizeBytes, replicated.sharedSizeBytes);
-  return known[device] = optin > (int)fixed ? optin - fixed : 0;
+  return known[device] = optin > (int)fixed ? (optin - fixed) / 16 * 16 : 0;  // whole 16-byte zeroing stores
 }
 
 }  // namespace
@@ -216,8 +244,11 @@ int64_t build_segments_max_slots() { return (int64_t)(smem_budget() / smem_bytes
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream) {
   const size_t budget = smem_budget();
   const int64_t buckets = p.num_slots + 1, T = p.num_tokens;
-  const int ctas = (int)std::clamp<int64_t>((T + kTokensPerCta - 1) / kTokensPerCta, 1, kMaxCtas);
-  // A thread per token up to 1024 (fewer threads: cheaper barriers and zeroing for short batches).
+  // ~kTokensPerCta tokens per CTA, chunks rounded up to whole counting tiles (fewer CTAs than asked, at times).
+  const int64_t asked = std::clamp<int64_t>((T + kTokensPerCta - 1) / kTokensPerCta, 1, kMaxCtas);
+  const int64_t chunk = std::max<int64_t>((T + asked - 1) / asked + kTile - 1, kTile) / kTile * kTile;
+  const int ctas = (int)std::max<int64_t>((T + chunk - 1) / chunk, 1);
+  // A thread per token up to 512 (fewer threads: cheaper barriers and zeroing for short batches).
   const int threads = (int)std::clamp<int64_t>((T + 127) / 128 * 128, 128, kMaxThreads);
   const int replicas = smem_bytes(buckets, 32, threads / 32) <= budget ? 32 : 1;
   // A cursor row per placing warp; fewer placing warps when the slots are many.
@@ -225,8 +256,8 @@ cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t str
   if (fit < 1) return cudaErrorInvalidValue;
   const int placing_warps = (int)std::min<int64_t>(threads / 32, fit);
   const size_t smem = smem_bytes(buckets, replicas, placing_warps);
-  return replicas == 32 ? launch<32>(p, ctas, threads, placing_warps, smem, stream)
-                        : launch<1>(p, ctas, threads, placing_warps, smem, stream);
+  return replicas == 32 ? launch<32>(p, ctas, (uint32_t)chunk, threads, placing_warps, smem, stream)
+                        : launch<1>(p, ctas, (uint32_t)chunk, threads, placing_warps, smem, stream);
 }
 
 }  // namespace lora_ops::cuda
