@@ -166,10 +166,10 @@ def capture_grouped_gemm(op, problem, y: torch.Tensor) -> "torch.cuda.CUDAGraph"
 def cuda_build_segments_max_slots(count_copies: int) -> int:
     """The most slots the CUDA build_segments kernel holds on the current device with `count_copies` (32 or 1)
     copies of each count: the opt-in shared memory less its static warp_total[32], over the int32 words per bucket
-    (counts [2][copies], a cursor per placing warp (32 with 32 copies, at least 1 otherwise), the start), less the
-    no-LoRA bucket."""
+    (counts [2][copies], a cursor per placing warp (16 with 32 copies: 512-thread CTAs; at least 1 otherwise), the
+    start), less the no-LoRA bucket."""
     budget = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin - 4 * 32
-    warps = 32 if count_copies == 32 else 1
+    warps = 16 if count_copies == 32 else 1
     return budget // (4 * (2 * count_copies + warps + 1)) - 1
 
 

@@ -33,6 +33,7 @@ constexpr int kBlockCols = kThreads * kCols;
 constexpr int kTileRows = 8;
 constexpr int kMaxWindow = 64;              // tiles listed at a time
 constexpr int kMaxStages = 8;
+constexpr int kHBatch = 8;                 // h elements per thread loaded at once
 constexpr int64_t kItemRanks = 32;          // rank columns of B per item (at most)
 constexpr int64_t kStageBudget = 60 * 1024;  // shared memory for the 4 warps' stages
 constexpr int64_t kHBudget = 8 * 1024;       // shared memory for a window's h (at least one tile's)
@@ -206,16 +207,32 @@ __global__ void __launch_bounds__(kThreads, 3) lora_expand_kernel(ExpandParams p
       }
       cp_async_commit();
     }
-    for (int i = tid; i < count * kTileRows * plan.h_stride; i += kThreads) {
-      const int w = i / (kTileRows * plan.h_stride), m = i / plan.h_stride % kTileRows, j = i % plan.h_stride;
-      const int64_t row = win.rows[w][m];
-      float v = 0.f;
-      if (row >= 0 && j < win.tiles[w].size) {
-        const TH* src = h + row * p.h_row_stride + win.tiles[w].slot * p.h_slot_stride + j;
-        for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
-        v *= win.coef[w];
+    // h, scaled: each thread's loads are issued together (a loop of dependent trips cost several µs per CTA).
+    const int h_total = count * kTileRows * plan.h_stride;
+    for (int i0 = tid; i0 < h_total; i0 += kThreads * kHBatch) {
+      const TH* src[kHBatch];  // nullptr: zero (past the rank, an absent row, or past the window)
+      float coef[kHBatch], v[kHBatch];
+#pragma unroll
+      for (int u = 0; u < kHBatch; ++u) {
+        const int i = i0 + u * kThreads, r = i / plan.h_stride, j = i - r * plan.h_stride;
+        const int w = r / kTileRows, m = r % kTileRows;
+        const int64_t row = i < h_total ? win.rows[w][m] : -1;
+        const bool in = row >= 0 && j < win.tiles[w].size;
+        src[u] = in ? h + row * p.h_row_stride + win.tiles[w].slot * p.h_slot_stride + j : nullptr;
+        coef[u] = in ? win.coef[w] : 0.f;
       }
-      h_s[i] = v;
+#pragma unroll
+      for (int u = 0; u < kHBatch; ++u) v[u] = src[u] ? to_f32(*src[u]) : 0.f;
+      for (int64_t split = 1; split < p.h_splits; ++split) {  // in split order: deterministic
+#pragma unroll
+        for (int u = 0; u < kHBatch; ++u) v[u] += src[u] ? to_f32(src[u][split * p.h_split_stride]) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kHBatch; ++u) v[u] *= coef[u];
+#pragma unroll
+      for (int u = 0; u < kHBatch; ++u) {
+        if (i0 + u * kThreads < h_total) h_s[i0 + u * kThreads] = v[u];
+      }
     }
     __syncthreads();
 
