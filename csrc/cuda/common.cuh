@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <mutex>
@@ -173,81 +174,40 @@ struct TileRef {
   int64_t slot, begin, end, size;
 };
 
-// The walk over all segments in order, 32 per step, cutting each into tiles of `tile_rows` positions.
+// Tile number `tile` of the walk over all segments in order, `tile_rows` positions each. Warp-wide: all 32
+// lanes call it with the same arguments; false when there are fewer tiles.
 // Segment g covers positions [m_g, m_{g+1}) with m_i = max_{j <= i} clamp(seg_indptr[j], 0, P): segments never
 // overlap whatever the metadata, so the tile count is at most min(P, ceil(P / tile_rows) + G), the grid bound.
-// A segment whose slot is outside [0, num_slots) has no tiles. The rank is not consulted (callers skip rank-0
-// tiles), which keeps each step one dependent load deep: two loads per lane.
-struct WalkStep {
-  int64_t slot, m_begin, m_end;  // the lane's segment
-  int64_t first_tile, tiles;     // its tiles [first_tile, first_tile + tiles) in the walk's numbering
-};
-struct WalkCarry {
-  int64_t tiles_before = 0, m_carry = 0;
-};
-// Step `base` (a multiple of 32) of the walk; warp-wide, all lanes with the same arguments. Start with
-// carry.m_carry = clamped_indptr(seg, 0).
-__device__ inline WalkStep warp_walk_step(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t base,
-                                          WalkCarry& carry) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  const int64_t g = base + lane;
-  const bool in = g < seg.num_segments;
-  WalkStep w;
-  w.slot = in ? seg.slot[g] : -1;
-  const int64_t bound = in ? clamped_indptr(seg, g + 1) : int64_t{0};
-  w.m_end = Max{}(carry.m_carry, warp_inclusive_scan(bound, 32, Max{}));
-  w.m_begin = __shfl_up_sync(kAll, w.m_end, 1);
-  if (lane == 0) w.m_begin = carry.m_carry;
-  w.tiles = (in && w.slot >= 0 && w.slot < num_slots) ? (w.m_end - w.m_begin + tile_rows - 1) / tile_rows : 0;
-  const int64_t incl = carry.tiles_before + warp_inclusive_scan(w.tiles);
-  w.first_tile = incl - w.tiles;
-  carry.tiles_before = __shfl_sync(kAll, incl, 31);
-  carry.m_carry = __shfl_sync(kAll, w.m_end, 31);
-  return w;
-}
-
-// Tile number `tile` of the walk. Warp-wide: all 32 lanes call it with the same arguments; false when there are
-// fewer tiles.
+// A segment whose slot is outside [0, num_slots) has no tiles. The rank is not consulted (the caller leaves a
+// rank-0 tile), which keeps the walk one dependent load deep: 32 segments per step, two loads per lane.
 __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t tile,
                                       TileRef* out) {
   constexpr unsigned kAll = 0xffffffffu;
-  WalkCarry carry;
-  carry.m_carry = clamped_indptr(seg, 0);
+  const int lane = threadIdx.x & 31;
+  int64_t tiles_before = 0, m_carry = clamped_indptr(seg, 0);
   for (int64_t base = 0; base < seg.num_segments; base += 32) {
-    const WalkStep w = warp_walk_step(seg, num_slots, tile_rows, base, carry);
-    const unsigned hit = __ballot_sync(kAll, tile >= w.first_tile && tile < w.first_tile + w.tiles);
+    const int64_t g = base + lane;
+    const bool in = g < seg.num_segments;
+    const int64_t slot = in ? seg.slot[g] : -1;
+    const int64_t bound = in ? clamped_indptr(seg, g + 1) : int64_t{0};
+    const int64_t m_end = Max{}(m_carry, warp_inclusive_scan(bound, 32, Max{}));
+    int64_t m_begin = __shfl_up_sync(kAll, m_end, 1);
+    if (lane == 0) m_begin = m_carry;
+    const int64_t n = (in && slot >= 0 && slot < num_slots) ? (m_end - m_begin + tile_rows - 1) / tile_rows : 0;
+    const int64_t incl = tiles_before + warp_inclusive_scan(n);
+    const unsigned hit = __ballot_sync(kAll, n > 0 && tile >= incl - n && tile < incl);
     if (hit) {
       const int src = __ffs(hit) - 1;
-      const int64_t first = __shfl_sync(kAll, w.first_tile, src);
-      out->slot = __shfl_sync(kAll, w.slot, src);
-      out->begin = __shfl_sync(kAll, w.m_begin, src) + (tile - first) * tile_rows;
-      out->end = std::min(out->begin + tile_rows, (int64_t)__shfl_sync(kAll, w.m_end, src));
+      const int64_t first = __shfl_sync(kAll, incl - n, src);
+      out->slot = __shfl_sync(kAll, slot, src);
+      out->begin = __shfl_sync(kAll, m_begin, src) + (tile - first) * tile_rows;
+      out->end = std::min(out->begin + tile_rows, (int64_t)__shfl_sync(kAll, m_end, src));
       return true;
     }
+    tiles_before = __shfl_sync(kAll, incl, 31);
+    m_carry = __shfl_sync(kAll, m_end, 31);
   }
   return false;
-}
-
-// The tiles first + k * stride of the walk for k in [k0, k0 + window), in out[k - k0] (slot, begin, end; size
-// left alone), in one walk. Warp-wide; returns how many there are (the entries below it are all written).
-__device__ inline int warp_list_tiles(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t first,
-                                      int64_t stride, int64_t k0, int window, TileRef* out) {
-  WalkCarry carry;
-  carry.m_carry = clamped_indptr(seg, 0);
-  const int64_t lo_t = first + k0 * stride, hi_t = first + (k0 + window) * stride;
-  for (int64_t base = 0; base < seg.num_segments; base += 32) {
-    const WalkStep w = warp_walk_step(seg, num_slots, tile_rows, base, carry);
-    const int64_t a = std::max(w.first_tile, lo_t), b = std::min(w.first_tile + w.tiles, hi_t);
-    for (int64_t k = (a - first + stride - 1) / stride, t = first + k * stride; t < b; ++k, t += stride) {
-      TileRef& r = out[k - k0];
-      r.slot = w.slot;
-      r.begin = w.m_begin + (t - w.first_tile) * tile_rows;
-      r.end = std::min(r.begin + tile_rows, w.m_end);
-    }
-  }
-  const int64_t listed = carry.tiles_before > first ? (carry.tiles_before - first + stride - 1) / stride - k0 : 0;
-  return (int)std::clamp<int64_t>(listed, 0, window);
 }
 
 // Block-wide tile lookup: warp 0 walks (warp_find_tile); the tile with its slot's size (slot_size(sizes, slot,
@@ -277,6 +237,29 @@ __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, i
   return s_found;
 }
 
+// How many CTAs of kKernel (`threads` threads, no dynamic shared memory) the current device holds at once, over
+// all its SMs. Asked once per (kernel, device) and kept lock-free: decode launches the expand hundreds of times a
+// step, and a racing first call only stores the same value twice.
+template <auto kKernel>
+cudaError_t resident_ctas(int threads, int64_t* out) {
+  static std::atomic<int64_t> per_device[64];  // 0: not asked yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  std::atomic<int64_t>& known = per_device[device & 63];
+  int64_t value = known.load(std::memory_order_relaxed);
+  if (value == 0) {
+    int per_sm = 0, sms = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    value = std::max<int64_t>(1, (int64_t)per_sm * sms);
+    known.store(value, std::memory_order_relaxed);
+  }
+  *out = value;
+  return cudaSuccess;
+}
+
 // Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the previous kernel
 // in the stream still runs; it must call grid_dependency_wait() before reading anything that kernel writes.
 // Both are no-ops on older GPUs and for kernels launched normally.
@@ -291,15 +274,14 @@ __device__ __forceinline__ void allow_dependents_to_launch() {
 #endif
 }
 
-// Launches kernel<<<grid, threads, smem, stream>>>(args...), programmatically dependent on the previous kernel
-// in the stream when `pdl` (sm_90+).
+// Launches kernel<<<grid, threads, 0, stream>>>(args...), programmatically dependent on the previous kernel in
+// the stream when `pdl` (sm_90+).
 template <class... KArgs, class... Args>
-cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem, bool pdl, cudaStream_t stream,
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, bool pdl, cudaStream_t stream,
                        Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -71,13 +71,6 @@ SgmvKernel preferred_sgmv_kernel() {
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
 constexpr int64_t kMmaMinPositions = 1024;
 
-// The expand kernel keeps a tile's h for every rank column in shared memory.
-void check_expand_rank(const char* op, int64_t max_rank) {
-  TORCH_CHECK_VALUE(max_rank <= cuda::lora_expand_max_rank(), "lora_ops.", op, ": lora_b's max_rank = ",
-                    std::to_string(max_rank), " exceeds the CUDA kernel's limit (",
-                    std::to_string(cuda::lora_expand_max_rank()), ")");
-}
-
 // The expand step of a decode sgmv: h is the shrink's float32 partials [splits][rows][S*R], one window per row.
 ExpandParams expand_of_shrink(const SgmvParams& p, const cuda::ShrinkPlan& plan, const float* partials) {
   ExpandParams e{};
@@ -136,12 +129,10 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, stream));
     return;
   }
-  check_expand_rank("sgmv", p.max_rank);
   const auto plan = cuda::plan_sgmv_shrink(p, sms);
   const auto partials = at::empty({plan.splits * p.rows * p.num_slices * p.max_rank}, y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_shrink(p, plan, partials.data_ptr<float>(), stream));
-  C10_CUDA_CHECK(
-      cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), sms, cc_major, stream));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), cc_major, stream));
 }
 
 void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -161,11 +152,8 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
-  check_expand_rank("lora_expand", p.max_rank);
-  const int device = y.get_device();
-  C10_CUDA_CHECK(cuda::launch_lora_expand(p, device_attribute(cudaDevAttrMultiProcessorCount, device),
-                                          device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                          c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(
+      p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), c10::cuda::getCurrentCUDAStream()));
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
