@@ -109,10 +109,11 @@ inline Vec16Access vec16_access(const SgmvParams& p) {
           aligned16(p.y, {p.y_row_stride * dtype_size(p.y_dtype)})};
 }
 
-// Lets `kernel` take more than 48 KB of dynamic shared memory: raised once per (device, kernel) to the
-// device's opt-in maximum less the kernel's static shared memory, not on every launch.
+// Lets `kernel` take more than 48 KB of shared memory: raised once per (device, kernel) to the device's opt-in
+// maximum less the kernel's static shared memory, not on every launch. The 48 KB default counts static and
+// dynamic memory together, so a launch with less dynamic memory may still need it: only an empty request skips.
 inline cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
+  if (bytes == 0) return cudaSuccess;
   static std::mutex mutex;
   static std::set<std::pair<int, const void*>> raised;
   int device = 0;
