@@ -3,13 +3,13 @@
 // the base GEMM with every slot's A folded in) and the second step of the decode sgmv (h = the shrink's
 // float32 K-split partials, summed here in split order: deterministic).
 //
-// One CTA per (512 columns of one slice, tile of 8 positions of one segment); each of the 128 threads owns 4
-// consecutive columns. At decode sizes the cost is the chain of dependent memory trips, so the kernel keeps it
-// short: the tile walk (one trip), the rows with the rank (one trip), then B's first 16 rank columns are loaded
-// into registers; all of that may overlap the producer of h and y (programmatic dependent launch, sm_90). After
-// grid_dependency_wait, y and h are loaded together (one trip); h, scaled, goes through shared memory in
-// 128-rank chunks, and y is written once. Grid: column blocks fastest, so a tile's blocks start together, and
-// only as many tile rows as fit on the device at once (launch_typed).
+// One CTA per (256 columns of one slice, pair of consecutive positions); each of the 128 threads owns 2
+// consecutive columns of both rows. At decode sizes the cost is the chain of dependent memory trips, so the
+// kernel keeps it to two: warp 0 loads the pair's rows, walks the segments for their slots and reads the ranks
+// and scales of the first 64 slots, all at once; then every thread issues B (before grid_dependency_wait:
+// weights are never written by the producer), y and h together. A pair of one slot loads B once. Positions,
+// not segment tiles, index the grid: its size is known on the host, no CTA looks for a tile that does not
+// exist, and no FMA is spent on absent rows.
 #include <algorithm>
 
 #include "common.cuh"
@@ -19,23 +19,92 @@ namespace lora_ops::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kCols = 4;  // consecutive columns per thread
+constexpr int kCols = 2;  // consecutive columns per thread
 constexpr int kBlockCols = kThreads * kCols;
-constexpr int kTileRows = 4;
+constexpr int kTileRows = 2;
 constexpr int kRankChunk = 128;
 constexpr int kFirstSteps = 2;  // rank columns / 8 of B loaded before the wait
+constexpr int kNearSlots = 64;  // slots whose rank and scale warp 0 loads before its walk
+constexpr unsigned kAll = 0xffffffffu;
 
 template <class T>
 __device__ __forceinline__ void prefetch_l2(const T* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
-// kCols consecutive y elements of one row; a vector access when kVec (aligned, checked on the host).
+// A position of the tile as warp 0 resolved it. row is -1 when the position adds nothing: past P, a row
+// outside [0, rows), no segment or a slot outside [0, L), or rank 0.
+struct TileRow {
+  int32_t row, slot, rank;  // each fits int32 (docs/design.md §2, index values)
+  float coef;
+};
+
+// Warp-wide: lane r < kRows returns the slot of position p0 + r (-1: no segment covers it, or its slot is
+// outside [0, num_slots)). The segment bounds follow the running-maximum rule of warp_find_tile; the walk
+// stops at the first step that starts past the tile.
+template <int kRows>
+__device__ int64_t warp_position_slot(const Segments& seg, int64_t num_slots, int64_t p0) {
+  const int lane = threadIdx.x & 31;
+  int64_t mine = -1, m_carry = clamped_indptr(seg, 0);
+  for (int64_t base = 0; base < seg.num_segments && m_carry < p0 + kRows; base += 32) {
+    const int64_t g = base + lane;
+    const bool in = g < seg.num_segments;
+    const int64_t slot = in ? segment_slot(seg, g, num_slots) : -1;
+    const int64_t bound = in ? clamped_indptr(seg, g + 1) : int64_t{0};
+    const int64_t m_end = Max{}(m_carry, warp_inclusive_scan(bound, 32, Max{}));
+    int64_t m_begin = __shfl_up_sync(kAll, m_end, 1);
+    if (lane == 0) m_begin = m_carry;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const unsigned hit = __ballot_sync(kAll, in && m_begin <= p0 + r && p0 + r < m_end);
+      const int64_t s = __shfl_sync(kAll, slot, hit ? __ffs(hit) - 1 : 0);
+      if (hit && lane == r) mine = s;
+    }
+    m_carry = __shfl_sync(kAll, m_end, 31);
+  }
+  return mine;
+}
+
+// Warp 0 fills tile[0, kTileRows) for the positions p0...: rows, the walk, and the ranks and scales of slots
+// below kNearSlots are independent loads issued together (one trip); a farther slot's rank and scale cost one
+// more.
+__device__ __forceinline__ void warp_resolve_tile(const ExpandParams& p, int64_t p0, TileRow* tile) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = lane < kTileRows && p0 + lane < p.seg.positions ? segment_row(p.seg, p0 + lane, p.rows) : -1;
+  int64_t near_rank[2] = {0, 0};
+  float near_scale[2] = {1.f, 1.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t l = lane + 32 * h;
+    if (l < p.num_slots) {
+      near_rank[h] = slot_size(p.lora_ranks, l, p.max_rank);
+      if (p.lora_scales) near_scale[h] = p.lora_scales[l];
+    }
+  }
+  const int64_t slot = warp_position_slot<kTileRows>(p.seg, p.num_slots, p0);
+  const int src = (int)(slot & 31);
+  const int64_t rank_lo = __shfl_sync(kAll, near_rank[0], src), rank_hi = __shfl_sync(kAll, near_rank[1], src);
+  const float scale_lo = __shfl_sync(kAll, near_scale[0], src), scale_hi = __shfl_sync(kAll, near_scale[1], src);
+  if (lane >= kTileRows) return;
+  int64_t rank = 0;
+  float scale = 1.f;
+  if (slot >= kNearSlots) {
+    rank = slot_size(p.lora_ranks, slot, p.max_rank);
+    if (p.lora_scales) scale = p.lora_scales[slot];
+  } else if (slot >= 0) {
+    rank = slot < 32 ? rank_lo : rank_hi;
+    scale = slot < 32 ? scale_lo : scale_hi;
+  }
+  tile[lane] = {(int32_t)(row >= 0 && rank > 0 ? row : -1), (int32_t)slot, (int32_t)rank, p.scale * scale};
+}
+
+// kCols consecutive y elements of one row; one vector access when kVec (aligned, checked on the host).
 template <class TY, bool kVec>
 struct YCols {
   TY v[kCols];
+  using Vec = std::conditional_t<sizeof(TY) == 2, unsigned, uint2>;
+  static_assert(sizeof(Vec) == sizeof(TY) * kCols);
   __device__ __forceinline__ void load(const TY* src, int cols) {
-    using Vec = std::conditional_t<sizeof(TY) == 2, uint2, uint4>;
     if (kVec && cols == kCols) {
       *reinterpret_cast<Vec*>(v) = *reinterpret_cast<const Vec*>(src);
     } else {
@@ -43,7 +112,6 @@ struct YCols {
     }
   }
   __device__ __forceinline__ void store(TY* dst, int cols) const {
-    using Vec = std::conditional_t<sizeof(TY) == 2, uint2, uint4>;
     if (kVec && cols == kCols) {
       *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(v);
     } else {
@@ -54,9 +122,9 @@ struct YCols {
 
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
-__global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, int64_t max_tiles) {
+__global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, int64_t tiles) {
+  __shared__ TileRow s_tile[kTileRows];
   __shared__ float h_s[kTileRows][kRankChunk];
-  __shared__ int64_t s_rows[kTileRows];
   const int tid = threadIdx.x;
 
   // Slice and first column of this CTA's column block.
@@ -70,25 +138,43 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
   const int64_t n0 = p.slice_offsets[s] + block * kBlockCols + tid * kCols;
   const int cols = (int)std::max<int64_t>(0, std::min<int64_t>(kCols, p.slice_offsets[s + 1] - n0));
   TY* y = static_cast<TY*>(p.y);
+  const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
-  for (int64_t t = blockIdx.y; t < max_tiles; t += gridDim.y) {
-    __syncthreads();  // a previous tile's readers of s_rows and h_s are done
-    TileRef tile;
-    if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, t, &tile, s_rows, p.lora_ranks, p.max_rank)) return;
-    const int64_t slot = tile.slot, rank = tile.size;
-    if (rank == 0) continue;
-    const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
-    const TB* b_cols = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0 + n0 * p.b_stride1;
+  for (int64_t t = blockIdx.y; t < tiles; t += gridDim.y) {
+    __syncthreads();  // the previous tile's readers of s_tile and h_s are done
+    if (tid < 32) warp_resolve_tile(p, t * kTileRows, s_tile);
+    __syncthreads();
+    TileRow rows[kTileRows];
+    int rank_max = 0;
+#pragma unroll
+    for (int m = 0; m < kTileRows; ++m) {
+      rows[m] = s_tile[m];
+      if (rows[m].row >= 0) rank_max = std::max(rank_max, rows[m].rank);
+    }
+    if (rank_max == 0) continue;
+    const bool shared = rows[0].row >= 0 && rows[1].row >= 0 && rows[0].slot == rows[1].slot;
+    const TB* b_cols[kTileRows];
+    int b_rank[kTileRows];  // rank columns of B this row loads: 0 for no row, or a row sharing row 0's
+#pragma unroll
+    for (int m = 0; m < kTileRows; ++m) {
+      b_cols[m] = static_cast<const TB*>(p.lora_b) + std::max(rows[m].slot, 0) * p.b_stride0 +
+                  n0 * p.b_stride1;
+      b_rank[m] = rows[m].row >= 0 && !(m > 0 && shared) && cols > 0 ? rows[m].rank : 0;
+    }
     // Weights are never written by the producer: B's first rank columns go to registers, the rest to L2, now.
-    Raw8<TB> b_first[kCols][kFirstSteps];
+    Raw8<TB> b_first[kFirstSteps][kTileRows][kCols];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
+    for (int m = 0; m < kTileRows; ++m) {
 #pragma unroll
-      for (int st = 0; st < kFirstSteps; ++st) {
-        load_raw8(b_cols + c * p.b_stride1 + st * 8, kVec, c < cols ? rank - st * 8 : 0, b_first[c][st]);
-      }
-      for (int64_t off = kFirstSteps * 8; c < cols && off < rank; off += 128 / sizeof(TB)) {
-        prefetch_l2(b_cols + c * p.b_stride1 + off);
+      for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+        for (int st = 0; st < kFirstSteps; ++st) {
+          load_raw8(b_cols[m] + c * p.b_stride1 + st * 8, kVec, c < cols ? b_rank[m] - st * 8 : 0,
+                    b_first[st][m][c]);
+        }
+        for (int off = kFirstSteps * 8; c < cols && off < b_rank[m]; off += 128 / sizeof(TB)) {
+          prefetch_l2(b_cols[m] + c * p.b_stride1 + off);
+        }
       }
     }
     grid_dependency_wait();
@@ -96,32 +182,35 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
     YCols<TY, kVec> y_rows[kTileRows];
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
-      if (s_rows[m] >= 0) y_rows[m].load(y + s_rows[m] * p.y_row_stride + n0, cols);
+      if (rows[m].row >= 0) y_rows[m].load(y + rows[m].row * p.y_row_stride + n0, cols);
     }
     float acc[kTileRows][kCols] = {};
-    auto fma_step = [&](const float (&b)[kCols][8], int j) {
+    // Eight rank columns [j, j + 8). Row 1 takes row 0's B when the pair shares a slot (its loads were skipped).
+    static_assert(kTileRows == 2, "a shared slot is row 0's and row 1's");
+    auto fma_step = [&](const Raw8<TB> (&raw)[kTileRows][kCols], int j) {
 #pragma unroll
-      for (int m = 0; m < kTileRows; ++m) {
+      for (int jj = 0; jj < 8; ++jj) {
+        const float h0 = h_s[0][j + jj], h1 = h_s[1][j + jj];
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const float hv = h_s[m][j + jj];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) acc[m][c] += hv * b[c][jj];
+        for (int c = 0; c < kCols; ++c) {
+          const float b0 = to_f32(raw[0][c].v[jj]);
+          acc[0][c] += h0 * b0;
+          acc[1][c] += h1 * (shared ? b0 : to_f32(raw[1][c].v[jj]));
         }
       }
     };
-    const TH* h = static_cast<const TH*>(p.h) + slot * p.h_slot_stride + s * p.max_rank;
-    for (int64_t j0 = 0; j0 < rank; j0 += kRankChunk) {
-      const int jn = (int)std::min<int64_t>(kRankChunk, rank - j0), jpad = (jn + 7) / 8 * 8;
+    for (int j0 = 0; j0 < rank_max; j0 += kRankChunk) {
+      const int jn = rank_max - j0 < kRankChunk ? rank_max - j0 : kRankChunk, jpad = (jn + 7) / 8 * 8;
       if (j0 > 0) __syncthreads();  // the previous chunk's readers of h_s are done
+      // h of each row, its partials summed in split order and scaled; zero past the row's rank.
       for (int i = tid; i < kTileRows * jpad; i += kThreads) {
         const int m = i / jpad, j = i % jpad;
-        const int64_t row = s_rows[m];
+        const TileRow& r = s_tile[m];
         float v = 0.f;
-        if (row >= 0 && j < jn) {
-          const TH* src = h + row * p.h_row_stride + j0 + j;
+        if (r.row >= 0 && j0 + j < r.rank) {
+          const TH* src = h + r.slot * p.h_slot_stride + r.row * p.h_row_stride + j0 + j;
           for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
-          v *= coef;
+          v *= r.coef;
         }
         h_s[m][j] = v;
       }
@@ -131,62 +220,45 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
 #pragma unroll
         for (int st = 0; st < kFirstSteps; ++st) {
           if (st * 8 >= jpad) break;
-          float b[kCols][8];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) b[c][jj] = to_f32(b_first[c][st].v[jj]);
-          }
-          fma_step(b, st * 8);
+          fma_step(b_first[st], st * 8);
         }
         j = kFirstSteps * 8;
       }
       for (; j < jpad; j += 16) {  // two steps' loads in flight at once
-        Raw8<TB> raw[2][kCols];
+        Raw8<TB> raw[2][kTileRows][kCols];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
 #pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            load_raw8(b_cols + c * p.b_stride1 + j0 + j + 8 * u, kVec, c < cols ? jn - j - 8 * u : 0, raw[u][c]);
+          for (int m = 0; m < kTileRows; ++m) {
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+              load_raw8(b_cols[m] + c * p.b_stride1 + j0 + j + 8 * u, kVec,
+                        c < cols && j + 8 * u < jpad ? b_rank[m] - (j0 + j + 8 * u) : 0, raw[u][m][c]);
+            }
           }
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          if (j + 8 * u >= jpad) break;
-          float b[kCols][8];
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) b[c][jj] = to_f32(raw[u][c].v[jj]);
-          }
-          fma_step(b, j + 8 * u);
+          if (j + 8 * u < jpad) fma_step(raw[u], j + 8 * u);
         }
       }
     }
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
-      if (s_rows[m] < 0) continue;
+      if (rows[m].row < 0) continue;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) y_rows[m].v[c] = from_f32<TY>(to_f32(y_rows[m].v[c]) + acc[m][c]);
-      y_rows[m].store(y + s_rows[m] * p.y_row_stride + n0, cols);
+      y_rows[m].store(y + rows[m].row * p.y_row_stride + n0, cols);
     }
   }
 }
 
-// Grid: the column blocks by as many tile rows as fit on the device at once; each CTA loops over tiles t,
-// t + gridDim.y, ... The tile bound counts a segment for every slot, and at decode most of its tiles do not
-// exist: a grid of the whole bound spent extra waves on CTAs that only found that out (ncu, gate_up at T=32/32:
-// 127 registers, 4 CTAs per SM, 1792 CTAs in 3.4 waves).
+// Grid: the column blocks by the position pairs (capped at the grid's limit; CTAs then loop).
 template <class TB, class TH, class TY>
 cudaError_t launch_typed(const ExpandParams& p, int64_t col_blocks, int64_t tiles, bool vec, bool pdl,
                          cudaStream_t stream) {
   auto kernel = vec ? lora_expand_kernel<TB, TH, TY, true> : lora_expand_kernel<TB, TH, TY, false>;
-  int64_t resident = 0;
-  const cudaError_t err = vec ? resident_ctas<lora_expand_kernel<TB, TH, TY, true>>(kThreads, &resident)
-                              : resident_ctas<lora_expand_kernel<TB, TH, TY, false>>(kThreads, &resident);
-  if (err != cudaSuccess) return err;
-  const int64_t tile_rows = std::max<int64_t>(1, resident / col_blocks);
-  const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
+  const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>(tiles, 65535));
   return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
 }
 
@@ -204,13 +276,12 @@ cudaError_t launch_b(const ExpandParams& p, int64_t col_blocks, int64_t tiles, b
 }  // namespace
 
 cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t stream) {
-  const int64_t P = p.seg.positions;
-  const int64_t tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  const int64_t tiles = (p.seg.positions + kTileRows - 1) / kTileRows;
   int64_t col_blocks = 0;
   for (int64_t s = 0; s < p.num_slices; ++s) {
     col_blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
   }
-  if (tiles == 0 || col_blocks == 0 || p.max_rank == 0) return cudaSuccess;
+  if (tiles == 0 || p.seg.num_segments == 0 || col_blocks == 0 || p.max_rank == 0) return cudaSuccess;
   if (col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   // Vector path: 16-byte loads of B rows, kCols-element loads and stores of y (every slice starts on one).
   const int64_t eb = dtype_size(p.b_dtype), y_vec = kCols * dtype_size(p.y_dtype);
