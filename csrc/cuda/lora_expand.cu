@@ -3,13 +3,13 @@
 // the base GEMM with every slot's A folded in) and the second step of the decode sgmv (h = the shrink's
 // float32 K-split partials, summed here in split order: deterministic).
 //
-// One CTA per (256 columns of one slice, pair of consecutive positions); each of the 128 threads owns 2
-// consecutive columns of both rows. At decode sizes the cost is the chain of dependent memory trips, so the
-// kernel keeps it to two: warp 0 loads the pair's rows, walks the segments for their slots and reads the ranks
+// One CTA per (256 columns of one slice, tile of 4 consecutive positions); each of the 128 threads owns 2
+// consecutive columns of the 4 rows. At decode sizes the cost is the chain of dependent memory trips, so the
+// kernel keeps it to two: warp 0 loads the tile's rows, walks the segments for their slots and reads the ranks
 // and scales of the first 64 slots, all at once; then every thread issues B (before grid_dependency_wait:
-// weights are never written by the producer), y and h together. A pair of one slot loads B once. Positions,
-// not segment tiles, index the grid: its size is known on the host, no CTA looks for a tile that does not
-// exist, and no FMA is spent on absent rows.
+// weights are never written by the producer), y and h together. Positions are sorted by slot, so a run of
+// rows of one slot loads B once. Positions, not segment tiles, index the grid: its size is known on the host,
+// and no CTA looks for a tile that does not exist.
 #include <algorithm>
 
 #include "common.cuh"
@@ -21,9 +21,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kCols = 2;  // consecutive columns per thread
 constexpr int kBlockCols = kThreads * kCols;
-constexpr int kTileRows = 2;
+constexpr int kTileRows = 4;
 constexpr int kRankChunk = 128;
-constexpr int kFirstSteps = 2;  // rank columns / 8 of B loaded before the wait
 constexpr int kNearSlots = 64;  // slots whose rank and scale warp 0 loads before its walk
 constexpr unsigned kAll = 0xffffffffu;
 
@@ -102,8 +101,10 @@ __device__ __forceinline__ void warp_resolve_tile(const ExpandParams& p, int64_t
 template <class TY, bool kVec>
 struct YCols {
   TY v[kCols];
-  using Vec = std::conditional_t<sizeof(TY) == 2, unsigned, uint2>;
-  static_assert(sizeof(Vec) == sizeof(TY) * kCols);
+  static constexpr int kBytes = sizeof(TY) * kCols;
+  using Vec = std::conditional_t<kBytes == 2, unsigned short,
+                                 std::conditional_t<kBytes == 4, unsigned, std::conditional_t<kBytes == 8, uint2, uint4>>>;
+  static_assert(sizeof(Vec) == kBytes);
   __device__ __forceinline__ void load(const TY* src, int cols) {
     if (kVec && cols == kCols) {
       *reinterpret_cast<Vec*>(v) = *reinterpret_cast<const Vec*>(src);
@@ -152,27 +153,40 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
       if (rows[m].row >= 0) rank_max = std::max(rank_max, rows[m].rank);
     }
     if (rank_max == 0) continue;
-    const bool shared = rows[0].row >= 0 && rows[1].row >= 0 && rows[0].slot == rows[1].slot;
+    // Positions are sorted by slot, so a run of rows of one slot loads B once: row m takes row m - 1's when
+    // both are real rows of the same slot (bit m of `same`).
+    unsigned same = 0;
     const TB* b_cols[kTileRows];
-    int b_rank[kTileRows];  // rank columns of B this row loads: 0 for no row, or a row sharing row 0's
+    int b_rank[kTileRows];  // rank columns of B this row loads: 0 for no row, or one taking row m - 1's
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
+      if (m > 0 && rows[m].row >= 0 && rows[m - 1].row >= 0 && rows[m].slot == rows[m - 1].slot) same |= 1u << m;
       b_cols[m] = static_cast<const TB*>(p.lora_b) + std::max(rows[m].slot, 0) * p.b_stride0 +
                   n0 * p.b_stride1;
-      b_rank[m] = rows[m].row >= 0 && !(m > 0 && shared) && cols > 0 ? rows[m].rank : 0;
+      b_rank[m] = rows[m].row >= 0 && !(same >> m & 1) && cols > 0 ? rows[m].rank : 0;
     }
-    // Weights are never written by the producer: B's first rank columns go to registers, the rest to L2, now.
-    Raw8<TB> b_first[kFirstSteps][kTileRows][kCols];
+    // B's rank columns [j, j + 16) of every row and column of the thread (zero past the row's rank).
+    Raw8<TB> raw[2][kTileRows][kCols];
+    auto load_b = [&](int j) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int m = 0; m < kTileRows; ++m) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            load_raw8(b_cols[m] + c * p.b_stride1 + j + 8 * u, kVec, c < cols ? b_rank[m] - (j + 8 * u) : 0,
+                      raw[u][m][c]);
+          }
+        }
+      }
+    };
+    // Weights are never written by the producer: the first 16 rank columns go to registers, the rest to L2, now.
+    load_b(0);
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-#pragma unroll
-        for (int st = 0; st < kFirstSteps; ++st) {
-          load_raw8(b_cols[m] + c * p.b_stride1 + st * 8, kVec, c < cols ? b_rank[m] - st * 8 : 0,
-                    b_first[st][m][c]);
-        }
-        for (int off = kFirstSteps * 8; c < cols && off < b_rank[m]; off += 128 / sizeof(TB)) {
+        for (int off = 16; c < cols && off < b_rank[m]; off += 128 / sizeof(TB)) {
           prefetch_l2(b_cols[m] + c * p.b_stride1 + off);
         }
       }
@@ -185,63 +199,43 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
       if (rows[m].row >= 0) y_rows[m].load(y + rows[m].row * p.y_row_stride + n0, cols);
     }
     float acc[kTileRows][kCols] = {};
-    // Eight rank columns [j, j + 8). Row 1 takes row 0's B when the pair shares a slot (its loads were skipped).
-    static_assert(kTileRows == 2, "a shared slot is row 0's and row 1's");
-    auto fma_step = [&](const Raw8<TB> (&raw)[kTileRows][kCols], int j) {
+    // Rank columns [j, j + 8) from raw[u] (h_s column jc); a row of a run takes its predecessor's B (its own
+    // loads were skipped).
+    auto fma_step = [&](int u, int jc) {
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
-        const float h0 = h_s[0][j + jj], h1 = h_s[1][j + jj];
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
-          const float b0 = to_f32(raw[0][c].v[jj]);
-          acc[0][c] += h0 * b0;
-          acc[1][c] += h1 * (shared ? b0 : to_f32(raw[1][c].v[jj]));
+          float b = 0.f;
+#pragma unroll
+          for (int m = 0; m < kTileRows; ++m) {
+            b = same >> m & 1 ? b : to_f32(raw[u][m][c].v[jj]);
+            acc[m][c] += h_s[m][jc + jj] * b;
+          }
         }
       }
     };
-    for (int j0 = 0; j0 < rank_max; j0 += kRankChunk) {
-      const int jn = rank_max - j0 < kRankChunk ? rank_max - j0 : kRankChunk, jpad = (jn + 7) / 8 * 8;
-      if (j0 > 0) __syncthreads();  // the previous chunk's readers of h_s are done
-      // h of each row, its partials summed in split order and scaled; zero past the row's rank.
-      for (int i = tid; i < kTileRows * jpad; i += kThreads) {
-        const int m = i / jpad, j = i % jpad;
-        const TileRow& r = s_tile[m];
-        float v = 0.f;
-        if (r.row >= 0 && j0 + j < r.rank) {
-          const TH* src = h + r.slot * p.h_slot_stride + r.row * p.h_row_stride + j0 + j;
-          for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
-          v *= r.coef;
-        }
-        h_s[m][j] = v;
-      }
-      __syncthreads();
-      int j = 0;
-      if (j0 == 0) {
-#pragma unroll
-        for (int st = 0; st < kFirstSteps; ++st) {
-          if (st * 8 >= jpad) break;
-          fma_step(b_first[st], st * 8);
-        }
-        j = kFirstSteps * 8;
-      }
-      for (; j < jpad; j += 16) {  // two steps' loads in flight at once
-        Raw8<TB> raw[2][kTileRows][kCols];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-#pragma unroll
-          for (int m = 0; m < kTileRows; ++m) {
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-              load_raw8(b_cols[m] + c * p.b_stride1 + j0 + j + 8 * u, kVec,
-                        c < cols && j + 8 * u < jpad ? b_rank[m] - (j0 + j + 8 * u) : 0, raw[u][m][c]);
-            }
+    for (int j = 0; j < rank_max; j += 16) {
+      const int jc = j % kRankChunk;
+      if (jc == 0) {  // h of the next kRankChunk rank columns of each row, zero past its rank and to a step of 16
+        const int jn = rank_max - j < kRankChunk ? rank_max - j : kRankChunk, jpad = (jn + 15) / 16 * 16;
+        if (j > 0) __syncthreads();  // the previous chunk's readers of h_s are done
+        for (int i = tid; i < kTileRows * jpad; i += kThreads) {
+          const int m = i / jpad, jj = i % jpad;
+          const TileRow& r = s_tile[m];
+          float v = 0.f;
+          if (r.row >= 0 && j + jj < r.rank) {  // the partials summed in split order, scaled
+            const TH* src = h + r.slot * p.h_slot_stride + r.row * p.h_row_stride + j + jj;
+            for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
+            v *= r.coef;
           }
+          h_s[m][jj] = v;
         }
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (j + 8 * u < jpad) fma_step(raw[u], j + 8 * u);
-        }
+        __syncthreads();
       }
+      fma_step(0, jc);
+      fma_step(1, jc + 8);
+      if (j + 16 < rank_max) load_b(j + 16);
     }
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
@@ -253,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
   }
 }
 
-// Grid: the column blocks by the position pairs (capped at the grid's limit; CTAs then loop).
+// Grid: the column blocks by the position tiles (capped at the grid's limit; CTAs then loop).
 template <class TB, class TH, class TY>
 cudaError_t launch_typed(const ExpandParams& p, int64_t col_blocks, int64_t tiles, bool vec, bool pdl,
                          cudaStream_t stream) {
