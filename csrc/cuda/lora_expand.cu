@@ -11,6 +11,7 @@
 // rows of one slot loads B once. Positions, not segment tiles, index the grid: its size is known on the host,
 // and no CTA looks for a tile that does not exist.
 #include <algorithm>
+#include <cstdlib>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -121,9 +122,14 @@ struct YCols {
   }
 };
 
-// kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
-template <class TB, class TH, class TY, bool kVec>
-__global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, int64_t tiles) {
+// kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host). kStage (with kVec):
+// B through dynamic shared memory, kStageBytes<TB>.
+template <class TB>
+constexpr int kStageBytes = 2 * kTileRows * kCols * kThreads * sizeof(Raw8<TB>);
+template <class TB, class TH, class TY, bool kVec, bool kStage>
+__global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(ExpandParams p, int64_t tiles) {
+  extern __shared__ __align__(16) unsigned char b_stage_bytes[];
+  Raw8<TB>* b_stage = reinterpret_cast<Raw8<TB>*>(b_stage_bytes);
   __shared__ TileRow s_tile[kTileRows];
   __shared__ float h_s[kTileRows][kRankChunk];
   const int tid = threadIdx.x;
@@ -165,8 +171,13 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
                   n0 * p.b_stride1;
       b_rank[m] = rows[m].row >= 0 && !(same >> m & 1) && cols > 0 ? rows[m].rank : 0;
     }
-    // B's rank columns [j, j + 16) of every row and column of the thread (zero past the row's rank).
-    Raw8<TB> raw[2][kTileRows][kCols];
+    // B's rank columns [j, j + 16) of every row and column of the thread (zero past the row's rank): in
+    // registers, or (kStage) copied by cp.async into the thread's own shared-memory slots, which holds no
+    // register while in flight.
+    Raw8<TB> raw[kStage ? 1 : 2][kTileRows][kCols];
+    auto stage_at = [&](int u, int m, int c) -> Raw8<TB>& {
+      return b_stage[((u * kTileRows + m) * kCols + c) * kThreads + tid];
+    };
     auto load_b = [&](int j) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
@@ -174,11 +185,22 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
         for (int m = 0; m < kTileRows; ++m) {
 #pragma unroll
           for (int c = 0; c < kCols; ++c) {
-            load_raw8(b_cols[m] + c * p.b_stride1 + j + 8 * u, kVec, c < cols ? b_rank[m] - (j + 8 * u) : 0,
-                      raw[u][m][c]);
+            const TB* src = b_cols[m] + c * p.b_stride1 + j + 8 * u;
+            const int valid = c < cols ? b_rank[m] - (j + 8 * u) : 0;
+            if constexpr (kStage) {
+              const int bytes = std::clamp(valid, 0, 8) * (int)sizeof(TB);
+#pragma unroll
+              for (int q = 0; q < (int)sizeof(Raw8<TB>) / 16; ++q) {
+                cp_async16(reinterpret_cast<char*>(&stage_at(u, m, c)) + 16 * q,
+                           reinterpret_cast<const char*>(src) + 16 * q, std::clamp(bytes - 16 * q, 0, 16));
+              }
+            } else {
+              load_raw8(src, kVec, valid, raw[u][m][c]);
+            }
           }
         }
       }
+      if constexpr (kStage) cp_async_commit();
     };
     // Weights are never written by the producer: the first 16 rank columns go to registers, the rest to L2, now.
     load_b(0);
@@ -199,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
       if (rows[m].row >= 0) y_rows[m].load(y + rows[m].row * p.y_row_stride + n0, cols);
     }
     float acc[kTileRows][kCols] = {};
-    // Rank columns [j, j + 8) from raw[u] (h_s column jc); a row of a run takes its predecessor's B (its own
+    // Rank columns [j, j + 8) of step u (h_s column jc); a row of a run takes its predecessor's B (its own
     // loads were skipped).
     auto fma_step = [&](int u, int jc) {
 #pragma unroll
@@ -209,7 +231,11 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
           float b = 0.f;
 #pragma unroll
           for (int m = 0; m < kTileRows; ++m) {
-            b = same >> m & 1 ? b : to_f32(raw[u][m][c].v[jj]);
+            if constexpr (kStage) {
+              b = same >> m & 1 ? b : to_f32(stage_at(u, m, c).v[jj]);
+            } else {
+              b = same >> m & 1 ? b : to_f32(raw[u][m][c].v[jj]);
+            }
             acc[m][c] += h_s[m][jc + jj] * b;
           }
         }
@@ -233,6 +259,7 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
         }
         __syncthreads();
       }
+      if constexpr (kStage) cp_async_wait<0>();
       fma_step(0, jc);
       fma_step(1, jc + 8);
       if (j + 16 < rank_max) load_b(j + 16);
@@ -251,9 +278,15 @@ __global__ void __launch_bounds__(kThreads) lora_expand_kernel(ExpandParams p, i
 template <class TB, class TH, class TY>
 cudaError_t launch_typed(const ExpandParams& p, int64_t col_blocks, int64_t tiles, bool vec, bool pdl,
                          cudaStream_t stream) {
-  auto kernel = vec ? lora_expand_kernel<TB, TH, TY, true> : lora_expand_kernel<TB, TH, TY, false>;
+  static const bool stage = std::getenv("LORA_OPS_EXPAND_STAGE") != nullptr;
+  auto kernel = !vec ? lora_expand_kernel<TB, TH, TY, false, false>
+                     : stage ? lora_expand_kernel<TB, TH, TY, true, true> : lora_expand_kernel<TB, TH, TY, true, false>;
+  const size_t smem = vec && stage ? kStageBytes<TB> : 0;
+  if (const cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem); err != cudaSuccess) {
+    return err;
+  }
   const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>(tiles, 65535));
-  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
+  return launch_pdl(kernel, grid, kThreads, smem, pdl, stream, p, tiles);
 }
 
 template <class TB>
