@@ -8,7 +8,8 @@
 //           rounding and halves the expand's tensor work. For each 64-column tile, B and the y tile stream in
 //           (3 stages), y += h.B^T is written back through shared memory with 16-byte stores (y read and written
 //           once).
-// Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice).
+// Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice). A batch with
+// too few tiles to fill the GPU takes groups of fewer slices (more CTAs; x re-read from L2).
 // On Hopper a tile is split over a cluster of C CTAs: each shrinks 1/C of K, the partial h tiles are summed
 // in member order through distributed shared memory (reduce-scatter then all-gather: deterministic), and each
 // expands 1/C of the columns: x, A, B and y are still read once, with C times the CTAs in flight.
@@ -315,17 +316,30 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
 MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   MmaPlan plan{};
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
-  plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
-  plan.groups = (p.num_slices + plan.slices_per_group - 1) / plan.slices_per_group;
   const int64_t P = p.seg.positions;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
-  // Clusters (Hopper) until about four CTAs per SM, each keeping >= 4 K tiles of the shrink.
+  // Clusters (Hopper) keep >= 4 K tiles of the shrink per member.
   const int64_t k_tiles = (p.k + kBK - 1) / kBK;
-  plan.cluster = 1;
-  while (cc_major >= 9 && plan.cluster < 8 && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms &&
-         k_tiles / (plan.cluster * 2) >= 4) {
-    plan.cluster *= 2;
+  auto cluster_fits = [&](int64_t c) { return cc_major >= 9 && c <= kMaxCluster && k_tiles / c >= 4; };
+  int64_t widest = 1;
+  while (cluster_fits(widest * 2)) widest *= 2;
+  // Slices share a rank tile (x is then read once for all of them) unless even the widest clusters would give
+  // fewer than two CTAs per SM, counting the tiles of long segments, ceil(P / 64) (the grid bound adds one per
+  // segment, most of them empty or short in a prefill batch): a 1024-row fused QKV had 16 tiles, 128 CTAs for
+  // 132 SMs. Then groups of fewer slices multiply the CTAs (the groups of a tile run together: x's extra reads
+  // hit L2), with the widest clusters.
+  const int64_t full_tiles = (P + kTileRows - 1) / kTileRows;
+  auto groups_of = [&](int64_t per_group) { return (p.num_slices + per_group - 1) / per_group; };
+  plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
+  bool split = false;
+  while (plan.slices_per_group > 1 && full_tiles * groups_of(plan.slices_per_group) * widest < 2 * num_sms) {
+    plan.slices_per_group = (plan.slices_per_group + 1) / 2;
+    split = true;
   }
+  plan.groups = groups_of(plan.slices_per_group);
+  // Otherwise clusters until about four CTAs per SM.
+  plan.cluster = split ? widest : 1;
+  while (plan.cluster < widest && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms) plan.cluster *= 2;
   return plan;
 }
 
