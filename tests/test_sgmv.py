@@ -110,6 +110,40 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     assert _run_and_check(cuda, problem) == ""
 
 
+# Prefill shapes that take each path of the tensor-core kernel (sgmv_mma.cu) on the H200 (132 SMs; K = 4096 gives
+# 8-CTA clusters): rank 128 (a 128-wide rank tile, ranks that end inside a 16-byte chunk, a K tail), a short fused
+# QKV batch split into one group per slice, and a longer one whose 3 slices share one block-diagonal rank tile.
+MMA_PATH_CASES = {
+    "rank128_clustered": lambda g: (_slots(g, 1024, [0, 1, 2, 3]),
+                                    dict(K=4104, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0],
+                                         y_col_pad=16)),
+    "qkv_short_batch_split": lambda g: (_slots(g, 1024, [0, 1, 2, 3, -1]),
+                                        dict(K=4096, N=3072, max_rank=16, num_slots=4,
+                                             slice_offsets=[0, 1024, 2048, 3072])),
+    "qkv_shared_rank_tile": lambda g: (_slots(g, 2560, [0, 1, 2, 3]),
+                                       dict(K=4096, N=3072, max_rank=32, num_slots=4, ranks=[32, 9, 16, 0],
+                                            slice_offsets=[0, 2048, 2560, 3072])),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("y_dtype", [None, torch.float32], ids=["y_like_x", "y_float32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MMA_PATH_CASES))
+def test_sgmv_mma_paths(name, dtype, y_dtype, monkeypatch):
+    """The tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h sum)."""
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", "mma")
+    gen = case_generator(name)
+    token_lora, kw = MMA_PATH_CASES[name](gen)
+    problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
+    again = problem.y.clone()
+    assert _run_and_check(lora_ops.ops, problem) == ""
+    lora_ops.ops.sgmv(*problem.args(again))
+    assert torch.equal(again, problem.y)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_float32_y_tolerance_fails_an_intermediate_rounded_to_half(dtype):
     """With a float32 y the intermediate h must stay float32 (docs/design.md §2), and the tolerance follows y's dtype:

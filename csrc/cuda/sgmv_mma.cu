@@ -5,12 +5,14 @@
 //   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. For a float32
 //           y, h is split hi + lo into two half-precision fragments, so the product keeps ~16 mantissa bits of
 //           the float32 intermediate; for a half-precision y one rounding of h (in registers) is below y's own
-//           rounding and halves the expand's tensor work. For each 64-column tile, B and the y tile stream in (3 stages), y += h.B^T is
-//           written back through shared memory with 16-byte stores (y read and written once).
-// Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice).
+//           rounding and halves the expand's tensor work. For each 64-column tile, B and the y tile stream in
+//           (3 stages), y += h.B^T is written back through shared memory with 16-byte stores (y read and written
+//           once).
+// Slices of a group share the tile: B rows are placed block-diagonally (zero outside their slice). A batch with
+// too few tiles to fill the GPU takes groups of fewer slices (more CTAs; x re-read from L2).
 // On Hopper a tile is split over a cluster of C CTAs: each shrinks 1/C of K, the partial h tiles are summed
-// in rank order through distributed shared memory (deterministic), and each expands 1/C of the columns:
-// x, A, B and y are still read once, with C times the CTAs in flight.
+// in member order through distributed shared memory (reduce-scatter then all-gather: deterministic), and each
+// expands 1/C of the columns: x, A, B and y are still read once, with C times the CTAs in flight.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -28,6 +30,13 @@ constexpr int kBN = 64;
 constexpr int kStages = 3;
 constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxRankTile = 128;
+constexpr int kMaxCluster = 8;  // the portable cluster size
+
+// Two adjacent elements, accessed together.
+template <class V>
+struct alignas(2 * sizeof(V)) Pair {
+  V e[2];
+};
 
 struct MmaPlan {
   int64_t rank_pad;          // per-slice rank rounded up to 16
@@ -44,10 +53,24 @@ struct Smem {
   static constexpr size_t expand_y = (size_t)kTileRows * (kBN + kYPad) * sizeof(TY);
   static constexpr size_t expand_stage = expand_b + expand_y;
   static constexpr size_t bytes = std::max(kStages * shrink_stage, kStages * expand_stage);
+  // CTAs that fit an SM's shared memory on Hopper (228 KB, 1 KB reserved per CTA, ~0.6 KB static): the register
+  // budget is set to allow as many, so registers never bound the occupancy more than shared memory does.
+  static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
+};
+
+// A thread's share of a tile copied in 16-byte chunks, kChunksPerRow per row: the chunk col() elements into rows
+// first_row() + i * row_step, the same for every stage, so that the pipelined loads add one offset to pointers
+// made once per tile (v3 redid 64-bit index arithmetic, divisions included, for every chunk of every stage).
+template <int kChunksPerRow>
+struct ChunkRows {
+  static constexpr int row_step = kThreads / kChunksPerRow;
+  static_assert(kThreads % kChunksPerRow == 0, "every thread keeps one chunk column");
+  static __device__ int first_row() { return threadIdx.x / kChunksPerRow; }
+  static __device__ int col(int elems_per_chunk) { return threadIdx.x % kChunksPerRow * elems_per_chunk; }
 };
 
 template <class T, class TY, int RT>
-__global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
+__global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
   using L = Smem<RT, TY>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[kTileRows];
@@ -62,45 +85,60 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
     return;
   }
-  const int64_t R = p.max_rank, rp = plan.rank_pad, rank = tile.size;
+  const int64_t R = p.max_rank, rank = tile.size;
+  const int rp = (int)plan.rank_pad;
   if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
 
   // ---------------- shrink: h = X A^T ----------------
+  // X and A tiles share one chunk column (kc) per thread; a row outside the tile's rows or the slot's true rank
+  // (or a slice past the group) has a null source and is zero-filled.
+  using KRows = ChunkRows<kBK / 8>;
+  const int kc = KRows::col(8);
+  const T* x_src[kTileRows / KRows::row_step];
+#pragma unroll
+  for (int i = 0; i < kTileRows / KRows::row_step; ++i) {
+    const int64_t row = s_rows[KRows::first_row() + i * KRows::row_step];
+    x_src[i] = row >= 0 ? x + row * p.x_row_stride + kc : nullptr;
+  }
+  const T* a_src[RT / KRows::row_step];
+#pragma unroll
+  for (int i = 0; i < RT / KRows::row_step; ++i) {
+    const int rr = KRows::first_row() + i * KRows::row_step, sl = rr / rp, j = rr % rp;
+    a_src[i] = s0 + sl < s1 && j < rank ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + kc
+                                        : nullptr;
+  }
   auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
   auto as = [&](int st) { return xs(st) + kTileRows * (kBK + kPad); };
   auto load_shrink = [&](int st, int64_t k0) {
-    T* X = xs(st);
-    T* A = as(st);
-    for (int c = tid; c < kTileRows * (kBK / 8); c += kThreads) {
-      const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
-      const int64_t k = k0 + kc, row = s_rows[r];
-      const int bytes = (row >= 0 && k < p.k) ? (int)std::min<int64_t>(8, p.k - k) * 2 : 0;
-      cp_async16(X + r * (kBK + kPad) + kc, bytes ? x + row * p.x_row_stride + k : x, bytes);
+    T* X = xs(st) + KRows::first_row() * (kBK + kPad) + kc;
+    T* A = as(st) + KRows::first_row() * (kBK + kPad) + kc;
+    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;
+#pragma unroll
+    for (int i = 0; i < kTileRows / KRows::row_step; ++i) {
+      const bool ok = x_src[i] && bytes;
+      cp_async16(X + i * KRows::row_step * (kBK + kPad), ok ? x_src[i] + k0 : x, ok ? bytes : 0);
     }
-    for (int c = tid; c < RT * (kBK / 8); c += kThreads) {
-      const int rr = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
-      const int64_t sl = rr / rp, j = rr % rp, k = k0 + kc;
-      const bool ok = s0 + sl < s1 && j < rank && k < p.k;
-      const int bytes = ok ? (int)std::min<int64_t>(8, p.k - k) * 2 : 0;
-      const T* src = ok ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + k : lora_a;
-      cp_async16(A + rr * (kBK + kPad) + kc, src, bytes);
+#pragma unroll
+    for (int i = 0; i < RT / KRows::row_step; ++i) {
+      const bool ok = a_src[i] && bytes;
+      cp_async16(A + i * KRows::row_step * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
     }
   };
   float h[RT / 8][4] = {};
   int64_t kt_begin, kt_end;
   split_range((p.k + kBK - 1) / kBK, plan.cluster, member, &kt_begin, &kt_end);
-  const int64_t k_tiles = kt_end - kt_begin;
+  const int k_tiles = (int)(kt_end - kt_begin);  // a member's tiles fit int: 2^31 tiles would be a 2^37-element row
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < k_tiles) load_shrink(st, (kt_begin + st) * kBK);
     cp_async_commit();
   }
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    const int64_t next = kt + kStages - 1;
+    const int next = kt + kStages - 1;
     if (next < k_tiles) load_shrink(next % kStages, (kt_begin + next) * kBK);
     cp_async_commit();
     const T* X = xs(kt % kStages);
@@ -122,31 +160,39 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
   __syncthreads();
   if (plan.cluster > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Sum the cluster's K-partials of h in member order; every thread owns the same fragment slots in each.
+    // Sum the cluster's K-partials of h in member order (bitwise what a plain loop over the members gives). Member m
+    // sums the m-th 1/C of the fragments over every peer and keeps the sum in place (no peer reads that part of
+    // m's buffer), then each member fetches every sum from its owner: 2 tiles of h cross DSMEM per CTA instead of
+    // C, as float4s in fragment order (thread-contiguous: no bank conflicts; v3's per-element loads from rows
+    // RT floats apart were 8-way conflicted, C tiles per CTA).
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    float* part = reinterpret_cast<float*>(smem);
-    auto slot_of = [&](int nt, int e) {
-      return (warp * 16 + lane / 4 + (e / 2) * 8) * RT + nt * 8 + (lane % 4) * 2 + (e % 2);
-    };
+    float4* part = reinterpret_cast<float4*>(smem);
+    constexpr int kFrags = kThreads * (RT / 8);  // float4s of one h tile: one per thread and n8 tile
+    static_assert(kFrags * sizeof(float4) <= L::bytes && kFrags % kMaxCluster == 0);
 #pragma unroll
-    for (int nt = 0; nt < RT / 8; ++nt) {
+    for (int nt = 0; nt < RT / 8; ++nt) part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
+    cluster.sync();
+    const int members = (int)plan.cluster, share = kFrags / members;
+    for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {
+      float4 v[kMaxCluster];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) part[slot_of(nt, e)] = h[nt][e];
+      for (int m = 0; m < kMaxCluster; ++m) {  // all loads in flight before the first add
+        if (m < members) v[m] = cluster.map_shared_rank(part, (unsigned)m)[f];
+      }
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int m = 0; m < kMaxCluster; ++m) {
+        if (m < members) sum = make_float4(sum.x + v[m].x, sum.y + v[m].y, sum.z + v[m].z, sum.w + v[m].w);
+      }
+      part[f] = sum;
     }
     cluster.sync();
 #pragma unroll
     for (int nt = 0; nt < RT / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) h[nt][e] = 0.f;
-    }
-    for (int64_t m = 0; m < plan.cluster; ++m) {
-      const float* peer = cluster.map_shared_rank(part, (unsigned)m);
-#pragma unroll
-      for (int nt = 0; nt < RT / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) h[nt][e] += peer[slot_of(nt, e)];
-      }
+      const int f = nt * kThreads + tid;
+      const float4 v = cluster.map_shared_rank(part, (unsigned)(f / share))[f];
+      h[nt][0] = v.x, h[nt][1] = v.y, h[nt][2] = v.z, h[nt][3] = v.w;
     }
     cluster.sync();  // no member reuses its shared memory while a peer may still read it
 #else
@@ -169,41 +215,57 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
 
   // ---------------- expand: y += h B^T over the group's columns ----------------
   const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
+  // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
+  // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
+  // chunk is past the slot's rank or the group's slices).
+  using BRows = ChunkRows<RT / 8>;
+  const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
+  const bool b_used = s0 + b_slice < s1 && b_j < rank;
+  const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
+  const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
+  const T* b_src = lora_b + tile.slot * p.b_stride0 + b_j;
+  const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
+  // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
   constexpr int kYVec = 16 / sizeof(TY);
+  using YRows = ChunkRows<kBN / kYVec>;
+  const int yc = YRows::col(kYVec);
+  // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
+  auto y_row = [&](int i) -> TY* {
+    const int64_t row = s_rows[YRows::first_row() + i * YRows::row_step];
+    return row >= 0 ? y + row * p.y_row_stride + yc : nullptr;
+  };
   auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
   auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
   auto load_expand = [&](int st, int64_t n0) {
-    T* B = bs(st);
-    TY* Y = ys(st);
-    for (int c = tid; c < kBN * (RT / 8); c += kThreads) {
-      const int i = c / (RT / 8), j8 = (c % (RT / 8)) * 8;
-      const int64_t n = n0 + i, sl = j8 / rp, j = j8 % rp;
-      bool ok = n < c_end && s0 + sl < s1 && j < rank;
-      if (ok) ok = n >= p.slice_offsets[s0 + sl] && n < p.slice_offsets[s0 + sl + 1];
-      const int bytes = ok ? (int)std::min<int64_t>(8, rank - j) * 2 : 0;
-      cp_async16(B + i * (RT + kPad) + j8, ok ? lora_b + tile.slot * p.b_stride0 + n * p.b_stride1 + j : lora_b, bytes);
+    T* B = bs(st) + BRows::first_row() * (RT + kPad) + j8;
+#pragma unroll
+    for (int i = 0; i < kBN / BRows::row_step; ++i) {
+      const int64_t n = n0 + BRows::first_row() + i * BRows::row_step;
+      const bool ok = n >= b_lo && n < b_hi;
+      cp_async16(B + i * BRows::row_step * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
     }
-    for (int c = tid; c < kTileRows * (kBN / kYVec); c += kThreads) {
-      const int r = c / (kBN / kYVec), cc = (c % (kBN / kYVec)) * kYVec;
-      const int64_t n = n0 + cc, row = s_rows[r];
-      const int bytes = (row >= 0 && n < c_end) ? (int)std::min<int64_t>(kYVec, c_end - n) * (int)sizeof(TY) : 0;
-      cp_async16(Y + r * (kBN + L::kYPad) + cc, bytes ? y + row * p.y_row_stride + n : y, bytes);
+    TY* Y = ys(st) + YRows::first_row() * (kBN + L::kYPad) + yc;
+    const bool in = n0 + yc + kYVec <= c_end;  // see the write-back
+#pragma unroll
+    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
+      TY* row = in ? y_row(i) : nullptr;
+      cp_async16(Y + i * YRows::row_step * (kBN + L::kYPad), row ? row + n0 : y, row ? 16 : 0);
     }
   };
   int64_t nt_begin, nt_end;
   split_range((c_end - c_begin + kBN - 1) / kBN, plan.cluster, member, &nt_begin, &nt_end);
-  const int64_t n_tiles = nt_end - nt_begin;
+  const int n_tiles = (int)(nt_end - nt_begin);
   const int64_t n_first = c_begin + nt_begin * kBN;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < n_tiles) load_expand(st, n_first + st * kBN);
     cp_async_commit();
   }
-  for (int64_t nt = 0; nt < n_tiles; ++nt) {
+  for (int nt = 0; nt < n_tiles; ++nt) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    const int64_t next = nt + kStages - 1;
-    if (next < n_tiles) load_expand(next % kStages, n_first + next * kBN);
+    const int next = nt + kStages - 1;
+    if (next < n_tiles) load_expand(next % kStages, n_first + (int64_t)next * kBN);
     cp_async_commit();
     const T* B = bs(nt % kStages);
     TY* Y = ys(nt % kStages);
@@ -222,28 +284,30 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
         }
       }
     }
-    // y tile += acc in shared memory (each element has one owner), then 16-byte stores of valid chunks.
+    // y tile += acc in shared memory (each element has one owner; a fragment's two adjacent columns are one
+    // access), then 16-byte stores of valid chunks.
 #pragma unroll
     for (int t8 = 0; t8 < kBN / 8; ++t8) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = warp * 16 + lane / 4 + (e / 2) * 8, c = t8 * 8 + (lane % 4) * 2 + (e % 2);
-        TY* dst = Y + r * (kBN + L::kYPad) + c;
-        *dst = from_f32<TY>(to_f32(*dst) + acc[t8][e]);
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + lane / 4 + half * 8, c = t8 * 8 + (lane % 4) * 2;
+        Pair<TY>* dst = reinterpret_cast<Pair<TY>*>(Y + r * (kBN + L::kYPad) + c);
+        Pair<TY> v = *dst;
+        v.e[0] = from_f32<TY>(to_f32(v.e[0]) + acc[t8][2 * half]);
+        v.e[1] = from_f32<TY>(to_f32(v.e[1]) + acc[t8][2 * half + 1]);
+        *dst = v;
       }
     }
     __syncthreads();
-    const int64_t n0 = n_first + nt * kBN;
-    for (int c = tid; c < kTileRows * (kBN / kYVec); c += kThreads) {
-      const int r = c / (kBN / kYVec), cc = (c % (kBN / kYVec)) * kYVec;
-      const int64_t n = n0 + cc, row = s_rows[r];
-      if (row < 0 || n >= c_end) continue;
-      const TY* src = Y + r * (kBN + L::kYPad) + cc;
-      TY* dst = y + row * p.y_row_stride + n;
-      if (n + kYVec <= c_end) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int64_t e = 0; e < c_end - n; ++e) dst[e] = src[e];
+    // Slices start and end on multiples of 8 columns (sgmv_mma_supported): a chunk is all in or all out.
+    const int64_t n0 = n_first + (int64_t)nt * kBN;
+    if (n0 + yc + kYVec > c_end) continue;
+    const TY* src = Y + YRows::first_row() * (kBN + L::kYPad) + yc;
+#pragma unroll
+    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
+      if (TY* row = y_row(i)) {
+        const TY* chunk = src + i * YRows::row_step * (kBN + L::kYPad);
+        *reinterpret_cast<uint4*>(row + n0) = *reinterpret_cast<const uint4*>(chunk);
       }
     }
   }
@@ -252,17 +316,30 @@ __global__ void __launch_bounds__(kThreads) sgmv_mma_kernel(SgmvParams p, MmaPla
 MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   MmaPlan plan{};
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
-  plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
-  plan.groups = (p.num_slices + plan.slices_per_group - 1) / plan.slices_per_group;
   const int64_t P = p.seg.positions;
   plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
-  // Clusters (Hopper) until about four CTAs per SM, each keeping >= 4 K tiles of the shrink.
+  // Clusters (Hopper) keep >= 4 K tiles of the shrink per member.
   const int64_t k_tiles = (p.k + kBK - 1) / kBK;
-  plan.cluster = 1;
-  while (cc_major >= 9 && plan.cluster < 8 && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms &&
-         k_tiles / (plan.cluster * 2) >= 4) {
-    plan.cluster *= 2;
+  auto cluster_fits = [&](int64_t c) { return cc_major >= 9 && c <= kMaxCluster && k_tiles / c >= 4; };
+  int64_t widest = 1;
+  while (cluster_fits(widest * 2)) widest *= 2;
+  // Slices share a rank tile (x is then read once for all of them) unless even the widest clusters would give
+  // fewer than two CTAs per SM, counting the tiles of long segments, ceil(P / 64) (the grid bound adds one per
+  // segment, most of them empty or short in a prefill batch): a 1024-row fused QKV had 16 tiles, 128 CTAs for
+  // 132 SMs. Then groups of fewer slices multiply the CTAs (the groups of a tile run together: x's extra reads
+  // hit L2), with the widest clusters.
+  const int64_t full_tiles = (P + kTileRows - 1) / kTileRows;
+  auto groups_of = [&](int64_t per_group) { return (p.num_slices + per_group - 1) / per_group; };
+  plan.slices_per_group = std::max<int64_t>(1, std::min<int64_t>(p.num_slices, kMaxRankTile / plan.rank_pad));
+  bool split = false;
+  while (plan.slices_per_group > 1 && full_tiles * groups_of(plan.slices_per_group) * widest < 2 * num_sms) {
+    plan.slices_per_group = (plan.slices_per_group + 1) / 2;
+    split = true;
   }
+  plan.groups = groups_of(plan.slices_per_group);
+  // Otherwise clusters until about four CTAs per SM.
+  plan.cluster = split ? widest : 1;
+  while (plan.cluster < widest && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms) plan.cluster *= 2;
   return plan;
 }
 
