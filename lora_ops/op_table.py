@@ -8,7 +8,7 @@ or without a case of every op timed on both backends, makes none (results_proble
 the table to the C++ side (csrc/common/op_table.h, in every build); the C++ CUDA kernels look a call up there and
 redispatch one in a Triton regime to lora_ops::_triton_<op>, in C++, with no Python on the C++ kernels' path. It
 applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not when
-LORA_OPS_CUDA_SGMV_KERNEL / LORA_OPS_CUDA_GG_KERNEL force a C++ kernel.
+LORA_OPS_CUDA_SGMV_KERNEL / LORA_OPS_CUDA_EXPAND_KERNEL / LORA_OPS_CUDA_GG_KERNEL force a C++ kernel.
 
 A regime goes to Triton only when Triton wins there by a margin (TRITON_MARGIN): the C++ kernel's worst slowdown
 over the regime's measured cases is at least 1.1× Triton's. A near-tie stays on the C++ kernel, which is cheaper

@@ -7,9 +7,9 @@ import torch
 import torch._dynamo.testing
 
 import lora_ops
-from lora_ops import reference, testing
+from lora_ops import backends, reference, testing
 
-from conftest import ASCEND_MODEL_IMPL, IMPLS, case_generator, use_impl
+from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -89,7 +89,10 @@ def test_lora_expand_parity_large(impl, name, dtype):
 
 def test_lora_expand_garbage_metadata(impl):
     """Out-of-range and overlapping indptr, rows outside [0, T), huge slots (int64 too): skipped or clamped."""
-    dtype = impl.dtypes[0]
+    _check_garbage_metadata(impl, impl.dtypes[0])
+
+
+def _check_garbage_metadata(impl, dtype):
     args = list(_problem(SGMV_CASES["basic"], impl, dtype, key="garbage"))
     dev = impl.device
     T = args[0].shape[0]
@@ -104,7 +107,10 @@ def test_lora_expand_garbage_metadata(impl):
 
 def test_lora_expand_rank0_slot_ignores_its_scale(impl):
     """A rank-0 slot is skipped, so even a NaN scale on it leaves its rows bitwise unchanged."""
-    dtype = impl.dtypes[0]
+    _check_rank0_slot_ignores_its_scale(impl, impl.dtypes[0])
+
+
+def _check_rank0_slot_ignores_its_scale(impl, dtype):
     args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0"))  # slot 2 has rank 0
     args[7] = args[7].clone()
     args[7][2] = float("nan")
@@ -113,7 +119,10 @@ def test_lora_expand_rank0_slot_ignores_its_scale(impl):
 
 def test_lora_expand_reads_no_h_past_the_rank(impl):
     """h past a slot's rank (never written by a shrink of that rank) may hold anything: NaN there changes nothing."""
-    dtype = impl.dtypes[0]
+    _check_reads_no_h_past_the_rank(impl, impl.dtypes[0])
+
+
+def _check_reads_no_h_past_the_rank(impl, dtype):
     args = list(_problem(SGMV_CASES["slices_gqa"], impl, dtype, key="past-rank"))  # ranks 8, 2, 8, 5, 0, 1 of 8
     h, max_rank = args[1], args[2].shape[2]
     for slot, rank in enumerate(args[6].tolist()):
@@ -133,9 +142,30 @@ def test_lora_expand_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank0_slot_ignores_its_scale,
+               "past_rank": _check_reads_no_h_past_the_rank}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["positions", "tiles"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + list(EDGE_CHECKS))
+def test_lora_expand_each_cuda_kernel(name, dtype, kernel, monkeypatch):
+    """Both CUDA expand kernels over the whole grid, not only where the automatic choice (by positions) puts
+    them; a forced kernel also bypasses the op table."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
+    cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
+    if name in EDGE_CHECKS:
+        EDGE_CHECKS[name](cuda, dtype)
+        return
+    case = {**SGMV_CASES, **SGMV_LARGE_CASES}[name]
+    assert _run_and_check(cuda, _problem(case, cuda, dtype, name), dtype) == ""
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_opcheck_lora_expand(device):
-    from conftest import Impl
     args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, key="opcheck")
     torch.library.opcheck(torch.ops.lora_ops.lora_expand.default, args)
 

@@ -318,7 +318,7 @@ def test_an_error_of_the_triton_twin_says_the_op_table_routes_there():
 
 def _profiled_kernels(fn):
     """The names of the GPU kernels fn launches: a Triton kernel by its bare name, a C++ one demangled with its
-    namespace and arguments (the C++ lora_expand_kernel never equals Triton's)."""
+    namespace and arguments."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -358,7 +358,8 @@ def _weights_dtype(op, p):
 
 
 TRITON_KERNEL = {"sgmv": "sgmv_kernel", "lora_expand": "lora_expand_kernel", "grouped_gemm": "grouped_gemm_kernel"}
-CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"), "lora_expand": ("lora_expand_kernel",),
+CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"),
+               "lora_expand": ("expand_positions_kernel", "expand_tiles_kernel"),
                "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel")}
 
 
@@ -420,6 +421,7 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
             _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_off))))
             assert not testing.check_against_reference(y_off, before, ref, _weights_dtype(op, p))
         forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split", "sgmv_shrink_kernel"),
+                  "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles", "expand_tiles_kernel"),
                   "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma", "grouped_gemm_tile_kernel")}
         if op in forced:
             variable, value, kernel = forced[op]

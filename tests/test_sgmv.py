@@ -113,6 +113,11 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
 # Prefill shapes that take each path of the tensor-core kernel (sgmv_mma.cu) on the H200 (132 SMs; K = 4096 gives
 # 8-CTA clusters): rank 128 (a 128-wide rank tile, ranks that end inside a 16-byte chunk, a K tail), a short fused
 # QKV batch split into one group per slice, and a longer one whose 3 slices share one block-diagonal rank tile.
+def _slots(gen, T, choices):
+    """T tokens, each on a random one of `choices` (-1: no LoRA)."""
+    return torch.tensor(choices)[torch.randint(len(choices), (T,), generator=gen)]
+
+
 MMA_PATH_CASES = {
     "rank128_clustered": lambda g: (_slots(g, 1024, [0, 1, 2, 3]),
                                     dict(K=4104, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0],

@@ -21,8 +21,10 @@ ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms);
 cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream);
 
 // y += h * B^T per segment (the lora_expand op, and step 2 of the decode sgmv). From sm_90 it is launched
-// programmatically dependent on the previous kernel in the stream.
-cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t stream);
+// programmatically dependent on the previous kernel in the stream. Two kernels (lora_expand.cu): one CTA per
+// tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the one preferred.
+enum class ExpandKernel { Auto, Positions, Tiles };
+cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

@@ -3,15 +3,19 @@
 // the base GEMM with every slot's A folded in) and the second step of the decode sgmv (h = the shrink's
 // float32 K-split partials, summed here in split order: deterministic).
 //
-// One CTA per (256 columns of one slice, tile of 4 consecutive positions); each of the 128 threads owns 2
-// consecutive columns of the 4 rows. At decode sizes the cost is the chain of dependent memory trips, so the
-// kernel keeps it to two: warp 0 loads the tile's rows, walks the segments for their slots and reads the ranks
-// and scales of the first 64 slots, all at once; then every thread issues B (before grid_dependency_wait:
-// weights are never written by the producer), y and h together. Positions are sorted by slot, so a run of
-// rows of one slot loads B once. Positions, not segment tiles, index the grid: its size is known on the host,
-// and no CTA looks for a tile that does not exist.
+// At decode sizes the cost is the chain of dependent memory trips per CTA and how many CTAs run it in series.
+// Two kernels, by the number of positions P (measured on the H200; csrc/cuda/NOTES.md):
+// - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
+//   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
+//   segments for their slots and reads the ranks and scales of the first 64 slots, all at once; then every
+//   thread issues B (before grid_dependency_wait: weights are never written by the producer), y and h together.
+//   Positions are sorted by slot, so a run of rows of one slot loads B once. The grid is sized by positions on
+//   the host: no CTA looks for a tile that does not exist.
+// - segment tiles (larger P): one CTA per (512 columns of one slice, tile of up to 4 positions of one segment),
+//   128 threads of 4 columns sharing the tile's B. The tile walk is one trip and the rows with the rank one more;
+//   then B, y and h as above. The grid holds only as many tile rows as fit on the device at once and each CTA
+//   loops over its tiles: the positions grid would run several waves of its chain there.
 #include <algorithm>
-#include <cstdlib>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -20,11 +24,10 @@ namespace lora_ops::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kCols = 2;  // consecutive columns per thread
-constexpr int kBlockCols = kThreads * kCols;
 constexpr int kTileRows = 4;
-constexpr int kRankChunk = 128;
-constexpr int kNearSlots = 64;  // slots whose rank and scale warp 0 loads before its walk
+constexpr int kRankChunk = 128;  // rank columns of h staged in shared memory at once
+constexpr int kNearSlots = 64;   // slots whose rank and scale the positions kernel loads before its walk
+constexpr int64_t kPositionsKernelMaxPositions = 64;
 constexpr unsigned kAll = 0xffffffffu;
 
 template <class T>
@@ -32,12 +35,59 @@ __device__ __forceinline__ void prefetch_l2(const T* ptr) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
 }
 
-// A position of the tile as warp 0 resolved it. row is -1 when the position adds nothing: past P, a row
-// outside [0, rows), no segment or a slot outside [0, L), or rank 0.
+// A row of a tile: row -1 when it adds nothing (past the positions, a row outside [0, rows), no segment or a
+// slot outside [0, L), rank 0).
 struct TileRow {
   int32_t row, slot, rank;  // each fits int32 (docs/design.md §2, index values)
   float coef;
 };
+
+// The thread's kCols consecutive columns in the CTA's block of kThreads * kCols columns of one slice (blocks of
+// all slices in order): slice s, first column n0, and how many of the kCols lie in the slice (0 past its end).
+// False past the last block.
+template <int kCols>
+__device__ __forceinline__ bool find_columns(const ExpandParams& p, int64_t* s_out, int64_t* n0, int* cols) {
+  constexpr int kBlockCols = kThreads * kCols;
+  int64_t block = blockIdx.x, s = 0;
+  for (; s < p.num_slices; ++s) {
+    const int64_t blocks = (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
+    if (block < blocks) break;
+    block -= blocks;
+  }
+  if (s == p.num_slices) return false;
+  *s_out = s;
+  *n0 = p.slice_offsets[s] + block * kBlockCols + threadIdx.x * kCols;
+  *cols = (int)std::max<int64_t>(0, std::min<int64_t>(kCols, p.slice_offsets[s + 1] - *n0));
+  return true;
+}
+
+// Column blocks of kThreads * kCols columns over all slices.
+template <int kCols>
+int64_t column_blocks(const ExpandParams& p) {
+  int64_t blocks = 0;
+  for (int64_t s = 0; s < p.num_slices; ++s) {
+    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + kThreads * kCols - 1) / (kThreads * kCols);
+  }
+  return blocks;
+}
+
+// h_s[m][j] for j in [0, jpad): row m's h at rank column j0 + j (its partials summed in split order, scaled by
+// its coef), zero past its rank or for no row. `h` points at the slice's window; row_at(m) gives the TileRow.
+template <class TH, class RowAt>
+__device__ __forceinline__ void fill_h(const ExpandParams& p, const TH* h, RowAt row_at, int j0, int jpad,
+                                       float (*h_s)[kRankChunk]) {
+  for (int i = threadIdx.x; i < kTileRows * jpad; i += kThreads) {
+    const int m = i / jpad, j = i % jpad;
+    const TileRow r = row_at(m);
+    float v = 0.f;
+    if (r.row >= 0 && j0 + j < r.rank) {
+      const TH* src = h + r.slot * p.h_slot_stride + r.row * p.h_row_stride + j0 + j;
+      for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
+      v *= r.coef;
+    }
+    h_s[m][j] = v;
+  }
+}
 
 // Warp-wide: lane r < kRows returns the slot of position p0 + r (-1: no segment covers it, or its slot is
 // outside [0, num_slots)). The segment bounds follow the running-maximum rule of warp_find_tile; the walk
@@ -99,12 +149,11 @@ __device__ __forceinline__ void warp_resolve_tile(const ExpandParams& p, int64_t
 }
 
 // kCols consecutive y elements of one row; one vector access when kVec (aligned, checked on the host).
-template <class TY, bool kVec>
+template <class TY, int kCols, bool kVec>
 struct YCols {
   TY v[kCols];
   static constexpr int kBytes = sizeof(TY) * kCols;
-  using Vec = std::conditional_t<kBytes == 2, unsigned short,
-                                 std::conditional_t<kBytes == 4, unsigned, std::conditional_t<kBytes == 8, uint2, uint4>>>;
+  using Vec = std::conditional_t<kBytes == 4, unsigned, std::conditional_t<kBytes == 8, uint2, uint4>>;
   static_assert(sizeof(Vec) == kBytes);
   __device__ __forceinline__ void load(const TY* src, int cols) {
     if (kVec && cols == kCols) {
@@ -122,28 +171,16 @@ struct YCols {
   }
 };
 
-// kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host). kStage (with kVec):
-// B through dynamic shared memory, kStageBytes<TB>.
-template <class TB>
-constexpr int kStageBytes = 2 * kTileRows * kCols * kThreads * sizeof(Raw8<TB>);
-template <class TB, class TH, class TY, bool kVec, bool kStage>
-__global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(ExpandParams p, int64_t tiles) {
-  extern __shared__ __align__(16) unsigned char b_stage_bytes[];
-  Raw8<TB>* b_stage = reinterpret_cast<Raw8<TB>*>(b_stage_bytes);
+// kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
+template <class TB, class TH, class TY, bool kVec>
+__global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams p, int64_t tiles) {
+  constexpr int kCols = 2;
   __shared__ TileRow s_tile[kTileRows];
   __shared__ float h_s[kTileRows][kRankChunk];
   const int tid = threadIdx.x;
-
-  // Slice and first column of this CTA's column block.
-  int64_t block = blockIdx.x, s = 0;
-  for (; s < p.num_slices; ++s) {
-    const int64_t blocks = (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
-    if (block < blocks) break;
-    block -= blocks;
-  }
-  if (s == p.num_slices) return;
-  const int64_t n0 = p.slice_offsets[s] + block * kBlockCols + tid * kCols;
-  const int cols = (int)std::max<int64_t>(0, std::min<int64_t>(kCols, p.slice_offsets[s + 1] - n0));
+  int64_t s, n0;
+  int cols;
+  if (!find_columns<kCols>(p, &s, &n0, &cols)) return;
   TY* y = static_cast<TY*>(p.y);
   const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
@@ -171,13 +208,8 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
                   n0 * p.b_stride1;
       b_rank[m] = rows[m].row >= 0 && !(same >> m & 1) && cols > 0 ? rows[m].rank : 0;
     }
-    // B's rank columns [j, j + 16) of every row and column of the thread (zero past the row's rank): in
-    // registers, or (kStage) copied by cp.async into the thread's own shared-memory slots, which holds no
-    // register while in flight.
-    Raw8<TB> raw[kStage ? 1 : 2][kTileRows][kCols];
-    auto stage_at = [&](int u, int m, int c) -> Raw8<TB>& {
-      return b_stage[((u * kTileRows + m) * kCols + c) * kThreads + tid];
-    };
+    // B's rank columns [j, j + 16) of every row and column of the thread (zero past the row's rank).
+    Raw8<TB> raw[2][kTileRows][kCols];
     auto load_b = [&](int j) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
@@ -185,22 +217,11 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
         for (int m = 0; m < kTileRows; ++m) {
 #pragma unroll
           for (int c = 0; c < kCols; ++c) {
-            const TB* src = b_cols[m] + c * p.b_stride1 + j + 8 * u;
-            const int valid = c < cols ? b_rank[m] - (j + 8 * u) : 0;
-            if constexpr (kStage) {
-              const int bytes = std::clamp(valid, 0, 8) * (int)sizeof(TB);
-#pragma unroll
-              for (int q = 0; q < (int)sizeof(Raw8<TB>) / 16; ++q) {
-                cp_async16(reinterpret_cast<char*>(&stage_at(u, m, c)) + 16 * q,
-                           reinterpret_cast<const char*>(src) + 16 * q, std::clamp(bytes - 16 * q, 0, 16));
-              }
-            } else {
-              load_raw8(src, kVec, valid, raw[u][m][c]);
-            }
+            load_raw8(b_cols[m] + c * p.b_stride1 + j + 8 * u, kVec, c < cols ? b_rank[m] - (j + 8 * u) : 0,
+                      raw[u][m][c]);
           }
         }
       }
-      if constexpr (kStage) cp_async_commit();
     };
     // Weights are never written by the producer: the first 16 rank columns go to registers, the rest to L2, now.
     load_b(0);
@@ -215,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
     }
     grid_dependency_wait();
 
-    YCols<TY, kVec> y_rows[kTileRows];
+    YCols<TY, kCols, kVec> y_rows[kTileRows];
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
       if (rows[m].row >= 0) y_rows[m].load(y + rows[m].row * p.y_row_stride + n0, cols);
@@ -231,11 +252,7 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
           float b = 0.f;
 #pragma unroll
           for (int m = 0; m < kTileRows; ++m) {
-            if constexpr (kStage) {
-              b = same >> m & 1 ? b : to_f32(stage_at(u, m, c).v[jj]);
-            } else {
-              b = same >> m & 1 ? b : to_f32(raw[u][m][c].v[jj]);
-            }
+            b = same >> m & 1 ? b : to_f32(raw[u][m][c].v[jj]);
             acc[m][c] += h_s[m][jc + jj] * b;
           }
         }
@@ -243,23 +260,12 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
     };
     for (int j = 0; j < rank_max; j += 16) {
       const int jc = j % kRankChunk;
-      if (jc == 0) {  // h of the next kRankChunk rank columns of each row, zero past its rank and to a step of 16
-        const int jn = rank_max - j < kRankChunk ? rank_max - j : kRankChunk, jpad = (jn + 15) / 16 * 16;
+      if (jc == 0) {  // the next kRankChunk rank columns of h, to a step of 16
+        const int jn = rank_max - j < kRankChunk ? rank_max - j : kRankChunk;
         if (j > 0) __syncthreads();  // the previous chunk's readers of h_s are done
-        for (int i = tid; i < kTileRows * jpad; i += kThreads) {
-          const int m = i / jpad, jj = i % jpad;
-          const TileRow& r = s_tile[m];
-          float v = 0.f;
-          if (r.row >= 0 && j + jj < r.rank) {  // the partials summed in split order, scaled
-            const TH* src = h + r.slot * p.h_slot_stride + r.row * p.h_row_stride + j + jj;
-            for (int64_t split = 0; split < p.h_splits; ++split) v += to_f32(src[split * p.h_split_stride]);
-            v *= r.coef;
-          }
-          h_s[m][jj] = v;
-        }
+        fill_h(p, h, [&](int m) { return s_tile[m]; }, j, (jn + 15) / 16 * 16, h_s);
         __syncthreads();
       }
-      if constexpr (kStage) cp_async_wait<0>();
       fma_step(0, jc);
       fma_step(1, jc + 8);
       if (j + 16 < rank_max) load_b(j + 16);
@@ -274,52 +280,173 @@ __global__ void __launch_bounds__(kThreads, kStage ? 6 : 4) lora_expand_kernel(E
   }
 }
 
+// kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
+template <class TB, class TH, class TY, bool kVec>
+__global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, int64_t max_tiles) {
+  constexpr int kCols = 4;
+  constexpr int kFirstSteps = 2;  // rank columns / 8 of B loaded before the wait
+  __shared__ float h_s[kTileRows][kRankChunk];
+  __shared__ int64_t s_rows[kTileRows];
+
+  int64_t s, n0;
+  int cols;
+  if (!find_columns<kCols>(p, &s, &n0, &cols)) return;
+  TY* y = static_cast<TY*>(p.y);
+  const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
+
+  for (int64_t t = blockIdx.y; t < max_tiles; t += gridDim.y) {
+    __syncthreads();  // a previous tile's readers of s_rows and h_s are done
+    TileRef tile;
+    if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, t, &tile, s_rows, p.lora_ranks, p.max_rank)) return;
+    const int64_t slot = tile.slot, rank = tile.size;
+    if (rank == 0) continue;
+    const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
+    const TB* b_cols = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0 + n0 * p.b_stride1;
+    // Weights are never written by the producer: B's first rank columns go to registers, the rest to L2, now.
+    Raw8<TB> b_first[kCols][kFirstSteps];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+      for (int st = 0; st < kFirstSteps; ++st) {
+        load_raw8(b_cols + c * p.b_stride1 + st * 8, kVec, c < cols ? rank - st * 8 : 0, b_first[c][st]);
+      }
+      for (int64_t off = kFirstSteps * 8; c < cols && off < rank; off += 128 / sizeof(TB)) {
+        prefetch_l2(b_cols + c * p.b_stride1 + off);
+      }
+    }
+    grid_dependency_wait();
+
+    YCols<TY, kCols, kVec> y_rows[kTileRows];
+#pragma unroll
+    for (int m = 0; m < kTileRows; ++m) {
+      if (s_rows[m] >= 0) y_rows[m].load(y + s_rows[m] * p.y_row_stride + n0, cols);
+    }
+    float acc[kTileRows][kCols] = {};
+    auto fma_step = [&](const float (&b)[kCols][8], int j) {
+#pragma unroll
+      for (int m = 0; m < kTileRows; ++m) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const float hv = h_s[m][j + jj];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) acc[m][c] += hv * b[c][jj];
+        }
+      }
+    };
+    for (int64_t j0 = 0; j0 < rank; j0 += kRankChunk) {
+      const int jn = (int)std::min<int64_t>(kRankChunk, rank - j0), jpad = (jn + 7) / 8 * 8;
+      if (j0 > 0) __syncthreads();  // the previous chunk's readers of h_s are done
+      fill_h(p, h, [&](int m) { return TileRow{(int32_t)s_rows[m], (int32_t)slot, (int32_t)rank, coef}; },
+             (int)j0, jpad, h_s);
+      __syncthreads();
+      int j = 0;
+      if (j0 == 0) {
+#pragma unroll
+        for (int st = 0; st < kFirstSteps; ++st) {
+          if (st * 8 >= jpad) break;
+          float b[kCols][8];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) b[c][jj] = to_f32(b_first[c][st].v[jj]);
+          }
+          fma_step(b, st * 8);
+        }
+        j = kFirstSteps * 8;
+      }
+      for (; j < jpad; j += 16) {  // two steps' loads in flight at once
+        Raw8<TB> raw[2][kCols];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            load_raw8(b_cols + c * p.b_stride1 + j0 + j + 8 * u, kVec, c < cols ? jn - j - 8 * u : 0, raw[u][c]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (j + 8 * u >= jpad) break;
+          float b[kCols][8];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) b[c][jj] = to_f32(raw[u][c].v[jj]);
+          }
+          fma_step(b, j + 8 * u);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kTileRows; ++m) {
+      if (s_rows[m] < 0) continue;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) y_rows[m].v[c] = from_f32<TY>(to_f32(y_rows[m].v[c]) + acc[m][c]);
+      y_rows[m].store(y + s_rows[m] * p.y_row_stride + n0, cols);
+    }
+  }
+}
+
 // Grid: the column blocks by the position tiles (capped at the grid's limit; CTAs then loop).
 template <class TB, class TH, class TY>
-cudaError_t launch_typed(const ExpandParams& p, int64_t col_blocks, int64_t tiles, bool vec, bool pdl,
-                         cudaStream_t stream) {
-  static const bool stage = std::getenv("LORA_OPS_EXPAND_STAGE") != nullptr;
-  auto kernel = !vec ? lora_expand_kernel<TB, TH, TY, false, false>
-                     : stage ? lora_expand_kernel<TB, TH, TY, true, true> : lora_expand_kernel<TB, TH, TY, true, false>;
-  const size_t smem = vec && stage ? kStageBytes<TB> : 0;
-  if (const cudaError_t err = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem); err != cudaSuccess) {
-    return err;
-  }
-  const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>(tiles, 65535));
-  return launch_pdl(kernel, grid, kThreads, smem, pdl, stream, p, tiles);
+cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, cudaStream_t stream) {
+  const int64_t tiles = (p.seg.positions + kTileRows - 1) / kTileRows;
+  const dim3 grid((unsigned)column_blocks<2>(p), (unsigned)std::min<int64_t>(tiles, 65535));
+  auto kernel = vec ? expand_positions_kernel<TB, TH, TY, true> : expand_positions_kernel<TB, TH, TY, false>;
+  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
+}
+
+// Grid: the column blocks by as many tile rows as fit on the device at once; each CTA loops over tiles t,
+// t + gridDim.y, ... The tile bound counts a segment for every slot, and at decode most of its tiles do not
+// exist: a grid of the whole bound spent extra waves on CTAs that only found that out (ncu, gate_up at T=32/32:
+// 127 registers, 4 CTAs per SM, 1792 CTAs in 3.4 waves).
+template <class TB, class TH, class TY>
+cudaError_t launch_tiles(const ExpandParams& p, bool vec, bool pdl, cudaStream_t stream) {
+  const int64_t P = p.seg.positions, col_blocks = column_blocks<4>(p);
+  const int64_t tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  auto kernel = vec ? expand_tiles_kernel<TB, TH, TY, true> : expand_tiles_kernel<TB, TH, TY, false>;
+  int64_t resident = 0;
+  const cudaError_t err = vec ? resident_ctas<expand_tiles_kernel<TB, TH, TY, true>>(kThreads, &resident)
+                              : resident_ctas<expand_tiles_kernel<TB, TH, TY, false>>(kThreads, &resident);
+  if (err != cudaSuccess) return err;
+  const int64_t tile_rows = std::max<int64_t>(1, resident / col_blocks);
+  const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
+  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
+}
+
+template <class TB, class TH, class TY>
+cudaError_t launch_typed(const ExpandParams& p, bool positions, bool vec, bool pdl, cudaStream_t stream) {
+  return positions ? launch_positions<TB, TH, TY>(p, vec, pdl, stream) : launch_tiles<TB, TH, TY>(p, vec, pdl, stream);
 }
 
 template <class TB>
-cudaError_t launch_b(const ExpandParams& p, int64_t col_blocks, int64_t tiles, bool vec, bool pdl,
-                     cudaStream_t stream) {
+cudaError_t launch_b(const ExpandParams& p, bool positions, bool vec, bool pdl, cudaStream_t stream) {
   if (p.h_dtype == DType::F32) {
-    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, col_blocks, tiles, vec, pdl, stream)
-                                   : launch_typed<TB, float, TB>(p, col_blocks, tiles, vec, pdl, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, positions, vec, pdl, stream)
+                                   : launch_typed<TB, float, TB>(p, positions, vec, pdl, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, col_blocks, tiles, vec, pdl, stream)
-                                 : launch_typed<TB, TB, TB>(p, col_blocks, tiles, vec, pdl, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, positions, vec, pdl, stream)
+                                 : launch_typed<TB, TB, TB>(p, positions, vec, pdl, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_lora_expand(const ExpandParams& p, int cc_major, cudaStream_t stream) {
-  const int64_t tiles = (p.seg.positions + kTileRows - 1) / kTileRows;
-  int64_t col_blocks = 0;
-  for (int64_t s = 0; s < p.num_slices; ++s) {
-    col_blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
+cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, int cc_major, cudaStream_t stream) {
+  if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || column_blocks<4>(p) == 0) {
+    return cudaSuccess;
   }
-  if (tiles == 0 || p.seg.num_segments == 0 || col_blocks == 0 || p.max_rank == 0) return cudaSuccess;
-  if (col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  // Vector path: 16-byte loads of B rows, kCols-element loads and stores of y (every slice starts on one).
-  const int64_t eb = dtype_size(p.b_dtype), y_vec = kCols * dtype_size(p.y_dtype);
+  if (column_blocks<2>(p) > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const bool positions = preferred == ExpandKernel::Positions ||
+                         (preferred == ExpandKernel::Auto && p.seg.positions <= kPositionsKernelMaxPositions);
+  // Vector path: 16-byte loads of B rows, 4-column (so also 2-column) accesses of y (every slice starts on one).
+  const int64_t eb = dtype_size(p.b_dtype), y_vec = 4 * dtype_size(p.y_dtype);
   bool vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
-             reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % kCols == 0;
-  for (int64_t s = 0; s <= p.num_slices; ++s) vec = vec && p.slice_offsets[s] % kCols == 0;
+             reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % 4 == 0;
+  for (int64_t s = 0; s <= p.num_slices; ++s) vec = vec && p.slice_offsets[s] % 4 == 0;
   const bool pdl = cc_major >= 9;
   switch (p.b_dtype) {
-    case DType::F16: return launch_b<__half>(p, col_blocks, tiles, vec, pdl, stream);
-    case DType::BF16: return launch_b<__nv_bfloat16>(p, col_blocks, tiles, vec, pdl, stream);
-    default: return launch_b<float>(p, col_blocks, tiles, vec, pdl, stream);
+    case DType::F16: return launch_b<__half>(p, positions, vec, pdl, stream);
+    case DType::BF16: return launch_b<__nv_bfloat16>(p, positions, vec, pdl, stream);
+    default: return launch_b<float>(p, positions, vec, pdl, stream);
   }
 }
 

@@ -68,6 +68,16 @@ SgmvKernel preferred_sgmv_kernel() {
   TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma or split");
 }
 
+// LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles likewise prefers one expand kernel (lora_expand and the decode
+// sgmv's second step); unset or "auto": by the number of positions.
+cuda::ExpandKernel preferred_expand_kernel() {
+  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_KERNEL");
+  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return cuda::ExpandKernel::Auto;
+  if (!std::strcmp(v, "positions")) return cuda::ExpandKernel::Positions;
+  if (!std::strcmp(v, "tiles")) return cuda::ExpandKernel::Tiles;
+  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_EXPAND_KERNEL = '", v, "': expected auto, positions or tiles");
+}
+
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
 constexpr int64_t kMmaMinPositions = 1024;
 
@@ -132,7 +142,8 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const auto plan = cuda::plan_sgmv_shrink(p, sms);
   const auto partials = at::empty({plan.splits * p.rows * p.num_slices * p.max_rank}, y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_shrink(p, plan, partials.data_ptr<float>(), stream));
-  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()), cc_major, stream));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()),
+                                          preferred_expand_kernel(), cc_major, stream));
 }
 
 void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -141,9 +152,10 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
                       const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
                       double scale) {
   const c10::cuda::CUDAGuard guard(y.device());
-  if (table_dtype(lora_b) && op_table::says_triton(Op::LoraExpand, {positions_of(y, token_indices),
-                                                                     size_or_zero(lora_b, 2),
-                                                                     slices_of(slice_offsets)})) {
+  const cuda::ExpandKernel preferred = preferred_expand_kernel();  // a forced C++ kernel bypasses the op table
+  if (preferred == cuda::ExpandKernel::Auto && table_dtype(lora_b) &&
+      op_table::says_triton(Op::LoraExpand, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
+                                             slices_of(slice_offsets)})) {
     triton_twin<Op::LoraExpand>().redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices,
                                              lora_ranks, lora_scales, slice_offsets, scale);
     return;
@@ -152,8 +164,8 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
-  C10_CUDA_CHECK(cuda::launch_lora_expand(
-      p, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()), c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_lora_expand(p, preferred, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()),
+                                          c10::cuda::getCurrentCUDAStream()));
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
