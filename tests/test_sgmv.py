@@ -144,7 +144,7 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, monkeypatch):
     token_lora, kw = MMA_PATH_CASES[name](gen)
     problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
     again = problem.y.clone()
-    assert _run_and_check(lora_ops.ops, problem) == ""
+    assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)
 
