@@ -7,7 +7,7 @@ import torch
 import torch._dynamo.testing
 
 import lora_ops
-from lora_ops import backends, reference, testing
+from lora_ops import backends, op_table, reference, testing
 
 from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
@@ -54,10 +54,7 @@ def test_lora_expand_parity(impl, name, dtype):
 
 @pytest.mark.parametrize("variant", ["h_fp32", "broadcast"])
 def test_lora_expand_h_layouts(impl, variant):
-    dtype = impl.dtypes[-1]
-    args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, key="layouts", h_fp32=variant == "h_fp32",
-                    broadcast=variant == "broadcast")
-    assert _run_and_check(impl, args, dtype) == ""
+    _check_h_layout(variant)(impl, impl.dtypes[-1])
 
 
 def test_lora_expand_folded_gemm_layout(impl):
@@ -117,18 +114,42 @@ def _check_rank0_slot_ignores_its_scale(impl, dtype):
     assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
-def test_lora_expand_reads_no_h_past_the_rank(impl):
-    """h past a slot's rank (never written by a shrink of that rank) may hold anything: NaN there changes nothing."""
-    _check_reads_no_h_past_the_rank(impl, impl.dtypes[0])
+# Beyond the parity grid: ranks that end inside a 16-column step and cross the kernels' 128-column h chunk, and a
+# pool of 100 slots (the CUDA positions kernel looks the ranks of slots below 64 up with its walk, the rest after).
+PAST_RANK_CASES = {
+    "slices_gqa": SGMV_CASES["slices_gqa"],  # ranks 8, 2, 8, 5, 0, 1 of 8
+    "rank_160": lambda g: (testing.random_token_slots(45, [0, 1, 2, 4, 5], g), dict(K=24, N=40, max_rank=160,
+                                                                ranks=[160, 130, 7, 0, 129, 17])),
+}
+MANY_SLOTS = lambda g: (testing.random_token_slots(48, [3, 40, 63, 64, 99, -1], g),
+                        dict(K=32, N=72, max_rank=16, num_slots=100, slice_offsets=[0, 40, 72],
+                             ranks=torch.randint(0, 17, (100,), generator=g).tolist()))
 
 
-def _check_reads_no_h_past_the_rank(impl, dtype):
-    args = list(_problem(SGMV_CASES["slices_gqa"], impl, dtype, key="past-rank"))  # ranks 8, 2, 8, 5, 0, 1 of 8
-    h, max_rank = args[1], args[2].shape[2]
+@pytest.mark.parametrize("case", list(PAST_RANK_CASES))
+def test_lora_expand_reads_nothing_past_the_rank(impl, case):
+    """h and B past a slot's rank (never written by a shrink of that rank, nor by the pool) may hold anything:
+    NaN there changes nothing."""
+    _check_reads_nothing_past_the_rank(impl, impl.dtypes[0], case)
+
+
+def _check_reads_nothing_past_the_rank(impl, dtype, case="slices_gqa"):
+    args = list(_problem(PAST_RANK_CASES[case], impl, dtype, key=f"past-rank-{case}"))
+    h, lora_b, max_rank = args[1], args[2], args[2].shape[2]
     for slot, rank in enumerate(args[6].tolist()):
+        lora_b[slot, :, rank:] = float("nan")
         for s in range(h.shape[2] // max_rank):
             h[:, slot, s * max_rank + rank:(s + 1) * max_rank] = float("nan")
     assert _run_and_check(impl, tuple(args), dtype) == ""
+
+
+def test_lora_expand_many_slots(impl):
+    """A 100-slot pool with rows on slots below 32, 32-63 and from 64 up, and rows with no LoRA."""
+    _check_many_slots(impl, impl.dtypes[-1])
+
+
+def _check_many_slots(impl, dtype):
+    assert _run_and_check(impl, _problem(MANY_SLOTS, impl, dtype, key="many-slots"), dtype) == ""
 
 
 def test_lora_expand_deterministic(impl):
@@ -142,8 +163,18 @@ def test_lora_expand_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+def _check_h_layout(variant):
+    def check(impl, dtype):
+        args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, key="layouts", h_fp32=variant == "h_fp32",
+                        broadcast=variant == "broadcast")
+        assert _run_and_check(impl, args, dtype) == ""
+    return check
+
+
 EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank0_slot_ignores_its_scale,
-               "past_rank": _check_reads_no_h_past_the_rank}
+               "past_rank": _check_reads_nothing_past_the_rank, "many_slots": _check_many_slots,
+               "past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "rank_160"),
+               "h_fp32": _check_h_layout("h_fp32"), "h_broadcast": _check_h_layout("broadcast")}
 
 
 @pytest.mark.gpu
@@ -162,6 +193,28 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, monkeypatch):
         return
     case = {**SGMV_CASES, **SGMV_LARGE_CASES}[name]
     assert _run_and_check(cuda, _problem(case, cuda, dtype, name), dtype) == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forced", [None, "positions", "tiles"])
+@pytest.mark.parametrize("T", [40, 200])
+def test_lora_expand_cuda_kernel_choice(T, forced, monkeypatch):
+    """The automatic choice runs the positions kernel up to 64 positions and the segment-tile kernel beyond; a forced
+    kernel runs whatever the size (so the per-kernel tests above test what they say)."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    if forced:
+        monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
+    expected = forced or ("positions" if T <= 64 else "tiles")
+    cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
+    case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
+    args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}")
+    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lora_ops.ops.lora_expand(*args)
+        torch.cuda.synchronize()
+    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    assert any(f"expand_{expected}_kernel" in k for k in ran), ran
+    assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

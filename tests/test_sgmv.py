@@ -113,19 +113,14 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
 # Prefill shapes that take each path of the tensor-core kernel (sgmv_mma.cu) on the H200 (132 SMs; K = 4096 gives
 # 8-CTA clusters): rank 128 (a 128-wide rank tile, ranks that end inside a 16-byte chunk, a K tail), a short fused
 # QKV batch split into one group per slice, and a longer one whose 3 slices share one block-diagonal rank tile.
-def _slots(gen, T, choices):
-    """T tokens, each on a random one of `choices` (-1: no LoRA)."""
-    return torch.tensor(choices)[torch.randint(len(choices), (T,), generator=gen)]
-
-
 MMA_PATH_CASES = {
-    "rank128_clustered": lambda g: (_slots(g, 1024, [0, 1, 2, 3]),
+    "rank128_clustered": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
                                     dict(K=4104, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0],
                                          y_col_pad=16)),
-    "qkv_short_batch_split": lambda g: (_slots(g, 1024, [0, 1, 2, 3, -1]),
+    "qkv_short_batch_split": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3, -1], g),
                                         dict(K=4096, N=3072, max_rank=16, num_slots=4,
                                              slice_offsets=[0, 1024, 2048, 3072])),
-    "qkv_shared_rank_tile": lambda g: (_slots(g, 2560, [0, 1, 2, 3]),
+    "qkv_shared_rank_tile": lambda g: (testing.random_token_slots(2560, [0, 1, 2, 3], g),
                                        dict(K=4096, N=3072, max_rank=32, num_slots=4, ranks=[32, 9, 16, 0],
                                             slice_offsets=[0, 2048, 2560, 3072])),
 }

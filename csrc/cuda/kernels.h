@@ -21,10 +21,15 @@ ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms);
 cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, float* partials, cudaStream_t stream);
 
 // y += h * B^T per segment (the lora_expand op, and step 2 of the decode sgmv). From sm_90 it is launched
-// programmatically dependent on the previous kernel in the stream. Two kernels (lora_expand.cu): one CTA per
-// tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the one preferred.
+// programmatically dependent on the previous kernel in the stream, and reads only after its wait for that kernel,
+// unless `inputs_ready`: the previous kernel writes h and y only, and was itself launched in stream order after
+// everything else the expand reads (the sgmv's shrink), so the segment lookup and B's loads may overlap it.
+// (Under PDL a kernel sees its predecessor's writes only after the wait; the lora_expand op cannot know its
+// predecessor.) Two kernels (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a
+// segment beyond (Auto), or the one preferred.
 enum class ExpandKernel { Auto, Positions, Tiles };
-cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, int cc_major, cudaStream_t stream);
+cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
+                               cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

@@ -8,7 +8,7 @@
 // - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
 //   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
 //   segments for their slots and reads the ranks and scales of the first 64 slots, all at once; then every
-//   thread issues B (before grid_dependency_wait: weights are never written by the producer), y and h together.
+//   thread issues B, y and h together.
 //   Positions are sorted by slot, so a run of rows of one slot loads B once. The grid is sized by positions on
 //   the host: no CTA looks for a tile that does not exist.
 // - segment tiles (larger P): one CTA per (512 columns of one slice, tile of up to 4 positions of one segment),
@@ -173,7 +173,7 @@ struct YCols {
 
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
-__global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams p, int64_t tiles) {
+__global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams p, int64_t tiles, bool early) {
   constexpr int kCols = 2;
   __shared__ TileRow s_tile[kTileRows];
   __shared__ float h_s[kTileRows][kRankChunk];
@@ -184,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams
   TY* y = static_cast<TY*>(p.y);
   const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
+  if (!early) grid_dependency_wait();
   for (int64_t t = blockIdx.y; t < tiles; t += gridDim.y) {
     __syncthreads();  // the previous tile's readers of s_tile and h_s are done
     if (tid < 32) warp_resolve_tile(p, t * kTileRows, s_tile);
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams
         }
       }
     };
-    // Weights are never written by the producer: the first 16 rank columns go to registers, the rest to L2, now.
+    // The first 16 rank columns go to registers, the rest to L2, before the wait when `early`.
     load_b(0);
 #pragma unroll
     for (int m = 0; m < kTileRows; ++m) {
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams
 
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
-__global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, int64_t max_tiles) {
+__global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, int64_t max_tiles, bool early) {
   constexpr int kCols = 4;
   constexpr int kFirstSteps = 2;  // rank columns / 8 of B loaded before the wait
   __shared__ float h_s[kTileRows][kRankChunk];
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, 
   TY* y = static_cast<TY*>(p.y);
   const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
+  if (!early) grid_dependency_wait();
   for (int64_t t = blockIdx.y; t < max_tiles; t += gridDim.y) {
     __syncthreads();  // a previous tile's readers of s_rows and h_s are done
     TileRef tile;
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, 
     if (rank == 0) continue;
     const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
     const TB* b_cols = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0 + n0 * p.b_stride1;
-    // Weights are never written by the producer: B's first rank columns go to registers, the rest to L2, now.
+    // B's first rank columns go to registers, the rest to L2, before the wait when `early`.
     Raw8<TB> b_first[kCols][kFirstSteps];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -388,11 +390,11 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, 
 
 // Grid: the column blocks by the position tiles (capped at the grid's limit; CTAs then loop).
 template <class TB, class TH, class TY>
-cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, cudaStream_t stream) {
+cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, bool early, cudaStream_t stream) {
   const int64_t tiles = (p.seg.positions + kTileRows - 1) / kTileRows;
   const dim3 grid((unsigned)column_blocks<2>(p), (unsigned)std::min<int64_t>(tiles, 65535));
   auto kernel = vec ? expand_positions_kernel<TB, TH, TY, true> : expand_positions_kernel<TB, TH, TY, false>;
-  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
+  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles, early);
 }
 
 // Grid: the column blocks by as many tile rows as fit on the device at once; each CTA loops over tiles t,
@@ -400,7 +402,7 @@ cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, cudaStre
 // exist: a grid of the whole bound spent extra waves on CTAs that only found that out (ncu, gate_up at T=32/32:
 // 127 registers, 4 CTAs per SM, 1792 CTAs in 3.4 waves).
 template <class TB, class TH, class TY>
-cudaError_t launch_tiles(const ExpandParams& p, bool vec, bool pdl, cudaStream_t stream) {
+cudaError_t launch_tiles(const ExpandParams& p, bool vec, bool pdl, bool early, cudaStream_t stream) {
   const int64_t P = p.seg.positions, col_blocks = column_blocks<4>(p);
   const int64_t tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
   auto kernel = vec ? expand_tiles_kernel<TB, TH, TY, true> : expand_tiles_kernel<TB, TH, TY, false>;
@@ -410,27 +412,29 @@ cudaError_t launch_tiles(const ExpandParams& p, bool vec, bool pdl, cudaStream_t
   if (err != cudaSuccess) return err;
   const int64_t tile_rows = std::max<int64_t>(1, resident / col_blocks);
   const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
-  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles);
+  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles, early);
 }
 
 template <class TB, class TH, class TY>
-cudaError_t launch_typed(const ExpandParams& p, bool positions, bool vec, bool pdl, cudaStream_t stream) {
-  return positions ? launch_positions<TB, TH, TY>(p, vec, pdl, stream) : launch_tiles<TB, TH, TY>(p, vec, pdl, stream);
+cudaError_t launch_typed(const ExpandParams& p, bool positions, bool vec, bool pdl, bool early, cudaStream_t stream) {
+  return positions ? launch_positions<TB, TH, TY>(p, vec, pdl, early, stream)
+                   : launch_tiles<TB, TH, TY>(p, vec, pdl, early, stream);
 }
 
 template <class TB>
-cudaError_t launch_b(const ExpandParams& p, bool positions, bool vec, bool pdl, cudaStream_t stream) {
+cudaError_t launch_b(const ExpandParams& p, bool positions, bool vec, bool pdl, bool early, cudaStream_t stream) {
   if (p.h_dtype == DType::F32) {
-    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, positions, vec, pdl, stream)
-                                   : launch_typed<TB, float, TB>(p, positions, vec, pdl, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, positions, vec, pdl, early, stream)
+                                   : launch_typed<TB, float, TB>(p, positions, vec, pdl, early, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, positions, vec, pdl, stream)
-                                 : launch_typed<TB, TB, TB>(p, positions, vec, pdl, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, positions, vec, pdl, early, stream)
+                                 : launch_typed<TB, TB, TB>(p, positions, vec, pdl, early, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, int cc_major, cudaStream_t stream) {
+cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
+                               cudaStream_t stream) {
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || column_blocks<4>(p) == 0) {
     return cudaSuccess;
   }
@@ -442,11 +446,11 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, in
   bool vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
              reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % 4 == 0;
   for (int64_t s = 0; s <= p.num_slices; ++s) vec = vec && p.slice_offsets[s] % 4 == 0;
-  const bool pdl = cc_major >= 9;
+  const bool pdl = cc_major >= 9, early = pdl && inputs_ready;
   switch (p.b_dtype) {
-    case DType::F16: return launch_b<__half>(p, positions, vec, pdl, stream);
-    case DType::BF16: return launch_b<__nv_bfloat16>(p, positions, vec, pdl, stream);
-    default: return launch_b<float>(p, positions, vec, pdl, stream);
+    case DType::F16: return launch_b<__half>(p, positions, vec, pdl, early, stream);
+    case DType::BF16: return launch_b<__nv_bfloat16>(p, positions, vec, pdl, early, stream);
+    default: return launch_b<float>(p, positions, vec, pdl, early, stream);
   }
 }
 

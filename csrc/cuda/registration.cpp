@@ -115,8 +115,10 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
                const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
                const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets, double scale) {
   const c10::cuda::CUDAGuard guard(y.device());
-  const SgmvKernel preferred = preferred_sgmv_kernel();  // a forced C++ kernel bypasses the op table
-  if (preferred == SgmvKernel::Auto && table_dtype(lora_b) &&
+  // A forced C++ kernel (the sgmv's or its expand's) bypasses the op table.
+  const SgmvKernel preferred = preferred_sgmv_kernel();
+  const cuda::ExpandKernel expand_kernel = preferred_expand_kernel();
+  if (preferred == SgmvKernel::Auto && expand_kernel == cuda::ExpandKernel::Auto && table_dtype(lora_b) &&
       op_table::says_triton(Op::Sgmv, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
                                        slices_of(slice_offsets)})) {
     triton_twin<Op::Sgmv>().redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
@@ -143,7 +145,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const auto partials = at::empty({plan.splits * p.rows * p.num_slices * p.max_rank}, y.options().dtype(at::kFloat));
   C10_CUDA_CHECK(cuda::launch_sgmv_shrink(p, plan, partials.data_ptr<float>(), stream));
   C10_CUDA_CHECK(cuda::launch_lora_expand(expand_of_shrink(p, plan, partials.data_ptr<float>()),
-                                          preferred_expand_kernel(), cc_major, stream));
+                                          expand_kernel, /*inputs_ready=*/true, cc_major, stream));
 }
 
 void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -164,7 +166,8 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
-  C10_CUDA_CHECK(cuda::launch_lora_expand(p, preferred, device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()),
+  C10_CUDA_CHECK(cuda::launch_lora_expand(p, preferred, /*inputs_ready=*/false,
+                                          device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()),
                                           c10::cuda::getCurrentCUDAStream()));
 }
 

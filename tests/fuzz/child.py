@@ -24,7 +24,8 @@ from . import cases
 PREFIX = "FUZZ "
 # The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value).
 # "cuda" is the automatic choice for every op; a forced backend skips the ops it forces nothing for
-# (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case.
+# (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case. lora_expand's
+# two kernels ride along: the positions kernel with "cuda:mma", the segment-tile kernel with "cuda:split".
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma"),
                  "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions")},
