@@ -8,13 +8,14 @@
 // - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
 //   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
 //   segments for their slots and reads the ranks and scales of the first 64 slots, all at once; then every
-//   thread issues B, y and h together.
-//   Positions are sorted by slot, so a run of rows of one slot loads B once. The grid is sized by positions on
-//   the host: no CTA looks for a tile that does not exist.
+//   thread issues B, y and h together. Positions are sorted by slot, so a run of rows of one slot loads B once.
+//   The grid is sized by positions on the host: no CTA looks for a tile that does not exist.
 // - segment tiles (larger P): one CTA per (512 columns of one slice, tile of up to 4 positions of one segment),
 //   128 threads of 4 columns sharing the tile's B. The tile walk is one trip and the rows with the rank one more;
 //   then B, y and h as above. The grid holds only as many tile rows as fit on the device at once and each CTA
 //   loops over its tiles: the positions grid would run several waves of its chain there.
+// Both are programmatically dependent launches on sm_90; before their dependency wait they read only when the
+// caller says the inputs are ready (`early`: the sgmv's expand after its own shrink), never in the op.
 #include <algorithm>
 
 #include "common.cuh"
