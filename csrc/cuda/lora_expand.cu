@@ -389,13 +389,20 @@ __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, 
   }
 }
 
+// How one call launches: the kernel, its column blocks (counted once per call), the vector path, PDL.
+struct ExpandLaunch {
+  bool positions, vec, pdl, early;
+  int64_t col_blocks;
+  cudaStream_t stream;
+};
+
 // Grid: the column blocks by the position tiles (capped at the grid's limit; CTAs then loop).
 template <class TB, class TH, class TY>
-cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, bool early, cudaStream_t stream) {
+cudaError_t launch_positions(const ExpandParams& p, const ExpandLaunch& l) {
   const int64_t tiles = (p.seg.positions + kTileRows - 1) / kTileRows;
-  const dim3 grid((unsigned)column_blocks<2>(p), (unsigned)std::min<int64_t>(tiles, 65535));
-  auto kernel = vec ? expand_positions_kernel<TB, TH, TY, true> : expand_positions_kernel<TB, TH, TY, false>;
-  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles, early);
+  const dim3 grid((unsigned)l.col_blocks, (unsigned)std::min<int64_t>(tiles, 65535));
+  auto kernel = l.vec ? expand_positions_kernel<TB, TH, TY, true> : expand_positions_kernel<TB, TH, TY, false>;
+  return launch_pdl(kernel, grid, kThreads, l.pdl, l.stream, p, tiles, l.early);
 }
 
 // Grid: the column blocks by as many tile rows as fit on the device at once; each CTA loops over tiles t,
@@ -403,55 +410,55 @@ cudaError_t launch_positions(const ExpandParams& p, bool vec, bool pdl, bool ear
 // exist: a grid of the whole bound spent extra waves on CTAs that only found that out (ncu, gate_up at T=32/32:
 // 127 registers, 4 CTAs per SM, 1792 CTAs in 3.4 waves).
 template <class TB, class TH, class TY>
-cudaError_t launch_tiles(const ExpandParams& p, bool vec, bool pdl, bool early, cudaStream_t stream) {
-  const int64_t P = p.seg.positions, col_blocks = column_blocks<4>(p);
+cudaError_t launch_tiles(const ExpandParams& p, const ExpandLaunch& l) {
+  const int64_t P = p.seg.positions;
   const int64_t tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
-  auto kernel = vec ? expand_tiles_kernel<TB, TH, TY, true> : expand_tiles_kernel<TB, TH, TY, false>;
+  auto kernel = l.vec ? expand_tiles_kernel<TB, TH, TY, true> : expand_tiles_kernel<TB, TH, TY, false>;
   int64_t resident = 0;
-  const cudaError_t err = vec ? resident_ctas<expand_tiles_kernel<TB, TH, TY, true>>(kThreads, &resident)
-                              : resident_ctas<expand_tiles_kernel<TB, TH, TY, false>>(kThreads, &resident);
+  const cudaError_t err = l.vec ? resident_ctas<expand_tiles_kernel<TB, TH, TY, true>>(kThreads, &resident)
+                                : resident_ctas<expand_tiles_kernel<TB, TH, TY, false>>(kThreads, &resident);
   if (err != cudaSuccess) return err;
-  const int64_t tile_rows = std::max<int64_t>(1, resident / col_blocks);
-  const dim3 grid((unsigned)col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
-  return launch_pdl(kernel, grid, kThreads, pdl, stream, p, tiles, early);
+  const int64_t tile_rows = std::max<int64_t>(1, resident / l.col_blocks);
+  const dim3 grid((unsigned)l.col_blocks, (unsigned)std::min<int64_t>({tiles, tile_rows, 65535}));
+  return launch_pdl(kernel, grid, kThreads, l.pdl, l.stream, p, tiles, l.early);
 }
 
 template <class TB, class TH, class TY>
-cudaError_t launch_typed(const ExpandParams& p, bool positions, bool vec, bool pdl, bool early, cudaStream_t stream) {
-  return positions ? launch_positions<TB, TH, TY>(p, vec, pdl, early, stream)
-                   : launch_tiles<TB, TH, TY>(p, vec, pdl, early, stream);
+cudaError_t launch_typed(const ExpandParams& p, const ExpandLaunch& l) {
+  return l.positions ? launch_positions<TB, TH, TY>(p, l) : launch_tiles<TB, TH, TY>(p, l);
 }
 
 template <class TB>
-cudaError_t launch_b(const ExpandParams& p, bool positions, bool vec, bool pdl, bool early, cudaStream_t stream) {
+cudaError_t launch_b(const ExpandParams& p, const ExpandLaunch& l) {
   if (p.h_dtype == DType::F32) {
-    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, positions, vec, pdl, early, stream)
-                                   : launch_typed<TB, float, TB>(p, positions, vec, pdl, early, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<TB, float, float>(p, l) : launch_typed<TB, float, TB>(p, l);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, positions, vec, pdl, early, stream)
-                                 : launch_typed<TB, TB, TB>(p, positions, vec, pdl, early, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<TB, TB, float>(p, l) : launch_typed<TB, TB, TB>(p, l);
 }
 
 }  // namespace
 
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream) {
-  if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || column_blocks<4>(p) == 0) {
-    return cudaSuccess;
-  }
-  if (column_blocks<2>(p) > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const bool positions = preferred == ExpandKernel::Positions ||
-                         (preferred == ExpandKernel::Auto && p.seg.positions <= kPositionsKernelMaxPositions);
+  if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
+  ExpandLaunch l{};
+  l.positions = preferred == ExpandKernel::Positions ||
+                (preferred == ExpandKernel::Auto && p.seg.positions <= kPositionsKernelMaxPositions);
+  l.col_blocks = l.positions ? column_blocks<2>(p) : column_blocks<4>(p);
+  if (l.col_blocks == 0) return cudaSuccess;
+  if (l.col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   // Vector path: 16-byte loads of B rows, 4-column (so also 2-column) accesses of y (every slice starts on one).
   const int64_t eb = dtype_size(p.b_dtype), y_vec = 4 * dtype_size(p.y_dtype);
-  bool vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
-             reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % 4 == 0;
-  for (int64_t s = 0; s <= p.num_slices; ++s) vec = vec && p.slice_offsets[s] % 4 == 0;
-  const bool pdl = cc_major >= 9, early = pdl && inputs_ready;
+  l.vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
+          reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % 4 == 0;
+  for (int64_t s = 0; s <= p.num_slices; ++s) l.vec = l.vec && p.slice_offsets[s] % 4 == 0;
+  l.pdl = cc_major >= 9;
+  l.early = l.pdl && inputs_ready;
+  l.stream = stream;
   switch (p.b_dtype) {
-    case DType::F16: return launch_b<__half>(p, positions, vec, pdl, early, stream);
-    case DType::BF16: return launch_b<__nv_bfloat16>(p, positions, vec, pdl, early, stream);
-    default: return launch_b<float>(p, positions, vec, pdl, early, stream);
+    case DType::F16: return launch_b<__half>(p, l);
+    case DType::BF16: return launch_b<__nv_bfloat16>(p, l);
+    default: return launch_b<float>(p, l);
   }
 }
 
