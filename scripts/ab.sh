@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A/B of git revisions on the GPU machine in one device call: the same bench, same run, on the working tree and on
+# each prepared revision.
+#   Here:  bash scripts/ab.sh prepare REV...   exports each revision's tracked files to build/ab/<REV> (git-ignored:
+#          give the device tool carry=["build/ab"]).
+#   There: bash scripts/ab.sh run [-- BENCH ARGS]   builds the working tree and every build/ab/<REV> for sm_90a in
+#          parallel (no CUTLASS: not for grouped_gemm's sm90 kernel), then runs `python3 -m lora_ops.bench BENCH ARGS`
+#          in each, one tree after the other (default: --ops --op-kinds lora_expand --impls cuda), and prints the
+#          graph-replay and decode-step lines side by side. Logs go to $OUT when set (the device tool's folder).
+#          AB_TESTS="pytest -k expression" also runs those GPU tests in each prepared revision after its bench.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}; shift || true
+case "$mode" in
+  prepare)
+    [ $# -gt 0 ] || { echo "usage: $0 prepare REV..." >&2; exit 2; }
+    for rev in "$@"; do
+      dir="build/ab/$(echo "$rev" | tr '/' '_')"
+      rm -rf "$dir" && mkdir -p "$dir" && git archive "$rev" | tar -x -C "$dir" || exit 1
+      echo "$rev -> $dir ($(git rev-parse --short "$rev"))"
+    done
+    ;;
+  run)
+    [ "${1:-}" = "--" ] && shift
+    args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--ops --op-kinds lora_expand --impls cuda)
+    out=${OUT:-build/ab-logs}; mkdir -p "$out"
+    trees=(.); for d in build/ab/*/; do [ -d "$d" ] && trees+=("${d%/}"); done
+    jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -gt 0 ] || jobs=1
+    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} PYTHONUNBUFFERED=1
+    name() { [ "$1" = . ] && echo main || basename "$1"; }
+    t0=$(date +%s)
+    for t in "${trees[@]}"; do
+      (cd "$t" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace -q > "$out/build-$(name "$t").log" 2>&1) &
+    done
+    wait
+    echo "builds: $(( $(date +%s) - t0 )) s"
+    for t in "${trees[@]}"; do
+      python3 -c "import sys; sys.path.insert(0, '$t'); import lora_ops._C" 2>/dev/null \
+        || { echo "$(name "$t"): build failed"; tail -20 "$out/build-$(name "$t").log"; exit 1; }
+    done
+    for t in "${trees[@]}"; do
+      (cd "$t" && python3 -m lora_ops.bench "${args[@]}" > "$out/bench-$(name "$t").log" 2>&1) \
+        || echo "$(name "$t"): bench exit $?"
+      if [ -n "${AB_TESTS:-}" ] && [ "$t" != . ]; then
+        (cd "$t" && python3 -m pytest tests -q -p no:cacheprovider -m gpu -n 8 -k "$AB_TESTS" 2>&1 | tail -2)
+      fi
+    done
+    # One column per tree: case headers, graph-replay timings and decode-step routes.
+    pick='^[a-z_]+ T=|^[a-z0-9-]+ T=|graph |overhead'
+    cols=()
+    for t in "${trees[@]}"; do
+      grep -E "$pick" "$out/bench-$(name "$t").log" | sed -E 's/ +eager.*//; s/ \(pool rank [0-9]+\)//' \
+        > "$out/ab-$(name "$t").txt"
+      cols+=("$out/ab-$(name "$t").txt")
+    done
+    echo "columns: $(for t in "${trees[@]}"; do printf '%s ' "$(name "$t")"; done)"
+    paste "${cols[@]}" | expand -t 60
+    ;;
+  *)
+    echo "usage: $0 prepare REV... | run [-- BENCH ARGS]" >&2; exit 2 ;;
+esac
