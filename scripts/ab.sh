@@ -8,6 +8,8 @@
 #          in each, one tree after the other (default: --ops --op-kinds lora_expand --impls cuda), and prints the
 #          graph-replay and decode-step lines side by side. Logs go to $OUT when set (the device tool's folder).
 #          AB_TESTS="pytest -k expression" also runs those GPU tests in each prepared revision after its bench.
+#          AB_CMD="shell command" runs that in each tree instead of the bench (e.g. ncu of benchmarks/profile_case.py,
+#          with PYTHONPATH=.; a probe revision that gives wrong results on purpose fails the bench's oracle check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}; shift || true
@@ -39,14 +41,18 @@ case "$mode" in
         || { echo "$(name "$t"): build failed"; tail -20 "$out/build-$(name "$t").log"; exit 1; }
     done
     for t in "${trees[@]}"; do
-      (cd "$t" && python3 -m lora_ops.bench "${args[@]}" > "$out/bench-$(name "$t").log" 2>&1) \
-        || echo "$(name "$t"): bench exit $?"
+      if [ -n "${AB_CMD:-}" ]; then
+        (cd "$t" && PYTHONPATH=. bash -c "$AB_CMD" > "$out/bench-$(name "$t").log" 2>&1) || echo "$(name "$t"): exit $?"
+      else
+        (cd "$t" && python3 -m lora_ops.bench "${args[@]}" > "$out/bench-$(name "$t").log" 2>&1) \
+          || echo "$(name "$t"): bench exit $?"
+      fi
       if [ -n "${AB_TESTS:-}" ] && [ "$t" != . ]; then
         (cd "$t" && python3 -m pytest tests -q -p no:cacheprovider -m gpu -n 8 -k "$AB_TESTS" 2>&1 | tail -2)
       fi
     done
     # One column per tree: case headers, graph-replay timings and decode-step routes.
-    pick='^[a-z_]+ T=|^[a-z0-9-]+ T=|graph |overhead'
+    pick='^[a-z_]+ T=|^[a-z0-9-]+ T=|graph |overhead|Duration|Executed Instructions  |Registers Per'
     cols=()
     for t in "${trees[@]}"; do
       grep -E "$pick" "$out/bench-$(name "$t").log" | sed -E 's/ +eager.*//; s/ \(pool rank [0-9]+\)//' \
