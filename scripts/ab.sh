@@ -16,9 +16,10 @@ mode=${1:-}; shift || true
 case "$mode" in
   prepare)
     [ $# -gt 0 ] || { echo "usage: $0 prepare REV..." >&2; exit 2; }
+    rm -rf build/ab  # only the revisions named now
     for rev in "$@"; do
       dir="build/ab/$(echo "$rev" | tr '/' '_')"
-      rm -rf "$dir" && mkdir -p "$dir" && git archive "$rev" | tar -x -C "$dir" || exit 1
+      mkdir -p "$dir" && git archive "$rev" | tar -x -C "$dir" || exit 1
       echo "$rev -> $dir ($(git rev-parse --short "$rev"))"
     done
     ;;
