@@ -53,7 +53,7 @@ case "$mode" in
       fi
     done
     # One column per tree: case headers, graph-replay timings and decode-step routes.
-    pick='^[a-z_]+ T=|^[a-z0-9-]+ T=|graph |overhead|Duration|Executed Instructions  |Registers Per'
+    pick='^[a-z_]+ T=|^[a-z0-9-]+ T=|^probe |graph |overhead|Duration|Executed Instructions  |Registers Per'
     cols=()
     for t in "${trees[@]}"; do
       grep -E "$pick" "$out/bench-$(name "$t").log" | sed -E 's/ +eager.*//; s/ \(pool rank [0-9]+\)//' \
