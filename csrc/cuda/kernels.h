@@ -27,7 +27,7 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // (Under PDL a kernel sees its predecessor's writes only after the wait; the lora_expand op cannot know its
 // predecessor.) Two kernels (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a
 // segment beyond (Auto), or the one preferred.
-enum class ExpandKernel { Auto, Positions, Tiles };
+enum class ExpandKernel { Auto, Positions, Tiles };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -57,25 +58,34 @@ bool table_dtype(const at::Tensor& weights) {
 // The Triton twin's CUDA kernel is reached with kCudaKeys, below every dispatch layer already passed on the way here.
 const c10::DispatchKeySet kCudaKeys(c10::DispatchKey::CUDA);
 
+// The kernel a LORA_OPS_CUDA_*_KERNEL variable prefers: Auto (the enum's first value) when it is unset, empty
+// or "auto", else the value after Auto at the position of its name in `names`; any other value is an error.
+// Read on every call, so that a test can set the variable within one process (a getenv is ~0.1 us).
+template <class Kernel>
+Kernel preferred_kernel(const char* variable, std::initializer_list<const char*> names) {
+  const char* v = std::getenv(variable);
+  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return Kernel{};
+  std::string expected = "auto";
+  int i = 1;
+  for (const char* name : names) {
+    if (!std::strcmp(v, name)) return static_cast<Kernel>(i);
+    expected += (i == (int)names.size() ? " or " : ", ") + std::string(name);
+    ++i;
+  }
+  TORCH_CHECK_VALUE(false, variable, " = '", v, "': expected ", expected);
+}
+
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
 // cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
 enum class SgmvKernel { Auto, Mma, Split };
 SgmvKernel preferred_sgmv_kernel() {
-  const char* v = std::getenv("LORA_OPS_CUDA_SGMV_KERNEL");
-  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return SgmvKernel::Auto;
-  if (!std::strcmp(v, "mma")) return SgmvKernel::Mma;
-  if (!std::strcmp(v, "split")) return SgmvKernel::Split;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_SGMV_KERNEL = '", v, "': expected auto, mma or split");
+  return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split"});
 }
 
 // LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles likewise prefers one expand kernel (lora_expand and the decode
 // sgmv's second step); unset or "auto": by the number of positions.
 cuda::ExpandKernel preferred_expand_kernel() {
-  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_KERNEL");
-  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return cuda::ExpandKernel::Auto;
-  if (!std::strcmp(v, "positions")) return cuda::ExpandKernel::Positions;
-  if (!std::strcmp(v, "tiles")) return cuda::ExpandKernel::Tiles;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_EXPAND_KERNEL = '", v, "': expected auto, positions or tiles");
+  return preferred_kernel<cuda::ExpandKernel>("LORA_OPS_CUDA_EXPAND_KERNEL", {"positions", "tiles"});
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
@@ -176,12 +186,7 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
 // the sizes) and the automatic choice elsewhere; unset or "auto": by shape.
 enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90 };
 GroupedGemmKernel preferred_grouped_gemm_kernel() {
-  const char* v = std::getenv("LORA_OPS_CUDA_GG_KERNEL");
-  if (v == nullptr || *v == 0 || !std::strcmp(v, "auto")) return GroupedGemmKernel::Auto;
-  if (!std::strcmp(v, "mma")) return GroupedGemmKernel::Mma;
-  if (!std::strcmp(v, "skinny")) return GroupedGemmKernel::Skinny;
-  if (!std::strcmp(v, "sm90")) return GroupedGemmKernel::Sm90;
-  TORCH_CHECK_VALUE(false, "LORA_OPS_CUDA_GG_KERNEL = '", v, "': expected auto, mma, skinny or sm90");
+  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90"});
 }
 
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
