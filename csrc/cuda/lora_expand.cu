@@ -29,6 +29,7 @@ constexpr int kTileRows = 4;
 constexpr int kRankChunk = 128;  // rank columns of h staged in shared memory at once
 constexpr int kNearSlots = 64;   // slots whose rank and scale the positions kernel loads before its walk
 constexpr int64_t kPositionsKernelMaxPositions = 64;
+constexpr int kPositionsCols = 2, kTilesCols = 4;  // consecutive columns per thread of each kernel
 constexpr unsigned kAll = 0xffffffffu;
 
 template <class T>
@@ -44,10 +45,10 @@ struct TileRow {
 };
 
 // The thread's kCols consecutive columns in the CTA's block of kThreads * kCols columns of one slice (blocks of
-// all slices in order): slice s, first column n0, and how many of the kCols lie in the slice (0 past its end).
-// False past the last block.
-template <int kCols>
-__device__ __forceinline__ bool find_columns(const ExpandParams& p, int64_t* s_out, int64_t* n0, int* cols) {
+// all slices in order): the first column n0, how many of the kCols lie in the slice (0 past its end), and h's
+// window of that slice. False past the last block.
+template <int kCols, class TH>
+__device__ __forceinline__ bool find_columns(const ExpandParams& p, int64_t* n0, int* cols, const TH** h_slice) {
   constexpr int kBlockCols = kThreads * kCols;
   int64_t block = blockIdx.x, s = 0;
   for (; s < p.num_slices; ++s) {
@@ -56,9 +57,9 @@ __device__ __forceinline__ bool find_columns(const ExpandParams& p, int64_t* s_o
     block -= blocks;
   }
   if (s == p.num_slices) return false;
-  *s_out = s;
   *n0 = p.slice_offsets[s] + block * kBlockCols + threadIdx.x * kCols;
   *cols = (int)std::max<int64_t>(0, std::min<int64_t>(kCols, p.slice_offsets[s + 1] - *n0));
+  *h_slice = static_cast<const TH*>(p.h) + s * p.max_rank;
   return true;
 }
 
@@ -175,15 +176,15 @@ struct YCols {
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
 __global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams p, int64_t tiles, bool early) {
-  constexpr int kCols = 2;
+  constexpr int kCols = kPositionsCols;
   __shared__ TileRow s_tile[kTileRows];
   __shared__ float h_s[kTileRows][kRankChunk];
   const int tid = threadIdx.x;
-  int64_t s, n0;
+  int64_t n0;
   int cols;
-  if (!find_columns<kCols>(p, &s, &n0, &cols)) return;
+  const TH* h;
+  if (!find_columns<kCols>(p, &n0, &cols, &h)) return;
   TY* y = static_cast<TY*>(p.y);
-  const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
   if (!early) grid_dependency_wait();
   for (int64_t t = blockIdx.y; t < tiles; t += gridDim.y) {
@@ -285,16 +286,15 @@ __global__ void __launch_bounds__(kThreads) expand_positions_kernel(ExpandParams
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
 __global__ void __launch_bounds__(kThreads) expand_tiles_kernel(ExpandParams p, int64_t max_tiles, bool early) {
-  constexpr int kCols = 4;
+  constexpr int kCols = kTilesCols;
   constexpr int kFirstSteps = 2;  // rank columns / 8 of B loaded before the wait
   __shared__ float h_s[kTileRows][kRankChunk];
   __shared__ int64_t s_rows[kTileRows];
-
-  int64_t s, n0;
+  int64_t n0;
   int cols;
-  if (!find_columns<kCols>(p, &s, &n0, &cols)) return;
+  const TH* h;
+  if (!find_columns<kCols>(p, &n0, &cols, &h)) return;
   TY* y = static_cast<TY*>(p.y);
-  const TH* h = static_cast<const TH*>(p.h) + s * p.max_rank;
 
   if (!early) grid_dependency_wait();
   for (int64_t t = blockIdx.y; t < max_tiles; t += gridDim.y) {
@@ -444,14 +444,16 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   ExpandLaunch l{};
   l.positions = preferred == ExpandKernel::Positions ||
                 (preferred == ExpandKernel::Auto && p.seg.positions <= kPositionsKernelMaxPositions);
-  l.col_blocks = l.positions ? column_blocks<2>(p) : column_blocks<4>(p);
+  l.col_blocks = l.positions ? column_blocks<kPositionsCols>(p) : column_blocks<kTilesCols>(p);
   if (l.col_blocks == 0) return cudaSuccess;
   if (l.col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  // Vector path: 16-byte loads of B rows, 4-column (so also 2-column) accesses of y (every slice starts on one).
-  const int64_t eb = dtype_size(p.b_dtype), y_vec = 4 * dtype_size(p.y_dtype);
+  // Vector path: 16-byte loads of B rows, kTilesCols-column (so also kPositionsCols-column) accesses of y (every
+  // slice starts on one).
+  static_assert(kTilesCols % kPositionsCols == 0);
+  const int64_t eb = dtype_size(p.b_dtype), y_vec = kTilesCols * dtype_size(p.y_dtype);
   l.vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
-          reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % 4 == 0;
-  for (int64_t s = 0; s <= p.num_slices; ++s) l.vec = l.vec && p.slice_offsets[s] % 4 == 0;
+          reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % kTilesCols == 0;
+  for (int64_t s = 0; s <= p.num_slices; ++s) l.vec = l.vec && p.slice_offsets[s] % kTilesCols == 0;
   l.pdl = cc_major >= 9;
   l.early = l.pdl && inputs_ready;
   l.stream = stream;
