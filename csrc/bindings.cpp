@@ -23,7 +23,7 @@ void sgmv_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 }
 
 void lora_expand_meta(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                      const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                      const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                       const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
                       const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets, double) {
   lora_ops::check_lora_expand_host(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
@@ -63,14 +63,15 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::
   return {t.seg_indptr, t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
 }
 
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> check_lora_expand_op(
-    const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
+std::tuple<std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+check_lora_expand_op(
+    const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const std::optional<at::Tensor>& seg_indptr,
     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
     const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
     at::OptionalIntArrayRef slice_offsets) {
   auto t = lora_ops::lora_expand_index_tensors(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
                                                lora_scales, slice_offsets);
-  return {t.seg_indptr, t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
+  return {if_defined(t.seg_indptr), t.seg_lora, if_defined(t.token_indices), if_defined(t.lora_ranks)};
 }
 
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
@@ -107,9 +108,9 @@ TORCH_LIBRARY(lora_ops, m) {
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
       "int[]? slice_offsets=None) -> (Tensor, Tensor, Tensor?, Tensor?)");
   m.def(
-      "_check_lora_expand(Tensor y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+      "_check_lora_expand(Tensor y, Tensor h, Tensor lora_b, Tensor? seg_indptr, Tensor seg_lora, "
       "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
-      "int[]? slice_offsets=None) -> (Tensor, Tensor, Tensor?, Tensor?)");
+      "int[]? slice_offsets=None) -> (Tensor?, Tensor, Tensor?, Tensor?)");
   m.def(
       "_check_grouped_gemm(Tensor y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
       "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None) -> (Tensor, Tensor, Tensor?, "

@@ -50,7 +50,7 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     _sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, seg_indptr: Optional[torch.Tensor],
                 seg_lora: torch.Tensor, token_indices: Optional[torch.Tensor] = None,
                 lora_ranks: Optional[torch.Tensor] = None, lora_scales: Optional[torch.Tensor] = None,
                 slice_offsets: Optional[Sequence[int]] = None, scale: float = 1.0) -> None:
@@ -60,6 +60,10 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, seg_indp
     h [T, L, S·R] (lora_b's dtype or float32, unit last stride, any other strides): row t's rank vector for every
     slot, e.g. the extra columns of a base GEMM whose weight is [W; A of every slot] viewed as [T, L, S·R], or one
     window per row broadcast over the slots with a zero stride. lora_b [L, N, R]; the other arguments as sgmv's.
+
+    The rows form: with ``seg_indptr=None`` every position is a segment of its own and ``seg_lora`` [P] holds each
+    position's slot (P = len(token_indices), else T), e.g. the per-token slots that build_segments would sort.
+    Nothing needs sorting then, and the CUDA kernel reads each row's slot instead of walking the segments.
     """
     _lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
 

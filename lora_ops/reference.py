@@ -15,9 +15,10 @@ def _segment_rows(seg_indptr, seg_slot, token_indices, num_rows, num_slots):
 
     Values are used as they are (int64 included: the backends' saturation to int32 gives the same result).
     Segment g covers positions [m_g, m_{g+1}) with m_i = max over j <= i of clamp(indptr[j], 0, P): a running
-    maximum, so reversed or overlapping ranges are empty or cut and no position is covered twice."""
-    indptr = seg_indptr.tolist()
+    maximum, so reversed or overlapping ranges are empty or cut and no position is covered twice. Without
+    seg_indptr (lora_expand's rows form) position p is segment p, of slot seg_slot[p]."""
     slots = seg_slot.tolist()
+    indptr = seg_indptr.tolist() if seg_indptr is not None else list(range(len(slots) + 1))
     idx = token_indices.tolist() if token_indices is not None else None
     positions = len(idx) if idx is not None else num_rows
     end = min(max(indptr[0], 0), positions)

@@ -1,7 +1,7 @@
 """lora_expand against the float64 oracle on every backend, the Ascend one on its CPU model included: the sgmv
 parity grid with a random h in place of the shrink (every slot's window, or one window per row broadcast over the
 slots), float32 or half h, NaN in h past each slot's rank, garbage metadata, determinism, opcheck, argument errors,
-and compile."""
+and compile; each in the segment form and in the rows form (no seg_indptr: each position's slot)."""
 import pytest
 import torch
 import torch._dynamo.testing
@@ -20,8 +20,12 @@ def impl(request):
     yield from use_impl(request.param)
 
 
-def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False):
-    """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a."""
+FORMS = ["segments", "rows"]
+
+
+def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False, form="segments"):
+    """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a; in the rows form the rows' slots
+    (seg_lora [T], no seg_indptr, no token_indices) in place of the segments."""
     gen = case_generator(f"lora_expand-{key}")
     token_lora, kw = case(gen)
     kw.setdefault("num_slots", 6)
@@ -32,8 +36,12 @@ def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False):
         h = torch.randn(T, 1, SR, generator=gen).to(h_dtype).to(impl.device).expand(T, L, SR)
     else:
         h = torch.randn(T, L, SR, generator=gen).to(h_dtype).to(impl.device)
+    scale = p.scale if p.scale != 1.0 else 0.625
+    if form == "rows":
+        return (p.y, h, p.lora_b, None, token_lora.to(impl.device), None, p.lora_ranks, p.lora_scales,
+                p.slice_offsets, scale)
     return (p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
-            p.slice_offsets, p.scale if p.scale != 1.0 else 0.625)
+            p.slice_offsets, scale)
 
 
 def _run_and_check(impl, args, dtype):
@@ -44,12 +52,13 @@ def _run_and_check(impl, args, dtype):
     return testing.check_against_reference(y, before, ref, dtype)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES))
-def test_lora_expand_parity(impl, name, dtype):
+def test_lora_expand_parity(impl, name, dtype, form):
     if dtype not in impl.dtypes:
         pytest.skip(f"{impl.name} is tested in {impl.dtypes} only")
-    assert _run_and_check(impl, _problem(SGMV_CASES[name], impl, dtype, name), dtype) == ""
+    assert _run_and_check(impl, _problem(SGMV_CASES[name], impl, dtype, name, form=form), dtype) == ""
 
 
 @pytest.mark.parametrize("variant", ["h_fp32", "broadcast"])
@@ -76,12 +85,13 @@ def test_lora_expand_folded_gemm_layout(impl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_LARGE_CASES))
-def test_lora_expand_parity_large(impl, name, dtype):
+def test_lora_expand_parity_large(impl, name, dtype, form):
     if impl.device != "cuda":
         pytest.skip("GPU-sized case")
-    assert _run_and_check(impl, _problem(SGMV_LARGE_CASES[name], impl, dtype, name), dtype) == ""
+    assert _run_and_check(impl, _problem(SGMV_LARGE_CASES[name], impl, dtype, name, form=form), dtype) == ""
 
 
 def test_lora_expand_garbage_metadata(impl):
@@ -102,13 +112,34 @@ def _check_garbage_metadata(impl, dtype):
     assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
+def test_lora_expand_rows_form_garbage_metadata(impl):
+    """The rows form: slots outside [0, L) (int64 beyond int32 too) and rows outside [0, T) are skipped."""
+    _check_rows_garbage_metadata(impl, impl.dtypes[0])
+
+
+def _check_rows_garbage_metadata(impl, dtype):
+    args = list(_problem(SGMV_CASES["basic"], impl, dtype, key="rows-garbage", form="rows"))
+    dev, T, L = impl.device, args[0].shape[0], args[2].shape[0]
+    slots = [(-5, L, 1 << 30, 0, 1, L - 1)[t % 6] for t in range(T)]
+    args[4] = torch.tensor(slots, dtype=torch.int32, device=dev)
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+    args[4] = torch.tensor([(1 << 40, -(1 << 40), 2 ** 32, 1)[t % 4] for t in range(T)], dtype=torch.int64,
+                           device=dev)
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+    # positions naming rows through token_indices: some outside [0, T), the rest a permutation of a subset
+    rows = [3, -5, T + 7, 1 << 30, 0] + list(range(T - 1, 4, -1))
+    args[5] = torch.tensor(rows, dtype=torch.int32, device=dev)
+    args[4] = torch.tensor([(0, 2, 1, -1, 3)[p % 5] for p in range(len(rows))], dtype=torch.int32, device=dev)
+    assert _run_and_check(impl, tuple(args), dtype) == ""
+
+
 def test_lora_expand_rank0_slot_ignores_its_scale(impl):
     """A rank-0 slot is skipped, so even a NaN scale on it leaves its rows bitwise unchanged."""
     _check_rank0_slot_ignores_its_scale(impl, impl.dtypes[0])
 
 
-def _check_rank0_slot_ignores_its_scale(impl, dtype):
-    args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0"))  # slot 2 has rank 0
+def _check_rank0_slot_ignores_its_scale(impl, dtype, form="segments"):
+    args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0", form=form))  # slot 2 has rank 0
     args[7] = args[7].clone()
     args[7][2] = float("nan")
     assert _run_and_check(impl, tuple(args), dtype) == ""
@@ -126,15 +157,16 @@ MANY_SLOTS = lambda g: (testing.random_token_slots(48, [3, 40, 63, 64, 99, -1], 
                              ranks=[7 * i % 17 for i in range(100)]))  # slot l's rank differs from l +- 32's
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", list(PAST_RANK_CASES))
-def test_lora_expand_reads_nothing_past_the_rank(impl, case):
+def test_lora_expand_reads_nothing_past_the_rank(impl, case, form):
     """h and B past a slot's rank (never written by a shrink of that rank, nor by the pool) may hold anything:
     NaN there changes nothing."""
-    _check_reads_nothing_past_the_rank(impl, impl.dtypes[0], case)
+    _check_reads_nothing_past_the_rank(impl, impl.dtypes[0], case, form)
 
 
-def _check_reads_nothing_past_the_rank(impl, dtype, case="slices_gqa"):
-    args = list(_problem(PAST_RANK_CASES[case], impl, dtype, key=f"past-rank-{case}"))
+def _check_reads_nothing_past_the_rank(impl, dtype, case="slices_gqa", form="segments"):
+    args = list(_problem(PAST_RANK_CASES[case], impl, dtype, key=f"past-rank-{case}", form=form))
     h, lora_b, max_rank = args[1], args[2], args[2].shape[2]
     for slot, rank in enumerate(args[6].tolist()):
         lora_b[slot, :, rank:] = float("nan")
@@ -143,18 +175,20 @@ def _check_reads_nothing_past_the_rank(impl, dtype, case="slices_gqa"):
     assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
-def test_lora_expand_many_slots(impl):
+@pytest.mark.parametrize("form", FORMS)
+def test_lora_expand_many_slots(impl, form):
     """A 100-slot pool with rows on slots below 32, 32-63 and from 64 up, and rows with no LoRA."""
-    _check_many_slots(impl, impl.dtypes[-1])
+    _check_many_slots(impl, impl.dtypes[-1], form)
 
 
-def _check_many_slots(impl, dtype):
-    assert _run_and_check(impl, _problem(MANY_SLOTS, impl, dtype, key="many-slots"), dtype) == ""
+def _check_many_slots(impl, dtype, form="segments"):
+    assert _run_and_check(impl, _problem(MANY_SLOTS, impl, dtype, key="many-slots", form=form), dtype) == ""
 
 
-def test_lora_expand_deterministic(impl):
+@pytest.mark.parametrize("form", FORMS)
+def test_lora_expand_deterministic(impl, form):
     dtype = impl.dtypes[-1]
-    args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="determinism")
+    args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="determinism", form=form)
     outs = []
     for _ in range(3):
         y = args[0].clone()
@@ -163,10 +197,10 @@ def test_lora_expand_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def _check_h_layout(variant):
+def _check_h_layout(variant, form="segments"):
     def check(impl, dtype):
         args = _problem(SGMV_CASES["slices_gqa"], impl, dtype, key="layouts", h_fp32=variant == "h_fp32",
-                        broadcast=variant == "broadcast")
+                        broadcast=variant == "broadcast", form=form)
         assert _run_and_check(impl, args, dtype) == ""
     return check
 
@@ -174,14 +208,21 @@ def _check_h_layout(variant):
 EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank0_slot_ignores_its_scale,
                "past_rank": _check_reads_nothing_past_the_rank, "many_slots": _check_many_slots,
                "past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "rank_160"),
-               "h_fp32": _check_h_layout("h_fp32"), "h_broadcast": _check_h_layout("broadcast")}
+               "h_fp32": _check_h_layout("h_fp32"), "h_broadcast": _check_h_layout("broadcast"),
+               "rows_garbage_metadata": _check_rows_garbage_metadata,
+               "rows_rank0": lambda impl, dtype: _check_rank0_slot_ignores_its_scale(impl, dtype, "rows"),
+               "rows_past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "rank_160",
+                                                                                            "rows"),
+               "rows_many_slots": lambda impl, dtype: _check_many_slots(impl, dtype, "rows"),
+               "rows_h_fp32": _check_h_layout("h_fp32", "rows")}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kernel", ["positions", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + list(EDGE_CHECKS))
-def test_lora_expand_each_cuda_kernel(name, dtype, kernel, monkeypatch):
+def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     """Both CUDA expand kernels over the whole grid, not only where the automatic choice (by positions) puts
     them; a forced kernel also bypasses the op table."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
@@ -189,26 +230,30 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name in EDGE_CHECKS:
+        if form == "rows":
+            pytest.skip("the edge checks name their form")
         EDGE_CHECKS[name](cuda, dtype)
         return
     case = {**SGMV_CASES, **SGMV_LARGE_CASES}[name]
-    assert _run_and_check(cuda, _problem(case, cuda, dtype, name), dtype) == ""
+    assert _run_and_check(cuda, _problem(case, cuda, dtype, name, form=form), dtype) == ""
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("forced", [None, "positions", "tiles"])
 @pytest.mark.parametrize("T", [40, 200])
-def test_lora_expand_cuda_kernel_choice(T, forced, monkeypatch):
-    """The automatic choice runs the positions kernel up to 64 positions and the segment-tile kernel beyond; a forced
-    kernel runs whatever the size (so the per-kernel tests above test what they say)."""
+def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
+    """The automatic choice runs the positions kernel up to 64 positions and the segment-tile kernel beyond, and the
+    positions kernel at any size in the rows form (no walk there); a forced kernel runs whatever the size (so the
+    per-kernel tests above test what they say)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if forced:
         monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
-    expected = forced or ("positions" if T <= 64 else "tiles")
+    expected = forced or ("positions" if T <= 64 or form == "rows" else "tiles")
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
-    args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}")
+    args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}", form=form)
     with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         lora_ops.ops.lora_expand(*args)
         torch.cuda.synchronize()
@@ -217,9 +262,11 @@ def test_lora_expand_cuda_kernel_choice(T, forced, monkeypatch):
     assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_opcheck_lora_expand(device):
-    args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, key="opcheck")
+def test_opcheck_lora_expand(device, form):
+    args = _problem(SGMV_CASES["slices_gqa"], Impl("x", device, lora_ops.ops, DTYPES), torch.float32, key="opcheck",
+                    form=form)
     torch.library.opcheck(torch.ops.lora_ops.lora_expand.default, args)
 
 
@@ -240,6 +287,11 @@ def _args(**change):
     (dict(y=torch.randn(4, 12, dtype=torch.float16)), TypeError, r"y must be float32 or lora_b's dtype"),
     (dict(h=torch.randn(4, 3, 4).to("meta")), ValueError, r"h is on meta but y is on cpu"),
     (dict(lora_ranks=torch.zeros(2, dtype=torch.int32)), ValueError, r"lora_ranks must have 3 entries"),
+    (dict(seg_indptr=None), ValueError,
+     r"seg_lora must have 4 entries \(one per row without seg_indptr: y.size\(0\)\)"),
+    (dict(seg_indptr=None, seg_lora=torch.zeros(4, dtype=torch.int32), token_indices=torch.arange(3)), ValueError,
+     r"seg_lora must have 3 entries \(one per position without seg_indptr: len\(token_indices\)\)"),
+    (dict(seg_indptr=None, seg_lora=torch.zeros(4)), TypeError, r"seg_lora must be int32 or int64"),
 ])
 def test_lora_expand_argument_error(change, exc, msg):
     mods = [lora_ops.ops]
@@ -262,8 +314,10 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
         seg = lora_ops.build_segments(token_lora, L)
         out = x @ w_cat.t()
         y = out[:, :N]
-        lora_ops.lora_expand(y, out[:, N:].view(x.shape[0], L, S * R), lora_b, seg.seg_indptr, seg.seg_lora,
-                             seg.token_indices, ranks, None, [0, 10, N], 0.5)
+        h = out[:, N:].view(x.shape[0], L, S * R)
+        lora_ops.lora_expand(y, h, lora_b, seg.seg_indptr, seg.seg_lora, seg.token_indices, ranks, None, [0, 10, N],
+                             0.5)
+        lora_ops.lora_expand(y, h, lora_b, None, token_lora, None, ranks, None, [0, 10, N], 0.25)  # the rows form
         return y * 2
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")

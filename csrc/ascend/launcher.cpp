@@ -57,13 +57,15 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
               device.stream);
 }
 
-void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
-                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                     const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
+                     const std::optional<at::Tensor>& token_indices,
                      const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
                      at::OptionalIntArrayRef slice_offsets, double scale, const Device& device) {
   SgmvIndexTensors keep;
   const ExpandParams p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
                                            lora_scales, slice_offsets, scale, keep);
+  with_indptr(y, keep);  // the rows form's: the kernel reads seg_indptr from memory
   const auto plan = plan_lora_expand(p, device.target);
   require(plan);
   if (!plan.launch) return;  // no rows, segments, N or rank: y is already the result

@@ -21,8 +21,9 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
               const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
               at::OptionalIntArrayRef slice_offsets, double scale, const Device& device);
 
-void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
-                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                     const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
+                     const std::optional<at::Tensor>& token_indices,
                      const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
                      at::OptionalIntArrayRef slice_offsets, double scale, const Device& device);
 

@@ -49,8 +49,9 @@ void sgmv_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
            device_of(y));
 }
 
-void lora_expand_npu(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b, const at::Tensor& seg_indptr,
-                     const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
+void lora_expand_npu(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                     const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
+                     const std::optional<at::Tensor>& token_indices,
                      const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
                      at::OptionalIntArrayRef slice_offsets, double scale) {
   const c10::DeviceGuard guard(y.device());

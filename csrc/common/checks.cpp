@@ -108,20 +108,28 @@ at::Tensor kernel_index(const at::Tensor& t) {
   return t.clamp(kInt32Min, kInt32Max).to(at::kInt).contiguous();
 }
 
-// seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P).
+// seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P). Without seg_indptr (lora_expand's rows
+// form) position p is segment p: the slots are [P], P = len(token_indices) or the number of rows.
 void check_segments_host(const char* op, const char* slot_name, const at::Tensor& y, const c10::SymInt& rows,
-                         const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
+                         const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_slot,
                          const std::optional<at::Tensor>& token_indices) {
-  check_index_tensor(op, "seg_indptr", seg_indptr, y, std::nullopt, "");
-  TORCH_CHECK_VALUE(holds(seg_indptr.sym_size(0).sym_ge(1)), op,
-                    ": seg_indptr must have num_segments + 1 >= 1 entries, got 0");
-  check_int32_extent(op, "len(seg_indptr)", seg_indptr.sym_size(0));
-  check_index_tensor(op, slot_name, seg_slot, y, seg_indptr.sym_size(0) - 1, "one per segment: len(seg_indptr) - 1");
   check_int32_extent(op, "x.size(0)", rows);
   if (token_indices.has_value()) {
     check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");
     check_int32_extent(op, "len(token_indices)", token_indices->sym_size(0));
   }
+  if (!seg_indptr.has_value()) {
+    const c10::SymInt positions = token_indices.has_value() ? token_indices->sym_size(0) : rows;
+    check_index_tensor(op, slot_name, seg_slot, y, positions,
+                       token_indices.has_value() ? "one per position without seg_indptr: len(token_indices)"
+                                                 : "one per row without seg_indptr: y.size(0)");
+    return;
+  }
+  check_index_tensor(op, "seg_indptr", *seg_indptr, y, std::nullopt, "");
+  TORCH_CHECK_VALUE(holds(seg_indptr->sym_size(0).sym_ge(1)), op,
+                    ": seg_indptr must have num_segments + 1 >= 1 entries, got 0");
+  check_int32_extent(op, "len(seg_indptr)", seg_indptr->sym_size(0));
+  check_index_tensor(op, slot_name, seg_slot, y, seg_indptr->sym_size(0) - 1, "one per segment: len(seg_indptr) - 1");
 }
 
 std::vector<int64_t> values_on_host(const at::Tensor& t) {
@@ -131,13 +139,15 @@ std::vector<int64_t> values_on_host(const at::Tensor& t) {
 
 // LORA_OPS_DEBUG=1: the ORIGINAL values (before the int32 conversion), read back with a sync. Raises on any
 // value the kernels would skip or clamp, a non-monotone seg_indptr included, and on a row named twice.
-void debug_validate_segments(const at::Tensor& seg_indptr, const at::Tensor& seg_slot,
+void debug_validate_segments(const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_slot,
                              const std::optional<at::Tensor>& token_indices, int64_t rows, int64_t num_slots,
                              const char* slot_name) {
-  const auto ip = values_on_host(seg_indptr);
   const auto sl = values_on_host(seg_slot);
   const auto idx = token_indices.has_value() ? values_on_host(*token_indices) : std::vector<int64_t>{};
   const int64_t positions = token_indices.has_value() ? static_cast<int64_t>(idx.size()) : rows;
+  std::vector<int64_t> ip(sl.size() + 1);  // the rows form's segments: position g is segment g
+  for (size_t g = 0; g < ip.size(); ++g) ip[g] = static_cast<int64_t>(g);
+  if (seg_indptr.has_value()) ip = values_on_host(*seg_indptr);
   std::unordered_set<int64_t> seen;
   for (size_t g = 0; g < sl.size(); ++g) {
     TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= positions,
@@ -194,7 +204,7 @@ int64_t check_slices_host(const char* op, at::OptionalIntArrayRef slice_offsets,
 // l_what / r_what say where L and R come from.
 void check_slot_tensors_host(const char* op, const at::Tensor& y, const c10::SymInt& T, const c10::SymInt& L,
                              const c10::SymInt& R, const char* l_what, const char* r_what,
-                             const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                             const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                              const std::optional<at::Tensor>& token_indices,
                              const std::optional<at::Tensor>& lora_ranks,
                              const std::optional<at::Tensor>& lora_scales) {
@@ -216,7 +226,7 @@ void check_slot_tensors_host(const char* op, const at::Tensor& y, const c10::Sym
 // The index tensors of sgmv and lora_expand in the kernels' form; with LORA_OPS_DEBUG=1 their original values
 // validated first (rows T, L slots, max rank R).
 SgmvIndexTensors slot_index_tensors(const at::Tensor& y, int64_t T, int64_t L, int64_t R,
-                                    const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                    const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                                     const std::optional<at::Tensor>& token_indices,
                                     const std::optional<at::Tensor>& lora_ranks) {
   if (debug_checks_apply(y)) {
@@ -224,7 +234,7 @@ SgmvIndexTensors slot_index_tensors(const at::Tensor& y, int64_t T, int64_t L, i
     debug_validate_sizes("lora_ranks", lora_ranks, "R", R);
   }
   SgmvIndexTensors out;
-  out.seg_indptr = kernel_index(seg_indptr);
+  if (seg_indptr.has_value()) out.seg_indptr = kernel_index(*seg_indptr);
   out.seg_lora = kernel_index(seg_lora);
   if (token_indices.has_value()) out.token_indices = kernel_index(*token_indices);
   if (lora_ranks.has_value()) out.lora_ranks = kernel_index(*lora_ranks);
@@ -234,7 +244,7 @@ SgmvIndexTensors slot_index_tensors(const at::Tensor& y, int64_t T, int64_t L, i
 // Segments and per-slot pointers of `keep` into the params of a sgmv or lora_expand call over T rows.
 void fill_slot_params(const SgmvIndexTensors& keep, int64_t T, Segments* seg, const int32_t** ranks,
                       const float** scales) {
-  seg->indptr = keep.seg_indptr.data_ptr<int32_t>();
+  seg->indptr = keep.seg_indptr.defined() ? keep.seg_indptr.data_ptr<int32_t>() : nullptr;
   seg->slot = keep.seg_lora.data_ptr<int32_t>();
   seg->num_segments = keep.seg_lora.size(0);
   seg->positions = T;
@@ -342,7 +352,7 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
 }
 
 void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                            const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                            const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                             const std::optional<at::Tensor>& token_indices,
                             const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
                             at::OptionalIntArrayRef slice_offsets) {
@@ -373,7 +383,7 @@ void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::
 }
 
 SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                                           const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                           const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                                            const std::optional<at::Tensor>& token_indices,
                                            const std::optional<at::Tensor>& lora_ranks,
                                            const std::optional<at::Tensor>& lora_scales,
@@ -383,8 +393,13 @@ SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor
                             lora_ranks);
 }
 
+at::Tensor with_indptr(const at::Tensor& y, SgmvIndexTensors& keep) {
+  if (!keep.seg_indptr.defined()) keep.seg_indptr = at::arange(keep.seg_lora.size(0) + 1, y.options().dtype(at::kInt));
+  return keep.seg_indptr;
+}
+
 ExpandParams check_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                               const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                               const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                                const std::optional<at::Tensor>& token_indices,
                                const std::optional<at::Tensor>& lora_ranks,
                                const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,

@@ -33,9 +33,10 @@ void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor&
                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets);
 
 // lora_expand: y [T, N], h [T, L, S*R] (every slot's window of each row; any strides in dims 0 and 1),
-// lora_b [L, N, R]. Its index tensors are sgmv's.
+// lora_b [L, N, R]. Its index tensors are sgmv's, and seg_indptr may be absent (the rows form: position p is a
+// segment of its own, seg_lora [P] holds each position's slot).
 void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                            const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                            const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                             const std::optional<at::Tensor>& token_indices,
                             const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
                             at::OptionalIntArrayRef slice_offsets);
@@ -56,7 +57,7 @@ SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, co
                                     at::OptionalIntArrayRef slice_offsets);
 
 SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                                           const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                                           const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                                            const std::optional<at::Tensor>& token_indices,
                                            const std::optional<at::Tensor>& lora_ranks,
                                            const std::optional<at::Tensor>& lora_scales,
@@ -71,6 +72,10 @@ GroupedGemmIndexTensors grouped_gemm_index_tensors(const at::Tensor& y, const at
 // token_lora as the kernels read it (int32, contiguous; int64 saturated).
 at::Tensor build_segments_token_lora(const at::Tensor& token_lora, int64_t num_slots);
 
+// The rows form's seg_indptr [0, 1, ..., P] materialized into `keep`, for kernels that read it from memory
+// (Ascend); keep.seg_indptr as it is when given.
+at::Tensor with_indptr(const at::Tensor& y, SgmvIndexTensors& keep);
+
 // The returned params point into `keep`'s tensors; keep them alive until the kernel is enqueued.
 SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                       const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
@@ -80,7 +85,7 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
                       at::OptionalIntArrayRef slice_offsets, double scale, SgmvIndexTensors& keep);
 
 ExpandParams check_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                               const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                               const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                                const std::optional<at::Tensor>& token_indices,
                                const std::optional<at::Tensor>& lora_ranks,
                                const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,

@@ -41,8 +41,8 @@ using SgmvSignature = void(const at::Tensor&, const at::Tensor&, const at::Tenso
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                            at::OptionalIntArrayRef, double);
-using LoraExpandSignature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const std::optional<at::Tensor>&,
+using LoraExpandSignature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                  at::OptionalIntArrayRef, double);
 using GroupedGemmSignature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

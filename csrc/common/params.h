@@ -14,7 +14,7 @@ constexpr int kMaxSlices = 8;
 // indptr a clamped running maximum (segment_end below), skip slots outside [0, num_slots) and rows outside
 // [0, rows). Index tensors given as int64 arrive here saturated to int32 (checks.cpp index_tensor).
 struct Segments {
-  const int32_t* indptr;         // [num_segments + 1]
+  const int32_t* indptr;         // [num_segments + 1], or nullptr: position p is segment p (lora_expand's rows form)
   const int32_t* slot;           // [num_segments]
   const int32_t* token_indices;  // [positions] or nullptr (then position p is row p)
   int64_t num_segments;
@@ -93,8 +93,11 @@ LORA_OPS_HD int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) { return v < 
 // positions [m_g, m_{g+1}). The running maximum makes segments disjoint whatever indptr holds (reversed or
 // overlapping ranges are empty or cut), so the tiles of all segments fit the bound min(P, ceil(P/BM) + G) and
 // the work of every backend is bounded by P + G. Computing m_g needs every earlier entry: walk the segments
-// in order (segment_end) or scan the clamped entries with a running maximum (clamped_indptr).
-LORA_OPS_HD int64_t clamped_indptr(const Segments& s, int64_t i) { return clamp_index(s.indptr[i], 0, s.positions); }
+// in order (segment_end) or scan the clamped entries with a running maximum (clamped_indptr). Without indptr
+// (the rows form: one segment per position, num_segments = positions) entry i is i.
+LORA_OPS_HD int64_t clamped_indptr(const Segments& s, int64_t i) {
+  return clamp_index(s.indptr ? s.indptr[i] : i, 0, s.positions);
+}
 
 // m_{g+1}, given m_g (m_0 = clamped_indptr(s, 0)): segment g covers [m_g, segment_end(s, g, m_g)).
 LORA_OPS_HD int64_t segment_end(const Segments& s, int64_t g, int64_t segment_begin) {

@@ -9,7 +9,7 @@ constexpr const char* kSgmv =
     "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
     "int[]? slice_offsets=None, float scale=1.0) -> ()";
 constexpr const char* kLoraExpand =
-    "(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor seg_indptr, Tensor seg_lora, "
+    "(Tensor(a!) y, Tensor h, Tensor lora_b, Tensor? seg_indptr, Tensor seg_lora, "
     "Tensor? token_indices=None, Tensor? lora_ranks=None, Tensor? lora_scales=None, "
     "int[]? slice_offsets=None, float scale=1.0) -> ()";
 constexpr const char* kGroupedGemm =

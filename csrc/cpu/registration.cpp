@@ -20,7 +20,7 @@ void sgmv_cpu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
 }
 
 void lora_expand_cpu(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                     const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                     const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                      const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
                      double scale) {

@@ -4,7 +4,8 @@
 // float32 K-split partials, summed here in split order: deterministic).
 //
 // At decode sizes the cost is the chain of dependent memory trips per CTA and how many CTAs run it in series.
-// Two kernels, by the number of positions P (measured on the H200; csrc/cuda/NOTES.md):
+// Two kernels, by the number of positions P (measured on the H200; csrc/cuda/NOTES.md), the positions kernel for
+// any P in the rows form (no seg_indptr: each position's slot is given, no walk):
 // - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
 //   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
 //   segments for their slots and reads the ranks and scales of the first 64 slots, all at once; then every
@@ -133,7 +134,10 @@ __device__ __forceinline__ void warp_resolve_tile(const ExpandParams& p, int64_t
       if (p.lora_scales) near_scale[h] = p.lora_scales[l];
     }
   }
-  const int64_t slot = warp_position_slot<kTileRows>(p.seg, p.num_slots, p0);
+  // The rows form (no indptr) names each position's slot: no walk.
+  const int64_t slot = !p.seg.indptr ? (lane < kTileRows && p0 + lane < p.seg.positions
+                                            ? segment_slot(p.seg, p0 + lane, p.num_slots) : int64_t{-1})
+                                     : warp_position_slot<kTileRows>(p.seg, p.num_slots, p0);
   const int src = (int)(slot & 31);
   const int64_t rank_lo = __shfl_sync(kAll, near_rank[0], src), rank_hi = __shfl_sync(kAll, near_rank[1], src);
   const float scale_lo = __shfl_sync(kAll, near_scale[0], src), scale_hi = __shfl_sync(kAll, near_scale[1], src);
@@ -442,8 +446,10 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
                                cudaStream_t stream) {
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
   ExpandLaunch l{};
+  // The rows form has a segment per position: the tiles kernel would make a tile of each.
   l.positions = preferred == ExpandKernel::Positions ||
-                (preferred == ExpandKernel::Auto && p.seg.positions <= kPositionsKernelMaxPositions);
+                (preferred == ExpandKernel::Auto &&
+                 (!p.seg.indptr || p.seg.positions <= kPositionsKernelMaxPositions));
   l.col_blocks = l.positions ? column_blocks<kPositionsCols>(p) : column_blocks<kTilesCols>(p);
   if (l.col_blocks == 0) return cudaSuccess;
   if (l.col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;

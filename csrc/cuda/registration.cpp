@@ -159,7 +159,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
 }
 
 void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
-                      const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
+                      const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                       const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
                       const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
                       double scale) {

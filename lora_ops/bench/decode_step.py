@@ -8,9 +8,11 @@ adapter of a 32-slot pool. Routes:
 - base:        the base GEMMs alone (cuBLAS).
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
-               the lora_expand op adds each row's own window of h times its B (backend <b>).
+               the lora_expand op adds each row's own window of h times its B (backend <b>), in its rows form:
+               each row's slot as given, no segments.
 
-The sgmv and fold routes also run build_segments once per step. Reported per route: µs per step, the overhead over base
+The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
+serving layer's pool builds it every step). Reported per route: µs per step, the overhead over base
 in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
 be read, at the same bandwidth), and the relative error of the first layer's outputs against the float64 oracle
 (`base` shows the bf16 GEMM's own error).
@@ -138,9 +140,8 @@ class Setup:
         def one(m, n):
             out = self.out[n]
             torch.mm(self.x[n], m.w_cat.t(), out=out)
-            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
-                   self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices, self.ranks, self.scales,
-                   m.slice_offsets, 1.0)
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, None,
+                   self.token_lora, None, self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
@@ -152,9 +153,8 @@ class Setup:
     def expand_only_calls(self, expand) -> List[Callable[[], None]]:
         def one(m, n):
             out = self.out[n]
-            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
-                   self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices, self.ranks, self.scales,
-                   m.slice_offsets, 1.0)
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, None,
+                   self.token_lora, None, self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 

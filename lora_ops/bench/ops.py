@@ -25,7 +25,7 @@ from lora_ops import backends, reference, testing
 from .timing import time_cpu, time_cuda
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
-OURS = ("cpu", "cuda", "triton")
+OURS = ("cpu", "cuda", "triton", "cpu-rows", "cuda-rows", "triton-rows")  # -rows: lora_expand's rows form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +320,22 @@ def expand_torch_loop(pb: ExpandProblem, y):
             y[:, lo:hi].index_add_(0, rows, ((h @ p.lora_b[slot, lo:hi, :r].T) * coef).to(y.dtype))
 
 
+def _expand_rows_form(module):
+    """lora_expand through `module` in its rows form (no seg_indptr, each row's slot): the fold route's call."""
+    def run(pb, y):
+        p = pb.p
+        module.lora_expand(y, pb.h, p.lora_b, None, pb.token_lora, None, p.lora_ranks, p.lora_scales,
+                           p.slice_offsets, p.scale)
+    return run
+
+
 def expand_implementations(device) -> Dict[str, Callable]:
     impls = _our_implementations(device, "lora_expand")
+    for name in list(impls):
+        module = lora_ops.ops
+        if name == "triton":
+            import lora_ops.triton as module
+        impls[f"{name}-rows"] = _expand_rows_form(module)
     impls["torch_loop"] = expand_torch_loop
     return impls
 

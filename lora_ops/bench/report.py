@@ -19,7 +19,7 @@ import sys
 from typing import Dict, List
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-OURS = ("cuda", "triton")
+OURS = ("cuda", "cuda-rows", "triton", "triton-rows")  # -rows: lora_expand's rows form
 BASELINES = ("grouped_mm", "torch_loop", "gather_bmm")
 
 

@@ -19,8 +19,9 @@ class MultiLoRALinear(nn.Module):
 
     - "sgmv": y = base(x), then one sgmv over the step's segments (shrink and expand of the adapters present);
     - "fold": one GEMM against the module's [W; A of every slot] gives y and every slot's h, then lora_expand adds
-      each row's own window of h times its B. h is rounded to the activation dtype there (the sgmv route keeps it
-      in float32); y is returned as a view of the wider GEMM output.
+      each row's own window of h times its B (its rows form: the rows' slots, no segments). h is rounded to the
+      activation dtype there (the sgmv route keeps it in float32); y is returned as a view of the wider GEMM
+      output.
 
     With no batch active (pool.current is None) it is exactly the base layer."""
 
@@ -55,15 +56,17 @@ class MultiLoRALinear(nn.Module):
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
         route, backend = routes.pick(tokens, x.device.type)
         m = self._slots
-        args = (batch.seg_indptr, batch.seg_lora, batch.token_indices, m.ranks, m.scales, m.offsets_arg)
+        per_slot = (m.ranks, m.scales, m.offsets_arg)
         if route == "fold":
             out = F.linear(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
             h = out2d[:, N:].view(tokens, m.lora_b.shape[0], -1)
-            routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *args)
+            # The rows form: each row's slot as given, nothing sorted (ops.lora_expand).
+            routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, None, batch.token_slots, None, *per_slot)
             return out[..., :N]
         y = self.base(x)
-        routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, *args)
+        routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, batch.seg_indptr,
+                                   batch.seg_lora, batch.token_indices, *per_slot)
         return y
 
 

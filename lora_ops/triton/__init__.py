@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel
+from .kernels import (build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, lora_expand_rows_kernel,
+                      sgmv_kernel)
 
 _check_sgmv = torch.ops.lora_ops._check_sgmv.default
 _check_lora_expand = torch.ops.lora_ops._check_lora_expand.default
@@ -105,6 +106,9 @@ def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ran
     positions = token_indices.shape[0] if token_indices is not None else T
     if T == 0 or G == 0 or R == 0 or N == 0:
         return
+    if seg_indptr is None:
+        _lora_expand_rows(y, h, lora_b, seg_lora, token_indices, lora_ranks, lora_scales, offsets, scale)
+        return
     cfg = expand_config(positions, G, R, lora_b.dtype == torch.float32)
     cfg["N_SPLITS"] = triton.cdiv(max(b - a for a, b in zip(offsets, offsets[1:])), cfg["BLOCK_N"])
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
@@ -115,6 +119,22 @@ def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ran
         lora_b.stride(1), lora_scales.stride(0) if lora_scales is not None else 0, float(scale), *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
         IEEE=lora_b.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
+
+
+def _lora_expand_rows(y, h, lora_b, slots, token_indices, lora_ranks, lora_scales, offsets, scale):
+    """The rows form: one program per (position, slice x column block), BLOCK_N x BLOCK_R of B per step."""
+    block_r = max(16, triton.next_power_of_2(lora_b.shape[2]))
+    block_n = max(32, min(256, 4096 // block_r))
+    n_splits = triton.cdiv(max(b - a for a, b in zip(offsets, offsets[1:])), block_n)
+    S = len(offsets) - 1
+    offsets = offsets + [y.shape[1]] * (_MAX_SLICES + 1 - len(offsets))
+    grid = (slots.shape[0], S * n_splits)
+    lora_expand_rows_kernel[grid](
+        y, h, lora_b, slots, token_indices, lora_ranks, lora_scales, y.shape[0], lora_b.shape[0], lora_b.shape[2],
+        y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
+        lora_scales.stride(0) if lora_scales is not None else 0, float(scale), *offsets,
+        HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
+        N_SPLITS=n_splits, BLOCK_R=block_r, BLOCK_N=block_n)
 
 
 def _scan_width(segments: int) -> int:

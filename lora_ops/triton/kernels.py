@@ -187,6 +187,53 @@ def lora_expand_kernel(y_ptr, h_ptr, b_ptr, indptr_ptr, slot_ptr, idx_ptr, ranks
 
 
 @triton.jit
+def lora_expand_rows_kernel(y_ptr, h_ptr, b_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr,
+                            num_rows, num_slots, R, y_stride, h_s0, h_s1, b_s0, b_s1, scales_stride, scale,
+                            o0, o1, o2, o3, o4, o5, o6, o7, o8,
+                            HAS_IDX: tl.constexpr, HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr,
+                            N_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (position p, slice s x column split) of lora_expand's rows form: p's row and slot as given (no
+    segments to walk), its window of h scaled in float32 and expanded into the program's share of the slice's
+    columns, one row at a time (B's rows of a slot shared by several rows come from L2)."""
+    p = tl.program_id(0)
+    s = tl.program_id(1) // N_SPLITS
+    split = tl.program_id(1) % N_SPLITS
+    slot = tl.load(slot_ptr + p)
+    if HAS_IDX:
+        row = tl.load(idx_ptr + p)
+    else:
+        row = p
+    if (slot < 0) | (slot >= num_slots) | (row < 0) | (row >= num_rows):
+        return
+    rank = R
+    if HAS_RANKS:
+        rank = tl.minimum(tl.maximum(tl.load(ranks_ptr + slot), 0), R)
+    coef = scale
+    if HAS_SCALES:  # expanded or strided scales
+        coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)
+    lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
+    n_begin = lo + split * chunk
+    n_end = tl.minimum(n_begin + chunk, hi)
+    if (rank == 0) | (n_begin >= n_end):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    in_rank = offs_r < rank
+    h = tl.load(h_ptr + row.to(tl.int64) * h_s0 + slot.to(tl.int64) * h_s1 + s * R + offs_r, mask=in_rank,
+                other=0.0).to(tl.float32) * coef
+    b_base = b_ptr + slot.to(tl.int64) * b_s0 + offs_r[None, :]
+    y_row = y_ptr + row.to(tl.int64) * y_stride
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        nmask = nn < n_end
+        b = tl.load(b_base + nn.to(tl.int64)[:, None] * b_s1, mask=nmask[:, None] & in_rank[None, :], other=0.0)
+        delta = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+        yt = tl.load(y_row + nn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_row + nn, (yt + delta).to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def grouped_gemm_kernel(y_ptr, x_ptr, w_ptr, indptr_ptr, slot_ptr, idx_ptr, n_sizes_ptr, k_sizes_ptr,
                         num_rows, N, K, num_groups, positions, num_segments, y_stride, x_stride, w_s0, w_s1, alpha,
                         HAS_IDX: tl.constexpr, HAS_N: tl.constexpr, HAS_K: tl.constexpr,
