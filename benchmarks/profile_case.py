@@ -1,7 +1,8 @@
 """Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h) a few times, for a profiler
 or a tracing build:
 `ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
-[--expand] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one slice).
+[--expand [--rows]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one slice; --rows:
+lora_expand's rows form, each row's slot in place of the segments).
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import argparse
 
@@ -17,6 +18,7 @@ def main():
         parser.add_argument(name, type=int)
     parser.add_argument("pool_rank", type=int, nargs="?")
     parser.add_argument("--expand", action="store_true")
+    parser.add_argument("--rows", action="store_true")
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--slices", type=int, default=1)
@@ -30,11 +32,14 @@ def main():
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()
-        for meta in (p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales):
+        for meta in (p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales, pb.token_lora):
             meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
-        if expand:
+        if expand and args.rows:
+            lora_ops.lora_expand(p.y, h, p.lora_b, None, pb.token_lora, None, p.lora_ranks, p.lora_scales,
+                                 p.slice_offsets, p.scale)
+        elif expand:
             lora_ops.lora_expand(p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
                                  p.lora_scales, p.slice_offsets, p.scale)
         else:
