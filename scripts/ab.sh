@@ -38,7 +38,7 @@ case "$mode" in
     wait
     echo "builds: $(( $(date +%s) - t0 )) s"
     for t in "${trees[@]}"; do
-      python3 -c "import sys; sys.path.insert(0, '$t'); import lora_ops._C" 2>/dev/null \
+      (cd "$t" && python3 -c "import lora_ops" 2>/dev/null) \
         || { echo "$(name "$t"): build failed"; tail -20 "$out/build-$(name "$t").log"; exit 1; }
     done
     for t in "${trees[@]}"; do

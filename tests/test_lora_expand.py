@@ -219,12 +219,13 @@ EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("kernel", ["positions", "tiles"])
+@pytest.mark.parametrize("kernel", ["positions", "tiles", "rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + list(EDGE_CHECKS))
 def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
-    """Both CUDA expand kernels over the whole grid, not only where the automatic choice (by positions) puts
-    them; a forced kernel also bypasses the op table."""
+    """Every CUDA expand kernel over the whole grid, not only where the automatic choice (by positions) puts
+    them; a forced kernel also bypasses the op table. The rows kernel serves the rows form with fp16/bf16 B and h,
+    ranks in fours and even slices (the rest falls back to the automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
@@ -240,17 +241,20 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("forced", [None, "positions", "tiles"])
+@pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows"])
 @pytest.mark.parametrize("T", [40, 200])
 def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
-    """The automatic choice runs the positions kernel up to 64 positions and the segment-tile kernel beyond, and the
-    positions kernel at any size in the rows form (no walk there); a forced kernel runs whatever the size (so the
-    per-kernel tests above test what they say)."""
+    """The automatic choice runs the rows kernel on the rows form it serves (bf16 here), else the positions kernel
+    up to 64 positions and the segment-tile kernel beyond (the positions kernel at any size in the rows form: no
+    walk there); a forced kernel runs whatever the size, "rows" only on the rows form (so the per-kernel tests above
+    test what they say)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if forced:
         monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
-    expected = forced or ("positions" if T <= 64 or form == "rows" else "tiles")
+    expected = "rows" if form == "rows" and forced in (None, "rows") else forced
+    if expected in (None, "rows") and form == "segments":
+        expected = "positions" if T <= 64 else "tiles"
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
     args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}", form=form)

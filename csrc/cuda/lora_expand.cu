@@ -445,6 +445,9 @@ cudaError_t launch_b(const ExpandParams& p, const ExpandLaunch& l) {
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream) {
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
+  if ((preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows) && rows_kernel_serves(p)) {
+    return launch_lora_expand_rows(p, cc_major, stream);
+  }
   ExpandLaunch l{};
   // The rows form has a segment per position: the tiles kernel would make a tile of each.
   l.positions = preferred == ExpandKernel::Positions ||
