@@ -1,7 +1,8 @@
 // lora_expand's rows form on tensor cores: y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] * B[l, slice s, :r_l]^T
-// with each position's slot l given (no segments). One warp per position and 256 columns of one slice, one
-// mma.sync m16n8k16 per 16 columns and 16 ranks: the 16 columns are the mma's M, the ranks its K, and h fills all
-// 8 of its N (every column of the result is the row's), so a lane's C fragment holds two adjacent columns of y.
+// with each position's slot l given (no segments). One warp per position and 1-4 passes of 64 columns of one
+// slice, one mma.sync m16n8k16 per 16 columns and 16 ranks: the 16 columns are the mma's M, the ranks its
+// K, and h fills all 8 of its N (every column of the result is the row's), so a lane's C fragment holds two
+// adjacent columns of y.
 // No shared memory and no barrier: a warp's chain is its slot, then B, h and y at once, then the mma and the store.
 // Serves fp16/bf16 B with h of B's dtype and aligned rows (rows_kernel_serves); anything else goes to the
 // positions kernel. Why a new kernel: the positions kernel's per-CTA set-up and its FFMA stream (bf16 -> float
@@ -18,8 +19,8 @@ namespace {
 constexpr int kWarps = 4;                  // positions per CTA, one per warp
 constexpr int kTiles = 4;                  // 16-column mma tiles per pass of a warp: 64 columns
 constexpr int kPassCols = 16 * kTiles;
-constexpr int kBlockCols = 4 * kPassCols;  // columns per CTA (four passes)
-constexpr int kMinCtas = 8;                // CTAs per SM: 64 registers, so that gate_up at T = 32 fits one wave
+constexpr int kMaxPasses = 4;              // passes per CTA, chosen per call so that the grid is about one wave
+constexpr int kMinCtas = 7;                // CTAs per SM: 70 registers, no spills
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -33,15 +34,15 @@ __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
   return v;
 }
 
-// Block b of kBlockCols columns over all slices in order: the slice, its first column and end. False past them.
-__device__ __forceinline__ bool find_block(const ExpandParams& p, int* slice, int* n0, int* n_end) {
+// Block b of block_cols columns over all slices in order: the slice, its first column and end. False past them.
+__device__ __forceinline__ bool find_block(const ExpandParams& p, int block_cols, int* slice, int* n0, int* n_end) {
   int block = blockIdx.x;
   for (int s = 0; s < p.num_slices; ++s) {
     const int lo = (int)p.slice_offsets[s], hi = (int)p.slice_offsets[s + 1];
-    const int blocks = (hi - lo + kBlockCols - 1) / kBlockCols;
+    const int blocks = (hi - lo + block_cols - 1) / block_cols;
     if (block < blocks) {
       *slice = s;
-      *n0 = lo + block * kBlockCols;
+      *n0 = lo + block * block_cols;
       *n_end = hi;
       return true;
     }
@@ -56,9 +57,9 @@ struct alignas(2 * sizeof(TY)) YPair {
   TY v[2];
 };
 
-// Position pos over the columns [n0, min(n0 + kBlockCols, n_end)) of slice `slice`, by one warp.
+// Position pos over the columns [n0, n1) of slice `slice`, by one warp.
 template <class TB, class TY>
-__device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n_end) {
+__device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
   if (row < 0 || slot < 0) return;
@@ -70,7 +71,13 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   const TB* h = static_cast<const TB*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
   const TB* b = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0;
   TY* y = static_cast<TY*>(p.y) + row * p.y_row_stride;
-  for (int pass = n0; pass < n0 + kBlockCols && pass < n_end; pass += kPassCols) {
+  // The later passes' B to L2 now (a 128-byte line per lane per step), so that they cost an L2 trip, not DRAM.
+  for (int64_t off = (int64_t)(n0 + kPassCols) * p.b_stride1 + 64 * lane; off < (int64_t)n1 * p.b_stride1;
+       off += 32 * 64) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + off));
+  }
+  const int n_end = n1;
+  for (int pass = n0; pass < n1; pass += kPassCols) {
     const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
     const int64_t tile_stride = 16 * p.b_stride1;
     const bool full_pass = pass + kPassCols <= n_end;
@@ -128,22 +135,25 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   }
 }
 
-// Grid: (column blocks, position groups of kWarps); CTAs loop over position groups past the grid's limit.
+// Grid: (column blocks of `passes` passes, position groups of kWarps); CTAs loop over position groups past the
+// grid's limit.
 template <class TB, class TY>
-__global__ void __launch_bounds__(32 * kWarps, kMinCtas) expand_rows_kernel(ExpandParams p) {
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n_end;
-  if (!find_block(p, &slice, &n0, &n_end)) return;
+  if (!find_block(p, passes * kPassCols, &slice, &n0, &n_end)) return;
   grid_dependency_wait();  // the op cannot know what wrote its inputs
+  const int n1 = min(n0 + passes * kPassCols, n_end);
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TY>(p, pos, slice, n0, n_end);
+    expand_position<TB, TY>(p, pos, slice, n0, n1);
   }
 }
 
-int64_t column_blocks(const ExpandParams& p) {
+// Column blocks of block_cols columns over all slices.
+int64_t column_blocks(const ExpandParams& p, int64_t block_cols) {
   int64_t blocks = 0;
   for (int64_t s = 0; s < p.num_slices; ++s) {
-    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
+    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + block_cols - 1) / block_cols;
   }
   return blocks;
 }
@@ -154,10 +164,25 @@ bool aligned8(const void* ptr, std::initializer_list<int64_t> byte_strides) {
   return ok;
 }
 
+// Passes per CTA: one where the grid of one-pass CTAs fits the device at once (each warp then makes one trip for
+// its B), up to kMaxPasses (later passes' B prefetched to L2) where it would run several waves.
+template <auto kKernel>
+cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+  int64_t resident = 0;
+  const cudaError_t err = resident_ctas<kKernel>(32 * kWarps, &resident);
+  if (err != cudaSuccess) return err;
+  const int64_t one_pass = column_blocks(p, kPassCols) * groups;
+  const int passes = (int)std::clamp<int64_t>((one_pass + resident - 1) / resident, 1, kMaxPasses);
+  const int64_t blocks = column_blocks(p, passes * kPassCols);
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid((unsigned)blocks, (unsigned)std::min<int64_t>(groups, 65535));
+  return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
+}
+
 template <class TB>
-cudaError_t launch_typed(const ExpandParams& p, dim3 grid, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_pdl(expand_rows_kernel<TB, float>, grid, 32 * kWarps, pdl, stream, p)
-                                 : launch_pdl(expand_rows_kernel<TB, TB>, grid, 32 * kWarps, pdl, stream, p);
+cudaError_t launch_typed(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+  return p.y_dtype == DType::F32 ? launch_kernel<expand_rows_kernel<TB, float>>(p, groups, pdl, stream)
+                                 : launch_kernel<expand_rows_kernel<TB, TB>>(p, groups, pdl, stream);
 }
 
 }  // namespace
@@ -174,12 +199,10 @@ bool rows_kernel_serves(const ExpandParams& p) {
 }
 
 cudaError_t launch_lora_expand_rows(const ExpandParams& p, int cc_major, cudaStream_t stream) {
-  const int64_t blocks = column_blocks(p), warps = (p.seg.positions + kWarps - 1) / kWarps;
-  if (blocks == 0 || warps == 0) return cudaSuccess;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const dim3 grid((unsigned)blocks, (unsigned)std::min<int64_t>(warps, 65535));
-  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, grid, cc_major >= 9, stream)
-                                 : launch_typed<__nv_bfloat16>(p, grid, cc_major >= 9, stream);
+  const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
+  if (groups == 0 || column_blocks(p, kPassCols) == 0) return cudaSuccess;
+  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, groups, cc_major >= 9, stream)
+                                 : launch_typed<__nv_bfloat16>(p, groups, cc_major >= 9, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -165,8 +165,10 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
                       const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
                       double scale) {
   const c10::cuda::CUDAGuard guard(y.device());
-  const cuda::ExpandKernel preferred = preferred_expand_kernel();  // a forced C++ kernel bypasses the op table
-  if (preferred == cuda::ExpandKernel::Auto && table_dtype(lora_b) &&
+  // A forced C++ kernel bypasses the op table, and so does the rows form: the table's regimes were measured on
+  // segments, and the rows kernel beat Triton's rows kernel on 4 of the op bench's 6 lora_expand cases (H200).
+  const cuda::ExpandKernel preferred = preferred_expand_kernel();
+  if (preferred == cuda::ExpandKernel::Auto && seg_indptr.has_value() && table_dtype(lora_b) &&
       op_table::says_triton(Op::LoraExpand, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
                                              slices_of(slice_offsets)})) {
     triton_twin<Op::LoraExpand>().redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices,

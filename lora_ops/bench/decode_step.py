@@ -8,8 +8,8 @@ adapter of a 32-slot pool. Routes:
 - base:        the base GEMMs alone (cuBLAS).
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
-               the lora_expand op adds each row's own window of h times its B (backend <b>), in its rows form:
-               each row's slot as given, no segments.
+               the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
+               rows form (each row's slot as given, no segments), on Triton over the segments.
 
 The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
 serving layer's pool builds it every step). Reported per route: µs per step, the overhead over base
@@ -123,6 +123,13 @@ class Setup:
     def build_segments(self):
         self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
 
+    def expand_rows(self, expand) -> tuple:
+        """The rows lora_expand reads, as the serving layer passes them: segments on Triton, else the rows
+        form."""
+        if expand is not torch.ops.lora_ops.lora_expand.default:
+            return self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices
+        return None, self.token_lora, None
+
     # ---- the routes: each returns the calls of one step, and the first layer's outputs ----
     def base_calls(self) -> List[Callable[[], None]]:
         return [lambda m=m, n=n: torch.mm(self.x[n], m.w.t(), out=self.y[n])
@@ -140,8 +147,8 @@ class Setup:
         def one(m, n):
             out = self.out[n]
             torch.mm(self.x[n], m.w_cat.t(), out=out)
-            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, None,
-                   self.token_lora, None, self.ranks, self.scales, m.slice_offsets, 1.0)
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
+                   *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
@@ -153,8 +160,8 @@ class Setup:
     def expand_only_calls(self, expand) -> List[Callable[[], None]]:
         def one(m, n):
             out = self.out[n]
-            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, None,
-                   self.token_lora, None, self.ranks, self.scales, m.slice_offsets, 1.0)
+            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
+                   *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
