@@ -1,5 +1,5 @@
 // lora_expand's rows form on tensor cores: y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] * B[l, slice s, :r_l]^T
-// with each position's slot l given (no segments). One warp per position and 1-4 passes of 64 columns of one
+// with each position's slot l given (no segments). One warp per position and 1-2 passes of 128 columns of one
 // slice, one mma.sync m16n8k16 per 16 columns and 16 ranks: the 16 columns are the mma's M, the ranks its
 // K, and h fills all 8 of its N (every column of the result is the row's), so a lane's C fragment holds two
 // adjacent columns of y.
@@ -17,10 +17,9 @@ namespace lora_ops::cuda {
 namespace {
 
 constexpr int kWarps = 4;                  // positions per CTA, one per warp
-constexpr int kTiles = 4;                  // 16-column mma tiles per pass of a warp: 64 columns
+constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a warp: 128 columns
 constexpr int kPassCols = 16 * kTiles;
-constexpr int kMaxPasses = 4;              // passes per CTA, chosen per call so that the grid is about one wave
-constexpr int kMinCtas = 7;                // CTAs per SM: 70 registers, no spills
+constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -57,8 +56,8 @@ struct alignas(2 * sizeof(TY)) YPair {
   TY v[2];
 };
 
-// Position pos over the columns [n0, n1) of slice `slice`, by one warp.
-template <class TB, class TY>
+// Position pos over the columns [n0, n1) of slice `slice`, by one warp, kSteps rank steps of 16 per trip.
+template <class TB, class TY, int kSteps>
 __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
@@ -71,11 +70,6 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   const TB* h = static_cast<const TB*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
   const TB* b = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0;
   TY* y = static_cast<TY*>(p.y) + row * p.y_row_stride;
-  // The later passes' B to L2 now (a 128-byte line per lane per step), so that they cost an L2 trip, not DRAM.
-  for (int64_t off = (int64_t)(n0 + kPassCols) * p.b_stride1 + 64 * lane; off < (int64_t)n1 * p.b_stride1;
-       off += 32 * 64) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + off));
-  }
   const int n_end = n1;
   for (int pass = n0; pass < n1; pass += kPassCols) {
     const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
@@ -89,30 +83,39 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       if (col < n_end) y_pairs[quad] = *reinterpret_cast<const YPair<TY>*>(y + col);
     }
     float acc[kTiles][4] = {};
-    // Rank columns [j, j + 16): unchecked loads where the whole step lies inside the rank and the slice (uniform
-    // over the warp; every step of a rank-16k adapter over whole 128-column passes), masked ones elsewhere.
-    auto step = [&](int j, auto checked) {
-      const int valid = checked ? rank - j - 4 * t : 4;
-      const uint2 hv = load4(h + j + 4 * t, valid);
-      const uint32_t hb[2] = {hv.x, hv.y};
-      uint2 bv[kTiles][2];
+    // Rank columns [j, j + 16 kSteps), all loads issued before the first mma: unchecked loads where the whole
+    // range lies inside the rank and the slice (uniform over the warp; a rank-16k adapter over whole passes),
+    // masked ones elsewhere.
+    auto steps = [&](int j, auto checked) {
+      uint32_t hb[kSteps][2];
+      uint2 bv[kSteps][kTiles][2];
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const int v = !checked || pass + 16 * i + 2 * g < n_end ? valid : 0;  // even slice widths: both columns
-        bv[i][0] = load4(b_lane + i * tile_stride + j, v);
-        bv[i][1] = load4(b_lane + i * tile_stride + p.b_stride1 + j, v);
+      for (int u = 0; u < kSteps; ++u) {
+        const int jj = j + 16 * u, valid = checked ? rank - jj - 4 * t : 4;
+        const uint2 hv = load4(h + jj + 4 * t, valid);
+        hb[u][0] = hv.x;
+        hb[u][1] = hv.y;
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const int v = !checked || pass + 16 * i + 2 * g < n_end ? valid : 0;  // even slice widths: both columns
+          bv[u][i][0] = load4(b_lane + i * tile_stride + jj, v);
+          bv[u][i][1] = load4(b_lane + i * tile_stride + p.b_stride1 + jj, v);
+        }
       }
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const uint32_t a[4] = {bv[i][0].x, bv[i][1].x, bv[i][0].y, bv[i][1].y};
-        mma16816<TB>(acc[i], a, hb);
+      for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const uint32_t a[4] = {bv[u][i][0].x, bv[u][i][1].x, bv[u][i][0].y, bv[u][i][1].y};
+          mma16816<TB>(acc[i], a, hb[u]);
+        }
       }
     };
-    for (int j = 0; j < rank; j += 16) {
-      if (full_pass && j + 16 <= rank) {
-        step(j, std::false_type{});
+    for (int j = 0; j < rank; j += 16 * kSteps) {
+      if (full_pass && j + 16 * kSteps <= rank) {
+        steps(j, std::false_type{});
       } else {
-        step(j, std::true_type{});
+        steps(j, std::true_type{});
       }
     }
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
@@ -137,15 +140,15 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 
 // Grid: (column blocks of `passes` passes, position groups of kWarps); CTAs loop over position groups past the
 // grid's limit.
-template <class TB, class TY>
-__global__ void __launch_bounds__(32 * kWarps, kMinCtas) expand_rows_kernel(ExpandParams p, int passes) {
+template <class TB, class TY, int kSteps>
+__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n_end;
   if (!find_block(p, passes * kPassCols, &slice, &n0, &n_end)) return;
   grid_dependency_wait();  // the op cannot know what wrote its inputs
   const int n1 = min(n0 + passes * kPassCols, n_end);
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TY>(p, pos, slice, n0, n1);
+    expand_position<TB, TY, kSteps>(p, pos, slice, n0, n1);
   }
 }
 
@@ -165,7 +168,9 @@ bool aligned8(const void* ptr, std::initializer_list<int64_t> byte_strides) {
 }
 
 // Passes per CTA: one where the grid of one-pass CTAs fits the device at once (each warp then makes one trip for
-// its B), up to kMaxPasses (later passes' B prefetched to L2) where it would run several waves.
+// its B), two where it would run several waves. Measured on the H200 (csrc/cuda/NOTES.md): a fixed two passes left
+// o at T=32 (128 CTAs) with two serial trips per warp; up to four passes of 64 columns, with the later passes' B
+// prefetched to L2, made gate_up at T=32 slower (13.1 against 11.6 us).
 template <auto kKernel>
 cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
   int64_t resident = 0;
@@ -179,10 +184,17 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
+// Two rank steps per trip from rank 32 (one trip per 32 ranks instead of 16; 3 CTAs per SM instead of 4).
+template <class TB, class TY>
+cudaError_t launch_steps(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+  return p.max_rank >= 32 ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+                          : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+}
+
 template <class TB>
 cudaError_t launch_typed(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_kernel<expand_rows_kernel<TB, float>>(p, groups, pdl, stream)
-                                 : launch_kernel<expand_rows_kernel<TB, TB>>(p, groups, pdl, stream);
+  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, groups, pdl, stream)
+                                 : launch_steps<TB, TB>(p, groups, pdl, stream);
 }
 
 }  // namespace
