@@ -445,14 +445,13 @@ cudaError_t launch_b(const ExpandParams& p, const ExpandLaunch& l) {
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream) {
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
-  if ((preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows) && rows_kernel_serves(p)) {
-    return launch_lora_expand_rows(p, cc_major, stream);
-  }
+  // A preferred rows kernel that cannot serve the call leaves the choice to the automatic rule.
+  const bool automatic = preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows;
+  if (automatic && rows_kernel_serves(p)) return launch_lora_expand_rows(p, cc_major, stream);
   ExpandLaunch l{};
   // The rows form has a segment per position: the tiles kernel would make a tile of each.
   l.positions = preferred == ExpandKernel::Positions ||
-                (preferred == ExpandKernel::Auto &&
-                 (!p.seg.indptr || p.seg.positions <= kPositionsKernelMaxPositions));
+                (automatic && (!p.seg.indptr || p.seg.positions <= kPositionsKernelMaxPositions));
   l.col_blocks = l.positions ? column_blocks<kPositionsCols>(p) : column_blocks<kTilesCols>(p);
   if (l.col_blocks == 0) return cudaSuccess;
   if (l.col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
