@@ -70,6 +70,12 @@ def pick(tokens: int, device_type: str = "cuda") -> Tuple[str, str]:
     return route, backend if device_type == "cuda" else "cuda"
 
 
+def preload() -> None:
+    """Reads and checks the table now: torch.compile cannot trace the file read, so a model whose first forward
+    is compiled needs it read before (MultiLoRALinear does it when it wraps a layer)."""
+    _regimes()
+
+
 def _regimes() -> List[dict]:
     global _table
     if _table is None:

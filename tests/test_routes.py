@@ -54,6 +54,20 @@ def test_pick_follows_the_bounds(monkeypatch):
         routes.pick(3, "cuda")
 
 
+def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypatch):  # noqa: F811
+    """torch.compile cannot trace the table's file read (the H200 run at e2cd407 failed a compiled model's first
+    CUDA forward on it): wrapping the layers reads it, and a compiled route choice then traces."""
+    monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
+    monkeypatch.setattr(routes, "_table", None)
+    base, root = adapters
+    _pool_model(base, root, [])
+    assert routes._table is not None
+    torch._dynamo.reset()
+    picked = torch.compile(lambda x: x * (2 if routes.pick(x.shape[0], "cuda")[0] == "fold" else 3),
+                           fullgraph=True, backend="eager")(torch.ones(4))
+    assert picked[0].item() in (2.0, 3.0)
+
+
 ROUTE_PARAMS = ["sgmv-cuda", "fold-cuda"] + [pytest.param(r, marks=pytest.mark.gpu)
                                               for r in ("sgmv-triton", "fold-triton")]
 

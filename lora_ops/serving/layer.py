@@ -30,6 +30,7 @@ class MultiLoRALinear(nn.Module):
         self.base = base
         self._slots = slots
         self._pool = pool
+        routes.preload()
 
     @property
     def in_features(self):
