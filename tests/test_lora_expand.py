@@ -126,11 +126,14 @@ def _check_rows_garbage_metadata(impl, dtype):
     args[4] = torch.tensor([(1 << 40, -(1 << 40), 2 ** 32, 1)[t % 4] for t in range(T)], dtype=torch.int64,
                            device=dev)
     assert _run_and_check(impl, tuple(args), dtype) == ""
-    # positions naming rows through token_indices: some outside [0, T), the rest a permutation of a subset
-    rows = [3, -5, T + 7, 1 << 30, 0] + list(range(T - 1, 4, -1))
-    args[5] = torch.tensor(rows, dtype=torch.int32, device=dev)
-    args[4] = torch.tensor([(0, 2, 1, -1, 3)[p % 5] for p in range(len(rows))], dtype=torch.int32, device=dev)
-    assert _run_and_check(impl, tuple(args), dtype) == ""
+    # positions naming rows through token_indices: some outside [0, T), the rest a permutation of a subset; fewer
+    # positions than rows, then more (P != T: a backend that counted T positions would read or skip the wrong ones)
+    for rows in ([3, -5, T + 7, 1 << 30, 0] + list(range(T - 1, 10, -1)),
+                 [3, -5, T + 7, 1 << 30, 0] + list(range(T - 1, 4, -1)) + [T + i for i in range(1, 11)]):
+        assert len(rows) != T
+        args[5] = torch.tensor(rows, dtype=torch.int32, device=dev)
+        args[4] = torch.tensor([(0, 2, 1, -1, 3)[p % 5] for p in range(len(rows))], dtype=torch.int32, device=dev)
+        assert _run_and_check(impl, tuple(args), dtype) == ""
 
 
 def test_lora_expand_rank0_slot_ignores_its_scale(impl):
@@ -214,6 +217,8 @@ EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank
                "rows_past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "rank_160",
                                                                                             "rows"),
                "rows_many_slots": lambda impl, dtype: _check_many_slots(impl, dtype, "rows"),
+               "rows_past_rank": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "slices_gqa",
+                                                                                        "rows"),
                "rows_h_fp32": _check_h_layout("h_fp32", "rows")}
 
 
@@ -264,6 +269,27 @@ def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
     ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
     assert any(f"expand_{expected}_kernel" in k for k in ran), ran
     assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,N", [(torch.float32, 300), (torch.bfloat16, 301)], ids=["fp32", "odd_width"])
+def test_lora_expand_rows_form_fallback_kernel(dtype, N):
+    """The rows form the rows kernel cannot take (fp32 B; a slice of odd width) runs the positions kernel at any
+    number of positions, never the segment-tile kernel (which would make a tile of every row)."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
+    case = lambda g: (testing.random_token_slots(200, [0, 2, 5], g), dict(K=32, N=N, max_rank=16))
+    args = _problem(case, cuda, dtype, key=f"rows-fallback-{N}", form="rows")
+    before = args[0].clone()
+    ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lora_ops.ops.lora_expand(*args)
+        torch.cuda.synchronize()
+    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    assert any("expand_positions_kernel" in k for k in ran), ran
+    assert not any("expand_rows_kernel" in k or "expand_tiles_kernel" in k for k in ran), ran
+    assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 
 @pytest.mark.parametrize("form", FORMS)

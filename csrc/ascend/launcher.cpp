@@ -65,10 +65,10 @@ void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor&
   SgmvIndexTensors keep;
   const ExpandParams p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
                                            lora_scales, slice_offsets, scale, keep);
-  with_indptr(y, keep);  // the rows form's: the kernel reads seg_indptr from memory
   const auto plan = plan_lora_expand(p, device.target);
   require(plan);
   if (!plan.launch) return;  // no rows, segments, N or rank: y is already the result
+  with_indptr(y, keep);      // the rows form's: the kernel reads seg_indptr from memory
   const at::Tensor ws = workspace(y, plan.workspace_bytes, at::kFloat);
   const at::Tensor split = workspace(y, plan.split_bytes, lora_b.scalar_type());
   declare_gm("y", y, true);  // first: h may be a view beside y in the same rows (the folded base GEMM's output)

@@ -447,7 +447,9 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
   // A preferred rows kernel that cannot serve the call leaves the choice to the automatic rule.
   const bool automatic = preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows;
-  if (automatic && rows_kernel_serves(p)) return launch_lora_expand_rows(p, cc_major, stream);
+  if (automatic && cc_major >= 8 && rows_kernel_serves(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
+    return launch_lora_expand_rows(p, cc_major, stream);
+  }
   ExpandLaunch l{};
   // The rows form has a segment per position: the tiles kernel would make a tile of each.
   l.positions = preferred == ExpandKernel::Positions ||

@@ -201,7 +201,7 @@ cudaError_t launch_typed(const ExpandParams& p, int64_t groups, bool pdl, cudaSt
 
 bool rows_kernel_serves(const ExpandParams& p) {
   if (p.seg.indptr != nullptr || p.h_splits != 1 || p.b_dtype == DType::F32 || p.h_dtype != p.b_dtype) return false;
-  if (p.max_rank % 4 != 0 || p.n > INT32_MAX / 2) return false;
+  if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
   bool ok = aligned8(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}) &&
             aligned8(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2});
   const int64_t ey = dtype_size(p.y_dtype);
