@@ -32,6 +32,10 @@ SGMV_CASES = {
     "empty_batch": lambda g: (torch.empty(0, dtype=torch.int32), dict(K=32, N=32, max_rank=8)),
     "skewed": lambda g: (_slots(g, 4030, list(range(31)), [4000] + [1] * 30), dict(K=24, N=20, max_rank=8, num_slots=32)),
     "strided_y": lambda g: (_slots(g, 21, [0, 1]), dict(K=32, N=24, max_rank=8, y_col_pad=10)),
+    # y a column slice at an even offset (its column pairs stay 4-byte aligned: the CUDA rows kernel takes it) and
+    # ranks that end inside a 16-rank step
+    "strided_y_even": lambda g: (_slots(g, 21, [0, 1, 3]), dict(K=32, N=40, max_rank=12, y_col_pad=8,
+                                                              ranks=[12, 4, 0, 8, 12, 1])),
     "y_float32": lambda g: (_slots(g, 21, [0, 4]), dict(K=32, N=24, max_rank=8, y_dtype=torch.float32)),
     "scale_no_scales": lambda g: (_slots(g, 15, [3]), dict(K=32, N=24, max_rank=8, scales=False, scale=0.37)),
     "scale_and_scales": lambda g: (_slots(g, 24, [0, 2, 5]), dict(K=32, N=24, max_rank=8, scale=0.37)),

@@ -45,11 +45,12 @@ def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False, form="segmen
 
 
 def _run_and_check(impl, args, dtype):
+    """'' if y matches the oracle and nothing else in y's storage (row padding, h beside it) changed."""
     y = args[0]
-    before = y.clone()
+    before, around = y.clone(), testing.storage_snapshot(y)
     ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
     impl.module.lora_expand(*args)
-    return testing.check_against_reference(y, before, ref, dtype)
+    return testing.check_against_reference(y, before, ref, dtype) or testing.check_outside_view(y, around)
 
 
 @pytest.mark.parametrize("form", FORMS)
