@@ -9,7 +9,10 @@ regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes l
   over to it) or "triton" (the Triton kernel by name).
 
 Regimes are ranges of T, the rows of the layer's input; each entry covers T up to its max_tokens (the last one
-has none: every larger T). The file records the GPU, commit and date of the measurement.
+has none: every larger T). A table may split them by the pool's max rank R ("ranks": classes up to max_rank, the
+last open-ended), since the fold GEMM reads R rows of A per slot and slice: at rank 64 the fastest route differs
+from rank 16's (H200, 615d8d8: fold-triton +87% against fold-cuda +112% at 64 tokens). A table with "regimes"
+alone holds for every R. The file records the GPU, commit and date of the measurement.
 """
 from __future__ import annotations
 
@@ -25,8 +28,12 @@ BACKENDS = ("cuda", "triton")
 # The upper bounds of the regimes and the T at which the bench measures each one.
 REGIME_BOUNDS = (16, 64, 256, 1024, None)
 REGIME_SAMPLES = (16, 64, 256, 1024, 4096)
+# The rank classes (upper bound of the pool's max rank) and the rank and adapter count the bench measures each at:
+# the decode-step bench's two adapter mixes.
+RANK_BOUNDS = (32, None)
+RANK_SAMPLES = ((16, 32), (64, 16))
 
-_table: Optional[List[dict]] = None
+_table: Optional[List[dict]] = None  # the rank classes, each with its regimes
 _ops: Dict[Tuple[str, str], Callable] = {}
 
 
@@ -35,26 +42,40 @@ def load(path: str = PATH) -> dict:
         return json.load(f)
 
 
-def validate(table: dict) -> None:
-    """Raises ValueError unless the regimes cover every T >= 1 in order with known routes and backends."""
-    regimes = table.get("regimes")
-    if not regimes:
-        raise ValueError("routes table: no regimes")
-    bounds = [r.get("max_tokens") for r in regimes]
+def rank_classes(table: dict) -> List[dict]:
+    """The table's rank classes ({"max_rank", "regimes", ...}); a table without them has one for every rank."""
+    return table["ranks"] if "ranks" in table else [{"max_rank": None, "regimes": table.get("regimes")}]
+
+
+def _check_bounds(what: str, bounds: list) -> None:
     if bounds[-1] is not None or any(b is None for b in bounds[:-1]):
-        raise ValueError(f"routes table: only the last regime may be open-ended, got bounds {bounds}")
+        raise ValueError(f"routes table: only the last {what} may be open-ended, got bounds {bounds}")
     finite = bounds[:-1]
     if any(b < 1 for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):
-        raise ValueError(f"routes table: bounds must increase from 1, got {bounds}")
-    for r in regimes:
-        if r.get("route") not in ROUTES or r.get("backend") not in BACKENDS:
-            raise ValueError(f"routes table: unknown route/backend in {r}")
+        raise ValueError(f"routes table: {what} bounds must increase from 1, got {bounds}")
 
 
-def pick(tokens: int, device_type: str = "cuda") -> Tuple[str, str]:
-    """(route, backend) for a forward of `tokens` rows on a device of this type: the table's choice on CUDA,
-    the sgmv route elsewhere. LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton, sgmv-cuda) forces one on any
-    device, for tests and comparisons."""
+def validate(table: dict) -> None:
+    """Raises ValueError unless the rank classes cover every R >= 1 and each one's regimes every T >= 1, in order,
+    with known routes and backends."""
+    classes = rank_classes(table)
+    if not classes:
+        raise ValueError("routes table: no rank classes")
+    _check_bounds("rank class", [c.get("max_rank") for c in classes])
+    for c in classes:
+        regimes = c.get("regimes")
+        if not regimes:
+            raise ValueError("routes table: no regimes")
+        _check_bounds("regime", [r.get("max_tokens") for r in regimes])
+        for r in regimes:
+            if r.get("route") not in ROUTES or r.get("backend") not in BACKENDS:
+                raise ValueError(f"routes table: unknown route/backend in {r}")
+
+
+def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[str, str]:
+    """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the
+    table's choice on CUDA, the sgmv route elsewhere. LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton,
+    sgmv-cuda) forces one on any device, for tests and comparisons."""
     forced = os.environ.get("LORA_OPS_ROUTE")
     if forced:
         route, _, backend = forced.partition("-")
@@ -62,7 +83,8 @@ def pick(tokens: int, device_type: str = "cuda") -> Tuple[str, str]:
             raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend> with route in {ROUTES} and "
                              f"backend in {BACKENDS}")
     elif device_type == "cuda":
-        route, backend = next((r["route"], r["backend"]) for r in _regimes()
+        regimes = next(c["regimes"] for c in _classes() if c["max_rank"] is None or max_rank <= c["max_rank"])
+        route, backend = next((r["route"], r["backend"]) for r in regimes
                               if r["max_tokens"] is None or tokens <= r["max_tokens"])
     else:
         route, backend = "sgmv", "cuda"
@@ -73,15 +95,15 @@ def pick(tokens: int, device_type: str = "cuda") -> Tuple[str, str]:
 def preload() -> None:
     """Reads and checks the table now: torch.compile cannot trace the file read, so a model whose first forward
     is compiled needs it read before (MultiLoRALinear does it when it wraps a layer)."""
-    _regimes()
+    _classes()
 
 
-def _regimes() -> List[dict]:
+def _classes() -> List[dict]:
     global _table
     if _table is None:
         table = load()
         validate(table)
-        _table = table["regimes"]
+        _table = rank_classes(table)
     return _table
 
 

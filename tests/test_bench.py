@@ -205,3 +205,36 @@ def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
                 continue
             assert not testing.check_against_reference(y, pb.p.y, ref, pb.p.w.dtype), (name, case)
     torch.cuda.synchronize()
+
+
+def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regime(tmp_path, monkeypatch):
+    """write_routes (GPU-only through the CLI) on stand-in timings: one class per rank bound, each regime's fastest
+    correct route, and a table that routes.pick reads."""
+    from lora_ops import routes
+    from lora_ops.bench import decode_step
+
+    def fake_step(model, step, device, records, failures, log, *rest):
+        # fold-cuda wins at rank 16, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
+        us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
+              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0}
+        records += [dict(op="decode_step", backend=b, us=v, T=step.T, adapters=step.adapters, rank=step.rank)
+                    for b, v in us.items()]
+
+    monkeypatch.setattr(decode_step, "bench_step", fake_step)
+    path = str(tmp_path / "routes.json")
+    failures = []
+    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"))
+    assert failures == []
+    table = routes.load(path)
+    routes.validate(table)
+    classes = routes.rank_classes(table)
+    assert [c["max_rank"] for c in classes] == list(routes.RANK_BOUNDS)
+    assert [(c["rank"], c["adapters"]) for c in classes] == list(routes.RANK_SAMPLES)
+    want = {16: "fold-cuda", 64: "fold-triton"}
+    for c in classes:
+        got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
+        assert got == [want[c["rank"]]] * 3 + ["sgmv-cuda"] * 2
+    monkeypatch.setattr(routes, "_table", classes)
+    monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
+    assert routes.pick(64, "cuda", 16) == ("fold", "cuda")
+    assert routes.pick(64, "cuda", 64) == ("fold", "triton")

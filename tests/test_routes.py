@@ -13,12 +13,13 @@ from test_serving import _peft_model, _pool_model, adapters  # noqa: F401  (adap
 def test_committed_table_covers_every_regime():
     table = routes.load()
     routes.validate(table)
-    bounds = [r["max_tokens"] for r in table["regimes"]]
-    assert bounds == list(routes.REGIME_BOUNDS)
+    for c in routes.rank_classes(table):
+        assert [r["max_tokens"] for r in c["regimes"]] == list(routes.REGIME_BOUNDS)
     for key in ("gpu", "git_sha", "date"):
         assert table.get(key), f"the table does not say which measurement it came from ({key})"
     for tokens in (1, 2, 16, 17, 64, 65, 256, 257, 1024, 1025, 1 << 20):
-        assert routes.pick(tokens, "cuda") in {(r, b) for r in routes.ROUTES for b in routes.BACKENDS}
+        for max_rank in (1, 16, 32, 33, 64, 256):
+            assert routes.pick(tokens, "cuda", max_rank) in {(r, b) for r in routes.ROUTES for b in routes.BACKENDS}
 
 
 @pytest.mark.parametrize("regimes,msg", [
@@ -32,19 +33,32 @@ def test_committed_table_covers_every_regime():
      "bounds must increase from 1"),
     ([{"max_tokens": None, "route": "bgmv", "backend": "cuda"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
+    ({"ranks": []}, "no rank classes"),
+    ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
+     "only the last rank class may be open-ended"),
+    ({"ranks": [{"max_rank": 64, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]},
+                {"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]},
+                {"max_rank": None, "regimes": [{"max_tokens": None, "route": "sgmv", "backend": "cuda"}]}]},
+     "rank class bounds must increase"),
+    ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]},
+                {"max_rank": None, "regimes": []}]}, "no regimes"),
 ])
 def test_validate_rejects_a_table_with_gaps_or_unknown_names(regimes, msg):
     with pytest.raises(ValueError, match=msg):
-        routes.validate({"regimes": regimes})
+        routes.validate(regimes if isinstance(regimes, dict) else {"regimes": regimes})
 
 
 def test_pick_follows_the_bounds(monkeypatch):
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
-    table = [{"max_tokens": 16, "route": "fold", "backend": "triton"},
-             {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
-    monkeypatch.setattr(routes, "_table", table)
-    assert routes.pick(16, "cuda") == ("fold", "triton")
+    low = [{"max_tokens": 16, "route": "fold", "backend": "triton"},
+           {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
+    high = [{"max_tokens": 64, "route": "fold", "backend": "cuda"}, {"max_tokens": None, "route": "sgmv", "backend": "triton"}]
+    monkeypatch.setattr(routes, "_table", [{"max_rank": 32, "regimes": low}, {"max_rank": None, "regimes": high}])
+    assert routes.pick(16, "cuda") == ("fold", "triton")  # max rank 16 by default
     assert routes.pick(17, "cuda") == ("sgmv", "cuda")
+    assert routes.pick(16, "cuda", 32) == ("fold", "triton")
+    assert routes.pick(16, "cuda", 33) == ("fold", "cuda")
+    assert routes.pick(65, "cuda", 64) == ("sgmv", "triton")
     assert routes.pick(3, "cpu") == ("sgmv", "cuda")  # off CUDA: the public op
     monkeypatch.setenv("LORA_OPS_ROUTE", "fold-triton")
     assert routes.pick(1 << 20, "cuda") == ("fold", "triton")

@@ -281,24 +281,30 @@ def run(models: Sequence[str], device, records, failures, log, only=None, steps:
 
 
 def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
-    """Times every route at each regime's sample T (llama3-8b, 32 adapters of rank 16) and writes the table of
-    the fastest correct route per regime to `path` (lora_ops/routes.json)."""
+    """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count
+    (llama3-8b), and writes the table of the fastest correct route per class and regime to `path`
+    (lora_ops/routes.json)."""
     import json
 
     from lora_ops import routes as table_format
-    regimes = []
-    for bound, T in zip(table_format.REGIME_BOUNDS, table_format.REGIME_SAMPLES):
-        first = len(records)
-        bench_step(MODELS["llama3-8b"], Step(T, 32, 16), device, records, failures, log)
-        timed = {r["backend"]: r["us"] for r in records[first:]}
-        lora = {k: v for k, v in timed.items() if k != "base"}
-        if not lora:
-            failures.append(f"routes: no route ran correctly at T={T}")
-            return
-        route, backend = min(lora, key=lora.get).split("-")
-        regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
-    table = dict(meta, model="llama3-8b", adapters=32, rank=16, regimes=regimes)
+    classes = []
+    for max_rank, (rank, adapters) in zip(table_format.RANK_BOUNDS, table_format.RANK_SAMPLES):
+        regimes = []
+        for bound, T in zip(table_format.REGIME_BOUNDS, table_format.REGIME_SAMPLES):
+            first = len(records)
+            bench_step(MODELS["llama3-8b"], Step(T, adapters, rank), device, records, failures, log)
+            timed = {r["backend"]: r["us"] for r in records[first:]}
+            lora = {k: v for k, v in timed.items() if k != "base"}
+            if not lora:
+                failures.append(f"routes: no route ran correctly at T={T}, rank {rank}")
+                return
+            route, backend = min(lora, key=lora.get).split("-")
+            regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
+        classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
+    table = dict(meta, model="llama3-8b", ranks=classes)
     table_format.validate(table)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
-    log(f"wrote {path}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}" for r in regimes))
+    log(f"wrote {path}: " + "; ".join(
+        f"R<={c['max_rank']}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}" for r in c["regimes"])
+        for c in classes))

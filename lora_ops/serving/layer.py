@@ -55,8 +55,8 @@ class MultiLoRALinear(nn.Module):
             raise ValueError(f"{self._slots.name}: the LoRA batch routes {batch.token_indices.shape[0]} tokens but "
                              f"this layer's input {list(x.shape)} has {tokens}; set the batch with "
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
-        route, backend = routes.pick(tokens, x.device.type)
         m = self._slots
+        route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
         per_slot = (m.ranks, m.scales, m.offsets_arg)
         if route == "fold":
             out = F.linear(x, m.w_cat, m.bias_cat)
