@@ -42,7 +42,7 @@ if want tests; then
     && cmake --build build/cpp-tests -j "$(nproc)" >/dev/null \
     && (cd build/cpp-tests && ctest --output-on-failure 2>&1 | tail -15) || status=1
   step pytest
-  $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-8} 2>&1 | tee "$OUT/pytest.log" | tail -25
+  $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-$(nproc)} 2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
