@@ -122,10 +122,10 @@ MUTATIONS: List[Mutation] = [
              tests=SGMV_T),
     # ---- Triton tiling ----
     Mutation("triton-sgmv-split-ignored", "lora_ops/triton/kernels.py",
-             "    split = tl.program_id(1) % N_SPLITS",
-             "    split = 0",
-             "Triton sgmv and lora_expand (shared preamble) ignore the column-split index (every split expands the "
-             "first chunk)", tests=TILING_T + EXPAND_T),
+             "    n_begin = lo + split * chunk",
+             "    n_begin = lo",
+             "Triton sgmv and lora_expand (both forms: shared column split) ignore the column-split index (every "
+             "split expands the first chunk)", tests=TILING_T + EXPAND_T),
     Mutation("triton-gg-k-accumulation", "lora_ops/triton/kernels.py",
              'acc += tl.dot(xt, wt, input_precision="ieee")',
              'acc = tl.dot(xt, wt, input_precision="ieee")',
@@ -143,9 +143,8 @@ MUTATIONS: List[Mutation] = [
              needs_gpu=True, tests=SGMV_T + GG_T),
     # ---- Triton presence ----
     Mutation("triton-import-error", "lora_ops/triton/__init__.py",
-             "from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel",
-             "from .kernels import build_segments_kernel, grouped_gemm_kernel, lora_expand_kernel, sgmv_kernel, "
-             "sgmv_shrink_kernel",
+             "                      sgmv_kernel)",
+             "                      sgmv_kernel, sgmv_shrink_kernel)",
              "lora_ops.triton fails to import (a name that does not exist)", tests=SGMV_T),
     # ---- argument checks ----
     Mutation("check-device-x-a-b", "csrc/common/checks.cpp",
@@ -229,7 +228,7 @@ MUTATIONS: List[Mutation] = [
              '\n  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)"',
              "sgmv's overlapping-rows check on y removed", tests=ERR_T),
     Mutation("check-seg-length", "csrc/common/checks.cpp",
-             'check_index_tensor(op, slot_name, seg_slot, y, seg_indptr.sym_size(0) - 1, '
+             'check_index_tensor(op, slot_name, seg_slot, y, seg_indptr->sym_size(0) - 1, '
              '"one per segment: len(seg_indptr) - 1");',
              'check_index_tensor(op, slot_name, seg_slot, y, std::nullopt, "");',
              "the seg_lora/seg_weight length check removed", tests=ERR_T),
@@ -320,6 +319,35 @@ MUTATIONS: List[Mutation] = [
              "if (slot >= 2 * kNearSlots) {",
              "CUDA positions expand: slots 64-127 take a near slot's rank and scale from the walk's lanes",
              needs_gpu=True, tests=EXPAND_T),
+    # ---- lora_expand's rows form (seg_indptr=None) and its CUDA rows kernel ----
+    Mutation("rows-form-indptr-not-identity", "csrc/common/params.h",
+             "return clamp_index(s.indptr ? s.indptr[i] : i, 0, s.positions);",
+             "return clamp_index(s.indptr ? s.indptr[i] : 0, 0, s.positions);",
+             "a missing indptr reads as all zeros (the rows form's segments all empty: nothing is added)",
+             tests=EXPAND_T),
+    Mutation("check-rows-form-length", "csrc/common/checks.cpp",
+             "    check_index_tensor(op, slot_name, seg_slot, y, positions,",
+             "    check_index_tensor(op, slot_name, seg_slot, y, std::nullopt,",
+             "the rows form's check that seg_lora has one slot per position removed (a short one is read past its "
+             "end)", tests=EXPAND_T),
+    Mutation("triton-expand-rows-rank-mask", "lora_ops/triton/kernels.py",
+             "    in_rank = offs_r < rank",
+             "    in_rank = offs_r < R",
+             "Triton's rows-form kernel reads h and B past the slot's rank (NaN there reaches y)", tests=EXPAND_T),
+    Mutation("triton-expand-rows-ignores-token-indices", "lora_ops/triton/kernels.py",
+             "        row = tl.load(idx_ptr + p)",
+             "        row = p",
+             "Triton's rows-form kernel takes position p as row p even with token_indices", tests=EXPAND_T),
+    Mutation("cuda-expand-rows-past-rank", "csrc/cuda/lora_expand_rows.cu",
+             "const int jj = j + 16 * u, valid = checked ? rank - jj - 4 * t : 4;",
+             "const int jj = j + 16 * u, valid = checked ? p.max_rank - jj - 4 * t : 4;",
+             "CUDA rows kernel: a partial rank step reads h and B up to the pool's rank (NaN past a slot's rank "
+             "reaches y)", needs_gpu=True, tests=EXPAND_T),
+    Mutation("cuda-expand-rows-column-pair", "csrc/cuda/lora_expand_rows.cu",
+             "hi = t == k ? acc[4 * quad + k][2] : hi;",
+             "hi = t == k ? acc[4 * quad + k][1] : hi;",
+             "CUDA rows kernel: the second column of a lane's pair takes the first column's sum", needs_gpu=True,
+             tests=EXPAND_T),
     Mutation("ascend-expand-h-slot-stride", "csrc/ascend/lora_expand.cpp",
              "return h_[slot * t_.h_slot_stride + s * t_.expand.max_rank];",
              "return h_[(slot * t_.expand.num_slices + s) * t_.expand.max_rank];",

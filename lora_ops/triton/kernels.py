@@ -101,11 +101,18 @@ def _program_tile(indptr_ptr, slot_ptr, idx_ptr, ranks_ptr, scales_ptr, num_segm
     coef = scale
     if HAS_SCALES:  # expanded or strided scales
         coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride, mask=has_tile, other=1.0)
+    n_begin, n_end = _split_columns(s, split, o0, o1, o2, o3, o4, o5, o6, o7, o8, N_SPLITS, BLOCK_N)
+    return slot, rows, rmask, rank, coef, n_begin, n_end
+
+
+@triton.jit
+def _split_columns(s, split, o0, o1, o2, o3, o4, o5, o6, o7, o8, N_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The columns [n_begin, n_end) of slice s that column split `split` covers (whole BLOCK_N blocks)."""
     lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
     hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
     chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
     n_begin = lo + split * chunk
-    return slot, rows, rmask, rank, coef, n_begin, tl.minimum(n_begin + chunk, hi)
+    return n_begin, tl.minimum(n_begin + chunk, hi)
 
 
 @triton.jit
@@ -211,11 +218,7 @@ def lora_expand_rows_kernel(y_ptr, h_ptr, b_ptr, slot_ptr, idx_ptr, ranks_ptr, s
     coef = scale
     if HAS_SCALES:  # expanded or strided scales
         coef = coef * tl.load(scales_ptr + slot.to(tl.int64) * scales_stride)
-    lo = _pick(s, o0, o1, o2, o3, o4, o5, o6, o7, o8)
-    hi = _pick(s + 1, o0, o1, o2, o3, o4, o5, o6, o7, o8)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, N_SPLITS), BLOCK_N) * BLOCK_N
-    n_begin = lo + split * chunk
-    n_end = tl.minimum(n_begin + chunk, hi)
+    n_begin, n_end = _split_columns(s, split, o0, o1, o2, o3, o4, o5, o6, o7, o8, N_SPLITS, BLOCK_N)
     if (rank == 0) | (n_begin >= n_end):
         return
     offs_r = tl.arange(0, BLOCK_R)
