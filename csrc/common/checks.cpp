@@ -145,9 +145,12 @@ void debug_validate_segments(const std::optional<at::Tensor>& seg_indptr, const 
   const auto sl = values_on_host(seg_slot);
   const auto idx = token_indices.has_value() ? values_on_host(*token_indices) : std::vector<int64_t>{};
   const int64_t positions = token_indices.has_value() ? static_cast<int64_t>(idx.size()) : rows;
-  std::vector<int64_t> ip(sl.size() + 1);  // the rows form's segments: position g is segment g
-  for (size_t g = 0; g < ip.size(); ++g) ip[g] = static_cast<int64_t>(g);
-  if (seg_indptr.has_value()) ip = values_on_host(*seg_indptr);
+  std::vector<int64_t> ip;
+  if (seg_indptr.has_value()) {
+    ip = values_on_host(*seg_indptr);
+  } else {  // the rows form: position g is segment g
+    for (size_t g = 0; g <= sl.size(); ++g) ip.push_back(static_cast<int64_t>(g));
+  }
   std::unordered_set<int64_t> seen;
   for (size_t g = 0; g < sl.size(); ++g) {
     TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= positions,

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "../common/dispatch.h"
@@ -93,20 +94,68 @@ __host__ __device__ __forceinline__ void split_range(int64_t total, int64_t part
   *end = std::min<int64_t>(total, *begin + per);
 }
 
-// The pointer and the byte strides allow 16-byte vector accesses.
-inline bool aligned16(const void* ptr, std::initializer_list<int64_t> byte_strides) {
-  if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+// The pointer and the byte strides allow `bytes`-byte vector accesses.
+inline bool aligned(const void* ptr, std::initializer_list<int64_t> byte_strides, int64_t bytes = 16) {
+  if (reinterpret_cast<uintptr_t>(ptr) % bytes) return false;
   for (int64_t s : byte_strides) {
-    if (s % 16) return false;
+    if (s % bytes) return false;
   }
   return true;
 }
 
+// The expand kernels' column blocks: blocks of block_cols columns over all slices in order, none across a slice
+// end. How many there are (host) ...
+inline int64_t slice_column_blocks(const ExpandParams& p, int64_t block_cols) {
+  int64_t blocks = 0;
+  for (int64_t s = 0; s < p.num_slices; ++s) {
+    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + block_cols - 1) / block_cols;
+  }
+  return blocks;
+}
+
+// ... and block `block`'s slice and first column (device); false past the last block.
+__device__ __forceinline__ bool find_slice_block(const ExpandParams& p, int64_t block_cols, int64_t block,
+                                                 int64_t* slice, int64_t* first_col) {
+  for (int64_t s = 0; s < p.num_slices; ++s) {
+    const int64_t blocks = (p.slice_offsets[s + 1] - p.slice_offsets[s] + block_cols - 1) / block_cols;
+    if (block < blocks) {
+      *slice = s;
+      *first_col = p.slice_offsets[s] + block * block_cols;
+      return true;
+    }
+    block -= blocks;
+  }
+  return false;
+}
+
+// kCols consecutive y elements of one row; one vector access when kVec (aligned, checked on the host).
+template <class TY, int kCols, bool kVec>
+struct YCols {
+  TY v[kCols];
+  static constexpr int kBytes = sizeof(TY) * kCols;
+  using Vec = std::conditional_t<kBytes == 4, unsigned, std::conditional_t<kBytes == 8, uint2, uint4>>;
+  static_assert(sizeof(Vec) == kBytes);
+  __device__ __forceinline__ void load(const TY* src, int cols) {
+    if (kVec && cols == kCols) {
+      *reinterpret_cast<Vec*>(v) = *reinterpret_cast<const Vec*>(src);
+    } else {
+      for (int c = 0; c < cols; ++c) v[c] = src[c];
+    }
+  }
+  __device__ __forceinline__ void store(TY* dst, int cols) const {
+    if (kVec && cols == kCols) {
+      *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(v);
+    } else {
+      for (int c = 0; c < cols; ++c) dst[c] = v[c];
+    }
+  }
+};
+
 inline Vec16Access vec16_access(const SgmvParams& p) {
   const int64_t es = dtype_size(p.x_dtype);
-  return {aligned16(p.x, {p.x_row_stride * es}), aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es}),
-          aligned16(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es}),
-          aligned16(p.y, {p.y_row_stride * dtype_size(p.y_dtype)})};
+  return {aligned(p.x, {p.x_row_stride * es}), aligned(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es}),
+          aligned(p.lora_b, {p.b_stride0 * es, p.b_stride1 * es}),
+          aligned(p.y, {p.y_row_stride * dtype_size(p.y_dtype)})};
 }
 
 // Lets `kernel` take more than 48 KB of shared memory: raised once per (device, kernel) to the device's opt-in

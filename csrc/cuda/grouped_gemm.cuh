@@ -24,8 +24,8 @@ struct Access {
 
 inline Access access_of(const GroupedGemmParams& p) {
   const int64_t ex = dtype_size(p.x_dtype), ew = dtype_size(p.w_dtype), ey = dtype_size(p.y_dtype);
-  return {aligned16(p.x, {p.x_row_stride * ex}), aligned16(p.w, {p.w_stride0 * ew, p.w_stride1 * ew}),
-          aligned16(p.y, {p.y_row_stride * ey})};
+  return {aligned(p.x, {p.x_row_stride * ex}), aligned(p.w, {p.w_stride0 * ew, p.w_stride1 * ew}),
+          aligned(p.y, {p.y_row_stride * ey})};
 }
 
 template <class T>

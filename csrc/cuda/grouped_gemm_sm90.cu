@@ -219,8 +219,8 @@ bool grouped_gemm_sm90_supported(const GroupedGemmParams& p, int cc_major, int c
   // TMA: 16-byte aligned bases and strides; a positive stride along each tiled dimension.
   const int64_t es = dtype_size(p.w_dtype);
   if (p.x_row_stride <= 0 || p.w_stride1 <= 0 || p.y_row_stride <= 0) return false;
-  if (!aligned16(p.x, {p.x_row_stride * es}) || !aligned16(p.w, {p.w_stride0 * es, p.w_stride1 * es}) ||
-      !aligned16(p.y, {p.y_row_stride * es})) {
+  if (!aligned(p.x, {p.x_row_stride * es}) || !aligned(p.w, {p.w_stride0 * es, p.w_stride1 * es}) ||
+      !aligned(p.y, {p.y_row_stride * es})) {
     return false;
   }
   // Full-width groups of N and K multiples of 8 only. On the H200, groups with n_l = 129 and n_l = 1

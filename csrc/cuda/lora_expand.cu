@@ -4,8 +4,9 @@
 // float32 K-split partials, summed here in split order: deterministic).
 //
 // At decode sizes the cost is the chain of dependent memory trips per CTA and how many CTAs run it in series.
-// Two kernels, by the number of positions P (measured on the H200; csrc/cuda/NOTES.md), the positions kernel for
-// any P in the rows form (no seg_indptr: each position's slot is given, no walk):
+// The rows form goes to lora_expand_rows.cu wherever its kernel serves. Otherwise two kernels, by the number of
+// positions P (measured on the H200; csrc/cuda/NOTES.md); the rows form the rows kernel cannot take (no
+// seg_indptr: each position's slot is given, no walk) goes to the positions kernel at any P:
 // - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
 //   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
 //   segments for their slots and reads the ranks and scales of the first 64 slots, all at once; then every
@@ -45,33 +46,17 @@ struct TileRow {
   float coef;
 };
 
-// The thread's kCols consecutive columns in the CTA's block of kThreads * kCols columns of one slice (blocks of
-// all slices in order): the first column n0, how many of the kCols lie in the slice (0 past its end), and h's
-// window of that slice. False past the last block.
+// The thread's kCols consecutive columns in the CTA's block of kThreads * kCols columns of one slice: the first
+// column n0, how many of the kCols lie in the slice (0 past its end), and h's window of that slice. False past
+// the last block.
 template <int kCols, class TH>
 __device__ __forceinline__ bool find_columns(const ExpandParams& p, int64_t* n0, int* cols, const TH** h_slice) {
-  constexpr int kBlockCols = kThreads * kCols;
-  int64_t block = blockIdx.x, s = 0;
-  for (; s < p.num_slices; ++s) {
-    const int64_t blocks = (p.slice_offsets[s + 1] - p.slice_offsets[s] + kBlockCols - 1) / kBlockCols;
-    if (block < blocks) break;
-    block -= blocks;
-  }
-  if (s == p.num_slices) return false;
-  *n0 = p.slice_offsets[s] + block * kBlockCols + threadIdx.x * kCols;
+  int64_t s, first;
+  if (!find_slice_block(p, kThreads * kCols, blockIdx.x, &s, &first)) return false;
+  *n0 = first + threadIdx.x * kCols;
   *cols = (int)std::max<int64_t>(0, std::min<int64_t>(kCols, p.slice_offsets[s + 1] - *n0));
   *h_slice = static_cast<const TH*>(p.h) + s * p.max_rank;
   return true;
-}
-
-// Column blocks of kThreads * kCols columns over all slices.
-template <int kCols>
-int64_t column_blocks(const ExpandParams& p) {
-  int64_t blocks = 0;
-  for (int64_t s = 0; s < p.num_slices; ++s) {
-    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + kThreads * kCols - 1) / (kThreads * kCols);
-  }
-  return blocks;
 }
 
 // h_s[m][j] for j in [0, jpad): row m's h at rank column j0 + j (its partials summed in split order, scaled by
@@ -153,29 +138,6 @@ __device__ __forceinline__ void warp_resolve_tile(const ExpandParams& p, int64_t
   }
   tile[lane] = {(int32_t)(row >= 0 && rank > 0 ? row : -1), (int32_t)slot, (int32_t)rank, p.scale * scale};
 }
-
-// kCols consecutive y elements of one row; one vector access when kVec (aligned, checked on the host).
-template <class TY, int kCols, bool kVec>
-struct YCols {
-  TY v[kCols];
-  static constexpr int kBytes = sizeof(TY) * kCols;
-  using Vec = std::conditional_t<kBytes == 4, unsigned, std::conditional_t<kBytes == 8, uint2, uint4>>;
-  static_assert(sizeof(Vec) == kBytes);
-  __device__ __forceinline__ void load(const TY* src, int cols) {
-    if (kVec && cols == kCols) {
-      *reinterpret_cast<Vec*>(v) = *reinterpret_cast<const Vec*>(src);
-    } else {
-      for (int c = 0; c < cols; ++c) v[c] = src[c];
-    }
-  }
-  __device__ __forceinline__ void store(TY* dst, int cols) const {
-    if (kVec && cols == kCols) {
-      *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(v);
-    } else {
-      for (int c = 0; c < cols; ++c) dst[c] = v[c];
-    }
-  }
-};
 
 // kVec: B rows allow 16-byte loads and y rows kCols-element accesses (checked on the host).
 template <class TB, class TH, class TY, bool kVec>
@@ -454,14 +416,14 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   // The rows form has a segment per position: the tiles kernel would make a tile of each.
   l.positions = preferred == ExpandKernel::Positions ||
                 (automatic && (!p.seg.indptr || p.seg.positions <= kPositionsKernelMaxPositions));
-  l.col_blocks = l.positions ? column_blocks<kPositionsCols>(p) : column_blocks<kTilesCols>(p);
+  l.col_blocks = slice_column_blocks(p, kThreads * (l.positions ? kPositionsCols : kTilesCols));
   if (l.col_blocks == 0) return cudaSuccess;
   if (l.col_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   // Vector path: 16-byte loads of B rows, kTilesCols-column (so also kPositionsCols-column) accesses of y (every
   // slice starts on one).
   static_assert(kTilesCols % kPositionsCols == 0);
   const int64_t eb = dtype_size(p.b_dtype), y_vec = kTilesCols * dtype_size(p.y_dtype);
-  l.vec = aligned16(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
+  l.vec = aligned(p.lora_b, {p.b_stride0 * eb, p.b_stride1 * eb}) &&
           reinterpret_cast<uintptr_t>(p.y) % y_vec == 0 && p.y_row_stride % kTilesCols == 0;
   for (int64_t s = 0; s <= p.num_slices; ++s) l.vec = l.vec && p.slice_offsets[s] % kTilesCols == 0;
   l.pdl = cc_major >= 9;

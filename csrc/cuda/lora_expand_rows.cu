@@ -33,29 +33,6 @@ __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
   return v;
 }
 
-// Block b of block_cols columns over all slices in order: the slice, its first column and end. False past them.
-__device__ __forceinline__ bool find_block(const ExpandParams& p, int block_cols, int* slice, int* n0, int* n_end) {
-  int block = blockIdx.x;
-  for (int s = 0; s < p.num_slices; ++s) {
-    const int lo = (int)p.slice_offsets[s], hi = (int)p.slice_offsets[s + 1];
-    const int blocks = (hi - lo + block_cols - 1) / block_cols;
-    if (block < blocks) {
-      *slice = s;
-      *n0 = lo + block * block_cols;
-      *n_end = hi;
-      return true;
-    }
-    block -= blocks;
-  }
-  return false;
-}
-
-// Two adjacent elements of y, one access each way (col even, rows aligned: checked on the host).
-template <class TY>
-struct alignas(2 * sizeof(TY)) YPair {
-  TY v[2];
-};
-
 // Position pos over the columns [n0, n1) of slice `slice`, by one warp, kSteps rank steps of 16 per trip.
 template <class TB, class TY, int kSteps>
 __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
@@ -75,12 +52,13 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
     const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
     const int64_t tile_stride = 16 * p.b_stride1;
     const bool full_pass = pass + kPassCols <= n_end;
-    // The y pairs this lane adds to (tile t, + 4k), loaded first: they do not wait for B.
-    YPair<TY> y_pairs[kTiles / 4];
+    // The y pairs this lane adds to (tile t, + 4k), loaded first: they do not wait for B. Even columns and
+    // aligned rows (checked on the host): one access each.
+    YCols<TY, 2, true> y_pairs[kTiles / 4];
 #pragma unroll
     for (int quad = 0; quad < kTiles / 4; ++quad) {
       const int col = pass + 16 * (4 * quad + t) + 2 * g;
-      if (col < n_end) y_pairs[quad] = *reinterpret_cast<const YPair<TY>*>(y + col);
+      if (col < n_end) y_pairs[quad].load(y + col, 2);
     }
     float acc[kTiles][4] = {};
     // Rank columns [j, j + 16 kSteps), all loads issued before the first mma: unchecked loads where the whole
@@ -129,10 +107,9 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       }
       const int col = pass + 16 * (4 * quad + t) + 2 * g;
       if (col < n_end) {
-        YPair<TY> out;
-        out.v[0] = from_f32<TY>(to_f32(y_pairs[quad].v[0]) + coef * lo);
-        out.v[1] = from_f32<TY>(to_f32(y_pairs[quad].v[1]) + coef * hi);
-        *reinterpret_cast<YPair<TY>*>(y + col) = out;
+        y_pairs[quad].v[0] = from_f32<TY>(to_f32(y_pairs[quad].v[0]) + coef * lo);
+        y_pairs[quad].v[1] = from_f32<TY>(to_f32(y_pairs[quad].v[1]) + coef * hi);
+        y_pairs[quad].store(y + col, 2);
       }
     }
   }
@@ -142,29 +119,15 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 // grid's limit.
 template <class TB, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
-  int slice, n0, n_end;
-  if (!find_block(p, passes * kPassCols, &slice, &n0, &n_end)) return;
+  int64_t slice, first;
+  if (!find_slice_block(p, passes * kPassCols, blockIdx.x, &slice, &first)) return;
   grid_dependency_wait();  // the op cannot know what wrote its inputs
-  const int n1 = min(n0 + passes * kPassCols, n_end);
+  // Columns fit int here (rows_kernel_serves: N <= INT32_MAX / 2).
+  const int n0 = (int)first, n1 = (int)std::min<int64_t>(first + passes * kPassCols, p.slice_offsets[slice + 1]);
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TY, kSteps>(p, pos, slice, n0, n1);
+    expand_position<TB, TY, kSteps>(p, pos, (int)slice, n0, n1);
   }
-}
-
-// Column blocks of block_cols columns over all slices.
-int64_t column_blocks(const ExpandParams& p, int64_t block_cols) {
-  int64_t blocks = 0;
-  for (int64_t s = 0; s < p.num_slices; ++s) {
-    blocks += (p.slice_offsets[s + 1] - p.slice_offsets[s] + block_cols - 1) / block_cols;
-  }
-  return blocks;
-}
-
-bool aligned8(const void* ptr, std::initializer_list<int64_t> byte_strides) {
-  bool ok = reinterpret_cast<uintptr_t>(ptr) % 8 == 0;
-  for (int64_t s : byte_strides) ok = ok && s % 8 == 0;
-  return ok;
 }
 
 // Passes per CTA: one where the grid of one-pass CTAs fits the device at once (each warp then makes one trip for
@@ -176,9 +139,9 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   int64_t resident = 0;
   const cudaError_t err = resident_ctas<kKernel>(32 * kWarps, &resident);
   if (err != cudaSuccess) return err;
-  const int64_t one_pass = column_blocks(p, kPassCols) * groups;
+  const int64_t one_pass = slice_column_blocks(p, kPassCols) * groups;
   const int passes = (int)std::clamp<int64_t>((one_pass + resident - 1) / resident, 1, kMaxPasses);
-  const int64_t blocks = column_blocks(p, passes * kPassCols);
+  const int64_t blocks = slice_column_blocks(p, passes * kPassCols);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid((unsigned)blocks, (unsigned)std::min<int64_t>(groups, 65535));
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
@@ -202,8 +165,8 @@ cudaError_t launch_typed(const ExpandParams& p, int64_t groups, bool pdl, cudaSt
 bool rows_kernel_serves(const ExpandParams& p) {
   if (p.seg.indptr != nullptr || p.h_splits != 1 || p.b_dtype == DType::F32 || p.h_dtype != p.b_dtype) return false;
   if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
-  bool ok = aligned8(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}) &&
-            aligned8(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2});
+  bool ok = aligned(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}, 8) &&
+            aligned(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2}, 8);
   const int64_t ey = dtype_size(p.y_dtype);
   ok = ok && reinterpret_cast<uintptr_t>(p.y) % (2 * ey) == 0 && p.y_row_stride % 2 == 0;
   for (int64_t s = 0; s <= p.num_slices; ++s) ok = ok && p.slice_offsets[s] % 2 == 0;
@@ -212,7 +175,7 @@ bool rows_kernel_serves(const ExpandParams& p) {
 
 cudaError_t launch_lora_expand_rows(const ExpandParams& p, int cc_major, cudaStream_t stream) {
   const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
-  if (groups == 0 || column_blocks(p, kPassCols) == 0) return cudaSuccess;
+  if (groups == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
   return p.b_dtype == DType::F16 ? launch_typed<__half>(p, groups, cc_major >= 9, stream)
                                  : launch_typed<__nv_bfloat16>(p, groups, cc_major >= 9, stream);
 }

@@ -119,7 +119,7 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
   if (plan.max_tiles == 0) return cudaSuccess;
   if (plan.splits > INT32_MAX) return cudaErrorInvalidConfiguration;
   const int64_t es = dtype_size(p.x_dtype);
-  const bool vec = aligned16(p.x, {p.x_row_stride * es}) && aligned16(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
+  const bool vec = aligned(p.x, {p.x_row_stride * es}) && aligned(p.lora_a, {p.a_stride0 * es, p.a_stride1 * es});
   auto launch = [&](auto tag) {
     using T = typename ElemOf<decltype(tag)::value>::type;
     auto kernel = vec ? sgmv_shrink_kernel<T, true> : sgmv_shrink_kernel<T, false>;
