@@ -92,6 +92,13 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[st
     return route, backend if device_type == "cuda" else "cuda"
 
 
+def fold_expand_rows(backend: str, token_lora, segments: tuple) -> tuple:
+    """What the fold route's lora_expand reads (seg_indptr, seg_lora, token_indices): its rows form (each row's
+    slot as given: the CUDA kernel then reads no segments), but the segments on Triton, whose segment tiles were
+    faster than its per-row kernel from 64 rows and at rank 64 (H200, decode step)."""
+    return tuple(segments) if backend == "triton" else (None, token_lora, None)
+
+
 def preload() -> None:
     """Reads and checks the table now: torch.compile cannot trace the file read, so a model whose first forward
     is compiled needs it read before (MultiLoRALinear does it when it wraps a layer)."""

@@ -26,6 +26,7 @@ import torch
 
 import lora_ops
 from lora_ops import backends, reference, testing
+from lora_ops import routes as route_table
 
 from .timing import capture, time_loop
 
@@ -124,11 +125,10 @@ class Setup:
         self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
 
     def expand_rows(self, expand) -> tuple:
-        """The rows lora_expand reads, as the serving layer passes them: segments on Triton, else the rows
-        form."""
-        if expand is not torch.ops.lora_ops.lora_expand.default:
-            return self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices
-        return None, self.token_lora, None
+        """The rows lora_expand reads, as the serving layer passes them (routes.fold_expand_rows)."""
+        backend = "cuda" if expand is torch.ops.lora_ops.lora_expand.default else "triton"
+        return route_table.fold_expand_rows(backend, self.token_lora,
+                                            (self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices))
 
     # ---- the routes: each returns the calls of one step, and the first layer's outputs ----
     def base_calls(self) -> List[Callable[[], None]]:
@@ -286,11 +286,10 @@ def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
     (lora_ops/routes.json)."""
     import json
 
-    from lora_ops import routes as table_format
     classes = []
-    for max_rank, (rank, adapters) in zip(table_format.RANK_BOUNDS, table_format.RANK_SAMPLES):
+    for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
         regimes = []
-        for bound, T in zip(table_format.REGIME_BOUNDS, table_format.REGIME_SAMPLES):
+        for bound, T in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES):
             first = len(records)
             bench_step(MODELS["llama3-8b"], Step(T, adapters, rank), device, records, failures, log)
             timed = {r["backend"]: r["us"] for r in records[first:]}
@@ -302,7 +301,7 @@ def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
             regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
         classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
     table = dict(meta, model="llama3-8b", ranks=classes)
-    table_format.validate(table)
+    route_table.validate(table)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
     log(f"wrote {path}: " + "; ".join(

@@ -62,11 +62,9 @@ class MultiLoRALinear(nn.Module):
             out = F.linear(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
             h = out2d[:, N:].view(tokens, m.lora_b.shape[0], -1)
-            # The rows form (each row's slot as given: the CUDA kernel reads no segments), but on Triton, whose
-            # segment tiles were faster than its per-row kernel from 64 rows and at rank 64 (H200, decode step).
-            seg = (batch.seg_indptr, batch.seg_lora, batch.token_indices) if backend == "triton" else \
-                (None, batch.token_slots, None)
-            routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *seg, *per_slot)
+            rows = routes.fold_expand_rows(backend, batch.token_slots,
+                                           (batch.seg_indptr, batch.seg_lora, batch.token_indices))
+            routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *rows, *per_slot)
             return out[..., :N]
         y = self.base(x)
         routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, batch.seg_indptr,
