@@ -42,7 +42,10 @@ if want tests; then
     && cmake --build build/cpp-tests -j "$(nproc)" >/dev/null \
     && (cd build/cpp-tests && ctest --output-on-failure 2>&1 | tail -15) || status=1
   step pytest
-  $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-$(nproc)} 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # --durations: the suite must fit one device call (600 s); the slowest tests say where its time goes.
+  # PYTEST_ARGS (e.g. -k "serving or routes") narrows it.
+  $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-$(nproc)} --durations=40 ${PYTEST_ARGS:-} \
+    -p no:benchmark 2>&1 | tee "$OUT/pytest.log" | tail -70
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 

@@ -15,6 +15,12 @@ from lora_ops import backends, op_table  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+# Under pytest-xdist each worker would start one torch thread per core for the CPU work (the float64 oracle, the
+# inputs): n workers x n threads oversubscribe the machine n times over. Each worker takes its share of the cores.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
 # Run-level seed: every case keeps its own fixed seed, offset by this one. CI leaves LORA_OPS_TEST_SEED unset, so
 # each run draws new inputs; the summary prints the value, and LORA_OPS_TEST_SEED=<value> replays that run
 # (LORA_OPS_TEST_SEED=0: the fixed per-case seeds alone). Exported so that subprocesses of the tests see it.
