@@ -156,6 +156,28 @@ def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=40
     return r
 
 
+def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every_slot_a():
+    from lora_ops.bench import decode_step
+    # qkv 8 -> (8, 4, 4), o 8 -> 8, gate_up 8 -> (16, 16), down 16 -> 8: 576 base weights; per slot at rank 2,
+    # A 2·(3·8 + 8 + 2·8 + 16) = 128 and B 2·(16 + 8 + 32 + 8) = 128
+    model = decode_step.ModelShape("tiny", hidden=8, q=8, kv=4, intermediate=16, layers=1)
+    floor, fold = decode_step.floors_pct(model, decode_step.Step(T=4, adapters=3, rank=2))
+    assert floor == pytest.approx(100 * 3 * 256 / 576)
+    assert fold == pytest.approx(100 * (decode_step.POOL_SLOTS * 128 + 3 * 128) / 576)
+    # Llama-3-8B: every slot's A puts the fold route's floor above the target at rank 64 (+45%) and with
+    # one adapter (+5%); with the whole pool present the two floors are one
+    llama = decode_step.MODELS["llama3-8b"]
+    assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(64, 16, 64))] == [38.5, 56.7]
+    assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(32, 1, 16))] == [0.6, 9.5]
+    assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(32, 32, 16))] == [19.2, 19.2]
+    rows = [dict(op="decode_step", model="llama3-8b", T=64, adapters=16, rank=64, backend=b, base_us=4000.0,
+                 us=us, overhead_pct=pct, floor_pct=38.5) for b, us, pct in
+            (("base", 4000.0, 0.0), ("fold-cuda", 8000.0, 100.0), ("fold-triton", 7000.0, 75.0))]
+    table = report._decode_table(rows)
+    assert table[0].startswith("| model | T | adapters | rank | base step | floor | fold floor | fold-cuda |")
+    assert table[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | +100% | **+75%** |"
+
+
 def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
     records = [_gg("cuda", 200.0, pct=20.0), _gg("triton", 250.0, pct=16.0), dict(_gg("grouped_mm", 190.0),
                                                                                   timed_alone=True),

@@ -72,8 +72,8 @@ def _decode_table(records: List[dict]) -> List[str]:
         return []
     routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton")
               if any(r["backend"] == b for r in rows)]
-    out = ["| model | T | adapters | rank | base step | floor | " + " | ".join(routes) + " |",
-           "|---|---|---|---|---|---|" + "---|" * len(routes)]
+    out = ["| model | T | adapters | rank | base step | floor | fold floor | " + " | ".join(routes) + " |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(routes)]
     steps: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
         steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r
@@ -90,8 +90,17 @@ def _decode_table(records: List[dict]) -> List[str]:
             v = f"+{by[b]['overhead_pct']:.0f}%"
             cells.append(f"**{v}**" if by[b]["overhead_pct"] == best else v)
         out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | +{base['floor_pct']:.1f}% | "
-                   + " | ".join(cells) + " |")
+                   f"{_fold_floor(model, T, adapters, rank)} | " + " | ".join(cells) + " |")
     return out
+
+
+def _fold_floor(model: str, T: int, adapters: int, rank: int) -> str:
+    """The fold route's own floor (every pool slot's A, the present adapters' B), from the model's shapes: records
+    from before the bench wrote it get it too."""
+    from . import decode_step  # imports torch: only for a results file with decode steps
+    if model not in decode_step.MODELS:
+        return "—"
+    return f"+{decode_step.floors_pct(decode_step.MODELS[model], decode_step.Step(T, adapters, rank))[1]:.1f}%"
 
 
 def _op_table(records: List[dict]) -> List[str]:
@@ -270,7 +279,8 @@ def readme_section(result: dict) -> str:
     if decode:
         head += ["", "**Decode step** (every linear layer of the model in one CUDA graph, bf16, 32-slot pool, each "
                  "row on a random adapter; LoRA overhead over the base step, beside its floor: the adapters' bytes "
-                 "over the base weights' bytes; best route in bold):", ""] + decode
+                 "over the base weights' bytes, and the fold route's own floor: every pool slot's A, the present "
+                 "adapters' B; best route in bold):", ""] + decode
     op = _op_table(records)
     if op:
         head += ["", "**sgmv op** (bf16, graph replay, µs; in brackets % of the memory roofline):", ""] + op
