@@ -94,7 +94,9 @@ if want bench; then
 fi
 if want mutate; then
   step mutate
-  $PY scripts/mutate.py --gpu --fast --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" 2>&1 \
+  # MUTATE_ONLY="id ..." runs only those planted bugs (each rebuilds the extension: about a minute apiece)
+  $PY scripts/mutate.py --gpu --fast --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" \
+    ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
     | grep -v "^not run" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
