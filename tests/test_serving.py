@@ -11,6 +11,8 @@ import torch
 import torch._dynamo.testing
 import transformers
 
+import lora_ops
+
 from lora_ops.serving import (AdapterFormatError, AdapterPool, AdapterShapeError, PoolFullError,
                               UnsupportedAdapterError, greedy_generate, patch_model)
 from serving_models import rel_err
@@ -270,6 +272,76 @@ def test_routing_that_does_not_match_the_input_raises(adapters):
         with pool.batch(["a", None, "b"], lengths=[4, 4, 3]):
             with pytest.raises(ValueError, match="routes 11 tokens"):
                 model(ids)
+
+
+def test_routing_is_written_into_the_same_buffers_every_step(adapters):
+    """A CUDA graph captured over the patched model holds the routing's addresses: each step must write its
+    routing there (what a tensor taken at one step sees is the next step's routing, same T), and a smaller step
+    uses the same buffers' first entries."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b", "c"])
+    first = pool.set_batch(["a", "b", None, "c"], tokens_per_row=2)
+    held = {n: getattr(first, n) for n in ("token_slots", "token_indices", "seg_indptr", "seg_lora")}
+    ptrs = {n: t.data_ptr() for n, t in held.items()}
+    mixes = (["c", None, "a", "a"], [None, "b"])
+    for rows in mixes:
+        step = pool.set_batch(rows, tokens_per_row=2)
+        want = lora_ops.build_segments(torch.tensor([pool.slot(r) for r in rows for _ in range(2)],
+                                                    dtype=torch.int32), pool.num_slots)
+        for name, want_t in zip(("token_indices", "seg_indptr", "seg_lora"), want):
+            assert getattr(step, name).data_ptr() == ptrs[name], name
+            assert torch.equal(getattr(step, name), want_t), name
+        assert step.token_slots.data_ptr() == ptrs["token_slots"]
+        if len(rows) * 2 == held["token_slots"].shape[0]:  # what the first step's graph would now read
+            assert torch.equal(held["token_slots"], step.token_slots)
+            assert torch.equal(held["token_indices"], want[0]) and torch.equal(held["seg_indptr"], want[1])
+    pool.clear_batch()
+
+
+def test_a_step_beyond_the_routing_buffers_warns_and_still_routes(adapters):
+    base, root = adapters
+    model = copy.deepcopy(base)
+    pool = AdapterPool(model, num_slots=4, max_rank=16, max_batch_tokens=4)
+    patch_model(model, pool)
+    pool.load("a", str(root / "a"))
+    ref_model = _peft_model(base, root, ["a"])
+    rows = ["a", None, "a"]
+    ids = torch.randint(0, 256, (len(rows), 3))
+    with pytest.warns(UserWarning, match="larger than the routing buffers"), torch.no_grad(), \
+            pool.batch(rows, tokens_per_row=3):
+        got = model(ids).logits
+    with torch.no_grad():
+        want = ref_model(ids, adapter_names=[r or "__base__" for r in rows]).logits
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["fold-cuda", "sgmv-cuda", "fold-triton", "sgmv-triton"])
+def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, monkeypatch):
+    """A vLLM-style server captures the forward once per batch size and replays it every step after set_batch:
+    the replay must run the new step's adapters (here a decoder layer's MLP and q_proj, against them run eagerly)."""
+    monkeypatch.setenv("LORA_OPS_ROUTE", route)
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b", "c"], device="cuda")
+    layer = model.model.layers[0]
+    run = lambda x: (layer.mlp(x), layer.self_attn.q_proj(x))
+    x = torch.randn(12, 64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        pool.set_batch(["a", "b", None, "c"], tokens_per_row=3)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(x)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = run(x)
+        for rows in (["c", "c", "a", None], [None, "b", "b", "a"]):
+            pool.set_batch(rows, tokens_per_row=3)
+            graph.replay()
+            for got, want in zip(captured, run(x)):
+                assert rel_err(got, want) < 1e-5, rows
+    pool.clear_batch()
 
 
 def test_set_batch_rejects_bad_lengths(adapters):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,20 +51,41 @@ class ModuleSlots:
 class LoRABatch:
     """One step's routing, shared by every layer: each token's slot and the segments built from it once.
 
-    A pool keeps ONE of these and swaps its tensors every step: torch.compile guards on the identity of the
-    objects a graph reads, so a new object per step would recompile the model."""
+    Every step's routing is written into the same device buffers, and token_slots / token_indices are views of
+    their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style servers do, or by
+    torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it after the next
+    set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
+    moves them (AdapterPool's max_batch_tokens; a warning says so). A pool keeps ONE of these: torch.compile
+    guards on the identity of the objects a graph reads, so a new object per step would recompile the model."""
 
-    def __init__(self):
+    def __init__(self, device, num_slots: int, max_tokens: int):
         self.active = False
-        self.token_slots = self.token_indices = self.seg_indptr = self.seg_lora = None
-
-    def set(self, token_slots: torch.Tensor, num_slots: int) -> None:
-        self.token_slots = token_slots
-        self.token_indices, self.seg_indptr, self.seg_lora = ops.build_segments(token_slots, num_slots)
+        self.num_slots = num_slots
+        self._slot_buffer = torch.empty(max_tokens, dtype=torch.int32, device=device)
+        self._index_buffer = torch.empty(max_tokens, dtype=torch.int32, device=device)
+        self.seg_indptr = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        self.seg_lora = torch.arange(num_slots, dtype=torch.int32, device=device)  # build_segments' are arange
         # Their sizes depend on the pool only: static, so that torch.compile's duck sizing never ties them to a
         # batch dimension that happens to be equal (which recompiles when the batch changes).
         torch._dynamo.mark_static(self.seg_indptr)
         torch._dynamo.mark_static(self.seg_lora)
+        self.token_slots = self.token_indices = None
+
+    def set(self, token_slots: torch.Tensor) -> None:
+        """token_slots: [T] int32 on the host (copied to the device here, without a sync)."""
+        T = token_slots.shape[0]
+        if T > self._slot_buffer.shape[0]:
+            warnings.warn(f"a step of {T} tokens is larger than the routing buffers ({self._slot_buffer.shape[0]} "
+                          "tokens, AdapterPool's max_batch_tokens): they move, and CUDA graphs captured before "
+                          "now read stale routing; capture again", stacklevel=3)
+            self._slot_buffer = torch.empty(T, dtype=torch.int32, device=self._slot_buffer.device)
+            self._index_buffer = torch.empty_like(self._slot_buffer)
+        self.token_slots = self._slot_buffer[:T]
+        self.token_slots.copy_(token_slots, non_blocking=True)
+        token_indices, seg_indptr, _ = ops.build_segments(self.token_slots, self.num_slots)
+        self.token_indices = self._index_buffer[:T]
+        self.token_indices.copy_(token_indices)
+        self.seg_indptr.copy_(seg_indptr)
         self.active = True
 
 
@@ -71,12 +93,14 @@ class AdapterPool:
     """A fixed number of adapter slots for a model's LoRA target modules, on the model's device and dtype.
 
     Slots are reused least-recently-used; `pin`/`unpin` (or `pinned(...)`) keep an adapter of an in-flight
-    batch from being evicted."""
+    batch from being evicted. The step's routing lives in device buffers of `max_batch_tokens` tokens (LoRABatch):
+    CUDA graphs captured over the patched model stay valid across steps of up to that many tokens."""
 
     def __init__(self, model: nn.Module, num_slots: int = 8, max_rank: int = 64,
-                 target_modules: Optional[Iterable[str]] = None):
-        if num_slots < 1 or max_rank < 1:
-            raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
+                 target_modules: Optional[Iterable[str]] = None, max_batch_tokens: int = 16384):
+        if num_slots < 1 or max_rank < 1 or max_batch_tokens < 1:
+            raise ValueError(f"num_slots, max_rank and max_batch_tokens must be >= 1, got {num_slots}, {max_rank} "
+                             f"and {max_batch_tokens}")
         self.num_slots, self.max_rank = num_slots, max_rank
         targets = set(target_modules or LINEAR_TARGETS)
         self.modules: Dict[str, ModuleSlots] = {}
@@ -90,7 +114,7 @@ class AdapterPool:
             raise AdapterShapeError(f"the model has no nn.Linear named any of {sorted(targets)}")
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
-        self._batch = LoRABatch()
+        self._batch = LoRABatch(next(iter(self.modules.values())).ranks.device, num_slots, max_batch_tokens)
 
     @property
     def current(self) -> Optional[LoRABatch]:
@@ -214,9 +238,7 @@ class AdapterPool:
         if len(lengths) != len(adapters) or any(n < 0 for n in lengths):
             raise ValueError(f"lengths must be {len(adapters)} counts >= 0 (one per row of adapters), got {lengths}")
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
-        token_slots = slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64))
-        device = next(iter(self.modules.values())).ranks.device
-        self._batch.set(token_slots.to(device, non_blocking=True), self.num_slots)
+        self._batch.set(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
         return self._batch
 
     def clear_batch(self) -> None:
