@@ -344,6 +344,57 @@ def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, monkey
     pool.clear_batch()
 
 
+def test_a_second_pool_takes_over_a_patched_model(adapters):
+    base, root = adapters
+    model, first = _pool_model(base, root, ["a"])
+    second = AdapterPool(model, num_slots=2, max_rank=16)
+    patch_model(model, second)
+    second.load("b", str(root / "b"))
+    ref_model = _peft_model(base, root, ["b"])
+    rows = ["b", None]
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad(), second.batch(rows, tokens_per_row=5):
+        got = model(ids).logits
+    with torch.no_grad():
+        want = ref_model(ids, adapter_names=[r or "__base__" for r in rows]).logits
+    assert rel_err(got, want) < 1e-5
+    with torch.no_grad(), first.batch(["a", "a"], tokens_per_row=5):  # the first pool no longer drives the layers
+        torch.testing.assert_close(model(ids).logits, base(ids).logits)
+
+
+@pytest.mark.parametrize("route", ["sgmv-cuda", "fold-cuda"])
+def test_layer_edges_no_tokens_backward_autocast(adapters, route, monkeypatch):
+    """No tokens give an empty output on both routes; a backward through a LoRA layer and a forward under autocast
+    raise (the ops have no backward, and take no mixed dtypes) instead of a silently wrong gradient or an error
+    about the layer's internal tensors."""
+    monkeypatch.setenv("LORA_OPS_ROUTE", route)
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    lin = model.get_submodule("model.layers.0.self_attn.q_proj")
+    with torch.no_grad(), pool.batch([]):
+        assert lin(torch.randn(0, 64)).shape == (0, 64)
+    x = torch.randn(2, 64, requires_grad=True)
+    with pool.batch(["a", "b"]):
+        y = lin(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
+            lin(x)
+    with pytest.raises(RuntimeError, match="inference only"):
+        y.sum().backward()
+
+
+def test_pool_arguments_named_in_errors(adapters):
+    base, root = adapters
+    with pytest.raises(TypeError, match="not the string 'q_proj'"):
+        AdapterPool(copy.deepcopy(base), target_modules="q_proj")
+    fused = torch.nn.Module()
+    fused.qkv_proj = torch.nn.Linear(8, 16)
+    with pytest.raises(AdapterShapeError, match="qkv_proj: .* model.config"):
+        AdapterPool(fused)
+    model, pool = _pool_model(base, root, ["a"])
+    with pytest.raises(KeyError, match="'x' is not loaded"):
+        pool.unload("x")
+
+
 def test_set_batch_rejects_bad_lengths(adapters):
     base, root = adapters
     model, pool = _pool_model(base, root, ["a"])

@@ -4,8 +4,11 @@ multi-LoRA linear layer (base output + one sgmv), model patching, and a per-step
     pool = AdapterPool(model, num_slots=8, max_rank=64)   # preallocated stacked weights per target module
     patch_model(model, pool)                              # wraps the target nn.Linear modules in place
     pool.load("sql", "/adapters/sql")                     # adapter_config.json + adapter_model.safetensors
-    with pool.batch(["sql", None, "chat"], tokens_per_row=input_ids.shape[1]):
+    with torch.no_grad(), pool.batch(["sql", None, "chat"], tokens_per_row=input_ids.shape[1]):
         logits = model(input_ids).logits                  # each row runs with its own adapter (None: base)
+
+Inference only: a backward through a patched layer raises. The step's routing lives in fixed device buffers, so a
+CUDA graph captured over the model replays each new step's routing (LoRABatch).
 
 Modules: pool (slots, LRU, pins, the step's routing), peft_format (reading and validating PEFT adapters),
 layer (MultiLoRALinear, patch_model), generation (greedy_generate). Only torch is needed for the pool

@@ -48,6 +48,9 @@ class MultiLoRALinear(nn.Module):
         batch = self._pool.current
         if batch is None:
             return self.base(x)
+        if torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"{self._slots.name}: the LoRA layers do not run under autocast; create the pool on "
+                               "the model in its compute dtype (model.to(dtype) before AdapterPool)")
         x2d = x.reshape(-1, x.shape[-1])
         tokens = x2d.shape[0]
         # Sizes known on the host, so no sync: a routing for another batch would silently mix rows up.
@@ -61,23 +64,38 @@ class MultiLoRALinear(nn.Module):
         if route == "fold":
             out = F.linear(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
-            h = out2d[:, N:].view(tokens, m.lora_b.shape[0], -1)
+            h = out2d[:, N:].view(tokens, m.lora_b.shape[0], len(m.slice_names) * m.lora_b.shape[2])
             rows = routes.fold_expand_rows(backend, batch.token_slots,
                                            (batch.seg_indptr, batch.seg_lora, batch.token_indices))
             routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *rows, *per_slot)
-            return out[..., :N]
+            return _inference_only(out[..., :N])
         y = self.base(x)
         routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, batch.seg_indptr,
                                    batch.seg_lora, batch.token_indices, *per_slot)
-        return y
+        return _inference_only(y)
+
+
+def _inference_only(y: torch.Tensor) -> torch.Tensor:
+    """The LoRA ops have no backward: a gradient through y would be the base layer's alone, silently wrong."""
+    if y.requires_grad:
+        y.register_hook(_refuse_backward)
+    return y
+
+
+def _refuse_backward(grad):
+    raise RuntimeError("MultiLoRALinear adds the LoRA delta for inference only and has no backward; run the "
+                       "forward under torch.no_grad() or torch.inference_mode()")
 
 
 def patch_model(model: nn.Module, pool: "AdapterPool") -> nn.Module:
-    """Wrap every pool target module of `model` in a MultiLoRALinear, in place; returns the model."""
+    """Wrap every pool target module of `model` in a MultiLoRALinear, in place (modules wrapped for an earlier
+    pool move to this one); returns the model."""
     for name, slots in pool.modules.items():
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, leaf)
-        if not isinstance(module, MultiLoRALinear):
+        if isinstance(module, MultiLoRALinear):  # patched for another pool: this one's slots hold its weight now
+            module._slots, module._pool = slots, pool
+        else:
             setattr(parent, leaf, MultiLoRALinear(module, slots, pool))
     return model

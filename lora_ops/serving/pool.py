@@ -101,6 +101,8 @@ class AdapterPool:
         if num_slots < 1 or max_rank < 1 or max_batch_tokens < 1:
             raise ValueError(f"num_slots, max_rank and max_batch_tokens must be >= 1, got {num_slots}, {max_rank} "
                              f"and {max_batch_tokens}")
+        if isinstance(target_modules, str):
+            raise TypeError(f"target_modules must be module names (a list), not the string {target_modules!r}")
         self.num_slots, self.max_rank = num_slots, max_rank
         targets = set(target_modules or LINEAR_TARGETS)
         self.modules: Dict[str, ModuleSlots] = {}
@@ -127,7 +129,10 @@ class AdapterPool:
         if leaf not in FUSED_SLICES:
             return (leaf,), [0, base.out_features]
         cfg = getattr(model, "config", None)
-        if leaf == "qkv_proj" and cfg is not None:
+        if leaf == "qkv_proj" and cfg is None:
+            raise AdapterShapeError("qkv_proj: its q, k and v widths come from model.config (num_attention_heads, "
+                                    "num_key_value_heads, head_dim), and the model has no config")
+        if leaf == "qkv_proj":
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             q = cfg.num_attention_heads * head_dim
             kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim
@@ -178,6 +183,8 @@ class AdapterPool:
     def unload(self, name: str) -> None:
         if self._pins.get(name):
             raise ValueError(f"adapter {name!r} is pinned; unpin it before unloading")
+        if name not in self._slot_of:
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {self.loaded})")
         slot = self._slot_of.pop(name)
         for m in self.modules.values():
             m.ranks[slot] = 0
