@@ -130,6 +130,31 @@ TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
   m.impl("_check_grouped_gemm", &check_grouped_gemm_op);
 }
 
+// The ops that write y have no backward: with grad mode on, an input that requires grad is refused (a backward
+// would otherwise silently miss the LoRA delta, y's autograd history being left as it was).
+namespace {
+void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (c10::GradMode::is_enabled()) {
+    const auto& args = op.schema().arguments();
+    const size_t first = stack->size() - args.size();
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      TORCH_CHECK(!(v.isTensor() && v.toTensor().requires_grad()), op.schema().name(), ": ", args[i].name(),
+                  " requires grad, and the op has no backward; call it under torch.no_grad() or "
+                  "torch.inference_mode()");
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lora_ops, Autograd, m) {
+  for (const char* op : {"sgmv", "lora_expand", "grouped_gemm", "_triton_sgmv", "_triton_lora_expand",
+                         "_triton_grouped_gemm"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
+  }
+}
+
 TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {
   m.impl("sgmv", &sgmv_meta);
   m.impl("lora_expand", &lora_expand_meta);

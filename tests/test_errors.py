@@ -113,6 +113,46 @@ def test_build_segments_error(token_lora, num_slots, exc, msg):
             mod.build_segments(token_lora, num_slots)
 
 
+def _expand_args():
+    return dict(y=torch.randn(4, 12), h=torch.randn(4, 3, 4), lora_b=torch.randn(3, 12, 4),
+                seg_indptr=torch.tensor([0, 2, 4], dtype=torch.int32), seg_lora=torch.tensor([0, 2], dtype=torch.int32))
+
+
+OPS_WRITING_Y = {
+    "sgmv": (lambda: sgmv_args(), ["y", "x", "lora_a", "lora_b"]),
+    "lora_expand": (_expand_args, ["y", "h", "lora_b"]),
+    "grouped_gemm": (lambda: gg_args(), ["y", "x", "w"]),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS_WRITING_Y))
+@pytest.mark.parametrize("prefix", ["", "_triton_"])
+def test_ops_refuse_inputs_that_require_grad(name, prefix):
+    """The ops have no backward: with grad mode on, an argument that requires grad is named and refused (the
+    Triton twins too, before any backend), and under no_grad the same call runs."""
+    make, tensors = OPS_WRITING_Y[name]
+    op = getattr(torch.ops.lora_ops, prefix + name).default
+    for arg in tensors:
+        args = make()
+        args[arg].requires_grad_()
+        with pytest.raises(RuntimeError, match=rf"lora_ops::{prefix}{name}: {arg} requires grad, and the op has no "
+                                                r"backward"):
+            op(**args)
+    if not prefix:  # the Triton twins are registered for CUDA only
+        args = make()
+        for arg in tensors:
+            args[arg].requires_grad_()
+        with torch.no_grad():
+            op(**args)
+
+
+def test_lora_expand_row_extent_names_y():
+    args = {k: v.to("meta") for k, v in _expand_args().items()}
+    args.update(y=torch.zeros(2 ** 31, 12, device="meta"), h=torch.zeros(2 ** 31, 3, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"lora_expand: y.size\(0\) = 2147483648 exceeds the int32 index range"):
+        lora_ops.lora_expand(**args)
+
+
 @pytest.mark.gpu
 def test_device_mismatch():
     args = sgmv_args()
@@ -155,6 +195,7 @@ print(run(seg_lora=torch.tensor([0, 2], dtype=torch.int32)))
 print(run(token_indices=torch.tensor([0, 1, 9, 2], dtype=torch.int32)))
 print(run(token_indices=torch.tensor([0, 1, 1, 2], dtype=torch.int32)))
 print(run(lora_ranks=torch.tensor([4, 5], dtype=torch.int32)))
+print(run(seg_indptr=torch.tensor([7], dtype=torch.int32), seg_lora=torch.tensor([], dtype=torch.int32)))
 """
     out = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ, "LORA_OPS_DEBUG": "1"},
                          capture_output=True, text=True, check=True).stdout.splitlines()
@@ -164,6 +205,7 @@ print(run(lora_ranks=torch.tensor([4, 5], dtype=torch.int32)))
     assert "token_indices[2] = 9 is outside [0, 4)" in out[3]
     assert "row 1 appears in more than one segment position" in out[4]
     assert "lora_ranks[1] = 5 is outside [0, R = 4]" in out[5]
+    assert "seg_indptr[0] = 7 is outside [0, 4]" in out[6]  # no segment: its one entry is still checked
 
 
 def test_debug_mode_checks_original_int64_values_and_group_sizes():

@@ -110,10 +110,11 @@ at::Tensor kernel_index(const at::Tensor& t) {
 
 // seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P). Without seg_indptr (lora_expand's rows
 // form) position p is segment p: the slots are [P], P = len(token_indices) or the number of rows.
-void check_segments_host(const char* op, const char* slot_name, const at::Tensor& y, const c10::SymInt& rows,
+void check_segments_host(const char* op, const char* rows_what, const char* slot_name, const at::Tensor& y,
+                         const c10::SymInt& rows,
                          const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_slot,
                          const std::optional<at::Tensor>& token_indices) {
-  check_int32_extent(op, "x.size(0)", rows);
+  check_int32_extent(op, rows_what, rows);
   if (token_indices.has_value()) {
     check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");
     check_int32_extent(op, "len(token_indices)", token_indices->sym_size(0));
@@ -151,6 +152,8 @@ void debug_validate_segments(const std::optional<at::Tensor>& seg_indptr, const 
   } else {  // the rows form: position g is segment g
     for (size_t g = 0; g <= sl.size(); ++g) ip.push_back(static_cast<int64_t>(g));
   }
+  TORCH_CHECK_VALUE(ip[0] >= 0 && ip[0] <= positions, "LORA_OPS_DEBUG: seg_indptr[0] = ", num(ip[0]),
+                    " is outside [0, ", num(positions), "]");  // checked on its own: there may be no segment
   std::unordered_set<int64_t> seen;
   for (size_t g = 0; g < sl.size(); ++g) {
     TORCH_CHECK_VALUE(ip[g] >= 0 && ip[g] <= ip[g + 1] && ip[g + 1] <= positions,
@@ -204,14 +207,14 @@ int64_t check_slices_host(const char* op, at::OptionalIntArrayRef slice_offsets,
 }
 
 // The segments over T rows and the per-slot tensors of L adapter slots of max rank R (sgmv, lora_expand);
-// l_what / r_what say where L and R come from.
+// t_what / l_what / r_what say where T, L and R come from.
 void check_slot_tensors_host(const char* op, const at::Tensor& y, const c10::SymInt& T, const c10::SymInt& L,
-                             const c10::SymInt& R, const char* l_what, const char* r_what,
+                             const c10::SymInt& R, const char* t_what, const char* l_what, const char* r_what,
                              const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                              const std::optional<at::Tensor>& token_indices,
                              const std::optional<at::Tensor>& lora_ranks,
                              const std::optional<at::Tensor>& lora_scales) {
-  check_segments_host(op, "seg_lora", y, T, seg_indptr, seg_lora, token_indices);
+  check_segments_host(op, t_what, "seg_lora", y, T, seg_indptr, seg_lora, token_indices);
   check_int32_extent(op, l_what, L);
   if (lora_ranks.has_value()) {
     check_index_tensor(op, "lora_ranks", *lora_ranks, y, L, (std::string("one per slot: ") + l_what).c_str());
@@ -304,8 +307,8 @@ void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor&
   check_unit_last_stride(op, "lora_b", lora_b);
   check_output_rows(op, y);
 
-  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)", "R = lora_a.size(1) / S", seg_indptr, seg_lora,
-                          token_indices, lora_ranks, lora_scales);
+  check_slot_tensors_host(op, y, T, L, R, "x.size(0)", "lora_a.size(0)", "R = lora_a.size(1) / S", seg_indptr,
+                          seg_lora, token_indices, lora_ranks, lora_scales);
 }
 
 SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
@@ -381,8 +384,8 @@ void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::
   check_unit_last_stride(op, "h", h);
   check_unit_last_stride(op, "lora_b", lora_b);
   check_output_rows(op, y);
-  check_slot_tensors_host(op, y, T, L, R, "lora_b.size(0)", "R = lora_b.size(2)", seg_indptr, seg_lora,
-                          token_indices, lora_ranks, lora_scales);
+  check_slot_tensors_host(op, y, T, L, R, "y.size(0)", "lora_b.size(0)", "R = lora_b.size(2)", seg_indptr,
+                          seg_lora, token_indices, lora_ranks, lora_scales);
 }
 
 SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -461,7 +464,7 @@ void check_grouped_gemm_host(const at::Tensor& y, const at::Tensor& x, const at:
   check_unit_last_stride(op, "w", w);
   check_output_rows(op, y);
 
-  check_segments_host(op, "seg_weight", y, T, seg_indptr, seg_weight, token_indices);
+  check_segments_host(op, "x.size(0)", "seg_weight", y, T, seg_indptr, seg_weight, token_indices);
   check_int32_extent(op, "w.size(0)", L);
   if (n_sizes.has_value()) {
     check_index_tensor(op, "n_sizes", *n_sizes, y, L, "one per group: w.size(0)");

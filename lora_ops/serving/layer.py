@@ -68,23 +68,11 @@ class MultiLoRALinear(nn.Module):
             rows = routes.fold_expand_rows(backend, batch.token_slots,
                                            (batch.seg_indptr, batch.seg_lora, batch.token_indices))
             routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *rows, *per_slot)
-            return _inference_only(out[..., :N])
+            return out[..., :N]
         y = self.base(x)
         routes.op("sgmv", backend)(y.view(tokens, y.shape[-1]), x2d, m.lora_a, m.lora_b, batch.seg_indptr,
                                    batch.seg_lora, batch.token_indices, *per_slot)
-        return _inference_only(y)
-
-
-def _inference_only(y: torch.Tensor) -> torch.Tensor:
-    """The LoRA ops have no backward: a gradient through y would be the base layer's alone, silently wrong."""
-    if y.requires_grad:
-        y.register_hook(_refuse_backward)
-    return y
-
-
-def _refuse_backward(grad):
-    raise RuntimeError("MultiLoRALinear adds the LoRA delta for inference only and has no backward; run the "
-                       "forward under torch.no_grad() or torch.inference_mode()")
+        return y
 
 
 def patch_model(model: nn.Module, pool: "AdapterPool") -> nn.Module:
