@@ -170,6 +170,8 @@ def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every
     assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(64, 16, 64))] == [38.5, 56.7]
     assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(32, 1, 16))] == [0.6, 9.5]
     assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(32, 32, 16))] == [19.2, 19.2]
+    # 16 tokens over 32 adapters: 16 of them are present
+    assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(16, 32, 16))] == [9.6, 14.2]
     rows = [dict(op="decode_step", model="llama3-8b", T=64, adapters=16, rank=64, backend=b, base_us=4000.0,
                  us=us, overhead_pct=pct, floor_pct=38.5) for b, us, pct in
             (("base", 4000.0, 0.0), ("fold-cuda", 8000.0, 100.0), ("fold-triton", 7000.0, 75.0))]
@@ -229,9 +231,22 @@ def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
     torch.cuda.synchronize()
 
 
+def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime():
+    from lora_ops.bench.decode_step import choose_routes
+    # the 7f9cdc6 rank-16 samples at T = 64, 256, 1024 (µs): at its top end alone, 65-256 took fold-triton (12.8%
+    # slower than fold-cuda at 64), 257-1024 sgmv-cuda (20.7% slower than fold-triton at 256)
+    samples = [{"sgmv-cuda": 6705.6, "fold-cuda": 5252.5, "sgmv-triton": 8991.8, "fold-triton": 5923.7},
+               {"sgmv-cuda": 10196.4, "fold-cuda": 8872.7, "sgmv-triton": 11193.8, "fold-triton": 8445.8},
+               {"sgmv-cuda": 25358.9, "fold-cuda": 30562.1, "sgmv-triton": 28017.8, "fold-triton": 26573.7}]
+    assert choose_routes(samples) == ["fold-cuda", "fold-cuda", "fold-triton"]
+    assert choose_routes([{"a": 2.0, "b": 2.0, "c": 1.0}]) == ["c"]
+    assert choose_routes([{"a": 1.0, "b": 1.1}, {"a": 1.05, "b": 1.0}]) == ["a", "a"]  # worst 5% against 10%
+    assert choose_routes([{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}]) == ["a", "a"]  # a tie: the first listed
+
+
 def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regime(tmp_path, monkeypatch):
-    """write_routes (GPU-only through the CLI) on stand-in timings: one class per rank bound, each regime's fastest
-    correct route, and a table that routes.pick reads."""
+    """write_routes (GPU-only through the CLI) on stand-in timings: one class per rank bound, each regime's route
+    by choose_routes, a table that routes.pick reads, and none written when a route fails."""
     from lora_ops import routes
     from lora_ops.bench import decode_step
 
@@ -255,7 +270,13 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     want = {16: "fold-cuda", 64: "fold-triton"}
     for c in classes:
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
-        assert got == [want[c["rank"]]] * 3 + ["sgmv-cuda"] * 2
+        # 257-1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 256; from 1024 it wins at both ends
+        assert got == [want[c["rank"]]] * 4 + ["sgmv-cuda"]
+    failing = lambda model, step, device, records, failures, *rest: failures.append("fold-cuda raised")
+    monkeypatch.setattr(decode_step, "bench_step", failing)
+    (tmp_path / "routes.json").unlink()
+    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"))
+    assert not (tmp_path / "routes.json").exists() and "not written" in failures[-1]
     monkeypatch.setattr(routes, "_table", classes)
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     assert routes.pick(64, "cuda", 16) == ("fold", "cuda")

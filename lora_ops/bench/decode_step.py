@@ -70,13 +70,15 @@ STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64)]
 
 def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
     """The overhead floors of a step, in % of the base weights' bytes: (the adapters present, A and B: what any
-    route must read; the fold route's: every pool slot's A, which its GEMM reads, and the present adapters' B)."""
+    route must read; the fold route's: every pool slot's A, which its GEMM reads, and the present adapters' B).
+    With fewer tokens than adapters, T adapters are present (one token each, Setup)."""
     base = a = b = 0
     for _, K, widths in model.modules():
         base += sum(widths) * K
         a += step.rank * len(widths) * K
         b += step.rank * sum(widths)
-    return 100.0 * step.adapters * (a + b) / base, 100.0 * (POOL_SLOTS * a + step.adapters * b) / base
+    present = min(step.T, step.adapters)
+    return 100.0 * present * (a + b) / base, 100.0 * (POOL_SLOTS * a + present * b) / base
 
 
 class Module:
@@ -282,24 +284,41 @@ def run(models: Sequence[str], device, records, failures, log, only=None, steps:
             bench_step(MODELS[name], step, device, records, failures, log, only, parts)
 
 
+def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
+    """Each regime's route from the routes' µs at its sample (its top end) and at the previous regime's (just below
+    its bottom end): the route whose worst slowdown against the fastest at those two ends is smallest, the faster
+    at the top end on a tie. The top end alone picked defaults 13-82% slower than another route at the regime's
+    other end (H200, 7f9cdc6)."""
+    chosen = []
+    for i, timed in enumerate(samples):
+        ends = samples[max(i - 1, 0):i + 1]
+        worst = lambda route: max(s.get(route, float("inf")) / min(s.values()) for s in ends)
+        chosen.append(min(timed, key=lambda route: (worst(route), timed[route])))
+    return chosen
+
+
 def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
     """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count
-    (llama3-8b), and writes the table of the fastest correct route per class and regime to `path`
-    (lora_ops/routes.json)."""
+    (llama3-8b), and writes the table of each class's routes by regime (choose_routes) to `path`
+    (lora_ops/routes.json). A run in which any route failed or gave a wrong result writes none."""
     import json
 
+    failures_before = len(failures)
     classes = []
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
-        regimes = []
-        for bound, T in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES):
+        samples, timings = [], []
+        for T in route_table.REGIME_SAMPLES:
             first = len(records)
             bench_step(MODELS["llama3-8b"], Step(T, adapters, rank), device, records, failures, log)
-            timed = {r["backend"]: r["us"] for r in records[first:]}
-            lora = {k: v for k, v in timed.items() if k != "base"}
-            if not lora:
-                failures.append(f"routes: no route ran correctly at T={T}, rank {rank}")
-                return
-            route, backend = min(lora, key=lora.get).split("-")
+            timings.append({r["backend"]: r["us"] for r in records[first:]})
+            samples.append({k: v for k, v in timings[-1].items() if k != "base"})
+        if len(failures) > failures_before or not all(samples):
+            failures.append(f"routes: {path} not written: a route failed or none ran (rank {rank})")
+            return
+        regimes = []
+        for bound, T, choice, timed in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
+                                           choose_routes(samples), timings):
+            route, backend = choice.split("-")
             regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
         classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
     table = dict(meta, model="llama3-8b", ranks=classes)
