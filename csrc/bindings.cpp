@@ -1,6 +1,7 @@
 // The one place the ops are defined (docs/design.md §1): schemas, Meta kernels, and the Python module that holds
 // their fake/autograd registrations. Device kernels register themselves from csrc/<backend>/registration.cpp.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <string>
@@ -131,7 +132,7 @@ TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
 }
 
 // The ops that write y have no backward: with grad mode on, an input that requires grad is refused (a backward
-// would otherwise silently miss the LoRA delta, y's autograd history being left as it was).
+// would otherwise silently miss the LoRA delta, y's autograd history being left as it was); y's version is bumped.
 namespace {
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (c10::GradMode::is_enabled()) {
@@ -144,7 +145,16 @@ void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
                   "torch.inference_mode()");
     }
   }
+  // y's version moves as a native in-place op's does, so that autograd refuses a backward that saved y before.
+  const auto& args = op.schema().arguments();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0, first = stack->size() - args.size(); i < args.size(); ++i) {
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
+      written.push_back((*stack)[first + i].toTensor());
+    }
+  }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
 }
 }  // namespace
 

@@ -100,9 +100,13 @@ def fold_expand_rows(backend: str, token_lora, segments: tuple) -> tuple:
 
 
 def preload() -> None:
-    """Reads and checks the table now: torch.compile cannot trace the file read, so a model whose first forward
-    is compiled needs it read before (MultiLoRALinear does it when it wraps a layer)."""
+    """Reads and checks the table, and resolves every route's ops, now: torch.compile cannot trace the file read,
+    and a first compiled forward that filled op()'s cache would be guarded on it (a recompile once an eager call
+    fills it). MultiLoRALinear calls this when it wraps a layer."""
     _classes()
+    for kind in ("sgmv", "lora_expand"):
+        for backend in BACKENDS:
+            op(kind, backend)
 
 
 def _classes() -> List[dict]:

@@ -146,6 +146,19 @@ def test_ops_refuse_inputs_that_require_grad(name, prefix):
             op(**args)
 
 
+def test_ops_bump_the_version_of_y():
+    """A backward that saved y before an op wrote it is refused, as after a native in-place op."""
+    args = sgmv_args()
+    w = torch.ones(12, requires_grad=True)
+    loss = (args["y"] * w).sum()  # saves y
+    with torch.no_grad():
+        version = args["y"]._version
+        lora_ops.sgmv(**args)
+    assert args["y"]._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_lora_expand_row_extent_names_y():
     args = {k: v.to("meta") for k, v in _expand_args().items()}
     args.update(y=torch.zeros(2 ** 31, 12, device="meta"), h=torch.zeros(2 ** 31, 3, 4, device="meta"))

@@ -48,6 +48,10 @@ class MultiLoRALinear(nn.Module):
         batch = self._pool.current
         if batch is None:
             return self.base(x)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.base.parameters())):
+            # the fold route's GEMM reads w_cat, not base.weight: without this its gradient would silently vanish
+            raise RuntimeError(f"{self._slots.name}: the LoRA layers are for inference (the ops have no backward); "
+                               "run the model under torch.no_grad() or torch.inference_mode()")
         if torch.is_autocast_enabled(x.device.type):
             raise RuntimeError(f"{self._slots.name}: the LoRA layers do not run under autocast; create the pool on "
                                "the model in its compute dtype (model.to(dtype) before AdapterPool)")

@@ -46,6 +46,11 @@ class ModuleSlots:
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
+        # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
+        # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
+        for t in (self.w_cat, self.bias_cat, self.lora_a, self.lora_b, self.ranks, self.scales):
+            if t is not None:
+                torch._dynamo.mark_static(t)
 
 
 class LoRABatch:
@@ -55,14 +60,13 @@ class LoRABatch:
     their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style servers do, or by
     torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it after the next
     set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
-    moves them (AdapterPool's max_batch_tokens; a warning says so). A pool keeps ONE of these: torch.compile
+    moves them (AdapterPool's max_batch_tokens; a warning says so: graphs captured before then read freed memory). A pool keeps ONE of these: torch.compile
     guards on the identity of the objects a graph reads, so a new object per step would recompile the model."""
 
     def __init__(self, device, num_slots: int, max_tokens: int):
         self.active = False
         self.num_slots = num_slots
-        self._slot_buffer = torch.empty(max_tokens, dtype=torch.int32, device=device)
-        self._index_buffer = torch.empty(max_tokens, dtype=torch.int32, device=device)
+        self._allocate(max_tokens, device)
         self.seg_indptr = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
         self.seg_lora = torch.arange(num_slots, dtype=torch.int32, device=device)  # build_segments' are arange
         # Their sizes depend on the pool only: static, so that torch.compile's duck sizing never ties them to a
@@ -71,15 +75,23 @@ class LoRABatch:
         torch._dynamo.mark_static(self.seg_lora)
         self.token_slots = self.token_indices = None
 
+    def _allocate(self, max_tokens: int, device) -> None:
+        # One entry more than any step uses: torch.compile would tie a step's T to the buffer's length when they
+        # are equal (the views' base is an input too), and recompile at the next T.
+        self._slot_buffer = torch.empty(max_tokens + 1, dtype=torch.int32, device=device)
+        self._index_buffer = torch.empty_like(self._slot_buffer)
+        torch._dynamo.mark_static(self._slot_buffer)
+        torch._dynamo.mark_static(self._index_buffer)
+
     def set(self, token_slots: torch.Tensor) -> None:
         """token_slots: [T] int32 on the host (copied to the device here, without a sync)."""
         T = token_slots.shape[0]
-        if T > self._slot_buffer.shape[0]:
-            warnings.warn(f"a step of {T} tokens is larger than the routing buffers ({self._slot_buffer.shape[0]} "
-                          "tokens, AdapterPool's max_batch_tokens): they move, and CUDA graphs captured before "
-                          "now read stale routing; capture again", stacklevel=3)
-            self._slot_buffer = torch.empty(T, dtype=torch.int32, device=self._slot_buffer.device)
-            self._index_buffer = torch.empty_like(self._slot_buffer)
+        if T >= self._slot_buffer.shape[0]:
+            warnings.warn(f"a step of {T} tokens is larger than the routing buffers "
+                          f"({self._slot_buffer.shape[0] - 1} tokens, AdapterPool's max_batch_tokens): they move, "
+                          "and CUDA graphs captured before now read freed memory (wrong output); capture again",
+                          stacklevel=3)
+            self._allocate(2 * T, self._slot_buffer.device)
         self.token_slots = self._slot_buffer[:T]
         self.token_slots.copy_(token_slots, non_blocking=True)
         token_indices, seg_indptr, _ = ops.build_segments(self.token_slots, self.num_slots)
