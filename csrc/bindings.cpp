@@ -132,29 +132,25 @@ TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
 }
 
 // The ops that write y have no backward: with grad mode on, an input that requires grad is refused (a backward
-// would otherwise silently miss the LoRA delta, y's autograd history being left as it was); y's version is bumped.
+// would otherwise silently miss the LoRA delta, y's autograd history being left as it was). y's version moves as
+// after a native in-place op, so that autograd refuses a backward that saved y before. One pass over the
+// arguments, no allocation: every op here writes exactly one argument (y).
 namespace {
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  if (c10::GradMode::is_enabled()) {
-    const auto& args = op.schema().arguments();
-    const size_t first = stack->size() - args.size();
-    for (size_t i = 0; i < args.size(); ++i) {
-      const c10::IValue& v = (*stack)[first + i];
-      TORCH_CHECK(!(v.isTensor() && v.toTensor().requires_grad()), op.schema().name(), ": ", args[i].name(),
-                  " requires grad, and the op has no backward; call it under torch.no_grad() or "
-                  "torch.inference_mode()");
-    }
-  }
-  // y's version moves as a native in-place op's does, so that autograd refuses a backward that saved y before.
   const auto& args = op.schema().arguments();
-  std::vector<at::Tensor> written;
-  for (size_t i = 0, first = stack->size() - args.size(); i < args.size(); ++i) {
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
-      written.push_back((*stack)[first + i].toTensor());
-    }
+  const size_t first = stack->size() - args.size();
+  const bool grad_mode = c10::GradMode::is_enabled();
+  at::Tensor written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = (*stack)[first + i];
+    if (!v.isTensor()) continue;
+    TORCH_CHECK(!(grad_mode && v.toTensor().requires_grad()), op.schema().name(), ": ", args[i].name(),
+                " requires grad, and the op has no backward; call it under torch.no_grad() or "
+                "torch.inference_mode()");
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written = v.toTensor();
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+  torch::autograd::impl::bump_version(written);
 }
 }  // namespace
 

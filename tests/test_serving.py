@@ -213,7 +213,7 @@ def test_fused_qkv_and_gate_up_slices_match_peft(tmp_path):
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-STEPS = (((["a", None, "b"], 5), (["c", "c", "a", None, "b"], 3), (["b", "a"], 8)))
+STEPS = ((["a", None, "b"], 5), (["c", "c", "a", None, "b"], 3), (["b", "a"], 8))
 
 
 def _compile_run(adapters, device, mode=None, steps=STEPS, **pool_kw):

@@ -111,9 +111,8 @@ at::Tensor kernel_index(const at::Tensor& t) {
 // seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P). Without seg_indptr (lora_expand's rows
 // form) position p is segment p: the slots are [P], P = len(token_indices) or the number of rows.
 void check_segments_host(const char* op, const char* rows_what, const char* slot_name, const at::Tensor& y,
-                         const c10::SymInt& rows,
-                         const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_slot,
-                         const std::optional<at::Tensor>& token_indices) {
+                         const c10::SymInt& rows, const std::optional<at::Tensor>& seg_indptr,
+                         const at::Tensor& seg_slot, const std::optional<at::Tensor>& token_indices) {
   check_int32_extent(op, rows_what, rows);
   if (token_indices.has_value()) {
     check_index_tensor(op, "token_indices", *token_indices, y, std::nullopt, "");

@@ -100,7 +100,6 @@ class Module:
         self.slice_offsets = self.offsets if self.S > 1 else None
 
 
-
 class Setup:
     """The model's layers for one step shape, the step's activations and routing, and the output buffers."""
 

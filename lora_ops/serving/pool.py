@@ -60,8 +60,9 @@ class LoRABatch:
     their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style servers do, or by
     torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it after the next
     set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
-    moves them (AdapterPool's max_batch_tokens; a warning says so: graphs captured before then read freed memory). A pool keeps ONE of these: torch.compile
-    guards on the identity of the objects a graph reads, so a new object per step would recompile the model."""
+    moves them (AdapterPool's max_batch_tokens; a warning says so: graphs captured before then read freed memory).
+    A pool keeps ONE of these: torch.compile guards on the identity of the objects a graph reads, so a new object
+    per step would recompile the model."""
 
     def __init__(self, device, num_slots: int, max_tokens: int):
         self.active = False
