@@ -350,6 +350,38 @@ def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, monkey
     pool.clear_batch()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pool_of_one_rank_passes_no_ranks(adapters, device):
+    """While every loaded adapter has the pool's rank on a module, its ops get lora_ranks=None (the kernels skip
+    the slot's rank, a dependent load per row): b has rank 16 everywhere. A smaller adapter brings the ranks back;
+    and an op call without ranks stays right after it (a graph captured before): A and B are zero past each
+    slot's rank, B wholly zero where the adapter in the slot (here after b) does not target the module."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["b"], num_slots=2, max_rank=16, device=device)
+    assert all(m.ranks_arg is None for m in pool.modules.values())
+    ids = torch.randint(0, 256, (3, 5), device=device)
+
+    def check(names, rows):
+        ref_model = _peft_model(base, root, names).to(device)
+        tokens, logits = greedy_generate(model, pool, ids, rows, max_new_tokens=2)
+        with torch.no_grad():
+            want = ref_model(tokens[:, :-1], adapter_names=[r or "__base__" for r in rows]).logits
+        assert rel_err(logits, want) < 1e-5, rows
+
+    check(["b"], ["b", None, "b"])
+    pool.unload("b")
+    pool.load("a", str(root / "a"))  # rank 8 on q and v only, in b's old slot
+    pool.load("c", str(root / "c"))  # rank 4 (2 on down_proj) on o and down only
+    assert all(m.ranks_arg is m.ranks for m in pool.modules.values())
+    for m in pool.modules.values():
+        m.ranks_arg = None  # as a graph captured while the pool held b alone would call the ops
+    check(["a", "c"], ["a", "c", None])
+    pool.unload("a")
+    pool.unload("c")
+    pool.load("b", str(root / "b"))
+    assert all(m.ranks_arg is None for m in pool.modules.values())
+
+
 def test_a_second_pool_takes_over_a_patched_model(adapters):
     base, root = adapters
     model, first = _pool_model(base, root, ["a"])

@@ -108,7 +108,8 @@ class Setup:
         gen = torch.Generator().manual_seed(seed)
         slots = torch.randperm(POOL_SLOTS, generator=gen)[:step.adapters].tolist()
         self.token_lora = testing.random_token_slots(step.T, slots, gen).to(device)
-        self.ranks = torch.full((POOL_SLOTS,), step.rank, dtype=torch.int32, device=device)
+        # Every slot holds an adapter of the pool's rank, so the serving layer passes no ranks (ModuleSlots.set_rank)
+        self.ranks = None
         self.scales = (torch.rand(POOL_SLOTS, generator=gen) * 2 + 0.5).to(device)
         shapes = model.modules()
         self.layers = [[Module(K, widths, step.rank, device, seed * 100003 + i * 7 + j)

@@ -64,7 +64,7 @@ class MultiLoRALinear(nn.Module):
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
         m = self._slots
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
-        per_slot = (m.ranks, m.scales, m.offsets_arg)
+        per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":
             out = F.linear(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
