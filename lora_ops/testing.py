@@ -174,7 +174,7 @@ def cuda_build_segments_max_slots(count_copies: int) -> int:
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
+    out, ref = out.double().to(ref.device), ref.double()
     denom = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff
@@ -185,8 +185,9 @@ def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.
 
     Elements the oracle leaves alone must be bitwise unchanged (NaN poison included); the written ones must
     carry no NaN and their change (out - before) must match the oracle's within tolerance(inputs_dtype, out.dtype)
-    (inputs_dtype: the weights' dtype)."""
-    out, before, ref = out.cpu(), before.cpu(), ref.cpu()
+    (inputs_dtype: the weights' dtype). Compared on the oracle's device: a bench output of 16384 × 4096 takes
+    seconds on the host."""
+    out, before = out.to(ref.device), before.to(ref.device)
     before64 = before.double()
     touched = ~((ref == before64) | (ref.isnan() & before64.isnan()))
     if not torch.equal(out[~touched].view(torch.uint8), before[~touched].view(torch.uint8)):  # bitwise, NaN too
