@@ -3,13 +3,15 @@
 
 Every implementation is checked against the float64 oracle before it is timed; a wrong or crashing
 implementation of lora_ops (or a wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each
-case is timed as CUDA-graph replay and eagerly, rotating among enough input sets to exceed twice the L2 (each
-layer of a real model has its own activations and weights, so they are not L2-resident; the segment metadata,
-built once per step for all layers, is shared), and reported as µs, GB/s and % of the memory roofline: minimum
-bytes (x read, the true-rank rows of the adapters present, y read and written) over the device-to-device copy
-bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against torch._grouped_mm (bf16
-only: its other dtypes are recorded as unavailable, with torch's error), which is checked storing its output into y
-and, where grouped_gemm only stores (y = output), timed alone on an output of its own.
+case is timed as CUDA-graph replay and eagerly, rotating among input sets whose calls together touch at least
+twice the L2 (each layer of a real model has its own activations and weights, so they are not L2-resident; the
+segment metadata, built once per step for all layers, is shared), as many as a memory budget of a quarter of the
+free device memory holds: a case the budget keeps under twice the L2 is logged, and every record says its sets
+and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
+memory roofline: minimum bytes (x read, the true-rank rows of the adapters present, y read and written) over the
+device-to-device copy bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against
+torch._grouped_mm (bf16 only: its other dtypes are recorded as unavailable, with torch's error), which is checked
+storing its output into y and, where grouped_gemm only stores (y = output), timed alone on an output of its own.
 """
 from __future__ import annotations
 
@@ -63,20 +65,23 @@ class Problem:
     step's one build_segments output, while their activations and adapter weights are their own."""
 
     def __init__(self, case: Case, dtype, device, seed, like: Optional["Problem"] = None):
-        gen = torch.Generator().manual_seed(seed)
-        slots = torch.randperm(case.pool_slots, generator=gen)[:case.adapters].tolist()
-        token_lora = testing.random_token_slots(case.T, slots, gen)
-        if like is not None:
+        if like is None:
+            gen = torch.Generator().manual_seed(seed)
+            slots = torch.randperm(case.pool_slots, generator=gen)[:case.adapters].tolist()
+            token_lora = testing.random_token_slots(case.T, slots, gen)
+        else:
             slots, token_lora = like.slots, like.token_lora.cpu()
         width = case.N // case.slices
         offsets = [s * width for s in range(case.slices)] + [case.N]
         ranks = [case.rank] * case.pool_slots
+        # drawn on the device: a small case rotates among hundreds of sets
+        values = torch.Generator(device).manual_seed(seed)
         self.p = testing.make_sgmv(token_lora, num_slots=case.pool_slots, K=case.K, N=case.N, max_rank=case.R,
-                                   dtype=dtype, device=device, gen=gen, ranks=ranks, scales=True,
+                                   dtype=dtype, device=device, gen=values, ranks=ranks, scales=True,
                                    slice_offsets=offsets if case.slices > 1 else None)
         self.slots = slots
         if like is not None:
-            self.token_lora = like.token_lora
+            self.token_lora, self.rows_by_slot = like.token_lora, like.rows_by_slot
             self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = \
                 like.p.token_indices, like.p.seg_indptr, like.p.seg_lora
             self.p.lora_ranks, self.p.lora_scales = like.p.lora_ranks, like.p.lora_scales
@@ -84,18 +89,32 @@ class Problem:
             self.token_lora = token_lora.to(device)
             seg = lora_ops.build_segments(self.token_lora, case.pool_slots)
             self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = seg
+            self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.offsets = offsets
-        self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.case = case
 
     def args(self, y):
         return self.p.args(y)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """The bytes one call reads or writes, each once: x, the true-rank rows of the adapters present (every
+        case has a row per adapter), y. The shared metadata is left out: a model's layers keep it L2-hot too."""
         c, p = self.case, self.p
-        e, ey = p.x.element_size(), p.y.element_size()
-        weights = c.adapters * c.rank * (c.slices * c.K + c.N) * e
-        return c.T * c.K * e + weights + 2 * c.T * c.N * ey
+        e = p.x.element_size()
+        return c.T * c.K * e + c.adapters * c.rank * (c.slices * c.K + c.N) * e + c.T * c.N * p.y.element_size()
+
+    def min_bytes(self) -> int:
+        """The bytes one call must move: the touched bytes, y both read and written."""
+        return self.touched_bytes() + self.case.T * self.case.N * self.p.y.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Device bytes a set holds of its own (the whole pool), with the copy of y that its timing writes."""
+        p = self.p
+        return _storage_bytes(p.x, p.lora_a, p.lora_b, p.y) + _storage_bytes(p.y)
+
+
+def _storage_bytes(*tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 # ---- implementations: each is f(problem, y) -> None, adding the LoRA delta into y ----
@@ -189,10 +208,28 @@ def host_overhead_us(device, n=2000) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def _n_sets(set_bytes: int, l2_bytes: int, device) -> int:
-    """Input sets to rotate among so that together they exceed twice the L2 (a real model's layers each have their
-    own activations and weights)."""
-    return 1 if device == "cpu" else int(min(16, max(1, (2 * l2_bytes) // max(set_bytes, 1) + 1)))
+def n_sets(touched_bytes: int, allocated_bytes: int, l2_bytes: int, budget_bytes: int) -> int:
+    """How many input sets a CUDA case rotates among: enough that their calls together touch at least twice the L2
+    (a real model's layers each have their own activations and weights), as many of those as fit in the memory
+    budget (each set allocates its whole problem), and at least one."""
+    wanted = -(-2 * l2_bytes // max(touched_bytes, 1))
+    return max(1, min(wanted, budget_bytes // max(allocated_bytes, 1)))
+
+
+def _input_sets(first, another: Callable[[int], object], l2_bytes, device, log):
+    """The sets a case rotates among (on the CPU `first` alone; on CUDA n_sets of them, another(seed) making the
+    rest) and the record fields that say what they rotate through: their number, and rotated_bytes, the bytes
+    their calls touch together (under twice the L2: partly L2-resident, optimistic µs). The memory budget is a
+    quarter of the device's free memory."""
+    touched = first.touched_bytes()
+    n = 1
+    if device != "cpu":
+        budget = torch.cuda.mem_get_info(device)[0] // 4
+        n = n_sets(touched, first.allocated_bytes(), l2_bytes, budget)
+        if n * touched < 2 * l2_bytes:
+            log(f"  under 2x the L2: {n} sets touch {n * touched / 2**20:.1f} MiB of {2 * l2_bytes / 2**20:.0f} MiB "
+                f"({first.allocated_bytes() / 2**20:.0f} MiB each, budget {budget / 2**30:.1f} GiB): µs optimistic")
+    return [first] + [another(seed) for seed in range(2, n + 1)], {"sets": n, "rotated_bytes": n * touched}
 
 
 def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, ref, inputs_dtype,
@@ -253,11 +290,10 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
                log) -> None:
     pb0 = Problem(case, dtype, device, seed=1)
-    set_bytes = pb0.min_bytes() + pb0.p.lora_a.numel() * pb0.p.lora_a.element_size() * 2
-    sets = [pb0] + [Problem(case, dtype, device, seed=2 + i, like=pb0)
-                    for i in range(_n_sets(set_bytes, l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
+                                 log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
-           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, reference.sgmv(*pb0.p.args()), dtype, pb0.min_bytes(),
              None, device, copy_tbps, records, failures, log)
 
@@ -295,18 +331,22 @@ class ExpandProblem(Problem):
 
     def __init__(self, case: Case, dtype, device, seed, like: Optional["ExpandProblem"] = None):
         super().__init__(dataclasses.replace(case, K=16), dtype, device, seed, like)
-        gen = torch.Generator().manual_seed(seed + 7919)
-        self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen).to(dtype).to(device)
+        gen = torch.Generator(device).manual_seed(seed + 7919)
+        self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen, device=device).to(dtype)
 
     def args(self, y):
         p = self.p
         return (y, self.h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
                 p.slice_offsets, p.scale)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """Each row's window of h (its slot's true rank, per slice), the adapters' B, y."""
         c, p = self.case, self.p
-        e, ey = p.lora_b.element_size(), p.y.element_size()
-        return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + 2 * c.T * c.N * ey
+        e = p.lora_b.element_size()
+        return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + c.T * c.N * p.y.element_size()
+
+    def allocated_bytes(self) -> int:
+        return super().allocated_bytes() + _storage_bytes(self.h)
 
 
 def expand_torch_loop(pb: ExpandProblem, y):
@@ -342,10 +382,10 @@ def expand_implementations(device) -> Dict[str, Callable]:
 
 def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records, failures, log) -> None:
     pb0 = ExpandProblem(case, dtype, device, seed=1)
-    sets = [pb0] + [ExpandProblem(case, dtype, device, seed=2 + i, like=pb0)
-                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: ExpandProblem(case, dtype, device, seed, like=pb0), l2_bytes,
+                                 device, log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "N": case.N,
-           "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
+           "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, reference.lora_expand(*pb0.args(pb0.p.y)), dtype,
              pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
@@ -392,7 +432,7 @@ class GroupedGemmProblem:
     """One input set of a grouped_gemm case: group g owns rows [g·M, (g+1)·M) and weight w[g]."""
 
     def __init__(self, case: GroupedGemmCase, device, seed):
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device).manual_seed(seed)
         dt = lambda name: getattr(torch, name) if name else None
         token_groups = torch.arange(case.groups, dtype=torch.int32).repeat_interleave(case.M)
         self.p = testing.make_grouped_gemm(token_groups, num_groups=case.groups, K=case.K, N=case.N,
@@ -405,11 +445,21 @@ class GroupedGemmProblem:
     def args(self, y):
         return self.p.args(y)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """x, every group's weight, y."""
         c, p = self.case, self.p
-        y_trips = 2 if c.accumulate else 1
         return (c.T * c.K * p.x.element_size() + c.groups * c.N * c.K * p.w.element_size()
-                + y_trips * c.T * c.N * p.y.element_size())
+                + c.T * c.N * p.y.element_size())
+
+    def min_bytes(self) -> int:
+        """The touched bytes, y read as well when accumulating."""
+        c = self.case
+        return self.touched_bytes() + (c.T * c.N * self.p.y.element_size() if c.accumulate else 0)
+
+    def allocated_bytes(self) -> int:
+        """x, w, y and the copy of y that its timing writes."""
+        p = self.p
+        return _storage_bytes(p.x, p.w, p.y) + _storage_bytes(p.y)
 
     def flops(self) -> int:
         return 2 * self.case.T * self.case.N * self.case.K
@@ -452,11 +502,10 @@ def gg_implementations(device) -> Dict[str, Callable]:
 
 def bench_gg_case(case: GroupedGemmCase, impls, device, l2_bytes, copy_tbps, records, failures, log) -> None:
     pb0 = GroupedGemmProblem(case, device, seed=1)
-    sets = [pb0] + [GroupedGemmProblem(case, device, seed=2 + i)
-                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: GroupedGemmProblem(case, device, seed), l2_bytes, device, log)
     row = {"shape": case.shape, "groups": case.groups, "T": case.T, "K": case.K, "N": case.N, "dtype": case.dtype,
            "x_dtype": case.x_dtype or case.dtype, "y_dtype": case.y_dtype or case.dtype,
-           "accumulate": case.accumulate}
+           "accumulate": case.accumulate, **rotation}
     # torch._grouped_mm makes its own output: unless the case accumulates or scales (y += alpha·output, part of the
     # op), it is timed alone, without the copy into y that its check needs.
     alone = ({"grouped_mm": gg_grouped_mm_output}
