@@ -3,12 +3,14 @@ wrong implementation of ours or a broken Triton fails the run (and is stored in 
 refused from a partial run and written from a full one's results file, and the README section renders the
 lora_expand and grouped_gemm tables."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import lora_ops
 from lora_ops import backends, op_table, reference, testing
-from lora_ops.bench import __main__ as bench, ops, report
+from lora_ops.bench import __main__ as bench, ops, report, timing
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_sets_rotate_through_twice_the_l2_within_the_memory_budget():
     touched = 4096 * 2 + 16 * 8192 * 2 + 4096 * 2
     n = ops.n_sets(touched, 8 * MiB, l2, budget_bytes=32 * GiB)
     assert n == 452 and n * touched >= 2 * l2 > (n - 1) * touched
-    assert ops.n_sets(258 * MiB, 392 * MiB, l2, 32 * GiB) == 1  # past twice the L2 alone
+    assert ops.n_sets(258 * MiB, 392 * MiB, l2, 32 * GiB) == timing.MIN_CALLS  # past the L2 alone: one per call
     n = ops.n_sets(touched, 8 * MiB, l2, budget_bytes=100 * MiB)  # the budget binds: under 2x the L2
     assert n == 12 and n * touched < 2 * l2
     assert ops.n_sets(258 * MiB, 392 * MiB, l2, budget_bytes=100 * MiB) == 1
@@ -94,6 +96,44 @@ def test_input_sets_share_the_metadata_and_log_a_case_under_twice_the_l2(monkeyp
     last = sets[-1]
     assert last.p.seg_indptr is first.p.seg_indptr and last.rows_by_slot is first.rows_by_slot
     assert not torch.equal(last.p.x, first.p.x) and not torch.equal(last.p.lora_a, first.p.lora_a)
+
+
+def test_a_wrong_graph_replay_fails_the_bench_and_is_not_timed(monkeypatch):
+    """time_cuda with the graph replayed on the host: a kernel right on each set's first call (the eager check) but
+    not on later ones (a captured launch gone stale) fails on the replay that the timing checks first."""
+    monkeypatch.setattr(timing, "capture", lambda calls: SimpleNamespace(replay=lambda: [f() for f in calls]))
+    monkeypatch.setattr(timing, "time_loop", lambda run, min_ms: 1.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first] + [ops.Problem(case, torch.bfloat16, "cpu", seed, like=first) for seed in (2, 3)]
+    right = ops._ours(lora_ops.ops, "sgmv")
+    seen = set()
+
+    def first_call_only(pb, y):
+        if id(pb) not in seen:
+            seen.add(id(pb))
+            right(pb, y)
+    records, failures = [], []
+    row = {"T": case.T, "sets": 3}
+    ops._measure("sgmv", row, {"cpu": right, "stale": first_call_only}, sets, lambda pb: pb.p.y,
+                 lambda pb: reference.sgmv(*pb.p.args()), torch.bfloat16, first.min_bytes(), None, "cuda", None,
+                 records, failures, lambda s: None)
+    assert [(r["backend"], r["mode"], r["sets"]) for r in records] == [("cpu", "graph", 3), ("cpu", "eager", 3)]
+    assert len(failures) == 1 and failures[0].startswith("sgmv stale {'T': 8, 'sets': 3}: WRONG vs the float64 "
+                                                          "oracle after a graph replay, set 1 of 3: ")
+
+
+def test_the_eager_check_covers_the_last_set():
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first, ops.Problem(case, torch.bfloat16, "cpu", 2, like=first)]
+    right = ops._ours(lora_ops.ops, "sgmv")
+    records, failures = [], []
+    ops._measure("sgmv", {}, {"first_set_inputs": lambda pb, y: right(first, y)}, sets, lambda pb: pb.p.y,
+                 lambda pb: reference.sgmv(*pb.p.args()), torch.bfloat16, 0, None, "cpu", None, records, failures,
+                 lambda s: None)
+    assert records == [] and len(failures) == 1 and "WRONG vs the float64 oracle: set 2 of 2" in failures[0]
 
 
 def test_a_broken_triton_fails_the_bench(monkeypatch, capsys):

@@ -1,17 +1,19 @@
 """The op bench: sgmv, lora_expand, grouped_gemm and build_segments on every available backend against baselines
 (docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present.
 
-Every implementation is checked against the float64 oracle before it is timed; a wrong or crashing
-implementation of lora_ops (or a wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each
-case is timed as CUDA-graph replay and eagerly, rotating among input sets whose calls together touch at least
-twice the L2 (each layer of a real model has its own activations and weights, so they are not L2-resident; the
-segment metadata, built once per step for all layers, is shared), as many as a memory budget of a quarter of the
-free device memory holds: a case the budget keeps under twice the L2 is logged, and every record says its sets
-and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
+Every implementation is checked against the float64 oracle on the first and last input sets before it is timed,
+and on CUDA so is one replay of the graph that is timed; a wrong or crashing implementation of lora_ops (or a
+wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each case is timed as CUDA-graph replay
+and eagerly, rotating among input sets whose calls together touch at least twice the L2 (each layer of a real
+model has its own activations and weights, so they are not L2-resident; the segment metadata, built once per step
+for all layers, is shared), at least 20 of them (one per call of a replay), as many as a memory budget of a
+quarter of the free device memory holds: a case the budget keeps under twice the L2 is logged, and every record
+says its sets and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
 memory roofline: minimum bytes (x read, the true-rank rows of the adapters present, y read and written) over the
 device-to-device copy bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against
 torch._grouped_mm (bf16 only: its other dtypes are recorded as unavailable, with torch's error), which is checked
-storing its output into y and, where grouped_gemm only stores (y = output), timed alone on an output of its own.
+storing its output into y and, where grouped_gemm only stores (y = output), timed alone on an output of its own
+(whose replay is not checked).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from .timing import time_cpu, time_cuda
+from .timing import MIN_CALLS, time_cpu, time_cuda
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
 OURS = ("cpu", "cuda", "triton", "cpu-rows", "cuda-rows", "triton-rows")  # -rows: lora_expand's rows form
@@ -210,9 +212,10 @@ def host_overhead_us(device, n=2000) -> float:
 
 def n_sets(touched_bytes: int, allocated_bytes: int, l2_bytes: int, budget_bytes: int) -> int:
     """How many input sets a CUDA case rotates among: enough that their calls together touch at least twice the L2
-    (a real model's layers each have their own activations and weights), as many of those as fit in the memory
+    (a real model's layers each have their own activations and weights), and at least MIN_CALLS (a graph replay
+    then runs each set once, so that it can be checked against the oracle), as many of those as fit in the memory
     budget (each set allocates its whole problem), and at least one."""
-    wanted = -(-2 * l2_bytes // max(touched_bytes, 1))
+    wanted = max(MIN_CALLS, -(-2 * l2_bytes // max(touched_bytes, 1)))
     return max(1, min(wanted, budget_bytes // max(allocated_bytes, 1)))
 
 
@@ -232,20 +235,50 @@ def _input_sets(first, another: Callable[[int], object], l2_bytes, device, log):
     return [first] + [another(seed) for seed in range(2, n + 1)], {"sets": n, "rotated_bytes": n * touched}
 
 
-def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, ref, inputs_dtype,
-             min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict], failures: List[str],
-             log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
-    """Checks each implementation on the first input set against the float64 oracle `ref`, then times it over all
-    sets (graph replay and eager on CUDA), one record per mode. `impls` are f(problem, y) -> None writing into y;
-    y_of(problem) is the problem's initial y. timed_alone: per implementation, f(problem) to time instead, once
-    its f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y;
-    its records say timed_alone=True)."""
-    timed_alone = timed_alone or {}
-    before = y_of(sets[0]).clone()
-    for name, fn in impls.items():
+class WrongReplay(Exception):
+    """A graph replay's output that does not match the float64 oracle."""
+
+
+def _check_eagerly(fn: Callable, sets: list, y_of: Callable, refs: dict, inputs_dtype) -> str:
+    """'' if fn(problem, y) is right on each set in refs (set index -> its oracle), else what is wrong."""
+    for i, ref in refs.items():
+        before = y_of(sets[i]).clone()
         y = before.clone()
+        fn(sets[i], y)
+        bad = testing.check_against_reference(y, before, ref, inputs_dtype)
+        if bad:
+            return f"set {i + 1} of {len(sets)}: {bad}"
+    return ""
+
+
+def _replay_check(sets: list, ys: list, y_of: Callable, refs: dict, inputs_dtype) -> Callable:
+    """time_cuda's check: the y of each set in refs (set index -> its oracle) reset, one replay, each compared."""
+    def check(replay):
+        for i in refs:
+            ys[i].copy_(y_of(sets[i]))
+        replay()
+        for i, ref in refs.items():
+            bad = testing.check_against_reference(ys[i], y_of(sets[i]), ref, inputs_dtype)
+            if bad:
+                raise WrongReplay(f"set {i + 1} of {len(sets)}: {bad}")
+    return check
+
+
+def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, oracle: Callable,
+             inputs_dtype, min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict],
+             failures: List[str], log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
+    """Checks each implementation on the first and last input sets against the float64 oracle, then times it over
+    all sets (graph replay and eager on CUDA), one record per mode; on CUDA one replay of the timed graph is
+    checked on the same sets first. `impls` are f(problem, y) -> None writing into y; y_of(problem) is the
+    problem's initial y; oracle(problem) its float64 result. A wrong result, eager or replayed, is a failure and
+    the implementation is not timed. timed_alone: per implementation, f(problem) to time instead, once its
+    f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y, so
+    its replay is not checked; its records say timed_alone=True)."""
+    timed_alone = timed_alone or {}
+    refs = {i: oracle(sets[i]) for i in sorted({0, len(sets) - 1})}  # two sets: the oracle is slow on big cases
+    for name, fn in impls.items():
         try:
-            fn(sets[0], y)
+            bad = _check_eagerly(fn, sets, y_of, refs, inputs_dtype)
         except Exception as exc:
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
             if name in OURS:
@@ -254,20 +287,26 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
                 records.append(dict(op=op, backend=name, mode="graph", us=None, unavailable=msg, **row))
             log(f"  {name:<11} {'FAILED' if name in OURS else 'unavailable'}: {msg}")
             continue
-        bad = testing.check_against_reference(y, before, ref, inputs_dtype)
         if bad:
             failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle: {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
+        check = None
         if name in timed_alone:
             calls = [(lambda pb=pb: timed_alone[name](pb)) for pb in sets]
         else:
             ys = [y_of(pb).clone() for pb in sets]
             calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
+            check = _replay_check(sets, ys, y_of, refs, inputs_dtype)
         got = []
         for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+            graph = mode == "graph"
             try:
-                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph=(mode == "graph"))
+                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph, check=check if graph else None)
+            except WrongReplay as exc:
+                failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle after a graph replay, {exc}")
+                log(f"  {name:<11} graph replay WRONG vs float64 oracle, {exc}; not timed")
+                break
             except Exception as exc:  # e.g. a baseline that syncs cannot be captured
                 if name in OURS:
                     failures.append(f"{op} {name} {row} {mode}: {type(exc).__name__}")
@@ -294,8 +333,8 @@ def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: L
                                  log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
            "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
-    _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, reference.sgmv(*pb0.p.args()), dtype, pb0.min_bytes(),
-             None, device, copy_tbps, records, failures, log)
+    _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.sgmv(*pb.p.args()), dtype,
+             pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
 
 def bench_build_segments(device, records, failures, log):
@@ -386,8 +425,8 @@ def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, rec
                                  device, log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "N": case.N,
            "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
-    _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, reference.lora_expand(*pb0.args(pb0.p.y)), dtype,
-             pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
+    _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.lora_expand(*pb.args(pb.p.y)),
+             dtype, pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
 
 # ---- grouped_gemm: the segmented matmul primitive (issue 13) ----
@@ -510,5 +549,5 @@ def bench_gg_case(case: GroupedGemmCase, impls, device, l2_bytes, copy_tbps, rec
     # op), it is timed alone, without the copy into y that its check needs.
     alone = ({"grouped_mm": gg_grouped_mm_output}
              if not case.accumulate and pb0.p.alpha == 1 and "grouped_mm" in impls else None)
-    _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, reference.grouped_gemm(*pb0.p.args()),
+    _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.grouped_gemm(*pb.p.args()),
              pb0.p.w.dtype, pb0.min_bytes(), pb0.flops(), device, copy_tbps, records, failures, log, alone)
