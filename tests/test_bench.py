@@ -3,12 +3,14 @@ wrong implementation of ours or a broken Triton fails the run (and is stored in 
 refused from a partial run and written from a full one's results file, and the README section renders the
 lora_expand and grouped_gemm tables."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import lora_ops
 from lora_ops import backends, op_table, reference, testing
-from lora_ops.bench import __main__ as bench, ops, report
+from lora_ops.bench import __main__ as bench, ops, report, timing
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,8 @@ def test_quick_cpu_bench_times_every_op_kind(quick_run):
     for op in ("sgmv", "lora_expand", "grouped_gemm"):
         assert (op, "cpu") in kinds and (op, "torch_loop") in kinds, op
     assert ("build_segments", "cpu") in kinds
+    timed = [r for r in recs if r["op"] != "build_segments"]
+    assert all(r["sets"] == 1 and r["rotated_bytes"] > 0 for r in timed) and result["l2_bytes"] is None
     gg = [r for r in recs if r["op"] == "grouped_gemm"]
     assert {r["shape"] for r in gg} == {ops.CPU_GG_CASES[0].shape, "LoRA shrink", "LoRA expand"}
     for r in gg:
@@ -63,6 +67,73 @@ def test_a_wrong_result_of_ours_fails_the_bench(kind, factory, monkeypatch, caps
     with open(f"{out}.json") as f:
         failures = json.load(f)["failures"]
     assert failures and all(f.startswith(f"{kind} cpu") and "WRONG vs the float64 oracle" in f for f in failures)
+
+
+def test_sets_rotate_through_twice_the_l2_within_the_memory_budget():
+    MiB, GiB, l2 = 1 << 20, 1 << 30, 60 << 20
+    # T=1, one adapter (x, its rank-16 A and B, y: 0.27 MiB touched) in a 32-slot pool of 8 MiB per set
+    touched = 4096 * 2 + 16 * 8192 * 2 + 4096 * 2
+    n = ops.n_sets(touched, 8 * MiB, l2, budget_bytes=32 * GiB)
+    assert n == 452 and n * touched >= 2 * l2 > (n - 1) * touched
+    assert ops.n_sets(258 * MiB, 392 * MiB, l2, 32 * GiB) == timing.MIN_CALLS  # past the L2 alone: one per call
+    n = ops.n_sets(touched, 8 * MiB, l2, budget_bytes=100 * MiB)  # the budget binds: under 2x the L2
+    assert n == 12 and n * touched < 2 * l2
+    assert ops.n_sets(258 * MiB, 392 * MiB, l2, budget_bytes=100 * MiB) == 1
+
+
+def test_input_sets_share_the_metadata_and_log_a_case_under_twice_the_l2(monkeypatch):
+    case = ops.CPU_CASES[0]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    another = lambda seed: ops.Problem(case, torch.bfloat16, "cpu", seed, like=first)
+    sets, fields = ops._input_sets(first, another, 1 << 20, "cpu", print)
+    assert sets == [first] and fields == {"sets": 1, "rotated_bytes": first.touched_bytes()}
+    # as on CUDA, with a budget of 10 sets: 31 would touch twice this L2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * first.allocated_bytes(), 0))
+    logged = []
+    sets, fields = ops._input_sets(first, another, 1 << 20, "cuda", logged.append)
+    assert len(sets) == fields["sets"] == 10 and fields["rotated_bytes"] == 10 * first.touched_bytes()
+    assert len(logged) == 1 and "under 2x the L2: 10 sets touch 0.7 MiB of 2 MiB" in logged[0]
+    last = sets[-1]
+    assert last.p.seg_indptr is first.p.seg_indptr and last.rows_by_slot is first.rows_by_slot
+    assert not torch.equal(last.p.x, first.p.x) and not torch.equal(last.p.lora_a, first.p.lora_a)
+
+
+def test_a_wrong_graph_replay_fails_the_bench_and_is_not_timed(monkeypatch):
+    """time_cuda with the graph replayed on the host: a kernel right on each set's first call (the eager check) but
+    not on later ones (a captured launch gone stale) fails on the replay that the timing checks first."""
+    monkeypatch.setattr(timing, "capture", lambda calls: SimpleNamespace(replay=lambda: [f() for f in calls]))
+    monkeypatch.setattr(timing, "time_loop", lambda run, min_ms: 1.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first] + [ops.Problem(case, torch.bfloat16, "cpu", seed, like=first) for seed in (2, 3)]
+    right = ops._ours(lora_ops.ops, "sgmv")
+    seen = set()
+
+    def first_call_only(pb, y):
+        if id(pb) not in seen:
+            seen.add(id(pb))
+            right(pb, y)
+    records, failures = [], []
+    row = {"T": case.T, "sets": 3}
+    ops._measure("sgmv", row, {"cpu": right, "stale": first_call_only}, sets, lambda pb: pb.p.y,
+                 lambda pb: reference.sgmv(*pb.p.args()), torch.bfloat16, first.min_bytes(), None, "cuda", None,
+                 records, failures, lambda s: None)
+    assert [(r["backend"], r["mode"], r["sets"]) for r in records] == [("cpu", "graph", 3), ("cpu", "eager", 3)]
+    assert len(failures) == 1 and failures[0].startswith("sgmv stale {'T': 8, 'sets': 3}: WRONG vs the float64 "
+                                                          "oracle after a graph replay, set 1 of 3: ")
+
+
+def test_the_eager_check_covers_the_last_set():
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first, ops.Problem(case, torch.bfloat16, "cpu", 2, like=first)]
+    right = ops._ours(lora_ops.ops, "sgmv")
+    records, failures = [], []
+    ops._measure("sgmv", {}, {"first_set_inputs": lambda pb, y: right(first, y)}, sets, lambda pb: pb.p.y,
+                 lambda pb: reference.sgmv(*pb.p.args()), torch.bfloat16, 0, None, "cpu", None, records, failures,
+                 lambda s: None)
+    assert records == [] and len(failures) == 1 and "WRONG vs the float64 oracle: set 2 of 2" in failures[0]
 
 
 def test_a_broken_triton_fails_the_bench(monkeypatch, capsys):

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
             ap.error("--routes needs --decode-step")
         with op_table.disabled():
             decode_step.write_routes(args.routes, device, records, failures, log, meta)
-    result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None,
+    # l2_bytes: what the op records' rotated_bytes are measured against
+    result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, l2_bytes=l2 or None,
                   **({"op_bench": settings} if run_ops else {}), failures=failures, records=records)
     if args.out:
         report.write(result, args.out)

@@ -1,15 +1,19 @@
 """The op bench: sgmv, lora_expand, grouped_gemm and build_segments on every available backend against baselines
 (docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present.
 
-Every implementation is checked against the float64 oracle before it is timed; a wrong or crashing
-implementation of lora_ops (or a wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each
-case is timed as CUDA-graph replay and eagerly, rotating among enough input sets to exceed twice the L2 (each
-layer of a real model has its own activations and weights, so they are not L2-resident; the segment metadata,
-built once per step for all layers, is shared), and reported as µs, GB/s and % of the memory roofline: minimum
-bytes (x read, the true-rank rows of the adapters present, y read and written) over the device-to-device copy
-bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against torch._grouped_mm (bf16
-only: its other dtypes are recorded as unavailable, with torch's error), which is checked storing its output into y
-and, where grouped_gemm only stores (y = output), timed alone on an output of its own.
+Every implementation is checked against the float64 oracle on the first and last input sets before it is timed,
+and on CUDA so is one replay of the graph that is timed; a wrong or crashing implementation of lora_ops (or a
+wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each case is timed as CUDA-graph replay
+and eagerly, rotating among input sets whose calls together touch at least twice the L2 (each layer of a real
+model has its own activations and weights, so they are not L2-resident; the segment metadata, built once per step
+for all layers, is shared), at least 20 of them (one per call of a replay), as many as a memory budget of a
+quarter of the free device memory holds: a case the budget keeps under twice the L2 is logged, and every record
+says its sets and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
+memory roofline: minimum bytes (x read, the true-rank rows of the adapters present, y read and written) over the
+device-to-device copy bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against
+torch._grouped_mm (bf16 only: its other dtypes are recorded as unavailable, with torch's error), which is checked
+storing its output into y and, where grouped_gemm only stores (y = output), timed alone on an output of its own
+(whose replay is not checked).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from .timing import time_cpu, time_cuda
+from .timing import MIN_CALLS, time_cpu, time_cuda
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
 OURS = ("cpu", "cuda", "triton", "cpu-rows", "cuda-rows", "triton-rows")  # -rows: lora_expand's rows form
@@ -63,20 +67,23 @@ class Problem:
     step's one build_segments output, while their activations and adapter weights are their own."""
 
     def __init__(self, case: Case, dtype, device, seed, like: Optional["Problem"] = None):
-        gen = torch.Generator().manual_seed(seed)
-        slots = torch.randperm(case.pool_slots, generator=gen)[:case.adapters].tolist()
-        token_lora = testing.random_token_slots(case.T, slots, gen)
-        if like is not None:
+        if like is None:
+            gen = torch.Generator().manual_seed(seed)
+            slots = torch.randperm(case.pool_slots, generator=gen)[:case.adapters].tolist()
+            token_lora = testing.random_token_slots(case.T, slots, gen)
+        else:
             slots, token_lora = like.slots, like.token_lora.cpu()
         width = case.N // case.slices
         offsets = [s * width for s in range(case.slices)] + [case.N]
         ranks = [case.rank] * case.pool_slots
+        # drawn on the device: a small case rotates among hundreds of sets
+        values = torch.Generator(device).manual_seed(seed)
         self.p = testing.make_sgmv(token_lora, num_slots=case.pool_slots, K=case.K, N=case.N, max_rank=case.R,
-                                   dtype=dtype, device=device, gen=gen, ranks=ranks, scales=True,
+                                   dtype=dtype, device=device, gen=values, ranks=ranks, scales=True,
                                    slice_offsets=offsets if case.slices > 1 else None)
         self.slots = slots
         if like is not None:
-            self.token_lora = like.token_lora
+            self.token_lora, self.rows_by_slot = like.token_lora, like.rows_by_slot
             self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = \
                 like.p.token_indices, like.p.seg_indptr, like.p.seg_lora
             self.p.lora_ranks, self.p.lora_scales = like.p.lora_ranks, like.p.lora_scales
@@ -84,18 +91,32 @@ class Problem:
             self.token_lora = token_lora.to(device)
             seg = lora_ops.build_segments(self.token_lora, case.pool_slots)
             self.p.token_indices, self.p.seg_indptr, self.p.seg_lora = seg
+            self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.offsets = offsets
-        self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.case = case
 
     def args(self, y):
         return self.p.args(y)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """The bytes one call reads or writes, each once: x, the true-rank rows of the adapters present (every
+        case has a row per adapter), y. The shared metadata is left out: a model's layers keep it L2-hot too."""
         c, p = self.case, self.p
-        e, ey = p.x.element_size(), p.y.element_size()
-        weights = c.adapters * c.rank * (c.slices * c.K + c.N) * e
-        return c.T * c.K * e + weights + 2 * c.T * c.N * ey
+        e = p.x.element_size()
+        return c.T * c.K * e + c.adapters * c.rank * (c.slices * c.K + c.N) * e + c.T * c.N * p.y.element_size()
+
+    def min_bytes(self) -> int:
+        """The bytes one call must move: the touched bytes, y both read and written."""
+        return self.touched_bytes() + self.case.T * self.case.N * self.p.y.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Device bytes a set holds of its own (the whole pool), with the copy of y that its timing writes."""
+        p = self.p
+        return _storage_bytes(p.x, p.lora_a, p.lora_b, p.y) + _storage_bytes(p.y)
+
+
+def _storage_bytes(*tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 # ---- implementations: each is f(problem, y) -> None, adding the LoRA delta into y ----
@@ -189,26 +210,75 @@ def host_overhead_us(device, n=2000) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def _n_sets(set_bytes: int, l2_bytes: int, device) -> int:
-    """Input sets to rotate among so that together they exceed twice the L2 (a real model's layers each have their
-    own activations and weights)."""
-    return 1 if device == "cpu" else int(min(16, max(1, (2 * l2_bytes) // max(set_bytes, 1) + 1)))
+def n_sets(touched_bytes: int, allocated_bytes: int, l2_bytes: int, budget_bytes: int) -> int:
+    """How many input sets a CUDA case rotates among: enough that their calls together touch at least twice the L2
+    (a real model's layers each have their own activations and weights), and at least MIN_CALLS (a graph replay
+    then runs each set once, so that it can be checked against the oracle), as many of those as fit in the memory
+    budget (each set allocates its whole problem), and at least one."""
+    wanted = max(MIN_CALLS, -(-2 * l2_bytes // max(touched_bytes, 1)))
+    return max(1, min(wanted, budget_bytes // max(allocated_bytes, 1)))
 
 
-def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, ref, inputs_dtype,
-             min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict], failures: List[str],
-             log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
-    """Checks each implementation on the first input set against the float64 oracle `ref`, then times it over all
-    sets (graph replay and eager on CUDA), one record per mode. `impls` are f(problem, y) -> None writing into y;
-    y_of(problem) is the problem's initial y. timed_alone: per implementation, f(problem) to time instead, once
-    its f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y;
-    its records say timed_alone=True)."""
-    timed_alone = timed_alone or {}
-    before = y_of(sets[0]).clone()
-    for name, fn in impls.items():
+def _input_sets(first, another: Callable[[int], object], l2_bytes, device, log):
+    """The sets a case rotates among (on the CPU `first` alone; on CUDA n_sets of them, another(seed) making the
+    rest) and the record fields that say what they rotate through: their number, and rotated_bytes, the bytes
+    their calls touch together (under twice the L2: partly L2-resident, optimistic µs). The memory budget is a
+    quarter of the device's free memory."""
+    touched = first.touched_bytes()
+    n = 1
+    if device != "cpu":
+        budget = torch.cuda.mem_get_info(device)[0] // 4
+        n = n_sets(touched, first.allocated_bytes(), l2_bytes, budget)
+        if n * touched < 2 * l2_bytes:
+            log(f"  under 2x the L2: {n} sets touch {n * touched / 2**20:.1f} MiB of {2 * l2_bytes / 2**20:.0f} MiB "
+                f"({first.allocated_bytes() / 2**20:.0f} MiB each, budget {budget / 2**30:.1f} GiB): µs optimistic")
+    return [first] + [another(seed) for seed in range(2, n + 1)], {"sets": n, "rotated_bytes": n * touched}
+
+
+class WrongReplay(Exception):
+    """A graph replay's output that does not match the float64 oracle."""
+
+
+def _check_eagerly(fn: Callable, sets: list, y_of: Callable, refs: dict, inputs_dtype) -> str:
+    """'' if fn(problem, y) is right on each set in refs (set index -> its oracle), else what is wrong."""
+    for i, ref in refs.items():
+        before = y_of(sets[i]).clone()
         y = before.clone()
+        fn(sets[i], y)
+        bad = testing.check_against_reference(y, before, ref, inputs_dtype)
+        if bad:
+            return f"set {i + 1} of {len(sets)}: {bad}"
+    return ""
+
+
+def _replay_check(sets: list, ys: list, y_of: Callable, refs: dict, inputs_dtype) -> Callable:
+    """time_cuda's check: the y of each set in refs (set index -> its oracle) reset, one replay, each compared."""
+    def check(replay):
+        for i in refs:
+            ys[i].copy_(y_of(sets[i]))
+        replay()
+        for i, ref in refs.items():
+            bad = testing.check_against_reference(ys[i], y_of(sets[i]), ref, inputs_dtype)
+            if bad:
+                raise WrongReplay(f"set {i + 1} of {len(sets)}: {bad}")
+    return check
+
+
+def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, oracle: Callable,
+             inputs_dtype, min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict],
+             failures: List[str], log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
+    """Checks each implementation on the first and last input sets against the float64 oracle, then times it over
+    all sets (graph replay and eager on CUDA), one record per mode; on CUDA one replay of the timed graph is
+    checked on the same sets first. `impls` are f(problem, y) -> None writing into y; y_of(problem) is the
+    problem's initial y; oracle(problem) its float64 result. A wrong result, eager or replayed, is a failure and
+    the implementation is not timed. timed_alone: per implementation, f(problem) to time instead, once its
+    f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y, so
+    its replay is not checked; its records say timed_alone=True)."""
+    timed_alone = timed_alone or {}
+    refs = {i: oracle(sets[i]) for i in sorted({0, len(sets) - 1})}  # two sets: the oracle is slow on big cases
+    for name, fn in impls.items():
         try:
-            fn(sets[0], y)
+            bad = _check_eagerly(fn, sets, y_of, refs, inputs_dtype)
         except Exception as exc:
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
             if name in OURS:
@@ -217,20 +287,26 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
                 records.append(dict(op=op, backend=name, mode="graph", us=None, unavailable=msg, **row))
             log(f"  {name:<11} {'FAILED' if name in OURS else 'unavailable'}: {msg}")
             continue
-        bad = testing.check_against_reference(y, before, ref, inputs_dtype)
         if bad:
             failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle: {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
+        check = None
         if name in timed_alone:
             calls = [(lambda pb=pb: timed_alone[name](pb)) for pb in sets]
         else:
             ys = [y_of(pb).clone() for pb in sets]
             calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
+            check = _replay_check(sets, ys, y_of, refs, inputs_dtype)
         got = []
         for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+            graph = mode == "graph"
             try:
-                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph=(mode == "graph"))
+                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph, check=check if graph else None)
+            except WrongReplay as exc:
+                failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle after a graph replay, {exc}")
+                log(f"  {name:<11} graph replay WRONG vs float64 oracle, {exc}; not timed")
+                break
             except Exception as exc:  # e.g. a baseline that syncs cannot be captured
                 if name in OURS:
                     failures.append(f"{op} {name} {row} {mode}: {type(exc).__name__}")
@@ -253,13 +329,12 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
                log) -> None:
     pb0 = Problem(case, dtype, device, seed=1)
-    set_bytes = pb0.min_bytes() + pb0.p.lora_a.numel() * pb0.p.lora_a.element_size() * 2
-    sets = [pb0] + [Problem(case, dtype, device, seed=2 + i, like=pb0)
-                    for i in range(_n_sets(set_bytes, l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
+                                 log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
-           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
-    _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, reference.sgmv(*pb0.p.args()), dtype, pb0.min_bytes(),
-             None, device, copy_tbps, records, failures, log)
+           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
+    _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.sgmv(*pb.p.args()), dtype,
+             pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
 
 def bench_build_segments(device, records, failures, log):
@@ -295,18 +370,22 @@ class ExpandProblem(Problem):
 
     def __init__(self, case: Case, dtype, device, seed, like: Optional["ExpandProblem"] = None):
         super().__init__(dataclasses.replace(case, K=16), dtype, device, seed, like)
-        gen = torch.Generator().manual_seed(seed + 7919)
-        self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen).to(dtype).to(device)
+        gen = torch.Generator(device).manual_seed(seed + 7919)
+        self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen, device=device).to(dtype)
 
     def args(self, y):
         p = self.p
         return (y, self.h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
                 p.slice_offsets, p.scale)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """Each row's window of h (its slot's true rank, per slice), the adapters' B, y."""
         c, p = self.case, self.p
-        e, ey = p.lora_b.element_size(), p.y.element_size()
-        return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + 2 * c.T * c.N * ey
+        e = p.lora_b.element_size()
+        return c.T * c.slices * c.rank * e + c.adapters * c.rank * c.N * e + c.T * c.N * p.y.element_size()
+
+    def allocated_bytes(self) -> int:
+        return super().allocated_bytes() + _storage_bytes(self.h)
 
 
 def expand_torch_loop(pb: ExpandProblem, y):
@@ -342,12 +421,12 @@ def expand_implementations(device) -> Dict[str, Callable]:
 
 def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records, failures, log) -> None:
     pb0 = ExpandProblem(case, dtype, device, seed=1)
-    sets = [pb0] + [ExpandProblem(case, dtype, device, seed=2 + i, like=pb0)
-                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: ExpandProblem(case, dtype, device, seed, like=pb0), l2_bytes,
+                                 device, log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "N": case.N,
-           "slices": case.slices, "dtype": str(dtype).replace("torch.", "")}
-    _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, reference.lora_expand(*pb0.args(pb0.p.y)), dtype,
-             pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
+           "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
+    _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.lora_expand(*pb.args(pb.p.y)),
+             dtype, pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
 
 # ---- grouped_gemm: the segmented matmul primitive (issue 13) ----
@@ -392,7 +471,7 @@ class GroupedGemmProblem:
     """One input set of a grouped_gemm case: group g owns rows [g·M, (g+1)·M) and weight w[g]."""
 
     def __init__(self, case: GroupedGemmCase, device, seed):
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device).manual_seed(seed)
         dt = lambda name: getattr(torch, name) if name else None
         token_groups = torch.arange(case.groups, dtype=torch.int32).repeat_interleave(case.M)
         self.p = testing.make_grouped_gemm(token_groups, num_groups=case.groups, K=case.K, N=case.N,
@@ -405,11 +484,21 @@ class GroupedGemmProblem:
     def args(self, y):
         return self.p.args(y)
 
-    def min_bytes(self) -> int:
+    def touched_bytes(self) -> int:
+        """x, every group's weight, y."""
         c, p = self.case, self.p
-        y_trips = 2 if c.accumulate else 1
         return (c.T * c.K * p.x.element_size() + c.groups * c.N * c.K * p.w.element_size()
-                + y_trips * c.T * c.N * p.y.element_size())
+                + c.T * c.N * p.y.element_size())
+
+    def min_bytes(self) -> int:
+        """The touched bytes, y read as well when accumulating."""
+        c = self.case
+        return self.touched_bytes() + (c.T * c.N * self.p.y.element_size() if c.accumulate else 0)
+
+    def allocated_bytes(self) -> int:
+        """x, w, y and the copy of y that its timing writes."""
+        p = self.p
+        return _storage_bytes(p.x, p.w, p.y) + _storage_bytes(p.y)
 
     def flops(self) -> int:
         return 2 * self.case.T * self.case.N * self.case.K
@@ -452,14 +541,13 @@ def gg_implementations(device) -> Dict[str, Callable]:
 
 def bench_gg_case(case: GroupedGemmCase, impls, device, l2_bytes, copy_tbps, records, failures, log) -> None:
     pb0 = GroupedGemmProblem(case, device, seed=1)
-    sets = [pb0] + [GroupedGemmProblem(case, device, seed=2 + i)
-                    for i in range(_n_sets(pb0.min_bytes(), l2_bytes, device) - 1)]
+    sets, rotation = _input_sets(pb0, lambda seed: GroupedGemmProblem(case, device, seed), l2_bytes, device, log)
     row = {"shape": case.shape, "groups": case.groups, "T": case.T, "K": case.K, "N": case.N, "dtype": case.dtype,
            "x_dtype": case.x_dtype or case.dtype, "y_dtype": case.y_dtype or case.dtype,
-           "accumulate": case.accumulate}
+           "accumulate": case.accumulate, **rotation}
     # torch._grouped_mm makes its own output: unless the case accumulates or scales (y += alpha·output, part of the
     # op), it is timed alone, without the copy into y that its check needs.
     alone = ({"grouped_mm": gg_grouped_mm_output}
              if not case.accumulate and pb0.p.alpha == 1 and "grouped_mm" in impls else None)
-    _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, reference.grouped_gemm(*pb0.p.args()),
+    _measure("grouped_gemm", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.grouped_gemm(*pb.p.args()),
              pb0.p.w.dtype, pb0.min_bytes(), pb0.flops(), device, copy_tbps, records, failures, log, alone)

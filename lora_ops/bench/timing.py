@@ -5,7 +5,7 @@ on the CPU with the wall clock."""
 from __future__ import annotations
 
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -56,14 +56,29 @@ def time_loop(run: Callable[[], None], min_ms: float = 30.0) -> float:
         reps *= 2 if ms * 4 < min_ms else max(2, int(min_ms / max(ms, 1e-3)) + 1)
 
 
-def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30.0) -> float:
-    """µs per call: mean over calls cycling through the input sets, as graph replay or eager launches."""
-    calls = fn_sets * max(1, 20 // len(fn_sets))
-    for f in calls[:len(fn_sets) * 2]:
+# Calls per timed graph replay or eager loop (fewer input sets are repeated up to it): one launch's overhead,
+# spread over many calls.
+MIN_CALLS = 20
+
+
+def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30.0,
+              check: Optional[Callable[[Callable[[], None]], None]] = None) -> float:
+    """µs per call: mean over calls cycling through the input sets, as graph replay or eager launches.
+
+    check (graph replay): called once with the captured graph's replay, before the timing, to reset the outputs,
+    replay once and compare them with the oracle. Its graph runs each of fn_sets exactly once (none is repeated
+    up to MIN_CALLS: 20 accumulations into a bf16 y drift from the oracle by about its tolerance). An exception
+    it raises propagates: nothing is timed."""
+    if check and not graph:
+        raise ValueError("time_cuda: check needs graph replay")
+    calls = fn_sets if check else fn_sets * max(1, MIN_CALLS // len(fn_sets))
+    for f in fn_sets * 2:
         f()
     torch.cuda.synchronize()
     if graph:
         run = capture(calls).replay
+        if check:
+            check(run)
     else:
         def run():
             for f in calls:
