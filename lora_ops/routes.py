@@ -25,9 +25,12 @@ import torch
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
 ROUTES = ("sgmv", "fold")
 BACKENDS = ("cuda", "triton")
-# The upper bounds of the regimes and the T at which the bench measures each one.
-REGIME_BOUNDS = (16, 64, 256, 1024, None)
-REGIME_SAMPLES = (16, 64, 256, 1024, 4096)
+# The upper bounds of the regimes and the T at which the bench measures each one: a step of T tokens takes its
+# regime's route, chosen from the times at both ends (a factor of 2 to 4 apart), since the fastest route changes
+# within a factor of 4 of T (H200, 7f9cdc6: at rank 64 fold-triton led at 256 tokens by 45%, sgmv-cuda at 1024 by
+# 25%).
+REGIME_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024, 2048, None)
+REGIME_SAMPLES = (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The rank classes (upper bound of the pool's max rank) and the rank and adapter count the bench measures each at:
 # the decode-step bench's two adapter mixes.
 RANK_BOUNDS = (32, None)

@@ -341,8 +341,9 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     want = {16: "fold-cuda", 64: "fold-triton"}
     for c in classes:
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
-        # 257-1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 256; from 1024 it wins at both ends
-        assert got == [want[c["rank"]]] * 4 + ["sgmv-cuda"]
+        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends
+        assert got == [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda" for b in routes.REGIME_BOUNDS]
+        assert got[-2:] == ["sgmv-cuda"] * 2
     failing = lambda model, step, device, records, failures, *rest: failures.append("fold-cuda raised")
     monkeypatch.setattr(decode_step, "bench_step", failing)
     (tmp_path / "routes.json").unlink()
