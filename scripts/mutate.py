@@ -174,10 +174,10 @@ MUTATIONS: List[Mutation] = [
              'FUSED_SLICES = {"qkv_proj": ("q_proj", "v_proj", "k_proj"),',
              "per-slice k_proj/v_proj adapters land in each other's columns of a fused qkv_proj", tests=SERVING_T),
     Mutation("serving-stale-slot", "lora_ops/serving/pool.py",
-             "            if entry is None:  # not a target of this adapter: rank 0 skips it\n"
-             "                mod.ranks[slot] = 0\n                continue",
-             "            if entry is None:  # not a target of this adapter: rank 0 skips it\n                continue",
-             "a reused slot keeps the evicted adapter's weights in modules the new adapter does not target",
+             "            mod.lora_b[slot].zero_()  # zero past the rank, or wholly: a graph without ranks adds h·0 there\n",
+             "",
+             "a reused slot keeps the evicted adapter's B past the new adapter's rank and in the modules it does not "
+             "target (wrong once the ops get no ranks, as a graph captured with a pool of one rank calls them)",
              tests=SERVING_T),
     Mutation("serving-slice-alpha-ratio", "lora_ops/serving/peft_format.py",
              "B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale)).to(B.dtype)",
@@ -224,8 +224,8 @@ MUTATIONS: List[Mutation] = [
              "p.seg_indptr[p.num_slots] = static_cast<int32_t>(total);",
              "CPU build_segments' last segment ends after the no-LoRA tokens", tests=("tests/test_build_segments.py",)),
     Mutation("check-y-overlap", "csrc/common/checks.cpp",
-             '  check_output_rows(op, y);\n\n  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)"',
-             '\n  check_slot_tensors_host(op, y, T, L, R, "lora_a.size(0)"',
+             '  check_output_rows(op, y);\n\n  check_slot_tensors_host(op, y, T, L, R, "x.size(0)", "lora_a.size(0)"',
+             '\n  check_slot_tensors_host(op, y, T, L, R, "x.size(0)", "lora_a.size(0)"',
              "sgmv's overlapping-rows check on y removed", tests=ERR_T),
     Mutation("check-seg-length", "csrc/common/checks.cpp",
              'check_index_tensor(op, slot_name, seg_slot, y, seg_indptr->sym_size(0) - 1, '
