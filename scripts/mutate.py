@@ -339,8 +339,8 @@ MUTATIONS: List[Mutation] = [
              "        row = p",
              "Triton's rows-form kernel takes position p as row p even with token_indices", tests=EXPAND_T),
     Mutation("cuda-expand-rows-past-rank", "csrc/cuda/lora_expand_rows.cu",
-             "const int jj = j + 16 * u, valid = checked ? rank - jj - 4 * t : 4;",
-             "const int jj = j + 16 * u, valid = checked ? p.max_rank - jj - 4 * t : 4;",
+             "load_trip<kSteps, true>(trip, h, b_lane, p.b_stride1, j, rank, n1 - pass, g, t);",
+             "load_trip<kSteps, true>(trip, h, b_lane, p.b_stride1, j, p.max_rank, n1 - pass, g, t);",
              "CUDA rows kernel: a partial rank step reads h and B up to the pool's rank (NaN past a slot's rank "
              "reaches y)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-rows-column-pair", "csrc/cuda/lora_expand_rows.cu",

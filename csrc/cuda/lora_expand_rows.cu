@@ -33,68 +33,81 @@ __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
   return v;
 }
 
-// Position pos over the columns [n0, n1) of slice `slice`, by one warp, kSteps rank steps of 16 per trip.
+// One trip's loads: 16 * kSteps rank columns of h and of B's columns 2g, 2g + 1 of every tile of a pass.
+template <int kSteps>
+struct Trip {
+  uint32_t h[kSteps][2];
+  uint2 b[kSteps][kTiles][2];
+};
+
+// Issues a trip's loads. Lane (g, t) reads ranks j + 4t .. j + 4t + 3 of h and of B's columns 2g and 2g + 1 of
+// every tile: the mma's k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those
+// columns. Unchecked where the trip lies inside the rank and the slice (uniform over the warp; a rank-16k adapter
+// over whole passes), masked elsewhere.
+template <int kSteps, bool kChecked, class TB>
+__device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, const TB* b_lane, int64_t b_stride1,
+                                          int j, int rank, int pass_cols, int g, int t) {
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+    const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
+    const uint2 hv = load4(h + jj + 4 * t, valid);
+    trip.h[u][0] = hv.x;
+    trip.h[u][1] = hv.y;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const int v = !kChecked || 16 * i + 2 * g < pass_cols ? valid : 0;  // even slice widths: both columns
+      const TB* col = b_lane + (int64_t)(16 * i) * b_stride1 + jj;
+      trip.b[u][i][0] = load4(col, v);
+      trip.b[u][i][1] = load4(col + b_stride1, v);
+    }
+  }
+}
+
+template <class TB, int kSteps>
+__device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const uint32_t a[4] = {trip.b[u][i][0].x, trip.b[u][i][1].x, trip.b[u][i][0].y, trip.b[u][i][1].y};
+      mma16816<TB>(acc[i], a, trip.h[u]);
+    }
+  }
+}
+
+// Position pos over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each in trips of
+// 16 * kSteps ranks (all of a trip's loads issued before its mma).
 template <class TB, class TY, int kSteps>
 __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
+  constexpr int kTripRanks = 16 * kSteps;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
   if (row < 0 || slot < 0) return;
   const int rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
   if (rank == 0) return;
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
-  // Lane (g, t) reads ranks j + 4t .. j + 4t + 3 of h and of B's columns 2g and 2g + 1 of every tile: the mma's
-  // k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those columns.
   const TB* h = static_cast<const TB*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
   const TB* b = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0;
   TY* y = static_cast<TY*>(p.y) + row * p.y_row_stride;
-  const int n_end = n1;
   for (int pass = n0; pass < n1; pass += kPassCols) {
-    const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
-    const int64_t tile_stride = 16 * p.b_stride1;
-    const bool full_pass = pass + kPassCols <= n_end;
     // The y pairs this lane adds to (tile t, + 4k), loaded first: they do not wait for B. Even columns and
     // aligned rows (checked on the host): one access each.
     YCols<TY, 2, true> y_pairs[kTiles / 4];
 #pragma unroll
     for (int quad = 0; quad < kTiles / 4; ++quad) {
       const int col = pass + 16 * (4 * quad + t) + 2 * g;
-      if (col < n_end) y_pairs[quad].load(y + col, 2);
+      if (col < n1) y_pairs[quad].load(y + col, 2);
     }
+    const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
     float acc[kTiles][4] = {};
-    // Rank columns [j, j + 16 kSteps), all loads issued before the first mma: unchecked loads where the whole
-    // range lies inside the rank and the slice (uniform over the warp; a rank-16k adapter over whole passes),
-    // masked ones elsewhere.
-    auto steps = [&](int j, auto checked) {
-      uint32_t hb[kSteps][2];
-      uint2 bv[kSteps][kTiles][2];
-#pragma unroll
-      for (int u = 0; u < kSteps; ++u) {
-        const int jj = j + 16 * u, valid = checked ? rank - jj - 4 * t : 4;
-        const uint2 hv = load4(h + jj + 4 * t, valid);
-        hb[u][0] = hv.x;
-        hb[u][1] = hv.y;
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const int v = !checked || pass + 16 * i + 2 * g < n_end ? valid : 0;  // even slice widths: both columns
-          bv[u][i][0] = load4(b_lane + i * tile_stride + jj, v);
-          bv[u][i][1] = load4(b_lane + i * tile_stride + p.b_stride1 + jj, v);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSteps; ++u) {
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const uint32_t a[4] = {bv[u][i][0].x, bv[u][i][1].x, bv[u][i][0].y, bv[u][i][1].y};
-          mma16816<TB>(acc[i], a, hb[u]);
-        }
-      }
-    };
-    for (int j = 0; j < rank; j += 16 * kSteps) {
-      if (full_pass && j + 16 * kSteps <= rank) {
-        steps(j, std::false_type{});
+    for (int j = 0; j < rank; j += kTripRanks) {
+      Trip<kSteps> trip;
+      if (pass + kPassCols <= n1 && j + kTripRanks <= rank) {
+        load_trip<kSteps, false>(trip, h, b_lane, p.b_stride1, j, rank, n1 - pass, g, t);
       } else {
-        steps(j, std::true_type{});
+        load_trip<kSteps, true>(trip, h, b_lane, p.b_stride1, j, rank, n1 - pass, g, t);
       }
+      mma_trip<TB>(trip, acc);
     }
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
 #pragma unroll
@@ -106,7 +119,7 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
         hi = t == k ? acc[4 * quad + k][2] : hi;
       }
       const int col = pass + 16 * (4 * quad + t) + 2 * g;
-      if (col < n_end) {
+      if (col < n1) {
         y_pairs[quad].v[0] = from_f32<TY>(to_f32(y_pairs[quad].v[0]) + coef * lo);
         y_pairs[quad].v[1] = from_f32<TY>(to_f32(y_pairs[quad].v[1]) + coef * hi);
         y_pairs[quad].store(y + col, 2);
@@ -133,7 +146,8 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_
 // Passes per CTA: one where the grid of one-pass CTAs fits the device at once (each warp then makes one trip for
 // its B), two where it would run several waves. Measured on the H200 (csrc/cuda/NOTES.md): a fixed two passes left
 // o at T=32 (128 CTAs) with two serial trips per warp; up to four passes of 64 columns, with the later passes' B
-// prefetched to L2, made gate_up at T=32 slower (13.1 against 11.6 us).
+// prefetched to L2, made gate_up at T=32 slower (13.1 against 11.6 us); so did up to eight passes with the next
+// trip's loads in registers before this trip's mma (3 CTAs per SM for their registers: o at T=128 5.35 -> 6.14 us).
 template <auto kKernel>
 cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
   int64_t resident = 0;
