@@ -174,10 +174,16 @@ MUTATIONS: List[Mutation] = [
              'FUSED_SLICES = {"qkv_proj": ("q_proj", "v_proj", "k_proj"),',
              "per-slice k_proj/v_proj adapters land in each other's columns of a fused qkv_proj", tests=SERVING_T),
     Mutation("serving-stale-slot", "lora_ops/serving/pool.py",
-             "            mod.lora_b[slot].zero_()  # zero past the rank, or wholly: a graph without ranks adds h·0 there\n",
-             "",
-             "a reused slot keeps the evicted adapter's B past the new adapter's rank and in the modules it does not "
-             "target (wrong once the ops get no ranks, as a graph captured with a pool of one rank calls them)",
+             "            if entry is None:  # not a target of this adapter: rank 0 skips it (and zeros, for a pool of one "
+             "rank)\n                mod.clear(slot)",
+             "            if entry is None:  # not a target of this adapter: rank 0 skips it (and zeros, for a pool of one "
+             "rank)\n                mod.ranks[slot] = 0",
+             "a reused slot keeps the evicted adapter's weights in the modules the new one does not target (wrong "
+             "once the ops get no ranks, as a graph captured with a pool of one rank calls them)", tests=SERVING_T),
+    Mutation("serving-unload-keeps-weights", "lora_ops/serving/pool.py",
+             "            m.clear(slot)  # a routing set before the unload",
+             "            m.ranks[slot] = 0  # a routing set before the unload",
+             "an unloaded slot keeps its weights: a routing set before the unload still applies them without ranks",
              tests=SERVING_T),
     Mutation("serving-slice-alpha-ratio", "lora_ops/serving/peft_format.py",
              "B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale)).to(B.dtype)",

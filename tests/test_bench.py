@@ -87,8 +87,11 @@ def test_input_sets_share_the_metadata_and_log_a_case_under_twice_the_l2(monkeyp
     another = lambda seed: ops.Problem(case, torch.bfloat16, "cpu", seed, like=first)
     sets, fields = ops._input_sets(first, another, 1 << 20, "cpu", print)
     assert sets == [first] and fields == {"sets": 1, "rotated_bytes": first.touched_bytes()}
-    # as on CUDA, with a budget of 10 sets: 31 would touch twice this L2
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * first.allocated_bytes(), 0))
+    # as on CUDA, with a budget of 10 sets (the caching allocator's idle blocks count as free): 31 would touch
+    # twice this L2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (32 * first.allocated_bytes(), 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 9 * first.allocated_bytes())
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: first.allocated_bytes())
     logged = []
     sets, fields = ops._input_sets(first, another, 1 << 20, "cuda", logged.append)
     assert len(sets) == fields["sets"] == 10 and fields["rotated_bytes"] == 10 * first.touched_bytes()

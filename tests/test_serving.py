@@ -352,10 +352,11 @@ def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, monkey
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_pool_of_one_rank_passes_no_ranks(adapters, device):
-    """While every loaded adapter has the pool's rank on a module, its ops get lora_ranks=None (the kernels skip
-    the slot's rank, a dependent load per row): b has rank 16 everywhere. A smaller adapter brings the ranks back;
-    and an op call without ranks stays right after it (a graph captured before): A and B are zero past each
-    slot's rank, B wholly zero where the adapter in the slot (here after b) does not target the module."""
+    """While every adapter loaded has the pool's rank on every module (b: 16 everywhere), the ops get
+    lora_ranks=None; the first one that does not (a: 8, on q and v only) ends that for good. An op call without
+    ranks stays right after it (a graph captured before): A and B are zero past each slot's rank and where the
+    adapter in a slot (c, after b) does not target the module; and an unloaded slot that a routing still names
+    adds nothing."""
     base, root = adapters
     model, pool = _pool_model(base, root, ["b"], num_slots=2, max_rank=16, device=device)
     assert all(m.ranks_arg is None for m in pool.modules.values())
@@ -369,17 +370,55 @@ def test_a_pool_of_one_rank_passes_no_ranks(adapters, device):
         assert rel_err(logits, want) < 1e-5, rows
 
     check(["b"], ["b", None, "b"])
-    pool.unload("b")
-    pool.load("a", str(root / "a"))  # rank 8 on q and v only, in b's old slot
-    pool.load("c", str(root / "c"))  # rank 4 (2 on down_proj) on o and down only
+    with torch.no_grad():
+        pool.set_batch(["b", None, "b"], tokens_per_row=ids.shape[1])
+        pool.unload("b")
+        got = model(ids).logits
+        want = copy.deepcopy(base).to(device)(ids).logits
+    pool.clear_batch()
+    assert rel_err(got, want) < 1e-5
+    pool.load("b", str(root / "b"))
+    pool.load("a", str(root / "a"))
     assert all(m.ranks_arg is m.ranks for m in pool.modules.values())
+    pool.load("c", str(root / "c"))  # evicts b, the oldest: c targets o and down only
     for m in pool.modules.values():
-        m.ranks_arg = None  # as a graph captured while the pool held b alone would call the ops
+        m.ranks_arg = None  # as a graph captured while the pool held b alone calls the ops
     check(["a", "c"], ["a", "c", None])
+    for m in pool.modules.values():
+        m.ranks_arg = m.ranks
     pool.unload("a")
     pool.unload("c")
     pool.load("b", str(root / "b"))
-    assert all(m.ranks_arg is None for m in pool.modules.values())
+    assert all(m.ranks_arg is m.ranks for m in pool.modules.values())
+
+
+def test_compile_recompiles_once_when_the_pool_stops_being_of_one_rank(adapters):
+    """The switch from no ranks to ranks happens once in a pool's life: loads and unloads after it do not
+    recompile (a switch back and forth would, up to torch._dynamo's limit, then fail under fullgraph)."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["b"], num_slots=2, max_rank=16)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda ids: model(ids, use_cache=False).logits, backend=counter, fullgraph=True,
+                             dynamic=True)
+    ids = torch.randint(0, 256, (2, 5))
+
+    def step(rows):
+        with torch.no_grad(), pool.batch(rows, tokens_per_row=5):
+            got = compiled(ids)
+            want = model(ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    step(["b", None])
+    before_switch = counter.frame_count
+    pool.load("a", str(root / "a"))
+    step(["a", "b"])
+    switched = counter.frame_count
+    for name in ("c", "a", "c"):
+        pool.unload(next(n for n in pool.loaded if n != "b"))
+        pool.load(name, str(root / name))
+        step([name, "b"])
+    assert switched <= before_switch + 1 and counter.frame_count == switched
 
 
 def test_a_second_pool_takes_over_a_patched_model(adapters):

@@ -108,7 +108,7 @@ class Setup:
         gen = torch.Generator().manual_seed(seed)
         slots = torch.randperm(POOL_SLOTS, generator=gen)[:step.adapters].tolist()
         self.token_lora = testing.random_token_slots(step.T, slots, gen).to(device)
-        # Every slot holds an adapter of the pool's rank, so the serving layer passes no ranks (ModuleSlots.set_rank)
+        # Every slot holds an adapter of the pool's rank on every module: the serving layer passes no ranks then
         self.ranks = None
         self.scales = (torch.rand(POOL_SLOTS, generator=gen) * 2 + 0.5).to(device)
         shapes = model.modules()
@@ -242,7 +242,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             ms = time_loop(capture(calls).replay, min_ms=100)
         except Exception as exc:
             failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
-            log(f"  {name:<12} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            log(f"  {name:<12} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
             continue
         if not err <= 2 * max(base_err, 1e-3):
             failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")

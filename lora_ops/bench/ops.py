@@ -6,9 +6,9 @@ and on CUDA so is one replay of the graph that is timed; a wrong or crashing imp
 wrong baseline) is a failure that makes the bench exit non-zero. On CUDA each case is timed as CUDA-graph replay
 and eagerly, rotating among input sets whose calls together touch at least twice the L2 (each layer of a real
 model has its own activations and weights, so they are not L2-resident; the segment metadata, built once per step
-for all layers, is shared), at least 20 of them (one per call of a replay), as many as a memory budget of a
-quarter of the free device memory holds: a case the budget keeps under twice the L2 is logged, and every record
-says its sets and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
+for all layers, is shared), at least 20 of them (one per call of a replay) unless a memory budget (a quarter of
+the device memory free to the bench) holds fewer: a case the budget keeps under twice the L2 is logged, and every
+record says its sets and rotated_bytes (sets × the bytes one call touches). Each is reported as µs, GB/s and % of the
 memory roofline: minimum bytes (x read, the true-rank rows of the adapters present, y read and written) over the
 device-to-device copy bandwidth measured in the same run. grouped_gemm also reports TFLOP/s (2·T·N·K), against
 torch._grouped_mm (bf16 only: its other dtypes are recorded as unavailable, with torch's error), which is checked
@@ -223,11 +223,13 @@ def _input_sets(first, another: Callable[[int], object], l2_bytes, device, log):
     """The sets a case rotates among (on the CPU `first` alone; on CUDA n_sets of them, another(seed) making the
     rest) and the record fields that say what they rotate through: their number, and rotated_bytes, the bytes
     their calls touch together (under twice the L2: partly L2-resident, optimistic µs). The memory budget is a
-    quarter of the device's free memory."""
+    quarter of the device memory free to the bench, the caching allocator's idle blocks included (free memory
+    alone would shrink after each large case, and the sets would depend on the cases' order)."""
     touched = first.touched_bytes()
     n = 1
     if device != "cpu":
-        budget = torch.cuda.mem_get_info(device)[0] // 4
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = (torch.cuda.mem_get_info(device)[0] + idle) // 4
         n = n_sets(touched, first.allocated_bytes(), l2_bytes, budget)
         if n * touched < 2 * l2_bytes:
             log(f"  under 2x the L2: {n} sets touch {n * touched / 2**20:.1f} MiB of {2 * l2_bytes / 2**20:.0f} MiB "
@@ -280,7 +282,7 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
         try:
             bad = _check_eagerly(fn, sets, y_of, refs, inputs_dtype)
         except Exception as exc:
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
+            msg = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:90]}"
             if name in OURS:
                 failures.append(f"{op} {name} {row}: raised {msg}")
             else:

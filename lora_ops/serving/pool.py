@@ -44,25 +44,20 @@ class ModuleSlots:
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, **kw)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
-        self._host_ranks = [0] * num_slots  # ranks' values, read without a device sync
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
-        self.ranks_arg: Optional[torch.Tensor] = self.ranks  # what the ops get (set_rank)
+        self.ranks_arg: Optional[torch.Tensor] = None  # what the ops get: see AdapterPool.load
         # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
         # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
         for t in (self.w_cat, self.bias_cat, self.lora_a, self.lora_b, self.ranks, self.scales):
             if t is not None:
                 torch._dynamo.mark_static(t)
 
-    def set_rank(self, slot: int, rank: int, occupied: Iterable[int]) -> None:
-        """Set a slot's rank here (0: the slot skips this module). While every occupied slot has the pool's rank,
-        the ops get no ranks (lora_ranks=None): the kernels then skip a dependent load per row, the slot's rank,
-        at no cost in work. Every slot's A and B are zero past its rank (B wholly zero at rank 0), so a graph
-        captured without ranks stays right after a smaller adapter is loaded: it adds zeros past that rank."""
-        self.ranks[slot] = rank
-        self._host_ranks[slot] = rank
-        full = all(self._host_ranks[s] == self.lora_b.shape[2] for s in occupied)
-        self.ranks_arg = None if full else self.ranks
+    def clear(self, slot: int) -> None:
+        """Rank 0, and zeros in A and B: with or without ranks the ops add nothing for the slot."""
+        self.ranks[slot] = 0
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
 
 
 class LoRABatch:
@@ -141,6 +136,11 @@ class AdapterPool:
             raise AdapterShapeError(f"the model has no nn.Linear named any of {sorted(targets)}")
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
+        # While every adapter loaded so far has the pool's rank on every module, the ops get no ranks
+        # (lora_ranks=None: the kernels skip a dependent load per row, the slot's rank). The first adapter that
+        # does not ends it for good: one switch, so torch.compile recompiles at most once for it. A graph
+        # captured before the switch stays right: A and B are zero past each slot's rank and in a cleared slot.
+        self._one_rank = True
         self._batch = LoRABatch(next(iter(self.modules.values())).ranks.device, num_slots, max_batch_tokens)
 
     @property
@@ -212,7 +212,7 @@ class AdapterPool:
             raise KeyError(f"adapter {name!r} is not loaded (loaded: {self.loaded})")
         slot = self._slot_of.pop(name)
         for m in self.modules.values():
-            m.set_rank(slot, 0, self._slot_of.values())
+            m.clear(slot)  # a routing set before the unload (or a graph replaying it) may still name the slot
 
     def _free_slot(self) -> Tuple[int, Optional[str]]:
         used = set(self._slot_of.values())
@@ -238,17 +238,21 @@ class AdapterPool:
         slot, evict = self._free_slot()
         if evict is not None:
             del self._slot_of[evict]
-        self._slot_of[name] = slot
         for mod in self.modules.values():
             entry = staged.get(mod.name)
-            mod.lora_b[slot].zero_()  # zero past the rank, or wholly: a graph without ranks adds h·0 there
-            if entry is None:  # not a target of this adapter: rank 0 skips it
-                mod.set_rank(slot, 0, self._slot_of.values())
+            if entry is None:  # not a target of this adapter: rank 0 skips it (and zeros, for a pool of one rank)
+                mod.clear(slot)
                 continue
             mod.lora_a[slot].copy_(entry.lora_a)  # A is staged at full [S*R, K], zeros included
+            mod.lora_b[slot].zero_()
             mod.lora_b[slot, :, :entry.rank].copy_(entry.lora_b)
+            mod.ranks[slot] = entry.rank
             mod.scales[slot] = entry.scale
-            mod.set_rank(slot, entry.rank, self._slot_of.values())
+        self._slot_of[name] = slot
+        if self._one_rank and any(staged.get(m) is None or staged[m].rank < self.max_rank for m in self.modules):
+            self._one_rank = False
+            for mod in self.modules.values():
+                mod.ranks_arg = mod.ranks
         return slot
 
     # ---- per-step batch ----
