@@ -56,6 +56,7 @@ class ModuleSlots:
     def clear(self, slot: int) -> None:
         """Rank 0, and zeros in A and B: with or without ranks the ops add nothing for the slot."""
         self.ranks[slot] = 0
+        self.scales[slot] = 1.0
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
 
