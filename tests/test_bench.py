@@ -230,6 +230,40 @@ def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=40
     return r
 
 
+def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
+    """bench_step (CUDA graphs on the GPU; here each capture replays its calls eagerly) checks the first layer run
+    alone and the last layer as the timed replays leave it: a route right on its first layer only is caught."""
+    from lora_ops.bench import decode_step
+
+    class Eager:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def replay(self):
+            for f in self.calls:
+                f()
+
+    monkeypatch.setattr(decode_step, "capture", Eager)
+    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), run(), 1.0)[-1])
+    sgmv = torch.ops.lora_ops.sgmv.default
+    calls = []
+
+    def first_layer_only(y, *args):  # one call per module and layer: right while the first layer runs
+        calls.append(1)
+        if len(calls) <= 4:
+            sgmv(y, *args)
+
+    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", sgmv),
+                                                        "fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default),
+                                                        "first-only": ("sgmv", first_layer_only)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
+    assert [r["backend"] for r in records] == ["base", "sgmv-cpu", "fold-cpu"]
+    assert all(r["err"] < 2e-2 for r in records)
+    assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
+
+
 def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every_slot_a():
     from lora_ops.bench import decode_step
     # qkv 8 -> (8, 4, 4), o 8 -> 8, gate_up 8 -> (16, 16), down 16 -> 8: 576 base weights; per slot at rank 2,
