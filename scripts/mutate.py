@@ -174,10 +174,8 @@ MUTATIONS: List[Mutation] = [
              'FUSED_SLICES = {"qkv_proj": ("q_proj", "v_proj", "k_proj"),',
              "per-slice k_proj/v_proj adapters land in each other's columns of a fused qkv_proj", tests=SERVING_T),
     Mutation("serving-stale-slot", "lora_ops/serving/pool.py",
-             "            if entry is None:  # not a target of this adapter: rank 0 skips it (and zeros, for a pool of one "
-             "rank)\n                mod.clear(slot)",
-             "            if entry is None:  # not a target of this adapter: rank 0 skips it (and zeros, for a pool of one "
-             "rank)\n                mod.ranks[slot] = 0",
+             "                mod.clear(slot)\n                continue",
+             "                mod.ranks[slot] = 0\n                continue",
              "a reused slot keeps the evicted adapter's weights in the modules the new one does not target (wrong "
              "once the ops get no ranks, as a graph captured with a pool of one rank calls them)", tests=SERVING_T),
     Mutation("serving-unload-keeps-weights", "lora_ops/serving/pool.py",

@@ -7,8 +7,9 @@ multi-LoRA linear layer (base output + one sgmv), model patching, and a per-step
     with torch.no_grad(), pool.batch(["sql", None, "chat"], tokens_per_row=input_ids.shape[1]):
         logits = model(input_ids).logits                  # each row runs with its own adapter (None: base)
 
-Inference only: with grad mode on, a patched layer refuses an input or base weight that requires grad. The step's routing lives in fixed device buffers, so a
-CUDA graph captured over the model replays each new step's routing (LoRABatch).
+Inference only: with grad mode on, a patched layer refuses an input or base weight that requires grad. The
+step's routing lives in fixed device buffers, so a CUDA graph captured over the model replays each new step's
+routing (LoRABatch).
 
 Modules: pool (slots, LRU, pins, the step's routing), peft_format (reading and validating PEFT adapters),
 layer (MultiLoRALinear, patch_model), generation (greedy_generate). Only torch is needed for the pool
