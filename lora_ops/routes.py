@@ -95,11 +95,13 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[st
     return route, backend if device_type == "cuda" else "cuda"
 
 
-def fold_expand_rows(backend: str, token_lora, segments: tuple) -> tuple:
-    """What the fold route's lora_expand reads (seg_indptr, seg_lora, token_indices): its rows form (each row's
-    slot as given: the CUDA kernel then reads no segments), but the segments on Triton, whose segment tiles were
-    faster than its per-row kernel from 64 rows and at rank 64 (H200, decode step)."""
-    return tuple(segments) if backend == "triton" else (None, token_lora, None)
+def fold_expand_rows(backend: str, sorted_slots, segments: tuple) -> tuple:
+    """What the fold route's lora_expand reads (seg_indptr, seg_lora, token_indices). On CUDA its rows form in
+    build_segments' order: each position's row through token_indices and its slot in `sorted_slots`
+    (token_lora[token_indices], gathered once per step), so no kernel walks segments and the rows of one slot sit
+    side by side (the runs kernel reads their B once). On Triton the segments, whose segment tiles were faster than
+    its per-row kernel from 64 rows and at rank 64 (H200, decode step)."""
+    return tuple(segments) if backend == "triton" else (None, sorted_slots, segments[2])
 
 
 def preload() -> None:

@@ -20,12 +20,14 @@ def impl(request):
     yield from use_impl(request.param)
 
 
-FORMS = ["segments", "rows"]
+# rows: each row's slot as given (no token_indices); sorted_rows: the rows form in build_segments' order (token_indices
+# and each position's slot), as the fold route passes it on CUDA
+FORMS = ["segments", "rows", "sorted_rows"]
 
 
 def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False, form="segments"):
-    """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a; in the rows form the rows' slots
-    (seg_lora [T], no seg_indptr, no token_indices) in place of the segments."""
+    """sgmv's problem of the case, with h [T, L, S·R] in place of x and lora_a; in the rows forms the rows' slots
+    (seg_lora [T], no seg_indptr; no token_indices, or build_segments' order) in place of the segments."""
     gen = case_generator(f"lora_expand-{key}")
     token_lora, kw = case(gen)
     kw.setdefault("num_slots", 6)
@@ -40,6 +42,10 @@ def _problem(case, impl, dtype, key, h_fp32=False, broadcast=False, form="segmen
     if form == "rows":
         return (p.y, h, p.lora_b, None, token_lora.to(impl.device), None, p.lora_ranks, p.lora_scales,
                 p.slice_offsets, scale)
+    if form == "sorted_rows":
+        order = reference.build_segments(token_lora.cpu(), L)[0]
+        return (p.y, h, p.lora_b, None, token_lora.cpu()[order].to(impl.device), order.to(impl.device),
+                p.lora_ranks, p.lora_scales, p.slice_offsets, scale)
     return (p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales,
             p.slice_offsets, scale)
 
@@ -209,6 +215,24 @@ def _check_h_layout(variant, form="segments"):
     return check
 
 
+def _check_other_slots_b_stays_out(impl, dtype):
+    """Rows of three slots side by side (build_segments' order), slot 1's B all inf: slot 1's rows take whatever
+    inf gives, and every other row stays exact. The runs kernel multiplies a slot's B with the h of each of its
+    warp's 8 rows (zeros for rows of other slots): 0 · inf is NaN, which must not reach them."""
+    case = lambda g: (testing.random_token_slots(45, [0, 1, 2], g), dict(K=16, N=72, max_rank=16, num_slots=4))
+    args = list(_problem(case, impl, dtype, key="inf-neighbour", form="sorted_rows"))
+    args[2][1] = float("inf")
+    y = args[0]
+    before = y.clone()
+    impl.module.lora_expand(*args)
+    sorted_slots, order = args[4].cpu(), args[5].cpu()
+    clean = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    clean[4] = torch.where(sorted_slots == 1, -1, sorted_slots)  # the oracle of the other rows
+    ref = reference.lora_expand(*clean)
+    others = order[sorted_slots != 1].long()
+    assert testing.check_against_reference(y[others], before[others], ref[others], dtype) == ""
+
+
 EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank0_slot_ignores_its_scale,
                "past_rank": _check_reads_nothing_past_the_rank, "many_slots": _check_many_slots,
                "past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "rank_160"),
@@ -220,12 +244,19 @@ EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank
                "rows_many_slots": lambda impl, dtype: _check_many_slots(impl, dtype, "rows"),
                "rows_past_rank": lambda impl, dtype: _check_reads_nothing_past_the_rank(impl, dtype, "slices_gqa",
                                                                                         "rows"),
-               "rows_h_fp32": _check_h_layout("h_fp32", "rows")}
+               "rows_h_fp32": _check_h_layout("h_fp32", "rows"),
+               "sorted_rows_past_rank": lambda impl, dtype: _check_reads_nothing_past_the_rank(
+                   impl, dtype, "slices_gqa", "sorted_rows"),
+               "sorted_rows_past_rank_160": lambda impl, dtype: _check_reads_nothing_past_the_rank(
+                   impl, dtype, "rank_160", "sorted_rows"),
+               "sorted_rows_other_slots_b": _check_other_slots_b_stays_out}
 
 
-# The rows kernel serves the rows form only: forced on segments it is the automatic choice, which the other two
-# kernels' runs already cover (test_lora_expand_cuda_kernel_choice checks that fallback).
-KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "rows") for f in FORMS if (k, f) != ("rows", "segments")]
+# The rows and runs kernels serve the rows forms only: forced on segments they are the automatic choice, which the
+# other two kernels' runs already cover (test_lora_expand_cuda_kernel_choice checks that fallback).
+ROWS_KERNELS = ("rows", "runs")
+KERNEL_FORMS = [(k, f) for k in ("positions", "tiles") + ROWS_KERNELS for f in FORMS
+                if not (k in ROWS_KERNELS and f == "segments")]
 
 
 @pytest.mark.gpu
@@ -234,8 +265,8 @@ KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "rows") for f in FORMS if
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + list(EDGE_CHECKS))
 def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     """Every CUDA expand kernel over the whole grid, not only where the automatic choice (by positions) puts
-    them; a forced kernel also bypasses the op table. The rows kernel serves the rows form with fp16/bf16 B and h,
-    ranks in fours and even slices (the rest falls back to the automatic choice)."""
+    them; a forced kernel also bypasses the op table. The rows and runs kernels serve the rows forms with fp16/bf16
+    B and h, ranks in fours and even slices (the rest falls back to the automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
@@ -251,20 +282,23 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows"])
-@pytest.mark.parametrize("T", [40, 200])
+@pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows", "runs"])
+@pytest.mark.parametrize("T", [8, 40, 200])
 def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
-    """The automatic choice runs the rows kernel on the rows form it serves (bf16 here), else the positions kernel
-    up to 64 positions and the segment-tile kernel beyond (the positions kernel at any size in the rows form: no
-    walk there); a forced kernel runs whatever the size, "rows" only on the rows form (so the per-kernel tests above
-    test what they say)."""
+    """The automatic choice runs the runs kernel on the rows form in build_segments' order from 2 positions per
+    pool slot (6 slots here), the rows kernel on the other rows forms it serves (bf16 here), else the positions
+    kernel up to 64 positions and the segment-tile kernel beyond (the positions kernel at any size in the rows form:
+    no walk there); a forced kernel runs whatever the size, "rows" and "runs" only on the rows forms (so the
+    per-kernel tests above test what they say)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if forced:
         monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
-    expected = "rows" if form == "rows" and forced in (None, "rows") else forced
-    if expected in (None, "rows") and form == "segments":
+    expected = forced
+    if form == "segments" and forced in (None,) + ROWS_KERNELS:
         expected = "positions" if T <= 64 else "tiles"
+    elif forced is None:
+        expected = "runs" if form == "sorted_rows" and T >= 2 * 6 else "rows"
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
     args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}", form=form)

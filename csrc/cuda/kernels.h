@@ -27,15 +27,21 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // (Under PDL a kernel sees its predecessor's writes only after the wait; the lora_expand op cannot know its
 // predecessor.) Two kernels (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a
 // segment beyond (Auto), or the one preferred.
-enum class ExpandKernel { Auto, Positions, Tiles, Rows };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 
-// lora_expand's rows form on tensor cores (lora_expand_rows.cu): one warp per position, no walk, no barrier. It
-// serves fp16/bf16 B with h of B's dtype, ranks in fours and 8-byte-aligned rows (rows_kernel_serves); the
-// automatic choice of launch_lora_expand takes it wherever it serves.
+// lora_expand's rows form on tensor cores (lora_expand_rows.cu), no walk, no barrier: one warp per position (the
+// rows kernel), or per 8 positions that share B within each run of one slot (the runs kernel). Both serve fp16/bf16
+// B with h of B's dtype, ranks in fours and 8-byte-aligned rows (rows_kernel_serves); the automatic choice of
+// launch_lora_expand takes the runs kernel where runs_kernel_pays, the rows kernel elsewhere that they serve.
 bool rows_kernel_serves(const ExpandParams& p);
-cudaError_t launch_lora_expand_rows(const ExpandParams& p, int cc_major, cudaStream_t stream);
+// Positions ordered through token_indices (build_segments' order puts a slot's rows together) and at least
+// kRunsMinPositionsPerSlot per pool slot: even with every slot present, a warp's 8 positions then span ~4 runs or
+// fewer (measured crossing: csrc/cuda/NOTES.md).
+constexpr int64_t kRunsMinPositionsPerSlot = 2;
+bool runs_kernel_pays(const ExpandParams& p);
+cudaError_t launch_lora_expand_rows(const ExpandParams& p, bool runs, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

@@ -20,6 +20,8 @@ constexpr int kWarps = 4;                  // positions per CTA, one per warp
 constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a warp: 128 columns
 constexpr int kPassCols = 16 * kTiles;
 constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
+constexpr int kRunPositions = 8;           // positions per warp of the runs kernel: the mma's N
+constexpr unsigned kAll = 0xffffffffu;
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -44,13 +46,14 @@ struct Trip {
 // every tile: the mma's k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those
 // columns. Unchecked where the trip lies inside the rank and the slice (uniform over the warp; a rank-16k adapter
 // over whole passes), masked elsewhere.
+// h_live false: this lane's h is zeros (the runs kernel: its N column is a row outside the run).
 template <int kSteps, bool kChecked, class TB>
-__device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, const TB* b_lane, int64_t b_stride1,
-                                          int j, int rank, int pass_cols, int g, int t) {
+__device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, bool h_live, const TB* b_lane,
+                                          int64_t b_stride1, int j, int rank, int pass_cols, int g, int t) {
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
     const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
-    const uint2 hv = load4(h + jj + 4 * t, valid);
+    const uint2 hv = load4(h + jj + 4 * t, h_live ? valid : 0);
     trip.h[u][0] = hv.x;
     trip.h[u][1] = hv.y;
 #pragma unroll
@@ -75,11 +78,27 @@ __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[
   }
 }
 
+// acc += h[:rank] . B[the pass's columns, :rank]^T (b_lane: this lane's first B element of the pass), in trips
+// of 16 * kSteps ranks, all of a trip's loads issued before its mma.
+template <class TB, int kSteps>
+__device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TB* h, bool h_live, const TB* b_lane,
+                                          int64_t b_stride1, int rank, int pass_cols, int g, int t) {
+  constexpr int kTripRanks = 16 * kSteps;
+  for (int j = 0; j < rank; j += kTripRanks) {
+    Trip<kSteps> trip;
+    if (pass_cols >= kPassCols && j + kTripRanks <= rank) {
+      load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+    } else {
+      load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+    }
+    mma_trip<TB>(trip, acc);
+  }
+}
+
 // Position pos over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each in trips of
 // 16 * kSteps ranks (all of a trip's loads issued before its mma).
 template <class TB, class TY, int kSteps>
 __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
-  constexpr int kTripRanks = 16 * kSteps;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
   if (row < 0 || slot < 0) return;
@@ -98,17 +117,9 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       const int col = pass + 16 * (4 * quad + t) + 2 * g;
       if (col < n1) y_pairs[quad].load(y + col, 2);
     }
-    const TB* b_lane = b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
     float acc[kTiles][4] = {};
-    for (int j = 0; j < rank; j += kTripRanks) {
-      Trip<kSteps> trip;
-      if (pass + kPassCols <= n1 && j + kTripRanks <= rank) {
-        load_trip<kSteps, false>(trip, h, b_lane, p.b_stride1, j, rank, n1 - pass, g, t);
-      } else {
-        load_trip<kSteps, true>(trip, h, b_lane, p.b_stride1, j, rank, n1 - pass, g, t);
-      }
-      mma_trip<TB>(trip, acc);
-    }
+    mma_ranks<TB, kSteps>(acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
+                          n1 - pass, g, t);
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
 #pragma unroll
     for (int quad = 0; quad < kTiles / 4; ++quad) {
@@ -128,18 +139,108 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   }
 }
 
-// Grid: (column blocks of `passes` passes, position groups of kWarps); CTAs loop over position groups past the
-// grid's limit.
-template <class TB, class TY, int kSteps>
-__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
-  int64_t slice, first;
-  if (!find_slice_block(p, passes * kPassCols, blockIdx.x, &slice, &first)) return;
+// Positions pos0 .. pos0 + 7 over the columns [n0, n1) of slice `slice`, by one warp (the runs kernel): the
+// 8 positions are the mma's N, one row each, and the warp loads a slot's B once for the run of its positions
+// among them. Lane i < 8 resolves position pos0 + i; lane (g, t) then reads h of position g (the mma's N column
+// g) and adds to rows 2t, 2t + 1 (its C fragment's columns). A run's product is added to its own rows only, so
+// nothing of one slot's B (a NaN, an inf) reaches the rows of another slot through their zero h.
+template <class TB, class TY>
+__device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
+                                                     int n1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int64_t row = -1, slot = -1;
+  int rank = 0;
+  float coef = 0.f;
+  if (lane < kRunPositions && pos0 + lane < p.seg.positions) {
+    row = segment_row(p.seg, pos0 + lane, p.rows);
+    slot = segment_slot(p.seg, pos0 + lane, p.num_slots);
+    if (row >= 0 && slot >= 0) {
+      rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
+      coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
+    }
+  }
+  const unsigned live = __ballot_sync(kAll, rank > 0);  // positions that add something (lanes < 8)
+  if (live == 0) return;
+  const int64_t h_row = __shfl_sync(kAll, row, g);
+  const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
+  const float y_coef[2] = {__shfl_sync(kAll, coef, 2 * t), __shfl_sync(kAll, coef, 2 * t + 1)};
+  const bool y_live[2] = {(live >> (2 * t) & 1) != 0, (live >> (2 * t + 1) & 1) != 0};
+  const TB* h_lane = static_cast<const TB*>(p.h) + h_row * p.h_row_stride + slice * p.max_rank;
+  TY* y[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) y[r] = static_cast<TY*>(p.y) + y_row[r] * p.y_row_stride;
+  for (int pass = n0; pass < n1; pass += kPassCols) {
+    // This lane's y pairs (columns 2g, 2g + 1 of every tile, rows 2t and 2t + 1), loaded before any B.
+    YCols<TY, 2, true> y_pairs[2][kTiles];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const int col = pass + 16 * i + 2 * g;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (y_live[r] && col < n1) y_pairs[r][i].load(y[r] + col, 2);
+      }
+    }
+    for (unsigned todo = live; todo != 0;) {
+      const int lead = __ffs(todo) - 1;
+      const int64_t run_slot = __shfl_sync(kAll, slot, lead);
+      const int run_rank = __shfl_sync(kAll, rank, lead);
+      const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);
+      todo &= ~run;
+      float acc[kTiles][4] = {};
+      mma_ranks<TB, 1>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
+                       static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
+                           (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
+                       p.b_stride1, run_rank, n1 - pass, g, t);
+      // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
+      // run, so its y is written once.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (!(run >> (2 * t + r) & 1)) continue;
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const int col = pass + 16 * i + 2 * g;
+          if (col >= n1) continue;
+          y_pairs[r][i].v[0] = from_f32<TY>(to_f32(y_pairs[r][i].v[0]) + y_coef[r] * acc[i][r]);
+          y_pairs[r][i].v[1] = from_f32<TY>(to_f32(y_pairs[r][i].v[1]) + y_coef[r] * acc[i][r + 2]);
+          y_pairs[r][i].store(y[r] + col, 2);
+        }
+      }
+    }
+  }
+}
+
+// The CTA's slice and columns [n0, n1): blockIdx.x names a block of `passes` passes of one slice (false: past
+// the last). Inputs may be read once it returns true.
+__device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, int* slice, int* n0, int* n1) {
+  int64_t s, first;
+  if (!find_slice_block(p, passes * kPassCols, blockIdx.x, &s, &first)) return false;
   grid_dependency_wait();  // the op cannot know what wrote its inputs
   // Columns fit int here (rows_kernel_serves: N <= INT32_MAX / 2).
-  const int n0 = (int)first, n1 = (int)std::min<int64_t>(first + passes * kPassCols, p.slice_offsets[slice + 1]);
+  *slice = (int)s;
+  *n0 = (int)first;
+  *n1 = (int)std::min<int64_t>(first + passes * kPassCols, p.slice_offsets[s + 1]);
+  return true;
+}
+
+// Grid: (column blocks of `passes` passes, groups of kWarps warps); CTAs loop over groups past the grid's limit.
+// A warp takes one position (rows kernel) or kRunPositions (runs kernel).
+template <class TB, class TY, int kSteps>
+__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
+  int slice, n0, n1;
+  if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TY, kSteps>(p, pos, (int)slice, n0, n1);
+    expand_position<TB, TY, kSteps>(p, pos, slice, n0, n1);
+  }
+}
+
+template <class TB, class TY>
+__global__ void __launch_bounds__(32 * kWarps, 3) expand_runs_kernel(ExpandParams p, int passes) {
+  int slice, n0, n1;
+  if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
+  for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
+       pos0 += (int64_t)gridDim.y * kWarps * kRunPositions) {
+    expand_run_positions<TB, TY>(p, pos0, slice, n0, n1);
   }
 }
 
@@ -163,15 +264,20 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 
 // Two rank steps per trip from rank 32 (one trip per 32 ranks instead of 16; 3 CTAs per SM instead of 4).
 template <class TB, class TY>
-cudaError_t launch_steps(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+cudaError_t launch_steps(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
+  if (runs) {
+    return launch_kernel<expand_runs_kernel<TB, TY>>(p, (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions), pdl,
+                                                     stream);
+  }
+  const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
   return p.max_rank >= 32 ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
                           : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
 }
 
 template <class TB>
-cudaError_t launch_typed(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, groups, pdl, stream)
-                                 : launch_steps<TB, TB>(p, groups, pdl, stream);
+cudaError_t launch_typed(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
+  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, runs, pdl, stream)
+                                 : launch_steps<TB, TB>(p, runs, pdl, stream);
 }
 
 }  // namespace
@@ -187,11 +293,14 @@ bool rows_kernel_serves(const ExpandParams& p) {
   return ok;
 }
 
-cudaError_t launch_lora_expand_rows(const ExpandParams& p, int cc_major, cudaStream_t stream) {
-  const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
-  if (groups == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
-  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, groups, cc_major >= 9, stream)
-                                 : launch_typed<__nv_bfloat16>(p, groups, cc_major >= 9, stream);
+bool runs_kernel_pays(const ExpandParams& p) {
+  return p.seg.token_indices != nullptr && p.seg.positions >= kRunsMinPositionsPerSlot * p.num_slots;
+}
+
+cudaError_t launch_lora_expand_rows(const ExpandParams& p, bool runs, int cc_major, cudaStream_t stream) {
+  if (p.seg.positions == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
+  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, runs, cc_major >= 9, stream)
+                                 : launch_typed<__nv_bfloat16>(p, runs, cc_major >= 9, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -125,12 +125,14 @@ class Setup:
         self.seg: Optional[lora_ops.Segments] = None
 
     def build_segments(self):
+        """The step's routing, once per step as the serving layer builds it (LoRABatch.set)."""
         self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
+        self.sorted_slots = self.token_lora.index_select(0, self.seg.token_indices)
 
     def expand_rows(self, expand) -> tuple:
         """The rows lora_expand reads, as the serving layer passes them (routes.fold_expand_rows)."""
         backend = "cuda" if expand is torch.ops.lora_ops.lora_expand.default else "triton"
-        return route_table.fold_expand_rows(backend, self.token_lora,
+        return route_table.fold_expand_rows(backend, self.sorted_slots,
                                             (self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices))
 
     # ---- the routes: each returns the calls of one step, and the first layer's outputs ----

@@ -374,6 +374,7 @@ class ExpandProblem(Problem):
         super().__init__(dataclasses.replace(case, K=16), dtype, device, seed, like)
         gen = torch.Generator(device).manual_seed(seed + 7919)
         self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen, device=device).to(dtype)
+        self.sorted_slots = self.token_lora.index_select(0, self.p.token_indices)
 
     def args(self, y):
         p = self.p
@@ -402,10 +403,11 @@ def expand_torch_loop(pb: ExpandProblem, y):
 
 
 def _expand_rows_form(module):
-    """lora_expand through `module` in its rows form (no seg_indptr, each row's slot): the fold route's call."""
+    """lora_expand through `module` in its rows form as the fold route passes it on CUDA (no seg_indptr; positions
+    in build_segments' order through token_indices, each with its slot: routes.fold_expand_rows)."""
     def run(pb, y):
         p = pb.p
-        module.lora_expand(y, pb.h, p.lora_b, None, pb.token_lora, None, p.lora_ranks, p.lora_scales,
+        module.lora_expand(y, pb.h, p.lora_b, None, pb.sorted_slots, p.token_indices, p.lora_ranks, p.lora_scales,
                            p.slice_offsets, p.scale)
     return run
 

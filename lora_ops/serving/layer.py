@@ -69,7 +69,7 @@ class MultiLoRALinear(nn.Module):
             out = F.linear(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
             h = out2d[:, N:].view(tokens, m.lora_b.shape[0], len(m.slice_names) * m.lora_b.shape[2])
-            rows = routes.fold_expand_rows(backend, batch.token_slots,
+            rows = routes.fold_expand_rows(backend, batch.sorted_slots,
                                            (batch.seg_indptr, batch.seg_lora, batch.token_indices))
             routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *rows, *per_slot)
             return out[..., :N]

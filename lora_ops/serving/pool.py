@@ -64,10 +64,10 @@ class ModuleSlots:
 class LoRABatch:
     """One step's routing, shared by every layer: each token's slot and the segments built from it once.
 
-    Every step's routing is written into the same device buffers, and token_slots / token_indices are views of
-    their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style servers do, or by
-    torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it after the next
-    set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
+    Every step's routing is written into the same device buffers, and token_slots / token_indices / sorted_slots
+    are views of their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style
+    servers do, or by torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it
+    after the next set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
     moves them (AdapterPool's max_batch_tokens; a warning says so: graphs captured before then read freed memory).
     A pool keeps ONE of these: torch.compile guards on the identity of the objects a graph reads, so a new object
     per step would recompile the model."""
@@ -82,15 +82,16 @@ class LoRABatch:
         # batch dimension that happens to be equal (which recompiles when the batch changes).
         torch._dynamo.mark_static(self.seg_indptr)
         torch._dynamo.mark_static(self.seg_lora)
-        self.token_slots = self.token_indices = None
+        self.token_slots = self.token_indices = self.sorted_slots = None
 
     def _allocate(self, max_tokens: int, device) -> None:
         # One entry more than any step uses: torch.compile would tie a step's T to the buffer's length when they
         # are equal (the views' base is an input too), and recompile at the next T.
         self._slot_buffer = torch.empty(max_tokens + 1, dtype=torch.int32, device=device)
         self._index_buffer = torch.empty_like(self._slot_buffer)
-        torch._dynamo.mark_static(self._slot_buffer)
-        torch._dynamo.mark_static(self._index_buffer)
+        self._sorted_slot_buffer = torch.empty_like(self._slot_buffer)
+        for buffer in (self._slot_buffer, self._index_buffer, self._sorted_slot_buffer):
+            torch._dynamo.mark_static(buffer)
 
     def set(self, token_slots: torch.Tensor) -> None:
         """token_slots: [T] int32 on the host (copied to the device here, without a sync)."""
@@ -107,6 +108,9 @@ class LoRABatch:
         self.token_indices = self._index_buffer[:T]
         self.token_indices.copy_(token_indices)
         self.seg_indptr.copy_(seg_indptr)
+        # each position's slot in that order: the fold route's rows form (routes.fold_expand_rows)
+        self.sorted_slots = self._sorted_slot_buffer[:T]
+        torch.index_select(self.token_slots, 0, self.token_indices, out=self.sorted_slots)
         self.active = True
 
 
