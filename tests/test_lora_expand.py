@@ -227,6 +227,7 @@ def _check_other_slots_b_stays_out(impl, dtype):
     impl.module.lora_expand(*args)
     sorted_slots, order = args[4].cpu(), args[5].cpu()
     clean = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    clean[0] = before.cpu()
     clean[4] = torch.where(sorted_slots == 1, -1, sorted_slots)  # the oracle of the other rows
     ref = reference.lora_expand(*clean)
     others = order[sorted_slots != 1].long()
