@@ -144,7 +144,7 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 // among them. Lane i < 8 resolves position pos0 + i; lane (g, t) then reads h of position g (the mma's N column
 // g) and adds to rows 2t, 2t + 1 (its C fragment's columns). A run's product is added to its own rows only, so
 // nothing of one slot's B (a NaN, an inf) reaches the rows of another slot through their zero h.
-template <class TB, class TY>
+template <class TB, class TY, int kSteps>
 __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
                                                      int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -187,7 +187,7 @@ __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int6
       const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);
       todo &= ~run;
       float acc[kTiles][4] = {};
-      mma_ranks<TB, 1>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
+      mma_ranks<TB, kSteps>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
                        static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
                            (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                        p.b_stride1, run_rank, n1 - pass, g, t);
@@ -234,13 +234,13 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_
   }
 }
 
-template <class TB, class TY>
-__global__ void __launch_bounds__(32 * kWarps, 3) expand_runs_kernel(ExpandParams p, int passes) {
+template <class TB, class TY, int kSteps>
+__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 3 : 2) expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
        pos0 += (int64_t)gridDim.y * kWarps * kRunPositions) {
-    expand_run_positions<TB, TY>(p, pos0, slice, n0, n1);
+    expand_run_positions<TB, TY, kSteps>(p, pos0, slice, n0, n1);
   }
 }
 
@@ -262,16 +262,19 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
-// Two rank steps per trip from rank 32 (one trip per 32 ranks instead of 16; 3 CTAs per SM instead of 4).
+// Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
+// instead of 4, runs kernel 2 instead of 3; measured on the H200: the runs kernel at rank 64 9.28 -> 8.49 us).
 template <class TB, class TY>
 cudaError_t launch_steps(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
+  const bool two = p.max_rank >= 32;
   if (runs) {
-    return launch_kernel<expand_runs_kernel<TB, TY>>(p, (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions), pdl,
-                                                     stream);
+    const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
+    return two ? launch_kernel<expand_runs_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+               : launch_kernel<expand_runs_kernel<TB, TY, 1>>(p, groups, pdl, stream);
   }
   const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
-  return p.max_rank >= 32 ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-                          : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+  return two ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+             : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
 }
 
 template <class TB>
