@@ -2,7 +2,7 @@
 or a tracing build:
 `ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
 [--expand [--rows]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one slice; --rows:
-lora_expand's rows form, each row's slot in place of the segments).
+lora_expand's rows form as the fold route passes it, each position's slot in build_segments' order).
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import argparse
 
@@ -29,6 +29,7 @@ def main():
     pb = Problem(case, torch.bfloat16, "cuda", seed=1)
     p = pb.p
     h = torch.randn(T, *p.lora_a.shape[:2], dtype=torch.bfloat16, device="cuda")
+    sorted_slots = pb.token_lora.index_select(0, p.token_indices)  # the fold route's rows form
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()
@@ -37,8 +38,8 @@ def main():
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
         if expand and args.rows:
-            lora_ops.lora_expand(p.y, h, p.lora_b, None, pb.token_lora, None, p.lora_ranks, p.lora_scales,
-                                 p.slice_offsets, p.scale)
+            lora_ops.lora_expand(p.y, h, p.lora_b, None, sorted_slots, p.token_indices, p.lora_ranks,
+                                 p.lora_scales, p.slice_offsets, p.scale)
         elif expand:
             lora_ops.lora_expand(p.y, h, p.lora_b, p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks,
                                  p.lora_scales, p.slice_offsets, p.scale)
