@@ -62,8 +62,10 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, seg_indp
     window per row broadcast over the slots with a zero stride. lora_b [L, N, R]; the other arguments as sgmv's.
 
     The rows form: with ``seg_indptr=None`` every position is a segment of its own and ``seg_lora`` [P] holds each
-    position's slot (P = len(token_indices), else T), e.g. the per-token slots that build_segments would sort.
-    Nothing needs sorting then, and the CUDA kernel reads each row's slot instead of walking the segments.
+    position's slot (P = len(token_indices), else T), e.g. the per-token slots as they are: nothing needs sorting,
+    and the CUDA kernels read each row's slot instead of walking the segments. Given build_segments' order
+    (``token_indices`` from it, ``seg_lora = token_lora[token_indices]``, as the serving layer's fold route passes
+    it), the rows of one slot sit side by side and the CUDA runs kernel reads each slot's B once per run of rows.
     """
     _lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale)
 

@@ -284,10 +284,10 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows", "runs"])
-@pytest.mark.parametrize("T", [8, 40, 200])
+@pytest.mark.parametrize("T", [8, 11, 12, 40, 200])
 def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
     """The automatic choice runs the runs kernel on the rows form in build_segments' order from 2 positions per
-    pool slot (6 slots here), the rows kernel on the other rows forms it serves (bf16 here), else the positions
+    pool slot (6 slots here: from 12), the rows kernel on the other rows forms it serves (bf16 here), else the positions
     kernel up to 64 positions and the segment-tile kernel beyond (the positions kernel at any size in the rows form:
     no walk there); a forced kernel runs whatever the size, "rows" and "runs" only on the rows forms (so the
     per-kernel tests above test what they say)."""
@@ -314,8 +314,8 @@ def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,N", [(torch.float32, 300), (torch.bfloat16, 301)], ids=["fp32", "odd_width"])
 def test_lora_expand_rows_form_fallback_kernel(dtype, N):
-    """The rows form the rows kernel cannot take (fp32 B; a slice of odd width) runs the positions kernel at any
-    number of positions, never the segment-tile kernel (which would make a tile of every row)."""
+    """The rows form the rows and runs kernels cannot take (fp32 B; a slice of odd width) runs the positions kernel
+    at any number of positions, never the segment-tile kernel (which would make a tile of every row)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
@@ -328,7 +328,7 @@ def test_lora_expand_rows_form_fallback_kernel(dtype, N):
         torch.cuda.synchronize()
     ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
     assert any("expand_positions_kernel" in k for k in ran), ran
-    assert not any("expand_rows_kernel" in k or "expand_tiles_kernel" in k for k in ran), ran
+    assert not any(f"expand_{k}_kernel" in key for k in ("rows", "runs", "tiles") for key in ran), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 

@@ -190,11 +190,43 @@ def _segments(d: _Draw, rows: int, num_slots: int, case: Case) -> Dict[str, Opti
     return out
 
 
+def _rows_form(d: _Draw, rows: int, num_slots: int, case: Case) -> Dict[str, Optional[torch.Tensor]]:
+    """lora_expand's rows form (no seg_indptr, each position's slot): the token slots as they are, in build_segments'
+    order (the fold route's call: the CUDA runs kernel's input), or positions naming garbage rows and slots."""
+    mode = d.rng.choice(["tokens", "sorted", "sorted", "garbage"])
+    slot = lambda garbage: d.index_value(-1, num_slots - 1, garbage)
+    token_lora = [slot(0.0 if mode != "garbage" and d.chance(0.5) else 0.2) for _ in range(rows)]
+    idx = None
+    if mode == "tokens":
+        slots = token_lora
+    elif mode == "sorted":
+        idx = reference.build_segments(torch.tensor(token_lora, dtype=torch.int64), num_slots)[0].tolist()
+        slots = [token_lora[t] for t in idx]
+    else:  # each valid row at most once, as in _segments
+        free = list(range(rows))
+        d.rng.shuffle(free)
+        idx = [free.pop() if free and d.chance(0.8) else d.bad_row(rows) for _ in range(d.rng.randint(0, 2 * rows + 2))]
+        slots = [slot(0.2) for _ in idx]
+    case.notes.append(f"rows form: {mode}")
+    out = {"seg_indptr": None, "slots": d.index_tensor(slots),
+           "token_indices": d.index_tensor(idx) if idx is not None else None}
+    # the rows form is the per-position segments: position p is segment p
+    case.debug_clean = _debug_clean(torch.arange(len(slots) + 1), out["slots"], out["token_indices"], rows, num_slots)
+    return out
+
+
+def _if_indptr(kw: dict, change):
+    """change(seg_indptr), or None (no such mutation) in lora_expand's rows form."""
+    return change(kw["seg_indptr"]) if kw["seg_indptr"] is not None else None
+
+
 def _debug_clean(seg_indptr, slots, token_indices, rows, num_slots) -> bool:
     """Whether LORA_OPS_DEBUG=1 accepts this metadata (the rules of csrc/common/checks.cpp debug_validate_*)."""
     ip, sl = seg_indptr.tolist(), slots.tolist()
     idx = token_indices.tolist() if token_indices is not None else None
     positions = len(idx) if idx is not None else rows
+    if not 0 <= ip[0] <= positions:  # checked even with no segment after it
+        return False
     seen = set()
     for g, s in enumerate(sl):
         if not 0 <= ip[g] <= ip[g + 1] <= positions or s >= num_slots:
@@ -310,7 +342,7 @@ def make_lora_expand(d: _Draw, case: Case) -> None:
             h = d.randn(T, L, S * R, dtype=h_dtype)
     lora_b = d.pool_slice((L, N, R), dtype, 1 / max(R, 1) ** 0.5, slice_dim=d.rng.choice([1, 2]), align=align)
     offsets = _slice_offsets(d, N, S, align)
-    seg = _segments(d, T, L, case)
+    seg = _rows_form(d, T, L, case) if d.chance(0.35) else _segments(d, T, L, case)
     ranks = _sizes_tensor(d, L, R, case) if d.chance(0.5) else None
     # With R = 0 every slot has rank 0 and is skipped, a NaN scale included (not NaN * 0). An expanded NaN
     # would reach slots with a rank otherwise: tests/test_lora_expand.py covers a NaN on one rank-0 slot.
@@ -430,10 +462,11 @@ def _mutations(d: _Draw, case: Case) -> List[Tuple[Tuple[str, ...], Callable[[di
         (("y",), lambda k: _maybe({"y": _transposed(k["y"])})),
         (("y",), lambda k: {"y": d.randn(1, k["y"].shape[1], dtype=k["y"].dtype).expand(k["y"].shape)}
          if k["y"].shape[0] > 1 and k["y"].shape[1] > 0 else None),
-        (("seg_indptr",), lambda k: {"seg_indptr": k["seg_indptr"].to(other_dev)}),
-        (("seg_indptr",), lambda k: {"seg_indptr": k["seg_indptr"].float()}),
-        (("seg_indptr",), lambda k: {"seg_indptr": k["seg_indptr"][:, None]}),
-        (("seg_indptr",), lambda k: {"seg_indptr": k["seg_indptr"][:0], slot_name: k[slot_name][:0]}),
+        # (lora_expand's rows form has no seg_indptr to break: None skips these)
+        (("seg_indptr",), lambda k: _if_indptr(k, lambda t: {"seg_indptr": t.to(other_dev)})),
+        (("seg_indptr",), lambda k: _if_indptr(k, lambda t: {"seg_indptr": t.float()})),
+        (("seg_indptr",), lambda k: _if_indptr(k, lambda t: {"seg_indptr": t[:, None]})),
+        (("seg_indptr",), lambda k: _if_indptr(k, lambda t: {"seg_indptr": t[:0], slot_name: k[slot_name][:0]})),
         ((slot_name,), lambda k: {slot_name: torch.cat([k[slot_name], k[slot_name].new_zeros(1)])}),
         ((slot_name,), lambda k: {slot_name: i16(k[slot_name])}),
         (("token_indices",), lambda k: {"token_indices": torch.zeros(3, device=d.device)}),

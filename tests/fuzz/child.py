@@ -25,13 +25,15 @@ PREFIX = "FUZZ "
 # The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value).
 # "cuda" is the automatic choice for every op; a forced backend skips the ops it forces nothing for
 # (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case. lora_expand's
-# two kernels ride along: the positions kernel with "cuda:mma", the segment-tile kernel with "cuda:split".
+# kernels ride along: the positions kernel with "cuda:mma", the segment-tile kernel with "cuda:split", the runs kernel
+# (the rows form; elsewhere the automatic choice) with "cuda:skinny".
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma"),
                  "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions")},
     "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"),
                    "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles")},
-    "cuda:skinny": {"grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "skinny")},
+    "cuda:skinny": {"grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "skinny"),
+                    "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")},
 }
 _KERNEL_VARIABLES = {var for forced in FORCED_CUDA_KERNELS.values() for var, _ in forced.values()}
 
