@@ -188,9 +188,9 @@ __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int6
       todo &= ~run;
       float acc[kTiles][4] = {};
       mma_ranks<TB, kSteps>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
-                       static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
-                           (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
-                       p.b_stride1, run_rank, n1 - pass, g, t);
+                            static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
+                                (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
+                            p.b_stride1, run_rank, n1 - pass, g, t);
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
       // run, so its y is written once.
 #pragma unroll
