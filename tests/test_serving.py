@@ -12,7 +12,7 @@ import torch._dynamo.testing
 import transformers
 
 import lora_ops
-
+from lora_ops import backends
 from lora_ops.serving import (AdapterFormatError, AdapterPool, AdapterShapeError, PoolFullError,
                               UnsupportedAdapterError, greedy_generate, patch_model)
 from serving_models import rel_err
@@ -349,6 +349,11 @@ def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, dtype,
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             captured = run(x)
+        if route == "fold-cuda" and dtype == torch.bfloat16 and backends.cuda_served_by.get("lora_expand") == "cuda":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run(x)
+                torch.cuda.synchronize()
+            assert any("expand_runs_kernel" in e.key for e in prof.key_averages()), "the runs kernel did not run"
         # bf16: the eager GEMMs may round differently from the captured ones; the step's routings differ by far more
         tol, previous = (1e-5 if dtype == torch.float32 else 1e-2), None
         for rows in (["c", "c", "a", None], [None, "b", "b", "a"]):
