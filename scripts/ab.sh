@@ -30,7 +30,7 @@ case "$mode" in
     trees=(.); for d in build/ab/*/; do [ -d "$d" ] && trees+=("${d%/}"); done
     jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -gt 0 ] || jobs=1
     export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} PYTHONUNBUFFERED=1
-    name() { [ "$1" = . ] && echo main || basename "$1"; }
+    name() { [ "$1" = . ] && echo worktree || basename "$1"; }  # not "main": a prepared main is build/ab/main
     t0=$(date +%s)
     for t in "${trees[@]}"; do
       (cd "$t" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace -q > "$out/build-$(name "$t").log" 2>&1) &

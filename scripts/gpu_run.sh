@@ -83,9 +83,11 @@ if want bench; then
     [ -f "$name-$part.json" ] && parts+=("$name-$part.json") && cp "$name-$part.json" "$OUT"/
   done
   if [ ${#parts[@]} -gt 0 ]; then
-    $PY -m lora_ops.bench.report "${parts[@]}" --out "$name" >/dev/null || status=1
+    # The merged .json holds every record; its .csv and .png are rebuilt from it anywhere (bench.report --out), so
+    # only the .json travels, and the parts' copies go once it is written.
+    $PY -m lora_ops.bench.report "${parts[@]}" --out "$name" >/dev/null \
+      && cp "$name.json" "$OUT"/ && for f in "${parts[@]}"; do rm -f "$OUT/$(basename "$f")"; done || status=1
     rm -f "${parts[@]}" "${parts[@]/%.json/.csv}" "${parts[@]/%.json/.png}"
-    cp "$name".* "$OUT"/ 2>/dev/null
     if [ ${#bench_args[@]} -eq 0 ]; then
       $PY -m lora_ops.bench.report "$name.json" --op-table lora_ops/op_table.json && cp lora_ops/op_table.json "$OUT"/ \
         || status=1
@@ -99,6 +101,11 @@ if want mutate; then
     ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
     | grep -v "^not run" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+# The device tool brings back at most 8 files from $OUT (it drops the rest): past that the logs travel as one
+# archive.
+if [ "$OUT" != benchmarks/results ] && [ "$(ls -1 "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
 fi
 echo "gpu_run status: $status"
 exit $status
