@@ -9,6 +9,7 @@ import argparse
 import torch
 
 import lora_ops
+from lora_ops import routes
 from lora_ops.bench.ops import Case, Problem
 
 
@@ -29,7 +30,7 @@ def main():
     pb = Problem(case, torch.bfloat16, "cuda", seed=1)
     p = pb.p
     h = torch.randn(T, *p.lora_a.shape[:2], dtype=torch.bfloat16, device="cuda")
-    sorted_slots = pb.token_lora.index_select(0, p.token_indices)  # the fold route's rows form
+    sorted_slots = routes.sorted_slots(pb.token_lora, p.token_indices)  # the fold route's rows form
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()

@@ -95,6 +95,12 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[st
     return route, backend if device_type == "cuda" else "cuda"
 
 
+def sorted_slots(token_lora: torch.Tensor, token_indices: torch.Tensor, out: Optional[torch.Tensor] = None):
+    """Each position's slot in build_segments' order, token_lora[token_indices]: the seg_lora of the fold route's
+    rows form (fold_expand_rows). Once per step, beside build_segments, not per layer."""
+    return torch.index_select(token_lora, 0, token_indices, out=out)
+
+
 def fold_expand_rows(backend: str, sorted_slots, segments: tuple) -> tuple:
     """What the fold route's lora_expand reads (seg_indptr, seg_lora, token_indices). On CUDA its rows form in
     build_segments' order: each position's row through token_indices and its slot in `sorted_slots`

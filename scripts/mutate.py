@@ -179,7 +179,7 @@ MUTATIONS: List[Mutation] = [
              "a reused slot keeps the evicted adapter's weights in the modules the new one does not target (wrong "
              "once the ops get no ranks, as a graph captured with a pool of one rank calls them)", tests=SERVING_T),
     Mutation("serving-unsorted-slots", "lora_ops/serving/pool.py",
-             "torch.index_select(self.token_slots, 0, self.token_indices, out=self.sorted_slots)",
+             "routes.sorted_slots(self.token_slots, self.token_indices, out=self.sorted_slots)",
              "self.sorted_slots.copy_(self.token_slots)",
              "the fold route's rows form pairs build_segments' order of rows with the slots in token order",
              tests=SERVING_T),

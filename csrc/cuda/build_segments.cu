@@ -25,7 +25,6 @@
 namespace lora_ops::cuda {
 namespace {
 
-constexpr unsigned kAll = 0xffffffffu;
 constexpr int kMaxThreads = 512;
 constexpr int64_t kTokensPerCta = 512;  // one token per thread to place
 constexpr int64_t kMaxCtas = 32;        // every CTA reads all T tokens: bounds the repeated reads (2 MB at 16384)

@@ -20,6 +20,8 @@
 
 namespace lora_ops::cuda {
 
+constexpr unsigned kAll = 0xffffffffu;  // every lane of a warp (the *_sync intrinsics' mask)
+
 template <DType D> struct ElemOf;
 template <> struct ElemOf<DType::F16> { using type = __half; };
 template <> struct ElemOf<DType::BF16> { using type = __nv_bfloat16; };
@@ -232,7 +234,6 @@ struct TileRef {
 // rank-0 tile), which keeps the walk one dependent load deep: 32 segments per step, two loads per lane.
 __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, int64_t tile_rows, int64_t tile,
                                       TileRef* out) {
-  constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   int64_t tiles_before = 0, m_carry = clamped_indptr(seg, 0);
   for (int64_t base = 0; base < seg.num_segments; base += 32) {

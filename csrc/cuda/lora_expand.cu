@@ -32,7 +32,6 @@ constexpr int kRankChunk = 128;  // rank columns of h staged in shared memory at
 constexpr int kNearSlots = 64;   // slots whose rank and scale the positions kernel loads before its walk
 constexpr int64_t kPositionsKernelMaxPositions = 64;
 constexpr int kPositionsCols = 2, kTilesCols = 4;  // consecutive columns per thread of each kernel
-constexpr unsigned kAll = 0xffffffffu;
 
 template <class T>
 __device__ __forceinline__ void prefetch_l2(const T* ptr) {

@@ -21,7 +21,6 @@ constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a 
 constexpr int kPassCols = 16 * kTiles;
 constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
 constexpr int kRunPositions = 8;           // positions per warp of the runs kernel: the mma's N
-constexpr unsigned kAll = 0xffffffffu;
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -267,12 +266,12 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 template <class TB, class TY>
 cudaError_t launch_steps(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
   const bool two = p.max_rank >= 32;
+  const int64_t per_cta = kWarps * (runs ? kRunPositions : 1);  // positions per CTA group
+  const int64_t groups = (p.seg.positions + per_cta - 1) / per_cta;
   if (runs) {
-    const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
     return two ? launch_kernel<expand_runs_kernel<TB, TY, 2>>(p, groups, pdl, stream)
                : launch_kernel<expand_runs_kernel<TB, TY, 1>>(p, groups, pdl, stream);
   }
-  const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
   return two ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
              : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
 }

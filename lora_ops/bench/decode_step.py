@@ -127,7 +127,7 @@ class Setup:
     def build_segments(self):
         """The step's routing, once per step as the serving layer builds it (LoRABatch.set)."""
         self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
-        self.sorted_slots = self.token_lora.index_select(0, self.seg.token_indices)
+        self.sorted_slots = route_table.sorted_slots(self.token_lora, self.seg.token_indices)
 
     def expand_rows(self, expand) -> tuple:
         """The rows lora_expand reads, as the serving layer passes them (routes.fold_expand_rows)."""

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import lora_ops
-from lora_ops import backends, reference, testing
+from lora_ops import backends, reference, routes, testing
 
 from .timing import MIN_CALLS, time_cpu, time_cuda
 
@@ -374,7 +374,7 @@ class ExpandProblem(Problem):
         super().__init__(dataclasses.replace(case, K=16), dtype, device, seed, like)
         gen = torch.Generator(device).manual_seed(seed + 7919)
         self.h = torch.randn(case.T, case.pool_slots, case.slices * case.R, generator=gen, device=device).to(dtype)
-        self.sorted_slots = self.token_lora.index_select(0, self.p.token_indices)
+        self.sorted_slots = routes.sorted_slots(self.token_lora, self.p.token_indices)
 
     def args(self, y):
         p = self.p

@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import ops
+from .. import ops, routes
 from .layer import MultiLoRALinear
 from .peft_format import FUSED_SLICES, AdapterShapeError, PoolFullError, read_config, read_weights, stage
 
@@ -65,10 +65,11 @@ class LoRABatch:
     """One step's routing, shared by every layer: each token's slot and the segments built from it once.
 
     Every step's routing is written into the same device buffers, and token_slots / token_indices / sorted_slots
-    are views of their first T entries: a CUDA graph captured over the patched model (by hand, as vLLM-style
-    servers do, or by torch.compile's reduce-overhead mode) reads its routing at fixed addresses, so replaying it
-    after the next set_batch (with the same T) runs that step's routing. Only a step with more tokens than the buffers hold
-    moves them (AdapterPool's max_batch_tokens; a warning says so: graphs captured before then read freed memory).
+    (each position's slot in build_segments' order: the fold route's rows form) are views of their first T entries:
+    a CUDA graph captured over the patched model (by hand, as vLLM-style servers do, or by torch.compile's
+    reduce-overhead mode) reads its routing at fixed addresses, so replaying it after the next set_batch (with the
+    same T) runs that step's routing. Only a step with more tokens than the buffers hold moves them (AdapterPool's
+    max_batch_tokens; a warning says so: graphs captured before then read freed memory).
     A pool keeps ONE of these: torch.compile guards on the identity of the objects a graph reads, so a new object
     per step would recompile the model."""
 
@@ -108,9 +109,8 @@ class LoRABatch:
         self.token_indices = self._index_buffer[:T]
         self.token_indices.copy_(token_indices)
         self.seg_indptr.copy_(seg_indptr)
-        # each position's slot in that order: the fold route's rows form (routes.fold_expand_rows)
         self.sorted_slots = self._sorted_slot_buffer[:T]
-        torch.index_select(self.token_slots, 0, self.token_indices, out=self.sorted_slots)
+        routes.sorted_slots(self.token_slots, self.token_indices, out=self.sorted_slots)
         self.active = True
 
 
