@@ -47,6 +47,12 @@ def main():
         calls = [lambda y=y, xi=xi, wi=wi: lora_ops.grouped_gemm(y, xi, wi, indptr, seg) for y, xi, wi in
                  zip(targets, x, w)]
         report(name, time_cuda(calls, graph=True), expand_bytes)
+    # cuBLAS on the same expand (h bf16): one addmm per group with beta = 1, in place on y's rows
+    rows = T // GROUPS
+    hb = [xi.to(torch.bfloat16) for xi in x]
+    calls = [lambda y=y, hi=hi, wi=wi: [y[g * rows:(g + 1) * rows].addmm_(hi[g * rows:(g + 1) * rows], wi[g].t())
+                                        for g in range(GROUPS)] for y, hi, wi in zip(ys, hb, w)]
+    report("cuBLAS addmm_ per group (h bf16)", time_cuda(calls, graph=True), expand_bytes - T * K * 2)
 
 
 if __name__ == "__main__":

@@ -357,6 +357,11 @@ MUTATIONS: List[Mutation] = [
              "const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) != 0);",
              "CUDA runs kernel: every position of a warp takes the first position's slot (one run)", needs_gpu=True,
              tests=EXPAND_T),
+    Mutation("cuda-expand-segments-past-tile", "csrc/cuda/lora_expand_rows.cu",
+             "const int64_t row = ref.begin + lane < ref.end ? segment_row(",
+             "const int64_t row = lane < kRunPositions ? segment_row(",
+             "CUDA segments kernel: a tile takes 8 positions whatever its segment's end (the next segment's rows get "
+             "this slot's product)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-rows-column-pair", "csrc/cuda/lora_expand_rows.cu",
              "hi = t == k ? acc[4 * quad + k][2] : hi;",
              "hi = t == k ? acc[4 * quad + k][1] : hi;",

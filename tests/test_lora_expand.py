@@ -253,11 +253,12 @@ EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank
                "sorted_rows_other_slots_b": _check_other_slots_b_stays_out}
 
 
-# The rows and runs kernels serve the rows forms only: forced on segments they are the automatic choice, which the
-# other two kernels' runs already cover (test_lora_expand_cuda_kernel_choice checks that fallback).
+# The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
+# other form they leave the automatic choice, which the other kernels' runs already cover
+# (test_lora_expand_cuda_kernel_choice checks that fallback).
 ROWS_KERNELS = ("rows", "runs")
-KERNEL_FORMS = [(k, f) for k in ("positions", "tiles") + ROWS_KERNELS for f in FORMS
-                if not (k in ROWS_KERNELS and f == "segments")]
+KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
+                if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
 
 
 @pytest.mark.gpu
@@ -266,8 +267,9 @@ KERNEL_FORMS = [(k, f) for k in ("positions", "tiles") + ROWS_KERNELS for f in F
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + list(EDGE_CHECKS))
 def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     """Every CUDA expand kernel over the whole grid, not only where the automatic choice (by positions) puts
-    them; a forced kernel also bypasses the op table. The rows and runs kernels serve the rows forms with fp16/bf16
-    B and h, ranks in fours and even slices (the rest falls back to the automatic choice)."""
+    them; a forced kernel also bypasses the op table. The rows and runs kernels serve the rows forms, the segments
+    kernel the segment form, with fp16/bf16 B and h, ranks in fours and even slices (the rest falls back to the
+    automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
@@ -283,22 +285,21 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows", "runs"])
+@pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows", "runs", "segments"])
 @pytest.mark.parametrize("T", [8, 11, 12, 40, 200])
 def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
-    """The automatic choice runs the runs kernel on the rows form in build_segments' order from 2 positions per
-    pool slot (6 slots here: from 12), the rows kernel on the other rows forms it serves (bf16 here), else the positions
-    kernel up to 64 positions and the segment-tile kernel beyond (the positions kernel at any size in the rows form:
-    no walk there); a forced kernel runs whatever the size, "rows" and "runs" only on the rows forms (so the
-    per-kernel tests above test what they say)."""
+    """Where the tensor-core kernels serve (bf16 here) the automatic choice runs the segments kernel on the segment
+    form; on the rows form, the runs kernel in build_segments' order from 2 positions per pool slot (6 slots here:
+    from 12), else the rows kernel. A forced kernel runs whatever the size, "rows" and "runs" only on the rows forms,
+    "segments" only on the segment form (so the per-kernel tests above test what they say)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if forced:
         monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
     expected = forced
-    if form == "segments" and forced in (None,) + ROWS_KERNELS:
-        expected = "positions" if T <= 64 else "tiles"
-    elif forced is None:
+    if form == "segments" and forced in (None, "segments") + ROWS_KERNELS:
+        expected = "segments"
+    elif forced in (None, "segments"):
         expected = "runs" if form == "sorted_rows" and T >= 2 * 6 else "rows"
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))

@@ -359,7 +359,8 @@ def _weights_dtype(op, p):
 
 TRITON_KERNEL = {"sgmv": "sgmv_kernel", "lora_expand": "lora_expand_kernel", "grouped_gemm": "grouped_gemm_kernel"}
 CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"),
-               "lora_expand": ("expand_positions_kernel", "expand_tiles_kernel"),
+               "lora_expand": ("expand_positions_kernel", "expand_tiles_kernel", "expand_segments_kernel",
+                               "expand_rows_kernel", "expand_runs_kernel"),
                "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel")}
 
 

@@ -27,22 +27,24 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // (Under PDL a kernel sees its predecessor's writes only after the wait; the lora_expand op cannot know its
 // predecessor.) Two kernels (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a
 // segment beyond (Auto), or the one preferred.
-enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 
-// lora_expand's rows form on tensor cores (lora_expand_rows.cu), no walk, no barrier: one warp per position (the
-// rows kernel), or per 8 positions that share B within each run of one slot (the runs kernel). Both serve fp16/bf16
-// B with h of B's dtype, ranks in fours and 8-byte-aligned rows (rows_kernel_serves); the automatic choice of
-// launch_lora_expand takes the runs kernel where runs_kernel_pays, the rows kernel elsewhere that they serve.
-bool rows_kernel_serves(const ExpandParams& p);
+// lora_expand on tensor cores (lora_expand_rows.cu), no shared memory, no barrier. The rows form: one warp per
+// position (the rows kernel), or per 8 positions that share B within each run of one slot (the runs kernel). The
+// segment form: one warp per tile of up to 8 positions of one segment (the segments kernel), which loads its slot's
+// B once. They serve fp16/bf16 B with h of B's dtype, ranks in fours and 8-byte-aligned rows (mma_kernels_serve);
+// the automatic choice of launch_lora_expand takes the segments kernel for the segment form, and for the rows form
+// the runs kernel where runs_kernel_pays, the rows kernel elsewhere.
+bool mma_kernels_serve(const ExpandParams& p);
 // Positions ordered through token_indices (build_segments' order puts a slot's rows together) and at least
 // kRunsMinPositionsPerSlot per pool slot: even with every slot present, a warp's 8 positions then span ~4 runs or
 // fewer (csrc/cuda/NOTES.md). The order is taken on trust: token_indices in another order is served exactly, at up
 // to 8 serial runs per warp (forced at 32 positions over 32 slots: the step +42% against the rows kernel's +27%).
 constexpr int64_t kRunsMinPositionsPerSlot = 2;
 bool runs_kernel_pays(const ExpandParams& p);
-cudaError_t launch_lora_expand_rows(const ExpandParams& p, bool runs, int cc_major, cudaStream_t stream);
+cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group; shrink and expand in one kernel, the intermediate in registers.

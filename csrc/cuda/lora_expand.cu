@@ -4,8 +4,8 @@
 // float32 K-split partials, summed here in split order: deterministic).
 //
 // At decode sizes the cost is the chain of dependent memory trips per CTA and how many CTAs run it in series.
-// The rows form goes to lora_expand_rows.cu wherever its kernels serve. Otherwise two kernels, by the number of
-// positions P (measured on the H200; csrc/cuda/NOTES.md); the rows form the rows kernel cannot take (no
+// Both forms go to the tensor-core kernels of lora_expand_rows.cu wherever they serve. Otherwise two kernels, by
+// the number of positions P (measured on the H200; csrc/cuda/NOTES.md); the rows form they cannot take (no
 // seg_indptr: each position's slot is given, no walk) goes to the positions kernel at any P:
 // - positions (P <= kPositionsKernelMaxPositions): one CTA per (256 columns of one slice, tile of 4 consecutive
 //   positions); 128 threads own 2 columns of the 4 rows each. Two trips: warp 0 loads the tile's rows, walks the
@@ -406,12 +406,14 @@ cudaError_t launch_b(const ExpandParams& p, const ExpandLaunch& l) {
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream) {
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
-  // A preferred rows or runs kernel that cannot serve the call leaves the choice to the automatic rule.
-  const bool automatic =
-      preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows || preferred == ExpandKernel::Runs;
-  if (automatic && cc_major >= 8 && rows_kernel_serves(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
-    const bool runs = preferred == ExpandKernel::Runs || (preferred == ExpandKernel::Auto && runs_kernel_pays(p));
-    return launch_lora_expand_rows(p, runs, cc_major, stream);
+  // A preferred tensor-core kernel that cannot serve the call (the rows or runs kernel given segments, the
+  // segments kernel given rows) leaves the choice to the automatic rule.
+  const bool automatic = preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows ||
+                         preferred == ExpandKernel::Runs || preferred == ExpandKernel::Segments;
+  if (automatic && cc_major >= 8 && mma_kernels_serve(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
+    if (p.seg.indptr) return launch_lora_expand_mma(p, ExpandKernel::Segments, cc_major, stream);
+    const bool runs = preferred == ExpandKernel::Runs || (preferred != ExpandKernel::Rows && runs_kernel_pays(p));
+    return launch_lora_expand_mma(p, runs ? ExpandKernel::Runs : ExpandKernel::Rows, cc_major, stream);
   }
   ExpandLaunch l{};
   // The rows form has a segment per position: the tiles kernel would make a tile of each.

@@ -1,12 +1,15 @@
-// lora_expand's rows form on tensor cores: y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] * B[l, slice s, :r_l]^T
-// with each position's slot l given (no segments). One warp per position and 1-2 passes of 128 columns of one
-// slice, one mma.sync m16n8k16 per 16 columns and 16 ranks: the 16 columns are the mma's M, the ranks its
-// K, and h fills all 8 of its N (every column of the result is the row's), so a lane's C fragment holds two
-// adjacent columns of y.
-// No shared memory and no barrier: a warp's chain is its slot, then B, h and y at once, then the mma and the store.
-// Serves fp16/bf16 B with h of B's dtype and aligned rows (rows_kernel_serves); anything else goes to the
-// positions kernel. Why a new kernel: the positions kernel's per-CTA set-up and its FFMA stream (bf16 -> float
-// conversion and a select per element) were ~1,000 instructions per warp on gate_up at T=32 (csrc/cuda/NOTES.md).
+// lora_expand on tensor cores: y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] * B[l, slice s, :r_l]^T.
+// Three kernels, each a warp per unit and 1-2 passes of 128 columns of one slice, one mma.sync m16n8k16 per 16
+// columns and 16 ranks (the 16 columns are the mma's M, the ranks its K):
+// - rows (the rows form: each position's slot given, no segments): a warp per position, whose h fills all 8 of the
+//   mma's N (every column of the result is the row's), so a lane's C fragment holds two adjacent columns of y;
+// - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
+// - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
+// No shared memory and no barrier: a warp's chain is its slot (and for the segments kernel the walk), then B, h and
+// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype and aligned rows
+// (mma_kernels_serve); anything else goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA set-up
+// and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
+// gate_up at T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
 #include <type_traits>
 
@@ -138,31 +141,20 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   }
 }
 
-// Positions pos0 .. pos0 + 7 over the columns [n0, n1) of slice `slice`, by one warp (the runs kernel): the
-// 8 positions are the mma's N, one row each, and the warp loads a slot's B once for the run of its positions
-// among them. Lane i < 8 resolves position pos0 + i; lane (g, t) then reads h of position g (the mma's N column
-// g) and adds to rows 2t, 2t + 1 (its C fragment's columns). A run's product is added to its own rows only, so
-// nothing of one slot's B (a NaN, an inf) reaches the rows of another slot through their zero h.
+// Up to 8 rows over the columns [n0, n1) of slice `slice`, by one warp: the rows are the mma's N, lane i < 8
+// holding N column i's row, slot, rank (0: nothing to add) and coefficient, and the warp loads a slot's B once for
+// the run of its rows among them. Lane (g, t) then reads h of N column g and adds to rows 2t, 2t + 1 (its C
+// fragment's columns). A run's product is added to its own rows only, so nothing of one slot's B (a NaN, an inf)
+// reaches the rows of another slot through their zero h.
 template <class TB, class TY, int kSteps>
-__device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
-                                                     int n1) {
+__device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, int64_t slot, int rank, float coef,
+                                            int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int64_t row = -1, slot = -1;
-  int rank = 0;
-  float coef = 0.f;
-  if (lane < kRunPositions && pos0 + lane < p.seg.positions) {
-    row = segment_row(p.seg, pos0 + lane, p.rows);
-    slot = segment_slot(p.seg, pos0 + lane, p.num_slots);
-    if (row >= 0 && slot >= 0) {
-      rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
-      coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
-    }
-  }
-  const unsigned live = __ballot_sync(kAll, rank > 0);  // positions that add something (lanes < 8)
+  const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
   if (live == 0) return;
+  row = rank > 0 ? row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
-  const float y_coef[2] = {__shfl_sync(kAll, coef, 2 * t), __shfl_sync(kAll, coef, 2 * t + 1)};
   const bool y_live[2] = {(live >> (2 * t) & 1) != 0, (live >> (2 * t + 1) & 1) != 0};
   const TB* h_lane = static_cast<const TB*>(p.h) + h_row * p.h_row_stride + slice * p.max_rank;
   TY* y[2];
@@ -191,7 +183,9 @@ __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int6
                                 (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                             p.b_stride1, run_rank, n1 - pass, g, t);
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
-      // run, so its y is written once.
+      // run, so its y is written once. The coefficients are shuffled here, not before the loads: their load
+      // (lora_scales) need not finish before the trip's are issued.
+      const float y_coef[2] = {__shfl_sync(kAll, coef, 2 * t), __shfl_sync(kAll, coef, 2 * t + 1)};
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (!(run >> (2 * t + r) & 1)) continue;
@@ -208,13 +202,47 @@ __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int6
   }
 }
 
+// Positions pos0 .. pos0 + 7 of the rows form (the runs kernel): each with its own row and slot, in runs of one
+// slot where token_indices orders them so.
+template <class TB, class TY, int kSteps>
+__device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
+                                                     int n1) {
+  const int lane = threadIdx.x & 31;
+  int64_t row = -1, slot = -1;
+  int rank = 0;
+  float coef = 0.f;
+  if (lane < kRunPositions && pos0 + lane < p.seg.positions) {
+    row = segment_row(p.seg, pos0 + lane, p.rows);
+    slot = segment_slot(p.seg, pos0 + lane, p.num_slots);
+    if (row >= 0 && slot >= 0) {
+      rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
+      coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
+    }
+  }
+  expand_runs<TB, TY, kSteps>(p, row, slot, rank, coef, slice, n0, n1);
+}
+
+// Tile `tile` of the walk over the segments (the segments kernel): up to 8 positions of one segment, so one run,
+// and the warp loads its slot's B once per pass. False when there are fewer tiles.
+template <class TB, class TY, int kSteps>
+__device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64_t tile, int slice, int n0, int n1) {
+  const int lane = threadIdx.x & 31;
+  TileRef ref;
+  if (!warp_find_tile(p.seg, p.num_slots, kRunPositions, tile, &ref)) return false;
+  const int64_t row = ref.begin + lane < ref.end ? segment_row(p.seg, ref.begin + lane, p.rows) : -1;
+  const int rank = row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
+  const float coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
+  expand_runs<TB, TY, kSteps>(p, row, ref.slot, rank, coef, slice, n0, n1);
+  return true;
+}
+
 // The CTA's slice and columns [n0, n1): blockIdx.x names a block of `passes` passes of one slice (false: past
 // the last). Inputs may be read once it returns true.
 __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, int* slice, int* n0, int* n1) {
   int64_t s, first;
   if (!find_slice_block(p, passes * kPassCols, blockIdx.x, &s, &first)) return false;
   grid_dependency_wait();  // the op cannot know what wrote its inputs
-  // Columns fit int here (rows_kernel_serves: N <= INT32_MAX / 2).
+  // Columns fit int here (mma_kernels_serve: N <= INT32_MAX / 2).
   *slice = (int)s;
   *n0 = (int)first;
   *n1 = (int)std::min<int64_t>(first + passes * kPassCols, p.slice_offsets[s + 1]);
@@ -222,7 +250,8 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 }
 
 // Grid: (column blocks of `passes` passes, groups of kWarps warps); CTAs loop over groups past the grid's limit.
-// A warp takes one position (rows kernel) or kRunPositions (runs kernel).
+// A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
+// of one segment (segments kernel).
 template <class TB, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
@@ -240,6 +269,24 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 3 : 2) expand_runs_
   for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
        pos0 += (int64_t)gridDim.y * kWarps * kRunPositions) {
     expand_run_positions<TB, TY, kSteps>(p, pos0, slice, n0, n1);
+  }
+}
+
+// At most min(P, ceil(P / 8) + G) tiles: a segment adds at most one partial tile (warp_find_tile).
+__host__ __device__ inline int64_t segment_tiles(const ExpandParams& p) {
+  return std::min<int64_t>(p.seg.positions, (p.seg.positions + kRunPositions - 1) / kRunPositions +
+                                                p.seg.num_segments);
+}
+
+template <class TB, class TY, int kSteps>
+__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 3 : 2)
+    expand_segments_kernel(ExpandParams p, int passes) {
+  int slice, n0, n1;
+  if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
+  const int64_t tiles = segment_tiles(p);
+  for (int64_t tile = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); tile < tiles;
+       tile += (int64_t)gridDim.y * kWarps) {
+    if (!expand_segment_tile<TB, TY, kSteps>(p, tile, slice, n0, n1)) break;
   }
 }
 
@@ -264,28 +311,37 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs kernel 2 instead of 3; measured on the H200: the runs kernel at rank 64 9.28 -> 8.49 us).
 template <class TB, class TY>
-cudaError_t launch_steps(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
+cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = p.max_rank >= 32;
-  const int64_t per_cta = kWarps * (runs ? kRunPositions : 1);  // positions per CTA group
-  const int64_t groups = (p.seg.positions + per_cta - 1) / per_cta;
-  if (runs) {
-    return two ? launch_kernel<expand_runs_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-               : launch_kernel<expand_runs_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+  switch (kernel) {
+    case ExpandKernel::Segments: {
+      const int64_t groups = (segment_tiles(p) + kWarps - 1) / kWarps;
+      return two ? launch_kernel<expand_segments_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_segments_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+    }
+    case ExpandKernel::Runs: {
+      const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
+      return two ? launch_kernel<expand_runs_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_runs_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+    }
+    default: {
+      const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
+      return two ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+    }
   }
-  return two ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-             : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
 }
 
 template <class TB>
-cudaError_t launch_typed(const ExpandParams& p, bool runs, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, runs, pdl, stream)
-                                 : launch_steps<TB, TB>(p, runs, pdl, stream);
+cudaError_t launch_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
+  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, kernel, pdl, stream)
+                                 : launch_steps<TB, TB>(p, kernel, pdl, stream);
 }
 
 }  // namespace
 
-bool rows_kernel_serves(const ExpandParams& p) {
-  if (p.seg.indptr != nullptr || p.h_splits != 1 || p.b_dtype == DType::F32 || p.h_dtype != p.b_dtype) return false;
+bool mma_kernels_serve(const ExpandParams& p) {
+  if (p.h_splits != 1 || p.b_dtype == DType::F32 || p.h_dtype != p.b_dtype) return false;
   if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
   bool ok = aligned(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}, 8) &&
             aligned(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2}, 8);
@@ -299,10 +355,10 @@ bool runs_kernel_pays(const ExpandParams& p) {
   return p.seg.token_indices != nullptr && p.seg.positions >= kRunsMinPositionsPerSlot * p.num_slots;
 }
 
-cudaError_t launch_lora_expand_rows(const ExpandParams& p, bool runs, int cc_major, cudaStream_t stream) {
+cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream) {
   if (p.seg.positions == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
-  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, runs, cc_major >= 9, stream)
-                                 : launch_typed<__nv_bfloat16>(p, runs, cc_major >= 9, stream);
+  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, kernel, cc_major >= 9, stream)
+                                 : launch_typed<__nv_bfloat16>(p, kernel, cc_major >= 9, stream);
 }
 
 }  // namespace lora_ops::cuda
