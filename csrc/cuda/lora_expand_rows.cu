@@ -262,8 +262,16 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_
   }
 }
 
+// CTAs per SM of the runs and segments kernels: 4 at one rank step with a 16-bit y (128 registers; the runs kernel
+// spills 16 B), so that gate_up's 448 CTAs at T=128 run in one wave instead of 1.13 (H200, 9f31ff2 -> this: the
+// runs kernel at T=1024 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32
+// +28.6 -> +26.7%). The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94).
+template <class TY, int kSteps>
+constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
+
 template <class TB, class TY, int kSteps>
-__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 3 : 2) expand_runs_kernel(ExpandParams p, int passes) {
+__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
+    expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
@@ -279,7 +287,7 @@ __host__ __device__ inline int64_t segment_tiles(const ExpandParams& p) {
 }
 
 template <class TB, class TY, int kSteps>
-__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 3 : 2)
+__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
