@@ -25,9 +25,10 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // unless `inputs_ready`: the previous kernel writes h and y only, and was itself launched in stream order after
 // everything else the expand reads (the sgmv's shrink), so the segment lookup and B's loads may overlap it.
 // (Under PDL a kernel sees its predecessor's writes only after the wait; the lora_expand op cannot know its
-// predecessor.) Two kernels (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a
-// segment beyond (Auto), or the one preferred.
-enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };  // the order LORA_OPS_CUDA_EXPAND_KERNEL names them in
+// predecessor.) The tensor-core kernels (lora_expand_rows.cu, below) where they serve; otherwise two kernels
+// (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the
+// one preferred. The order of the values after Auto is the order LORA_OPS_CUDA_EXPAND_KERNEL names them in.
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 
