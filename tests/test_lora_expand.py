@@ -253,6 +253,11 @@ EDGE_CHECKS = {"garbage_metadata": _check_garbage_metadata, "rank0": _check_rank
                "sorted_rows_other_slots_b": _check_other_slots_b_stays_out}
 
 
+def _edge_check_form(name: str) -> str:
+    """The lora_expand form an edge check passes (its name's prefix)."""
+    return "sorted_rows" if name.startswith("sorted_rows_") else "rows" if name.startswith("rows_") else "segments"
+
+
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
@@ -277,6 +282,8 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     if name in EDGE_CHECKS:
         if form != next(f for k, f in KERNEL_FORMS if k == kernel):
             pytest.skip("the edge checks name their form: they run once per kernel")
+        if (kernel, _edge_check_form(name)) not in KERNEL_FORMS:
+            pytest.skip("the forced kernel does not serve this edge check's form (the automatic choice would run)")
         EDGE_CHECKS[name](cuda, dtype)
         return
     case = {**SGMV_CASES, **SGMV_LARGE_CASES}[name]
@@ -313,23 +320,27 @@ def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [40, 200])
+@pytest.mark.parametrize("form", ["rows", "segments"])
 @pytest.mark.parametrize("dtype,N", [(torch.float32, 300), (torch.bfloat16, 301)], ids=["fp32", "odd_width"])
-def test_lora_expand_rows_form_fallback_kernel(dtype, N):
-    """The rows form the rows and runs kernels cannot take (fp32 B; a slice of odd width) runs the positions kernel
-    at any number of positions, never the segment-tile kernel (which would make a tile of every row)."""
+def test_lora_expand_fallback_kernel(dtype, N, form, T):
+    """What the tensor-core kernels cannot take (fp32 B; a slice of odd width) runs the positions kernel: in the
+    rows form at any number of positions (the segment-tile kernel would make a tile of every row), in the segment
+    form up to 64 positions and the segment-tile kernel beyond."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
-    case = lambda g: (testing.random_token_slots(200, [0, 2, 5], g), dict(K=32, N=N, max_rank=16))
-    args = _problem(case, cuda, dtype, key=f"rows-fallback-{N}", form="rows")
+    case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=N, max_rank=16))
+    args = _problem(case, cuda, dtype, key=f"fallback-{N}-{T}", form=form)
     before = args[0].clone()
     ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
     with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         lora_ops.ops.lora_expand(*args)
         torch.cuda.synchronize()
     ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
-    assert any("expand_positions_kernel" in k for k in ran), ran
-    assert not any(f"expand_{k}_kernel" in key for k in ("rows", "runs", "tiles") for key in ran), ran
+    expected = "tiles" if form == "segments" and T > 64 else "positions"
+    assert any(f"expand_{expected}_kernel" in k for k in ran), ran
+    assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 

@@ -19,11 +19,11 @@
 namespace lora_ops::cuda {
 namespace {
 
-constexpr int kWarps = 4;                  // positions per CTA, one per warp
+constexpr int kWarps = 4;                  // warps per CTA, each on its own positions
 constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a warp: 128 columns
 constexpr int kPassCols = 16 * kTiles;
 constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
-constexpr int kRunPositions = 8;           // positions per warp of the runs kernel: the mma's N
+constexpr int kRunPositions = 8;           // positions per warp of the runs and segments kernels: the mma's N
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -48,7 +48,7 @@ struct Trip {
 // every tile: the mma's k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those
 // columns. Unchecked where the trip lies inside the rank and the slice (uniform over the warp; a rank-16k adapter
 // over whole passes), masked elsewhere.
-// h_live false: this lane's h is zeros (the runs kernel: its N column is a row outside the run).
+// h_live false: this lane's h is zeros (the runs and segments kernels: its N column is a row outside the run).
 template <int kSteps, bool kChecked, class TB>
 __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, bool h_live, const TB* b_lane,
                                           int64_t b_stride1, int j, int rank, int pass_cols, int g, int t) {
@@ -317,7 +317,8 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 }
 
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
-// instead of 4, runs kernel 2 instead of 3; measured on the H200: the runs kernel at rank 64 9.28 -> 8.49 us).
+// instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
+// H200: the runs kernel at rank 64 9.28 -> 8.49 us).
 template <class TB, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = p.max_rank >= 32;

@@ -26,7 +26,8 @@ PREFIX = "FUZZ "
 # "cuda" is the automatic choice for every op; a forced backend skips the ops it forces nothing for
 # (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case. lora_expand's
 # kernels ride along: the positions kernel with "cuda:mma", the segment-tile kernel with "cuda:split", the runs kernel
-# (the rows form; elsewhere the automatic choice) with "cuda:skinny".
+# (the rows form; elsewhere the automatic choice) with "cuda:skinny"; "cuda" runs the tensor-core kernels where they
+# serve (the segments kernel on the segment form, the rows or runs kernel on the rows form).
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma"),
                  "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions")},
