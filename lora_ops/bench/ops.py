@@ -459,12 +459,17 @@ def _gg_cases(groups, M, K, N, dtypes, **kw):
 
 # Issue 13's targets: G×M×K×N against torch._grouped_mm in bf16 and fp16; a LoRA shrink (n = 16, y fp32: the h of
 # a rank-16 adapter) and expand (k = 16, x fp32: that h, added into y) over 16384 rows in 8 groups, at their memory
-# floors (csrc/cuda/NOTES.md: 32 and 64 µs on the H200).
+# floors (csrc/cuda/NOTES.md: 32 and 64 µs on the H200). The same two at decode size, 32 groups of one row: the op
+# table's regimes up to 256 positions were not measured, and a decode step's shrink through grouped_gemm took
+# ~116 µs per linear layer on the H200 (csrc/cuda/NOTES.md, session 14).
 GPU_GG_CASES = (_gg_cases(8, 512, 4096, 4096, ("bfloat16", "float16"))
                 + _gg_cases(64, 128, 2048, 1408, ("bfloat16", "float16"))
                 + [GroupedGemmCase(8, 2048, 4096, 16, "bfloat16", y_dtype="float32", shape="LoRA shrink"),
                    GroupedGemmCase(8, 2048, 16, 4096, "bfloat16", x_dtype="float32", accumulate=True,
-                                   shape="LoRA expand")])
+                                   shape="LoRA expand"),
+                   GroupedGemmCase(32, 1, 4096, 16, "bfloat16", y_dtype="float32", shape="LoRA shrink, decode"),
+                   GroupedGemmCase(32, 1, 16, 4096, "bfloat16", x_dtype="float32", accumulate=True,
+                                   shape="LoRA expand, decode")])
 CPU_GG_CASES = (_gg_cases(4, 64, 256, 256, ("bfloat16", "float32"))
                 + [GroupedGemmCase(4, 128, 256, 16, "bfloat16", y_dtype="float32", shape="LoRA shrink"),
                    GroupedGemmCase(4, 128, 16, 256, "bfloat16", x_dtype="float32", accumulate=True,
