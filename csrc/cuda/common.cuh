@@ -226,6 +226,12 @@ struct TileRef {
   int64_t slot, begin, end, size;
 };
 
+// Tiles of `tile_rows` positions in the walk below, at most: min(P, ceil(P / tile_rows) + G), since a segment adds
+// at most one partial tile (the grids of the tile kernels are sized by it).
+__host__ __device__ inline int64_t max_segment_tiles(const Segments& seg, int64_t tile_rows) {
+  return std::min<int64_t>(seg.positions, (seg.positions + tile_rows - 1) / tile_rows + seg.num_segments);
+}
+
 // Tile number `tile` of the walk over all segments in order, `tile_rows` positions each. Warp-wide: all 32
 // lanes call it with the same arguments; false when there are fewer tiles.
 // Segment g covers positions [m_g, m_{g+1}) with m_i = max_{j <= i} clamp(seg_indptr[j], 0, P): segments never

@@ -117,8 +117,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
 template <class TX, class TW, class TY, int KT>
 cudaError_t launch_kt(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
-  const int64_t P = p.seg.positions;
-  const int64_t max_tiles = std::min<int64_t>(P, (P + kBM - 1) / kBM + p.seg.num_segments);
+  const int64_t max_tiles = max_segment_tiles(p.seg, kBM);
   const int64_t chunks = (p.n + kBN - 1) / kBN;
   ExpandPlan plan{};
   plan.n_splits = std::clamp<int64_t>((kCtasPerSm * num_sms + max_tiles - 1) / std::max<int64_t>(max_tiles, 1), 1,

@@ -120,10 +120,9 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
 
 template <class TX, class TW, class TY, class S>
 cudaError_t launch_shape(const GroupedGemmParams& p, cudaStream_t stream) {
-  const int64_t P = p.seg.positions;
   TilePlan plan{};
   plan.col_tiles = (p.n + S::BN - 1) / S::BN;
-  plan.units = std::min<int64_t>(P, (P + S::BM - 1) / S::BM + p.seg.num_segments) * plan.col_tiles;
+  plan.units = max_segment_tiles(p.seg, S::BM) * plan.col_tiles;
   plan.vec = access_of(p);
   return launch(grouped_gemm_tile_kernel<TX, TW, TY, S>, plan.units, S::kThreads, Layout<TX, TW, TY, S>::bytes,
                 stream, p, plan);

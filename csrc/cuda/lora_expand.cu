@@ -376,8 +376,7 @@ cudaError_t launch_positions(const ExpandParams& p, const ExpandLaunch& l) {
 // 127 registers, 4 CTAs per SM, 1792 CTAs in 3.4 waves).
 template <class TB, class TH, class TY>
 cudaError_t launch_tiles(const ExpandParams& p, const ExpandLaunch& l) {
-  const int64_t P = p.seg.positions;
-  const int64_t tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  const int64_t tiles = max_segment_tiles(p.seg, kTileRows);
   auto kernel = l.vec ? expand_tiles_kernel<TB, TH, TY, true> : expand_tiles_kernel<TB, TH, TY, false>;
   int64_t resident = 0;
   const cudaError_t err = l.vec ? resident_ctas<expand_tiles_kernel<TB, TH, TY, true>>(kThreads, &resident)
@@ -408,8 +407,7 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   if (p.seg.positions == 0 || p.seg.num_segments == 0 || p.max_rank == 0) return cudaSuccess;
   // A preferred tensor-core kernel that cannot serve the call (the rows or runs kernel given segments, the
   // segments kernel given rows) leaves the choice to the automatic rule.
-  const bool automatic = preferred == ExpandKernel::Auto || preferred == ExpandKernel::Rows ||
-                         preferred == ExpandKernel::Runs || preferred == ExpandKernel::Segments;
+  const bool automatic = preferred != ExpandKernel::Positions && preferred != ExpandKernel::Tiles;
   if (automatic && cc_major >= 8 && mma_kernels_serve(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
     if (p.seg.indptr) return launch_lora_expand_mma(p, ExpandKernel::Segments, cc_major, stream);
     const bool runs = preferred == ExpandKernel::Runs || (preferred != ExpandKernel::Rows && runs_kernel_pays(p));

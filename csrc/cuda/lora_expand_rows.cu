@@ -280,18 +280,12 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
   }
 }
 
-// At most min(P, ceil(P / 8) + G) tiles: a segment adds at most one partial tile (warp_find_tile).
-__host__ __device__ inline int64_t segment_tiles(const ExpandParams& p) {
-  return std::min<int64_t>(p.seg.positions, (p.seg.positions + kRunPositions - 1) / kRunPositions +
-                                                p.seg.num_segments);
-}
-
 template <class TB, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
-  const int64_t tiles = segment_tiles(p);
+  const int64_t tiles = max_segment_tiles(p.seg, kRunPositions);
   for (int64_t tile = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); tile < tiles;
        tile += (int64_t)gridDim.y * kWarps) {
     if (!expand_segment_tile<TB, TY, kSteps>(p, tile, slice, n0, n1)) break;
@@ -324,7 +318,7 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
   const bool two = p.max_rank >= 32;
   switch (kernel) {
     case ExpandKernel::Segments: {
-      const int64_t groups = (segment_tiles(p) + kWarps - 1) / kWarps;
+      const int64_t groups = (max_segment_tiles(p.seg, kRunPositions) + kWarps - 1) / kWarps;
       return two ? launch_kernel<expand_segments_kernel<TB, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TY, 1>>(p, groups, pdl, stream);
     }

@@ -317,7 +317,7 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   MmaPlan plan{};
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
   const int64_t P = p.seg.positions;
-  plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  plan.max_tiles = max_segment_tiles(p.seg, kTileRows);
   // Clusters (Hopper) keep >= 4 K tiles of the shrink per member.
   const int64_t k_tiles = (p.k + kBK - 1) / kBK;
   auto cluster_fits = [&](int64_t c) { return cc_major >= 9 && c <= kMaxCluster && k_tiles / c >= 4; };

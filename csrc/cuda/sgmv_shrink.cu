@@ -104,8 +104,7 @@ __global__ void __launch_bounds__(kThreads) sgmv_shrink_kernel(SgmvParams p, int
 
 ShrinkPlan plan_sgmv_shrink(const SgmvParams& p, int num_sms) {
   ShrinkPlan plan{};
-  const int64_t P = p.seg.positions;
-  plan.max_tiles = std::min<int64_t>(P, (P + kTileRows - 1) / kTileRows + p.seg.num_segments);
+  plan.max_tiles = max_segment_tiles(p.seg, kTileRows);
   // About four CTAs per SM: split K while the tiles alone do not fill the GPU, whole 256-element steps each.
   const int64_t steps = std::max<int64_t>(1, (p.k + kStep - 1) / kStep);
   const int64_t want = std::clamp<int64_t>((4 * num_sms + plan.max_tiles - 1) / std::max<int64_t>(plan.max_tiles, 1),
