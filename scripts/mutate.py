@@ -362,6 +362,11 @@ MUTATIONS: List[Mutation] = [
              "const int64_t row = lane < kRunPositions ? segment_row(",
              "CUDA segments kernel: a tile takes 8 positions whatever its segment's end (the next segment's rows get "
              "this slot's product)", needs_gpu=True, tests=EXPAND_T),
+    Mutation("cuda-gg-split-last-split", "csrc/cuda/grouped_gemm_split.cu",
+             "for (int64_t s = 0; s < splits; ++s) sum +=",
+             "for (int64_t s = 1; s < splits; ++s) sum +=",
+             "CUDA grouped_gemm split-K: the sum leaves out the first K chunk", needs_gpu=True,
+             tests=("tests/test_grouped_gemm_cuda.py",)),
     Mutation("cuda-expand-rows-column-pair", "csrc/cuda/lora_expand_rows.cu",
              "hi = t == k ? acc[4 * quad + k][2] : hi;",
              "hi = t == k ? acc[4 * quad + k][1] : hi;",

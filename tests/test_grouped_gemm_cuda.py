@@ -5,7 +5,8 @@ NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CU
 `mma`: the 128 x 128 tile kernel for every input; `skinny`: the expand kernel where K <= 128, else the narrow
 tiles of the tile kernel (several column tiles where N > 128); `sm90`: the sm_90a CUTLASS kernel where it can take
 the input (contiguous segments, 16-byte aligned fp16/bf16 tensors: few of this grid's cases), the automatic choice
-elsewhere (test_grouped_gemm_sm90.py covers its own grid)."""
+elsewhere (test_grouped_gemm_sm90.py covers its own grid); `split`: the split-K shrink and its sum where they can
+take the input (N <= 128, x and w of one dtype, no k_sizes), the automatic choice elsewhere."""
 import zlib
 
 import pytest
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["mma", "skinny", "sm90"])
+@pytest.fixture(params=["mma", "skinny", "sm90", "split"])
 def kernel(request, monkeypatch):
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
@@ -124,3 +125,25 @@ def test_cuda_graph_replay(kernel, name):
     expected = fresh.clone()
     lora_ops.ops.grouped_gemm(*problem.args(expected))
     assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("T, K, expected", [(32, 4096, "split"), (256, 1000, "split"), (257, 4096, "narrow"),
+                                            (32, 128, "expand")])
+def test_decode_shrink_takes_the_split_kernels(T, K, expected):
+    """The automatic choice for N <= 128: the split-K shrink and its sum up to 256 positions with K > 128 (one CTA
+    per tile walking all of K took ~116 us per decode-step linear layer on the H200), the narrow tiles beyond, the
+    expand kernel for K <= 128."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(T + K)
+    token_lora = testing.random_token_slots(T, list(range(0, 32, 3)), gen)
+    problem = testing.make_grouped_gemm(token_lora, num_groups=32, K=K, N=16, dtype=dtype, device="cuda", gen=gen,
+                                        n_sizes=[16 - g % 5 for g in range(32)], alpha=0.5, accumulate=True)
+    from lora_ops import op_table
+    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        assert _check(problem, dtype) == ""
+    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    names = {"split": ("sgmv_shrink_kernel", "grouped_gemm_split_sum_kernel"), "narrow": ("grouped_gemm_tile_kernel",),
+             "expand": ("grouped_gemm_expand_kernel",)}[expected]
+    assert all(any(n in k for k in ran) for n in names), ran

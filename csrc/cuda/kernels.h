@@ -58,6 +58,16 @@ cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cuda
 constexpr int kGroupedGemmNarrowMaxN = 128;
 cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream);
 
+// grouped_gemm with few positions and n <= kGroupedGemmNarrowMaxN (the LoRA shrink at decode), x and w of one
+// dtype, no k_sizes (grouped_gemm_split.cu): the sgmv's split-K shrink (launch_sgmv_shrink on
+// grouped_gemm_as_shrink(p), float32 partials [splits][rows][n]), then launch_grouped_gemm_split_sum adds them in
+// split order into y. Automatic up to kGroupedGemmSplitMaxPositions positions with K > kGroupedGemmExpandMaxK.
+constexpr int64_t kGroupedGemmSplitMaxPositions = 256;
+bool grouped_gemm_split_serves(const GroupedGemmParams& p);
+SgmvParams grouped_gemm_as_shrink(const GroupedGemmParams& p);
+cudaError_t launch_grouped_gemm_split_sum(const GroupedGemmParams& p, const float* partials, int64_t splits,
+                                          int cc_major, cudaStream_t stream);
+
 // grouped_gemm with K <= kGroupedGemmExpandMaxK (the LoRA expand): each CTA stages its rows' x once and streams
 // w and y through its share of the columns; any alignment.
 constexpr int kGroupedGemmExpandMaxK = 128;

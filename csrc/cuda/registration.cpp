@@ -189,11 +189,11 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
-// over the whole grid); =sm90 takes the sm_90a CUTLASS kernel wherever it can serve the input exactly (whatever
-// the sizes) and the automatic choice elsewhere; unset or "auto": by shape.
-enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90 };
+// over the whole grid); =sm90 and =split take the sm_90a CUTLASS kernel or the split-K shrink wherever they can
+// serve the input (whatever the sizes) and the automatic choice elsewhere; unset or "auto": by shape.
+enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90, Split };
 GroupedGemmKernel preferred_grouped_gemm_kernel() {
-  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90"});
+  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split"});
 }
 
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
@@ -228,9 +228,24 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_sm90(p, workspace.data_ptr(), sms, stream));
     return;
   }
+  // A forced sm90 or split the kernel cannot take falls back to the automatic choice.
+  const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90 ||
+                         preferred == GroupedGemmKernel::Split;
+  // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
+  if (cuda::grouped_gemm_split_serves(p) &&
+      (preferred == GroupedGemmKernel::Split ||
+       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK))) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
+    const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
+    const auto partials = at::empty({plan.splits * p.rows * p.n}, y.options().dtype(at::kFloat));
+    C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
+    C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
+        p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+        stream));
+    return;
+  }
   // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
-  // A forced sm90 the kernel cannot take falls back to the automatic choice.
-  const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90;
   const bool skinny = preferred == GroupedGemmKernel::Skinny ||
                       (automatic &&
                        (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));

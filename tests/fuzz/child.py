@@ -24,14 +24,15 @@ from . import cases
 PREFIX = "FUZZ "
 # The CUDA kernel choices a backend forces (csrc/cuda/registration.cpp): op -> (environment variable, value).
 # "cuda" is the automatic choice for every op; a forced backend skips the ops it forces nothing for
-# (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case. lora_expand's
-# kernels ride along: the positions kernel with "cuda:mma", the segment-tile kernel with "cuda:split", the runs kernel
-# (the rows form; elsewhere the automatic choice) with "cuda:skinny"; "cuda" runs the tensor-core kernels where they
-# serve (the segments kernel on the segment form, the rows or runs kernel on the rows form).
+# (build_segments has one CUDA kernel): the "cuda" call already runs that kernel on the same case. "cuda:split"
+# forces grouped_gemm's split-K shrink where it serves. lora_expand's kernels ride along: the positions kernel with
+# "cuda:mma", the segment-tile kernel with "cuda:split", the runs kernel (the rows form; elsewhere the automatic
+# choice) with "cuda:skinny"; "cuda" runs the tensor-core kernels where they serve (the segments kernel on the
+# segment form, the rows or runs kernel on the rows form).
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma"),
                  "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions")},
-    "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"),
+    "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "split"),
                    "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles")},
     "cuda:skinny": {"grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "skinny"),
                     "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")},
