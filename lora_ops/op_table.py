@@ -53,7 +53,8 @@ TRITON_MARGIN = 1.1
 #   Triton by 3.6×).
 # - slices 1: the tensor-core sgmv loses on fused modules (3 slices, 1024 positions: Triton by 2.6×).
 # - grouped_gemm n/k 128: the C++ kernels' skinny paths (LoRA shrink n <= 128, expand k <= 128) against their tile
-#   kernel; positions 256/4096: decode, prefill, long prefill.
+#   kernel; positions 256/4096: decode (where the shrink takes the split-K kernels when it can), prefill, long
+#   prefill.
 _SGMV_AXES = (("positions", (16, 64, 256, 1023, 4096)), ("rank", (16, 32, 64)), ("slices", (1,)))
 AXES: Dict[str, Tuple[Tuple[str, Tuple[int, ...]], ...]] = {
     "sgmv": _SGMV_AXES,

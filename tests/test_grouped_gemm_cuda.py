@@ -127,23 +127,52 @@ def test_cuda_graph_replay(kernel, name):
     assert torch.equal(y, expected)
 
 
-@pytest.mark.parametrize("T, K, expected", [(32, 4096, "split"), (256, 1000, "split"), (257, 4096, "narrow"),
-                                            (32, 128, "expand")])
-def test_decode_shrink_takes_the_split_kernels(T, K, expected):
-    """The automatic choice for N <= 128: the split-K shrink and its sum up to 256 positions with K > 128 (one CTA
-    per tile walking all of K took ~116 us per decode-step linear layer on the H200), the narrow tiles beyond, the
-    expand kernel for K <= 128."""
-    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
-        pytest.skip("the CUDA grouped_gemm kernels are not built")
-    dtype = torch.bfloat16
+def _decode_shrink(T, K, x_dtype=None, k_sizes=False):
     gen = torch.Generator().manual_seed(T + K)
     token_lora = testing.random_token_slots(T, list(range(0, 32, 3)), gen)
-    problem = testing.make_grouped_gemm(token_lora, num_groups=32, K=K, N=16, dtype=dtype, device="cuda", gen=gen,
-                                        n_sizes=[16 - g % 5 for g in range(32)], alpha=0.5, accumulate=True)
+    return testing.make_grouped_gemm(token_lora, num_groups=32, K=K, N=16, dtype=torch.bfloat16, device="cuda",
+                                     gen=gen, x_dtype=x_dtype, n_sizes=[16 - g % 5 for g in range(32)],
+                                     k_sizes=[K - g % 3 for g in range(32)] if k_sizes else None, alpha=0.5,
+                                     accumulate=True)
+
+
+KERNEL_NAMES = {"split": ("sgmv_shrink_kernel", "grouped_gemm_split_sum_kernel"),
+                "tile": ("grouped_gemm_tile_kernel",), "expand": ("grouped_gemm_expand_kernel",)}
+
+
+@pytest.mark.parametrize("T, K, x_dtype, k_sizes, expected", [
+    (32, 4096, None, False, "split"), (256, 1000, None, False, "split"), (257, 4096, None, False, "tile"),
+    (32, 128, None, False, "expand"), (32, 256, None, False, "tile"), (32, 4096, torch.float32, False, "tile"),
+    (32, 4096, None, True, "tile")],
+    ids=["decode", "256_positions", "257_positions", "k128", "k256_one_chunk", "fp32_x", "k_sizes"])
+def test_decode_shrink_takes_the_split_kernels(T, K, x_dtype, k_sizes, expected, monkeypatch):
+    """The automatic choice for N <= 128: the split-K shrink and its sum up to 256 positions where K > 128 splits
+    into two or more chunks (one CTA per tile walking all of K took ~116 us per decode-step linear layer on the
+    H200), with x and w of one dtype and no k_sizes; the narrow tiles otherwise; the expand kernel for K <= 128."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.delenv("LORA_OPS_CUDA_GG_KERNEL", raising=False)
+    problem = _decode_shrink(T, K, x_dtype, k_sizes)
     from lora_ops import op_table
     with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        assert _check(problem, dtype) == ""
+        assert _check(problem, torch.bfloat16) == ""
     ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
-    names = {"split": ("sgmv_shrink_kernel", "grouped_gemm_split_sum_kernel"), "narrow": ("grouped_gemm_tile_kernel",),
-             "expand": ("grouped_gemm_expand_kernel",)}[expected]
-    assert all(any(n in k for k in ran) for n in names), ran
+    assert all(any(n in k for k in ran) for n in KERNEL_NAMES[expected]), ran
+    others = [n for kind, names in KERNEL_NAMES.items() if kind != expected for n in names]
+    assert not any(n in k for n in others for k in ran), ran
+
+
+def test_decode_shrink_graph_replay():
+    """The split path captured once (its partials from the caching allocator, the sum a programmatically dependent
+    launch), replayed on fresh y values, equals an eager call bit for bit."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    problem = _decode_shrink(32, 4096)
+    y = problem.y.clone()
+    graph = testing.capture_grouped_gemm(lora_ops.ops.grouped_gemm, problem, y)
+    fresh = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype).cuda()
+    y.copy_(fresh)
+    graph.replay()
+    expected = fresh.clone()
+    lora_ops.ops.grouped_gemm(*problem.args(expected))
+    assert torch.equal(y, expected)

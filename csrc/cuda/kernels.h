@@ -12,7 +12,8 @@ struct Vec16Access {
 };
 
 // Decode-regime sgmv: two short kernels. The shrink writes float32 K-split partials of h
-// ([splits][rows][S*R]); the expand (launch_lora_expand with h = the partials) sums them in split order.
+// ([splits][rows][S*R]); the expand (launch_lora_expand with h = the partials) sums them in split order (and
+// grouped_gemm's decode shrink: launch_grouped_gemm_split_sum).
 struct ShrinkPlan {
   int64_t max_tiles;  // upper bound on tiles of 8 positions
   int64_t splits, k_chunk;
@@ -61,7 +62,8 @@ cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cu
 // grouped_gemm with few positions and n <= kGroupedGemmNarrowMaxN (the LoRA shrink at decode), x and w of one
 // dtype, no k_sizes (grouped_gemm_split.cu): the sgmv's split-K shrink (launch_sgmv_shrink on
 // grouped_gemm_as_shrink(p), float32 partials [splits][rows][n]), then launch_grouped_gemm_split_sum adds them in
-// split order into y. Automatic up to kGroupedGemmSplitMaxPositions positions with K > kGroupedGemmExpandMaxK.
+// split order into y. Automatic up to kGroupedGemmSplitMaxPositions positions (and rows of y: the partials are
+// sized by them) with K > kGroupedGemmExpandMaxK in two or more chunks.
 constexpr int64_t kGroupedGemmSplitMaxPositions = 256;
 bool grouped_gemm_split_serves(const GroupedGemmParams& p);
 SgmvParams grouped_gemm_as_shrink(const GroupedGemmParams& p);

@@ -232,12 +232,15 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90 ||
                          preferred == GroupedGemmKernel::Split;
   // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
+  // Automatic only where K does split (one chunk would be two launches for the narrow tiles' one) and the partials,
+  // sized by y's rows, stay small.
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
+  const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
   if (cuda::grouped_gemm_split_serves(p) &&
       (preferred == GroupedGemmKernel::Split ||
-       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK))) {
-    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-    const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
-    const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
+       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions &&
+        p.rows <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK && plan.splits >= 2))) {
     const auto partials = at::empty({plan.splits * p.rows * p.n}, y.options().dtype(at::kFloat));
     C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
@@ -250,7 +253,6 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
                       (automatic &&
                        (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));
   if (skinny && p.k <= cuda::kGroupedGemmExpandMaxK) {
-    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
     return;
   }

@@ -1,7 +1,8 @@
 // sgmv, decode regime, step 1 of 2: the shrink h = x * A_l^T of every tile of 8 positions, split over K.
 // CTA (tile, split) dots its K chunk of the tile's x rows with every rank row of the slot's A (all slices) and
 // writes float32 partials [split][row][S*R]; step 2, lora_expand.cu, sums them in split order (deterministic),
-// applies the scales and adds h * B^T into y. Each warp takes 4 A rows at a time; each lane covers 8
+// applies the scales and adds h * B^T into y. grouped_gemm's decode shrink runs it too (grouped_gemm_split.cu sums
+// the partials into y). Each warp takes 4 A rows at a time; each lane covers 8
 // consecutive K elements of every 256-element step, with all of the step's x and A loads in flight at once,
 // and the 8 row sums of an A row are reduced across the warp by a transposing butterfly (9 shuffles).
 // The CTA lets the expand launch at once (programmatic dependent launch, sm_90): its tile walk and B prefetch
