@@ -44,7 +44,7 @@ def _check(problem, dtype):
 @pytest.mark.parametrize("name", list(GG_CASES) + list(GG_LARGE_CASES) + ["garbage_metadata"])
 def test_each_kernel_over_the_grid(kernel, name, dtype):
     if name == "garbage_metadata":
-        gg.test_grouped_gemm_garbage_metadata(_cuda(dtype))  # runs in the Impl's only dtype
+        gg.test_grouped_gemm_garbage_metadata(_cuda(dtype))  # runs in the Impl's only dtype, with and without k_sizes
         return
     problem = gg._problem({**GG_CASES, **GG_LARGE_CASES}[name], _cuda(dtype), dtype, key=name)
     assert _check(problem, dtype) == ""
@@ -61,26 +61,30 @@ def _misaligned(t):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K, N", [(72, 200), (264, 40), (264, 200)], ids=["short_k", "few_cols", "general"])
 @pytest.mark.parametrize("which", ["x", "w", "y"])
-def test_unaligned_rows_take_element_loads(kernel, dtype, K, N, which):
-    """Shapes whose rows are whole 16-byte vectors, with one tensor's base pointer off by one element."""
+@pytest.mark.parametrize("k_sizes", [True, False], ids=["k_sizes", "no_k_sizes"])
+def test_unaligned_rows_take_element_loads(kernel, dtype, K, N, which, k_sizes):
+    """Shapes whose rows are whole 16-byte vectors, with one tensor's base pointer off by one element (without
+    k_sizes the split-K shrink can take them)."""
     gen = torch.Generator().manual_seed(K + N)
     token_lora = testing.random_token_slots(300, [0, 1, 2, -1], gen)
     problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=N, dtype=dtype, device="cuda", gen=gen,
-                                        n_sizes=[N, N // 2, 9], k_sizes=[K, 40, K - 3])
+                                        n_sizes=[N, N // 2, 9], k_sizes=[K, 40, K - 3] if k_sizes else None)
     setattr(problem, which, _misaligned(getattr(problem, which)))
     assert _check(problem, dtype) == ""
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("K", [24, 300, 0])
+@pytest.mark.parametrize("K, k_sizes", [(24, [0, 0, 0]), (300, [0, 0, 0]), (0, [0, 0, 0]), (0, None)],
+                         ids=["k24", "k300", "k0", "k0_no_k_sizes"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_empty_reduction_contributes_exactly_zero(kernel, dtype, K, accumulate):
-    """k_l = 0 (or K = 0): y[t, :n_l] becomes 0 (accumulate=False) or stays bitwise as it was, even with alpha NaN."""
+def test_empty_reduction_contributes_exactly_zero(kernel, dtype, K, k_sizes, accumulate):
+    """k_l = 0 (or K = 0): y[t, :n_l] becomes 0 (accumulate=False) or stays bitwise as it was, even with alpha NaN
+    (without k_sizes the split-K shrink can take it)."""
     gen = torch.Generator().manual_seed(5)
     n_sizes = [20, 7, 13]
     token_lora = testing.random_token_slots(40, [0, 1, 2, -1], gen)
     problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=20, dtype=dtype, device="cuda", gen=gen,
-                                        n_sizes=n_sizes, k_sizes=[0, 0, 0], alpha=float("nan"), accumulate=accumulate)
+                                        n_sizes=n_sizes, k_sizes=k_sizes, alpha=float("nan"), accumulate=accumulate)
     expected = problem.y.clone()
     if not accumulate:
         for slot, n_l in enumerate(n_sizes):
