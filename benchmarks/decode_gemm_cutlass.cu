@@ -3,6 +3,15 @@
 // W's rows as the GEMM's M (A = W [N, K], K-major), the tokens as its N (B = x [T, K], K-major), D = y^T (y [T, N]
 // row-major is D column-major), tiles 64-128 W rows x 32-128 tokens, clusters of 2 along M (x multicast to both
 // CTAs), split-K with CUTLASS's deterministic (turnstile) reduction where the tiles alone do not fill the GPU.
+// The LoRA variants add each token's h . B_slot^T in the epilogue (a custom epilogue visitor node, Sm90LoraTerm;
+// B read once per W tile and slot), in two modes:
+//   given h (dgc_run_lora): h [T, R] float32 from elsewhere: what the epilogue costs over the plain GEMM;
+//   fold (dgc_run_fold): the GEMM runs over [A of every slot; W] (M = S*R + N), so its first M tiles are h^T. The
+//     tile scheduler rasters along N, so those tiles are the first work of as many CTAs (all resident: the grid
+//     is persistent), whose epilogue writes h (float32) and counts its threads in; the W tiles' epilogues wait for
+//     every h thread before reading h (acquire), add scale * h[n, slot window] . B[slot][m]^T, and the last W
+//     thread resets the counters for the next launch (graph replay). One launch per linear layer.
+// (NOTES, session 15.)
 // A plain C ABI, so that decode_gemm_probe.py loads it with ctypes whatever torch the GPU machine has:
 //   CUTLASS=$(python -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC -I$CUTLASS/include \
@@ -36,18 +45,178 @@ constexpr int kAlign = 8;  // elements per 16 bytes
 struct Coop {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  static constexpr int kEpilogueThreads = 256;  // both consumer warpgroups store each tile
 };
 struct Pingpong {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  static constexpr int kEpilogueThreads = 128;  // one consumer warpgroup per tile
 };
 
-template <class Tile, class Cluster, class Schedule, class Scheduler>
-struct Gemm {
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+// What the LoRA epilogue reads: token n's slot, its h (float32) at h[n * ld_h + slot * h_slot_stride + j], and
+// B[slot][m - h_rows, :rank].
+struct LoraParams {
+  const int* token_slot;  // [T]; a slot outside [0, num_slots) adds nothing
+  float* h;               // given mode: [T, rank] read; fold mode: [T, h_rows] written by the h tiles, then read
+  const T* lora_b;        // [num_slots, N, >= rank], rows 16-byte aligned
+  int64_t ld_h, h_slot_stride, b_stride_slot, b_stride_row;
+  int rank;  // a multiple of 8
+  int num_slots;
+  float scale;
+  // fold mode (h_rows > 0, a multiple of the tile's M): the first h_rows rows of the GEMM's M are h^T
+  int h_rows;
+  int* counters;     // [2], zero before the first launch: h threads arrived, W threads done
+  int h_arrivals;    // h tiles x epilogue threads per tile
+  int w_arrivals;    // W tiles x epilogue threads per tile
+};
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// An epilogue visitor leaf: for each output element (m = W's row, n = token) of this thread's fragment, the dot of
+// h[n, window] with B[slot(n)][m, :rank], read from global memory (L1 serves the rows a tile's tokens share).
+struct Sm90LoraTerm {
+  struct SharedStorage {};
+  using Arguments = LoraParams;
+  using Params = LoraParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.rank % 8 == 0;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  CUTLASS_HOST_DEVICE Sm90LoraTerm() {}
+  CUTLASS_HOST_DEVICE Sm90LoraTerm(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CTensor, class Residue>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor coords, Residue residue, int m0, int n0, bool h_tile, bool counted,
+                                          Params const& params)
+        : coords(coords), residue(residue), m0(m0), n0(n0), h_tile(h_tile), counted(counted), params(params) {}
+    CTensor coords;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): offsets from this thread's first element
+    Residue residue;
+    int m0, n0;      // this thread's first element, in the problem
+    bool h_tile;     // fold mode: this tile's rows are h^T
+    bool counted;    // the tile starts inside the problem (a scheduler's padding tile, if any, does not arrive)
+    Params const& params;
+
+    CUTLASS_DEVICE void begin() {
+      if (params.h_rows > 0 && !h_tile) {  // every h tile's threads have written h
+        while (load_acquire(params.counters) < params.h_arrivals) __nanosleep(64);
+      }
+    }
+
+    CUTLASS_DEVICE void end() {
+      if (params.h_rows == 0 || !counted) return;
+      if (h_tile) {
+        __threadfence();
+        atomicAdd(params.counters, 1);
+      } else if (atomicAdd(params.counters + 1, 1) == params.w_arrivals - 1) {
+        // the last W thread: every other W thread is past its wait and every h thread has arrived
+        params.counters[0] = 0;
+        params.counters[1] = 0;
+        __threadfence();
+      }
+    }
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
+        cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n) {
+      cutlass::Array<float, FragmentSize> out;
+      auto coords_mn = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const auto c = coords_mn(epi_v * FragmentSize + i);
+        float sum = 0.f;
+        if (cute::elem_less(c, residue)) {
+          const int m = m0 + int(cute::get<0>(c)), n = n0 + int(cute::get<1>(c));
+          if (h_tile) {
+            params.h[n * params.ld_h + m] = float(frg_acc[i]);  // D's rows here are h^T: D gets acc + 0
+          } else {
+            const int slot = params.token_slot[n];
+            if (slot >= 0 && slot < params.num_slots) {
+              const T* b = params.lora_b + slot * params.b_stride_slot + (m - params.h_rows) * params.b_stride_row;
+              const float* h = params.h + n * params.ld_h + slot * params.h_slot_stride;
+              for (int r = 0; r < params.rank; r += 8) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(b + r);
+                const T* bv = reinterpret_cast<const T*>(&raw);
+                const float4 h0 = __ldcg(reinterpret_cast<const float4*>(h + r));  // L2: written in this launch
+                const float4 h1 = __ldcg(reinterpret_cast<const float4*>(h + r + 4));
+                sum += float(bv[0]) * h0.x + float(bv[1]) * h0.y + float(bv[2]) * h0.z + float(bv[3]) * h0.w +
+                       float(bv[4]) * h1.x + float(bv[5]) * h1.y + float(bv[6]) * h1.z + float(bv[7]) * h1.w;
+              }
+              sum *= params.scale;
+            }
+          }
+        }
+        out[i] = sum;
+      }
+      return out;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    const int m0 = int(cute::get<0>(args.problem_shape_mnkl)) - int(cute::get<0>(args.residue_tCcD));
+    const int n0 = int(cute::get<1>(args.problem_shape_mnkl)) - int(cute::get<1>(args.residue_tCcD));
+    const int tile_m0 = int(cute::get<0>(args.tile_coord_mnkl)) * int(cute::get<0>(args.tile_shape_mnk));
+    const int tile_n0 = int(cute::get<1>(args.tile_coord_mnkl)) * int(cute::get<1>(args.tile_shape_mnk));
+    const bool counted = tile_m0 < int(cute::get<0>(args.problem_shape_mnkl)) &&
+                         tile_n0 < int(cute::get<1>(args.problem_shape_mnkl));
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
+        args.tCcD, args.residue_tCcD, m0, n0, tile_m0 < params.h_rows, counted, params);
+  }
+};
+
+// D = acc + the LoRA term, rounded once to bf16.
+using LoraFusion = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, T, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch, Sm90LoraTerm>;
+
+template <class Tile, class Cluster, class Schedule, class Fusion>
+struct EpilogueOf {  // with a fusion: D = its output
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, cutlass::layout::ColumnMajor, kAlign, T, cutlass::layout::ColumnMajor, kAlign,
+      typename Schedule::Epilogue, Fusion>::CollectiveOp;
+};
+template <class Tile, class Cluster, class Schedule>
+struct EpilogueOf<Tile, Cluster, Schedule, void> {  // D = alpha * acc
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
       float, float, void, cutlass::layout::ColumnMajor, kAlign, T, cutlass::layout::ColumnMajor, kAlign,
       typename Schedule::Epilogue>::CollectiveOp;
+};
+
+template <class Tile, class Cluster, class Schedule, class Scheduler, class Fusion = void>
+struct Gemm {
+  using TileShape = Tile;
+  static constexpr int kEpilogueThreads = Schedule::kEpilogueThreads;
+  using Epilogue = typename EpilogueOf<Tile, Cluster, Schedule, Fusion>::type;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
       cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
@@ -56,10 +225,12 @@ struct Gemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr bool kStreamK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
+  static constexpr bool kLora = std::is_same_v<Fusion, LoraFusion>;
 };
 
 template <class G>
-typename G::Device::Arguments arguments(const void* x, const void* w, void* y, int t, int n, int k, int splits) {
+typename G::Device::Arguments arguments(const void* x, const void* w, void* y, int t, int n, int k, int splits,
+                                       const LoraParams* lora) {
   using K = typename G::Kernel;
   typename G::Device::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
@@ -68,8 +239,12 @@ typename G::Device::Arguments arguments(const void* x, const void* w, void* y, i
   args.mainloop.dA = typename K::StrideA{int64_t(k), Int<1>{}, int64_t(n) * k};
   args.mainloop.ptr_B = static_cast<const T*>(x);
   args.mainloop.dB = typename K::StrideB{int64_t(k), Int<1>{}, int64_t(t) * k};
-  args.epilogue.thread.alpha = 1.f;
-  args.epilogue.thread.beta = 0.f;
+  if constexpr (G::kLora) {
+    args.epilogue.thread = {{}, *lora, {}};  // children in order (acc, LoRA term), then the node (plus)
+  } else {
+    args.epilogue.thread.alpha = 1.f;
+    args.epilogue.thread.beta = 0.f;
+  }
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = typename K::StrideC{Int<1>{}, int64_t(n), int64_t(n) * t};
   args.epilogue.ptr_D = static_cast<T*>(y);
@@ -77,6 +252,9 @@ typename G::Device::Arguments arguments(const void* x, const void* w, void* y, i
   int device = 0;
   cudaGetDevice(&device);
   args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(device);
+  if constexpr (G::kLora) {  // fold mode needs the h tiles (the first M tiles) first in every N column's order
+    args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
+  }
   if constexpr (G::kStreamK) {
     using Mode = cutlass::gemm::kernel::detail::DecompositionMode;
     args.scheduler.splits = splits;
@@ -89,8 +267,24 @@ typename G::Device::Arguments arguments(const void* x, const void* w, void* y, i
 // need != nullptr: only the workspace size. Returns 0 or a negative step number.
 template <class G>
 int run(const void* x, const void* w, void* y, int t, int n, int k, int splits, void* workspace, size_t bytes,
-        cudaStream_t stream, size_t* need) {
-  auto args = arguments<G>(x, w, y, t, n, k, splits);
+        cudaStream_t stream, size_t* need, const LoraParams* lora) {
+  if (G::kLora && lora == nullptr) return -8;
+  LoraParams fold{};
+  if (G::kLora && lora->h_rows > 0) {  // the arrivals each side waits for, in this configuration's tiles
+    constexpr int kTileM = cute::size<0>(typename G::TileShape{}), kTileN = cute::size<1>(typename G::TileShape{});
+    if (lora->h_rows % kTileM != 0 || splits != 1) return -7;
+    const int n_tiles = (t + kTileN - 1) / kTileN;
+    const int h_tiles = lora->h_rows / kTileM * n_tiles;
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (h_tiles > sms / 2) return -6;  // every h tile must be some CTA's first tile (persistent grid, clusters of 2)
+    fold = *lora;
+    fold.h_arrivals = h_tiles * G::kEpilogueThreads;
+    fold.w_arrivals = (n - lora->h_rows + kTileM - 1) / kTileM * n_tiles * G::kEpilogueThreads;
+    lora = &fold;
+  }
+  auto args = arguments<G>(x, w, y, t, n, k, splits, lora);
   const size_t want = G::Device::get_workspace_size(args);
   if (need) return *need = want, 0;
   if (want > bytes) return -1;
@@ -109,15 +303,22 @@ using Config1 = Gemm<Shape<_128, _32, _64>, Cluster1, Coop, SK>;
 using Config2 = Gemm<Shape<_64, _32, _64>, Cluster2, Pingpong, PS>;
 using Config3 = Gemm<Shape<_128, _64, _64>, Cluster2, Coop, SK>;
 using Config4 = Gemm<Shape<_128, _128, _64>, Cluster2, Coop, SK>;
+using Config5 = Gemm<Shape<_64, _32, _64>, Cluster2, Pingpong, PS, LoraFusion>;
+using Config6 = Gemm<Shape<_128, _32, _64>, Cluster1, Coop, SK, LoraFusion>;
+using Config7 = Gemm<Shape<_128, _128, _64>, Cluster2, Coop, SK, LoraFusion>;
+constexpr int kConfigs = 8;
 
 int dispatch(int config, const void* x, const void* w, void* y, int t, int n, int k, int splits, void* workspace,
-             size_t bytes, cudaStream_t stream, size_t* need) {
+             size_t bytes, cudaStream_t stream, size_t* need, const LoraParams* lora) {
   switch (config) {
-    case 0: return run<Config0>(x, w, y, t, n, k, splits, workspace, bytes, stream, need);
-    case 1: return run<Config1>(x, w, y, t, n, k, splits, workspace, bytes, stream, need);
-    case 2: return run<Config2>(x, w, y, t, n, k, splits, workspace, bytes, stream, need);
-    case 3: return run<Config3>(x, w, y, t, n, k, splits, workspace, bytes, stream, need);
-    case 4: return run<Config4>(x, w, y, t, n, k, splits, workspace, bytes, stream, need);
+    case 0: return run<Config0>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 1: return run<Config1>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 2: return run<Config2>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 3: return run<Config3>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 4: return run<Config4>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 5: return run<Config5>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 6: return run<Config6>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
+    case 7: return run<Config7>(x, w, y, t, n, k, splits, workspace, bytes, stream, need, lora);
     default: return -9;
   }
 }
@@ -125,19 +326,63 @@ int dispatch(int config, const void* x, const void* w, void* y, int t, int n, in
 }  // namespace dgc
 
 extern "C" {
-// What each config is, for the probe's report.
+// What each config is, for the probe's report; configs from 5 on take the LoRA epilogue (dgc_run_lora).
 const char* dgc_config_name(int config) {
-  static const char* names[] = {"coop 128x32 cluster 2", "coop 128x32 cluster 1", "pingpong 64x32 cluster 2",
-                                "coop 128x64 cluster 2", "coop 128x128 cluster 2"};
-  return config >= 0 && config < 5 ? names[config] : nullptr;
+  static const char* names[] = {"coop 128x32 cluster 2",        "coop 128x32 cluster 1",
+                                "pingpong 64x32 cluster 2",     "coop 128x64 cluster 2",
+                                "coop 128x128 cluster 2",       "pingpong 64x32 cluster 2 + LoRA",
+                                "coop 128x32 cluster 1 + LoRA", "coop 128x128 cluster 2 + LoRA"};
+  return config >= 0 && config < dgc::kConfigs ? names[config] : nullptr;
 }
+int dgc_lora_configs_from() { return 5; }
 size_t dgc_workspace(int config, int t, int n, int k, int splits) {
   size_t need = 0;
-  dgc::dispatch(config, nullptr, nullptr, nullptr, t, n, k, splits, nullptr, 0, nullptr, &need);
+  const dgc::LoraParams none{};
+  dgc::dispatch(config, nullptr, nullptr, nullptr, t, n, k, splits, nullptr, 0, nullptr, &need, &none);
   return need;
 }
 int dgc_run(int config, const void* x, const void* w, void* y, int t, int n, int k, int splits, void* workspace,
             size_t bytes, void* stream) {
-  return dgc::dispatch(config, x, w, y, t, n, k, splits, workspace, bytes, static_cast<cudaStream_t>(stream), nullptr);
+  return dgc::dispatch(config, x, w, y, t, n, k, splits, workspace, bytes, static_cast<cudaStream_t>(stream),
+                       nullptr, nullptr);
+}
+int dgc_run_lora(int config, const void* x, const void* w, void* y, int t, int n, int k, int splits,
+                 void* workspace, size_t bytes, void* stream, const int* token_slot, const float* h,
+                 const void* lora_b, int64_t ld_h, int64_t b_stride_slot, int64_t b_stride_row, int rank,
+                 int num_slots) {
+  dgc::LoraParams lora{};
+  lora.token_slot = token_slot;
+  lora.h = const_cast<float*>(h);  // read only: h_rows = 0
+  lora.lora_b = static_cast<const dgc::T*>(lora_b);
+  lora.ld_h = ld_h;
+  lora.b_stride_slot = b_stride_slot;
+  lora.b_stride_row = b_stride_row;
+  lora.rank = rank;
+  lora.num_slots = num_slots;
+  lora.scale = 1.f;
+  return dgc::dispatch(config, x, w, y, t, n, k, splits, workspace, bytes, static_cast<cudaStream_t>(stream),
+                       nullptr, &lora);
+}
+// Fold mode: w = [A of every slot (h_rows = slots x rank rows); W], y = [T, h_rows + N] (y's last N columns are the
+// layer's output), h = float32 scratch [T, h_rows], counters = 2 ints, zero before the first launch.
+int dgc_run_fold(int config, const void* x, const void* w, void* y, int t, int m, int k, void* workspace,
+                 size_t bytes, void* stream, const int* token_slot, float* h, const void* lora_b,
+                 int64_t b_stride_slot, int64_t b_stride_row, int rank, int num_slots, float scale, int h_rows,
+                 int* counters) {
+  dgc::LoraParams lora{};
+  lora.token_slot = token_slot;
+  lora.h = h;
+  lora.lora_b = static_cast<const dgc::T*>(lora_b);
+  lora.ld_h = h_rows;
+  lora.h_slot_stride = rank;
+  lora.b_stride_slot = b_stride_slot;
+  lora.b_stride_row = b_stride_row;
+  lora.rank = rank;
+  lora.num_slots = num_slots;
+  lora.scale = scale;
+  lora.h_rows = h_rows;
+  lora.counters = counters;
+  return dgc::dispatch(config, x, w, y, t, m, k, 1, workspace, bytes, static_cast<cudaStream_t>(stream), nullptr,
+                       &lora);
 }
 }

@@ -9,7 +9,10 @@ the L2, every (warps, mma tiles per warp, cluster splits, tokens per tile) candi
     python benchmarks/decode_gemm_probe.py --cutlass build/decode_gemm_cutlass.so
 
 With --cutlass it times CUTLASS 3.x's sm_90 kernels instead (decode_gemm_cutlass.cu, built beforehand with the
-command in its header and loaded through ctypes), at T = 1, 32, 128, each configuration at 1, 2 and 4 K splits.
+command in its header and loaded through ctypes), at T = 1, 32, 128, each configuration at 1, 2 and 4 K splits;
+then the same GEMM with the LoRA term h . B_slot^T added in its epilogue, with h given and with h computed by the
+same kernel over [A of every slot; W] (the fold in one launch), each checked against the float32 product and timed
+beside the plain GEMM.
 """
 import argparse
 import ctypes
@@ -46,36 +49,112 @@ def build():
                 extra_cuda_cflags=["-O3", "-std=c++20", "-Xptxas=-v"], verbose=False)
 
 
-def cutlass_candidates(lib_path):
-    """(label, run(x, w, y) or None where the configuration refuses the shape) per CUTLASS configuration."""
+def cutlass_library(lib_path):
     lib = ctypes.CDLL(lib_path)
     lib.dgc_config_name.restype = ctypes.c_char_p
     lib.dgc_workspace.restype = ctypes.c_size_t
-    lib.dgc_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                            ctypes.c_void_p]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    common = [i32, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ctypes.c_size_t, ptr]
+    lib.dgc_run.argtypes = common
+    lib.dgc_run_lora.argtypes = common + [ptr, ptr, ptr, i64, i64, i64, i32, i32]
+    lib.dgc_run_fold.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, ptr, ctypes.c_size_t, ptr,
+                                 ptr, ptr, ptr, i64, i64, i32, i32, ctypes.c_float, i32, ptr]
+    return lib
 
-    def configs(t, n, k):
-        for config, splits in itertools.product(range(5), (1, 2, 4)):
-            if config == 2 and splits > 1:  # the ping-pong kernel has no stream-K / split-K scheduler
-                continue
-            need = lib.dgc_workspace(config, t, n, k, splits)
+
+def cutlass_configs(lib, t, m, k, mode="plain"):
+    """(label, run(x, w, y, extra)) per configuration and K split. mode "plain": y = x . w^T; "lora": the LoRA
+    epilogue with h given, extra = (token_slot int32 [T], h float32 [T, R], B bf16 [slots, N, R]); "fold": w = [A of
+    every slot; W], y = [T, S*R + N], extra = (token_slot, h scratch float32 [T, S*R], B, scale, counters int32 [2])."""
+    first_lora = lib.dgc_lora_configs_from()
+    for config in range(first_lora) if mode == "plain" else range(first_lora, first_lora + 3):
+        for splits in (1, 2, 4) if mode != "fold" else (1,):
+            if "pingpong" in lib.dgc_config_name(config).decode() and splits > 1:
+                continue  # the ping-pong kernel has no split-K scheduler
+            need = lib.dgc_workspace(config, t, m, k, splits)
             ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
 
-            def run(x, w, y, config=config, splits=splits, ws=ws):
-                rc = lib.dgc_run(config, x.data_ptr(), w.data_ptr(), y.data_ptr(), t, n, k, splits, ws.data_ptr(),
-                                 ws.numel(), torch.cuda.current_stream().cuda_stream)
+            def run(x, w, y, extra=None, config=config, splits=splits, ws=ws):
+                stream = torch.cuda.current_stream().cuda_stream
+                if mode == "fold":
+                    slot, h, b, scale, counters = extra
+                    rc = lib.dgc_run_fold(config, x.data_ptr(), w.data_ptr(), y.data_ptr(), t, m, k, ws.data_ptr(),
+                                          ws.numel(), stream, slot.data_ptr(), h.data_ptr(), b.data_ptr(),
+                                          b.stride(0), b.stride(1), b.shape[2], b.shape[0], scale, h.shape[1],
+                                          counters.data_ptr())
+                else:
+                    head = (config, x.data_ptr(), w.data_ptr(), y.data_ptr(), t, m, k, splits, ws.data_ptr(),
+                            ws.numel(), stream)
+                    if mode == "plain":
+                        rc = lib.dgc_run(*head)
+                    else:
+                        slot, h, b = extra
+                        rc = lib.dgc_run_lora(*head, slot.data_ptr(), h.data_ptr(), b.data_ptr(), h.stride(0),
+                                              b.stride(0), b.stride(1), h.shape[1], b.shape[0])
                 if rc:
-                    raise RuntimeError(f"dgc_run: {rc}")
-            yield f"{lib.dgc_config_name(config).decode()}, splits {splits}", run
-    return configs
+                    raise RuntimeError(f"dgc_run ({mode}): {rc}")
+            yield f"{lib.dgc_config_name(config).decode()}{', fold' if mode == 'fold' else ''}, splits {splits}", run
+
+
+def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
+    """The plain configurations; then, on 32-slot pools of rank 16 (B and A rotated with W) with min(T, 32) adapters
+    and with 1, the LoRA epilogue with h given and the fold (h computed by the same kernel), each beside the shape's
+    best plain time and the bytes LoRA must read. Returns the best plain time."""
+
+    def measure(label, run, weights, outs, extras, expect):
+        try:
+            run(xs[0], weights[0], outs[0], extras[0])
+            torch.cuda.synchronize()
+            err = (outs[0][:, -n:].float() - expect).abs().max().item()
+            us = time_cuda([lambda x=x, w=w, y=y, e=e: run(x, w, y, e)
+                            for x, w, y, e in zip(xs, weights, outs, extras)], graph=True)
+            # after the replays too: the fold's counters must have been reset by every launch
+            err = max(err, (outs[0][:, -n:].float() - expect).abs().max().item())
+        except RuntimeError as exc:
+            print(f"  {label:<44} {exc}")
+            return None
+        line(label, us, err)
+        return us
+
+    ys = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in xs]
+    plain = [measure(label, run, ws, ys, [None] * len(xs), ref) for label, run in cutlass_configs(lib, t, n, k)]
+    plain = min(us for us in plain if us is not None)
+    rank, slots, scale = 16, 32, 0.5
+    a_sets = [(torch.randn(slots * rank, k, generator=gen, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in xs]
+    folded = [torch.cat([a, w]) for a, w in zip(a_sets, ws)]
+    y_ext = [torch.empty(t, slots * rank + n, device=dev, dtype=torch.bfloat16) for _ in xs]
+    h_scratch = torch.empty(t, slots * rank, device=dev)
+    counters = torch.zeros(2, dtype=torch.int32, device=dev)
+    for adapters in sorted({min(t, 32), 1}):
+        slot = torch.randperm(slots, generator=gen, device=dev)[:adapters][
+            torch.randint(0, adapters, (t,), generator=gen, device=dev)].to(torch.int32)
+        bs = [(torch.randn(slots, n, rank, generator=gen, device=dev) / rank ** 0.5).to(torch.bfloat16) for _ in xs]
+        present = len(set(slot.tolist()))
+        w_bytes = n * k * 2
+        print(f"  + LoRA, {adapters} adapter(s) of rank {rank} in a {slots}-slot pool: present B "
+              f"{100 * present * n * rank * 2 / w_bytes:.1f}% of W's bytes, present A "
+              f"{100 * present * rank * k * 2 / w_bytes:.1f}%, every slot's A {100 * slots * rank * k * 2 / w_bytes:.1f}%;"
+              f" best plain {plain:.2f} us")
+        h = torch.randn(t, rank, generator=gen, device=dev) * 0.05
+        expect = ref + torch.einsum("tr,tnr->tn", h, bs[0][slot.long()].float())
+        given = [measure(label, run, ws, ys, [(slot, h, b) for b in bs], expect)
+                 for label, run in cutlass_configs(lib, t, n, k, "lora")]
+        h_true = (xs[0].float() @ a_sets[0].float().T).view(t, slots, rank)[torch.arange(t, device=dev), slot.long()]
+        expect = ref + scale * torch.einsum("tr,tnr->tn", h_true, bs[0][slot.long()].float())
+        fold = [measure(label, run, folded, y_ext, [(slot, h_scratch, b, scale, counters) for b in bs], expect)
+                for label, run in cutlass_configs(lib, t, slots * rank + n, k, "fold")]
+        for what, times in (("h given", given), ("fold", fold)):
+            times = [us for us in times if us is not None]
+            if times:
+                print(f"  best with LoRA ({what}) / best plain: {min(times) / plain:.3f}")
+    return plain
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cutlass", default=None, help="time decode_gemm_cutlass.cu's configurations from this library")
     args = ap.parse_args()
-    cutlass = cutlass_candidates(args.cutlass) if args.cutlass else None
+    cutlass = cutlass_library(args.cutlass) if args.cutlass else None
     ext = None if cutlass else build()
     dev = "cuda"
     gen = torch.Generator(dev).manual_seed(0)
@@ -92,32 +171,24 @@ def main():
         def line(label, us, err=None):
             tbps = moved / (us * 1e-6) / 1e12
             tail = "" if err is None else f"  max err {err:.1e}"
-            print(f"  {label:<36} {us:8.2f} us  {100 * tbps / copy_tbps:5.1f}% of the copy{tail}")
+            print(f"  {label:<44} {us:8.2f} us  {100 * tbps / copy_tbps:5.1f}% of the copy{tail}")
 
         print(f"{name} T={t} N={n} K={k}")
         cublas = time_cuda([lambda x=x, w=w: torch.mm(x, w.T) for x, w in zip(xs, ws)], graph=True)
         line("cuBLAS", cublas)
-        results = []
         if cutlass:
-            ys = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
-            for label, run in cutlass(t, n, k):
-                try:
-                    run(xs[0], ws[0], ys[0])
-                    torch.cuda.synchronize()
-                    err = (ys[0].float() - ref).abs().max().item()
-                    us = time_cuda([lambda x=x, w=w, y=y: run(x, w, y) for x, w, y in zip(xs, ws, ys)], graph=True)
-                except RuntimeError as exc:
-                    print(f"  {label:<36} {exc}")
-                    continue
-                results.append((us, label, err))
-        for warps, mt, splits, tt in () if cutlass else itertools.product((4, 8), (1, 2), (1, 2, 4, 8), (32, 64, 128)):
+            plain = time_cutlass(cutlass, t, n, k, xs, ws, ref, line, dev, gen)
+            print(f"  best plain / cuBLAS: {plain / cublas:.3f}")
+            continue
+        results = []
+        for warps, mt, splits, tt in itertools.product((4, 8), (1, 2), (1, 2, 4, 8), (32, 64, 128)):
             if tt > max(32, t) or (mt == 2 and tt == 128):
                 continue
             err = (ext.decode_gemm(xs[0], ws[0], splits, warps, mt, tt).float() - ref).abs().max().item()
             us = time_cuda([lambda x=x, w=w: ext.decode_gemm(x, w, splits, warps, mt, tt) for x, w in zip(xs, ws)],
                            graph=True)
             results.append((us, f"warps {warps} m-tiles {mt} splits {splits} tile {tt}", err))
-        for us, label, err in sorted(results)[:None if cutlass else 4]:
+        for us, label, err in sorted(results)[:4]:
             line(label, us, err)
         print(f"  best / cuBLAS: {sorted(results)[0][0] / cublas:.3f}")
 
