@@ -45,12 +45,10 @@ constexpr int kAlign = 8;  // elements per 16 bytes
 struct Coop {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  static constexpr int kEpilogueThreads = 256;  // both consumer warpgroups store each tile
 };
 struct Pingpong {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-  static constexpr int kEpilogueThreads = 128;  // one consumer warpgroup per tile
 };
 
 // What the LoRA epilogue reads: token n's slot, its h (float32) at h[n * ld_h + slot * h_slot_stride + j], and
@@ -66,9 +64,15 @@ struct LoraParams {
   // fold mode (h_rows > 0, a multiple of the tile's M): the first h_rows rows of the GEMM's M are h^T
   int h_rows;
   int* counters;     // [2], zero before the first launch: h threads arrived, W threads done
-  int h_arrivals;    // h tiles x epilogue threads per tile
-  int w_arrivals;    // W tiles x epilogue threads per tile
+  int h_arrivals;    // h tiles x epilogue warps per tile (lane 0 of each warp arrives)
+  int w_arrivals;    // W tiles x epilogue warps per tile
 };
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
@@ -124,19 +128,30 @@ struct Sm90LoraTerm {
     bool counted;    // the tile starts inside the problem (a scheduler's padding tile, if any, does not arrive)
     Params const& params;
 
+    // Wait for every h tile's warps (lane 0 polls; __syncwarp orders the warp's later loads after its acquire). A
+    // padding tile (no element inside the problem) neither waits nor arrives. The wait gives up after 0.2 s (a
+    // probe must not hang the device: the results are then wrong, and the error check says so).
     CUTLASS_DEVICE void begin() {
-      if (params.h_rows > 0 && !h_tile) {  // every h tile's threads have written h
-        while (load_acquire(params.counters) < params.h_arrivals) __nanosleep(64);
+      if (params.h_rows > 0 && !h_tile && counted) {
+        if (threadIdx.x % 32 == 0) {
+          const uint64_t start = global_ns();
+          while (load_acquire(params.counters) < params.h_arrivals && global_ns() - start < 200000000ull) {
+            __nanosleep(64);
+          }
+        }
+        __syncwarp();
       }
     }
 
     CUTLASS_DEVICE void end() {
       if (params.h_rows == 0 || !counted) return;
+      __syncwarp();  // the warp's h stores (h tile) or h loads (W tile) are done
+      if (threadIdx.x % 32 != 0) return;
       if (h_tile) {
         __threadfence();
         atomicAdd(params.counters, 1);
       } else if (atomicAdd(params.counters + 1, 1) == params.w_arrivals - 1) {
-        // the last W thread: every other W thread is past its wait and every h thread has arrived
+        // the last W warp: every other W warp is past its wait and every h warp has arrived
         params.counters[0] = 0;
         params.counters[1] = 0;
         __threadfence();
@@ -215,7 +230,6 @@ struct EpilogueOf<Tile, Cluster, Schedule, void> {  // D = alpha * acc
 template <class Tile, class Cluster, class Schedule, class Scheduler, class Fusion = void>
 struct Gemm {
   using TileShape = Tile;
-  static constexpr int kEpilogueThreads = Schedule::kEpilogueThreads;
   using Epilogue = typename EpilogueOf<Tile, Cluster, Schedule, Fusion>::type;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
@@ -226,6 +240,8 @@ struct Gemm {
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr bool kStreamK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   static constexpr bool kLora = std::is_same_v<Fusion, LoraFusion>;
+  // threads that store each tile: both consumer warpgroups (cooperative) or one (ping-pong)
+  static constexpr int kEpilogueWarps = int(Kernel::NumMMAThreads) / 32;
 };
 
 template <class G>
@@ -275,16 +291,16 @@ int run(const void* x, const void* w, void* y, int t, int n, int k, int splits, 
     if (lora->h_rows % kTileM != 0 || splits != 1) return -7;
     const int n_tiles = (t + kTileN - 1) / kTileN;
     const int h_tiles = lora->h_rows / kTileM * n_tiles;
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (h_tiles > sms / 2) return -6;  // every h tile must be some CTA's first tile (persistent grid, clusters of 2)
     fold = *lora;
-    fold.h_arrivals = h_tiles * G::kEpilogueThreads;
-    fold.w_arrivals = (n - lora->h_rows + kTileM - 1) / kTileM * n_tiles * G::kEpilogueThreads;
+    fold.h_arrivals = h_tiles * G::kEpilogueWarps;
+    fold.w_arrivals = (n - lora->h_rows + kTileM - 1) / kTileM * n_tiles * G::kEpilogueWarps;
     lora = &fold;
   }
   auto args = arguments<G>(x, w, y, t, n, k, splits, lora);
+  if (G::kLora && lora->h_rows > 0) {  // each h tile must be the first tile of a CTA of the (persistent) grid
+    const dim3 grid = G::Device::get_grid_shape(args);
+    if (lora->h_arrivals / G::kEpilogueWarps > int(grid.x * grid.y * grid.z)) return -6;
+  }
   const size_t want = G::Device::get_workspace_size(args);
   if (need) return *need = want, 0;
   if (want > bytes) return -1;

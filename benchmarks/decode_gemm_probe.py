@@ -101,15 +101,18 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
     and with 1, the LoRA epilogue with h given and the fold (h computed by the same kernel), each beside the shape's
     best plain time and the bytes LoRA must read. Returns the best plain time."""
 
-    def measure(label, run, weights, outs, extras, expect):
+    def measure(label, run, weights, outs, extras, expect, counters=None):
         try:
             run(xs[0], weights[0], outs[0], extras[0])
             torch.cuda.synchronize()
             err = (outs[0][:, -n:].float() - expect).abs().max().item()
             us = time_cuda([lambda x=x, w=w, y=y, e=e: run(x, w, y, e)
                             for x, w, y, e in zip(xs, weights, outs, extras)], graph=True)
-            # after the replays too: the fold's counters must have been reset by every launch
+            # after the replays too: the fold's counters must have been reset by every launch (stale counters let
+            # the W tiles skip their wait, which may still read the right h by luck: check them as well)
             err = max(err, (outs[0][:, -n:].float() - expect).abs().max().item())
+            if counters is not None and counters.tolist() != [0, 0]:
+                raise RuntimeError(f"counters not reset after the replays: {counters.tolist()}")
         except RuntimeError as exc:
             print(f"  {label:<44} {exc}")
             return None
@@ -141,8 +144,8 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
                  for label, run in cutlass_configs(lib, t, n, k, "lora")]
         h_true = (xs[0].float() @ a_sets[0].float().T).view(t, slots, rank)[torch.arange(t, device=dev), slot.long()]
         expect = ref + scale * torch.einsum("tr,tnr->tn", h_true, bs[0][slot.long()].float())
-        fold = [measure(label, run, folded, y_ext, [(slot, h_scratch, b, scale, counters) for b in bs], expect)
-                for label, run in cutlass_configs(lib, t, slots * rank + n, k, "fold")]
+        fold = [measure(label, run, folded, y_ext, [(slot, h_scratch, b, scale, counters) for b in bs], expect,
+                        counters) for label, run in cutlass_configs(lib, t, slots * rank + n, k, "fold")]
         for what, times in (("h given", given), ("fold", fold)):
             times = [us for us in times if us is not None]
             if times:
