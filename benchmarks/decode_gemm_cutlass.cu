@@ -21,12 +21,15 @@
 #endif
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 namespace dgc {  // named: an anonymous namespace next to cute's collides in nvcc's host stub
@@ -63,6 +66,9 @@ struct LoraParams {
   float scale;
   // fold mode (h_rows > 0, a multiple of the tile's M): the first h_rows rows of the GEMM's M are h^T
   int h_rows;
+  // grouped fold mode (h_groups > 0): a grouped GEMM whose groups 0 .. h_groups - 1 are the slots' h^T (rank rows
+  // each, empty for a slot no token uses) and whose group h_groups is W
+  int h_groups;
   int* counters;     // [2], zero before the first launch: h threads arrived, W threads done
   int h_arrivals;    // h tiles x epilogue warps per tile (lane 0 of each warp arrives)
   int w_arrivals;    // W tiles x epilogue warps per tile
@@ -119,20 +125,24 @@ struct Sm90LoraTerm {
   template <class CTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor coords, Residue residue, int m0, int n0, bool h_tile, bool counted,
-                                          Params const& params)
-        : coords(coords), residue(residue), m0(m0), n0(n0), h_tile(h_tile), counted(counted), params(params) {}
+                                          int group, Params const& params)
+        : coords(coords), residue(residue), m0(m0), n0(n0), h_tile(h_tile), counted(counted), group(group),
+          params(params) {}
     CTensor coords;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): offsets from this thread's first element
     Residue residue;
     int m0, n0;      // this thread's first element, in the problem
     bool h_tile;     // fold mode: this tile's rows are h^T
     bool counted;    // the tile starts inside the problem (a scheduler's padding tile, if any, does not arrive)
+    int group;       // grouped fold mode: the slot of an h tile
     Params const& params;
+
+    CUTLASS_DEVICE bool folded() const { return params.h_rows > 0 || params.h_groups > 0; }
 
     // Wait for every h tile's warps (lane 0 polls; __syncwarp orders the warp's later loads after its acquire). A
     // padding tile (no element inside the problem) neither waits nor arrives. The wait gives up after 0.2 s (a
     // probe must not hang the device: the results are then wrong, and the error check says so).
     CUTLASS_DEVICE void begin() {
-      if (params.h_rows > 0 && !h_tile && counted) {
+      if (folded() && !h_tile && counted) {
         if (threadIdx.x % 32 == 0) {
           const uint64_t start = global_ns();
           while (load_acquire(params.counters) < params.h_arrivals && global_ns() - start < 200000000ull) {
@@ -144,7 +154,7 @@ struct Sm90LoraTerm {
     }
 
     CUTLASS_DEVICE void end() {
-      if (params.h_rows == 0 || !counted) return;
+      if (!folded() || !counted) return;
       __syncwarp();  // the warp's h stores (h tile) or h loads (W tile) are done
       if (threadIdx.x % 32 != 0) return;
       if (h_tile) {
@@ -170,11 +180,13 @@ struct Sm90LoraTerm {
         if (cute::elem_less(c, residue)) {
           const int m = m0 + int(cute::get<0>(c)), n = n0 + int(cute::get<1>(c));
           if (h_tile) {
-            params.h[n * params.ld_h + m] = float(frg_acc[i]);  // D's rows here are h^T: D gets acc + 0
+            // D's rows here are h^T (D gets acc + 0); grouped: group = the slot, m its rank row
+            params.h[n * params.ld_h + group * params.h_slot_stride + m] = float(frg_acc[i]);
           } else {
             const int slot = params.token_slot[n];
             if (slot >= 0 && slot < params.num_slots) {
               const T* b = params.lora_b + slot * params.b_stride_slot + (m - params.h_rows) * params.b_stride_row;
+              // (grouped: h_rows = 0, m is W's row)
               const float* h = params.h + n * params.ld_h + slot * params.h_slot_stride;
               for (int r = 0; r < params.rank; r += 8) {
                 const uint4 raw = *reinterpret_cast<const uint4*>(b + r);
@@ -202,8 +214,10 @@ struct Sm90LoraTerm {
     const int tile_n0 = int(cute::get<1>(args.tile_coord_mnkl)) * int(cute::get<1>(args.tile_shape_mnk));
     const bool counted = tile_m0 < int(cute::get<0>(args.problem_shape_mnkl)) &&
                          tile_n0 < int(cute::get<1>(args.problem_shape_mnkl));
+    const int group = params.h_groups > 0 ? int(cute::get<3>(args.tile_coord_mnkl)) : 0;
+    const bool h_tile = params.h_groups > 0 ? group < params.h_groups : tile_m0 < params.h_rows;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, m0, n0, tile_m0 < params.h_rows, counted, params);
+        args.tCcD, args.residue_tCcD, m0, n0, h_tile, counted, group, params);
   }
 };
 
@@ -241,7 +255,7 @@ struct Gemm {
   static constexpr bool kStreamK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   static constexpr bool kLora = std::is_same_v<Fusion, LoraFusion>;
   // threads that store each tile: both consumer warpgroups (cooperative) or one (ping-pong)
-  static constexpr int kEpilogueWarps = int(Kernel::NumMMAThreads) / 32;
+  static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
 };
 
 template <class G>
@@ -324,6 +338,146 @@ using Config6 = Gemm<Shape<_128, _32, _64>, Cluster1, Coop, SK, LoraFusion>;
 using Config7 = Gemm<Shape<_128, _128, _64>, Cluster2, Coop, SK, LoraFusion>;
 constexpr int kConfigs = 8;
 
+// ---- The fold as a grouped GEMM: only the A of the slots present is read ----
+// Groups 0 .. S-1: slot s's h^T = A_s . x^T (rank x T; empty where no token uses s), written by the epilogue as
+// float32; group S: W . x^T + the LoRA term. The grouped scheduler hands out group 0's tiles first, so the h tiles
+// are the first tiles of as many CTAs. The per-group arrays live on the device (graph-safe); here the host writes
+// them once per input set (in the op, a prep kernel would, once per decode step for every layer).
+using GroupShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+struct PtrCoop {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct PtrPingpong {
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class Tile, class Cluster, class Schedule>
+struct GroupedFold {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, cutlass::layout::ColumnMajor*, kAlign, T, cutlass::layout::ColumnMajor*, kAlign,
+      typename Schedule::Epilogue, LoraFusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor*, kAlign, T,
+      cutlass::layout::ColumnMajor*, kAlign, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Schedule::Mainloop>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using TileShape = Tile;
+  static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
+};
+using GroupedFold0 = GroupedFold<Shape<_64, _32, _64>, Cluster2, PtrPingpong>;
+using GroupedFold1 = GroupedFold<Shape<_128, _32, _64>, Cluster1, PtrCoop>;
+constexpr int kGroupedConfigs = 2;
+
+// The device arrays of one call, carved from one buffer.
+template <class G>
+struct GroupArrays {
+  using K = typename G::Kernel;
+  using MNK = typename GroupShape::UnderlyingProblemShape;
+  MNK* shapes;
+  const T** a;
+  const T** b;
+  T** d;
+  typename K::InternalStrideA* stride_a;
+  typename K::InternalStrideB* stride_b;
+  typename K::InternalStrideD* stride_d;
+
+  static size_t carve(int groups, unsigned char* base, GroupArrays* out) {
+    size_t offset = 0;
+    auto take = [&](auto*& ptr, size_t bytes) {
+      using P = std::remove_reference_t<decltype(ptr)>;
+      ptr = base ? reinterpret_cast<P>(base + offset) : nullptr;
+      offset += (bytes + 127) / 128 * 128;
+    };
+    take(out->shapes, groups * sizeof(MNK));
+    take(out->a, groups * sizeof(void*));
+    take(out->b, groups * sizeof(void*));
+    take(out->d, groups * sizeof(void*));
+    take(out->stride_a, groups * sizeof(typename K::InternalStrideA));
+    take(out->stride_b, groups * sizeof(typename K::InternalStrideB));
+    take(out->stride_d, groups * sizeof(typename K::InternalStrideD));
+    return offset;
+  }
+};
+
+template <class G>
+typename G::Device::Arguments grouped_arguments(const GroupArrays<G>& arr, int groups, const LoraParams* lora) {
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = GroupShape{groups, arr.shapes, nullptr};
+  args.mainloop.ptr_A = arr.a;
+  args.mainloop.dA = arr.stride_a;
+  args.mainloop.ptr_B = arr.b;
+  args.mainloop.dB = arr.stride_b;
+  args.epilogue.thread = {{}, *lora, {}};
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = arr.stride_d;
+  args.epilogue.ptr_D = arr.d;
+  args.epilogue.dD = arr.stride_d;
+  int device = 0;
+  cudaGetDevice(&device);
+  args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename G::Kernel>(device);
+  return args;
+}
+
+// Host: the arrays for x [T, K], A of the slots [S, rank, K] (contiguous), W [N, K], y [T, N], d_scratch
+// [S, T, rank] (the h groups' D, unused), present[S] (0/1) into `arrays` (device; arrays_bytes from need).
+template <class G>
+int grouped_setup(const void* x, const void* a_slots, const void* w, void* y, void* d_scratch, int t, int n, int k,
+                  int rank, int slots, const int* present, void* arrays, size_t bytes, size_t* need) {
+  using K = typename G::Kernel;
+  const int groups = slots + 1;
+  GroupArrays<G> none{};
+  const size_t used = GroupArrays<G>::carve(groups, nullptr, &none);
+  if (need) return *need = used, 0;
+  if (used > bytes) return -1;
+  std::vector<unsigned char> host(used);
+  GroupArrays<G> h{};
+  GroupArrays<G>::carve(groups, host.data(), &h);
+  const T* xa = static_cast<const T*>(x);
+  for (int g = 0; g < groups; ++g) {
+    const bool w_group = g == slots;
+    const int m = w_group ? n : (present[g] ? rank : 0);
+    h.shapes[g] = typename GroupArrays<G>::MNK(m, m ? t : 0, m ? k : 0);
+    h.a[g] = w_group ? static_cast<const T*>(w) : static_cast<const T*>(a_slots) + int64_t(g) * rank * k;
+    h.b[g] = xa;
+    h.d[g] = w_group ? static_cast<T*>(y) : static_cast<T*>(d_scratch) + int64_t(g) * t * rank;
+    h.stride_a[g] = typename K::InternalStrideA{int64_t(k), Int<1>{}, cute::Int<0>{}};
+    h.stride_b[g] = typename K::InternalStrideB{int64_t(k), Int<1>{}, cute::Int<0>{}};
+    h.stride_d[g] = typename K::InternalStrideD{Int<1>{}, int64_t(w_group ? n : rank), cute::Int<0>{}};
+  }
+  return cudaMemcpy(arrays, host.data(), used, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -2;
+}
+
+template <class G>
+int grouped_run(void* arrays, int slots, int t, int n, void* workspace, size_t bytes, cudaStream_t stream,
+                const LoraParams& lora_in, int present_count, size_t* need) {
+  const int groups = slots + 1;
+  GroupArrays<G> arr{};
+  GroupArrays<G>::carve(groups, static_cast<unsigned char*>(arrays), &arr);
+  constexpr int kTileM = cute::size<0>(typename G::TileShape{}), kTileN = cute::size<1>(typename G::TileShape{});
+  LoraParams lora = lora_in;
+  if (lora.rank > kTileM) return -7;  // one real M tile per present slot
+  const int n_tiles = (t + kTileN - 1) / kTileN;
+  lora.h_arrivals = present_count * n_tiles * G::kEpilogueWarps;
+  lora.w_arrivals = (n + kTileM - 1) / kTileM * n_tiles * G::kEpilogueWarps;
+  auto args = grouped_arguments<G>(arr, groups, &lora);
+  const size_t want = G::Device::get_workspace_size(args);
+  if (need) return *need = want, 0;
+  if (want > bytes) return -1;
+  const dim3 grid = G::Device::get_grid_shape(args);
+  // every h tile (and a cluster's padding tile beside it) must be the first tile of a CTA of the persistent grid
+  if (2 * present_count * n_tiles > int(grid.x * grid.y * grid.z)) return -6;
+  typename G::Device op;
+  if (op.can_implement(args) != cutlass::Status::kSuccess) return -2;
+  if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return -3;
+  return op.run(stream) == cutlass::Status::kSuccess ? 0 : -4;
+}
+
 int dispatch(int config, const void* x, const void* w, void* y, int t, int n, int k, int splits, void* workspace,
              size_t bytes, cudaStream_t stream, size_t* need, const LoraParams* lora) {
   switch (config) {
@@ -400,5 +554,50 @@ int dgc_run_fold(int config, const void* x, const void* w, void* y, int t, int m
   lora.counters = counters;
   return dgc::dispatch(config, x, w, y, t, m, k, 1, workspace, bytes, static_cast<cudaStream_t>(stream), nullptr,
                        &lora);
+}
+// The grouped fold (only the present slots' A): configs 0 = ping-pong 64x32 cluster 2, 1 = cooperative 128x32.
+const char* dgc_grouped_name(int config) {
+  static const char* names[] = {"pingpong 64x32 cluster 2 + LoRA, grouped fold",
+                                "coop 128x32 cluster 1 + LoRA, grouped fold"};
+  return config >= 0 && config < dgc::kGroupedConfigs ? names[config] : nullptr;
+}
+int dgc_grouped_setup(int config, const void* x, const void* a_slots, const void* w, void* y, void* d_scratch, int t,
+                      int n, int k, int rank, int slots, const int* present, void* arrays, size_t bytes,
+                      size_t* need) {
+  switch (config) {
+    case 0:
+      return dgc::grouped_setup<dgc::GroupedFold0>(x, a_slots, w, y, d_scratch, t, n, k, rank, slots, present, arrays,
+                                                   bytes, need);
+    case 1:
+      return dgc::grouped_setup<dgc::GroupedFold1>(x, a_slots, w, y, d_scratch, t, n, k, rank, slots, present, arrays,
+                                                   bytes, need);
+    default: return -9;
+  }
+}
+// need != nullptr: only the workspace size (arrays must already be set up).
+int dgc_grouped_run(int config, void* arrays, int slots, int t, int n, void* workspace, size_t bytes, void* stream,
+                    const int* token_slot, float* h, const void* lora_b, int64_t b_stride_slot, int64_t b_stride_row,
+                    int rank, float scale, int present_count, int* counters, size_t* need) {
+  dgc::LoraParams lora{};
+  lora.token_slot = token_slot;
+  lora.h = h;
+  lora.lora_b = static_cast<const dgc::T*>(lora_b);
+  lora.ld_h = int64_t(slots) * rank;
+  lora.h_slot_stride = rank;
+  lora.b_stride_slot = b_stride_slot;
+  lora.b_stride_row = b_stride_row;
+  lora.rank = rank;
+  lora.num_slots = slots;
+  lora.scale = scale;
+  lora.h_groups = slots;
+  lora.counters = counters;
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (config) {
+    case 0:
+      return dgc::grouped_run<dgc::GroupedFold0>(arrays, slots, t, n, workspace, bytes, s, lora, present_count, need);
+    case 1:
+      return dgc::grouped_run<dgc::GroupedFold1>(arrays, slots, t, n, workspace, bytes, s, lora, present_count, need);
+    default: return -9;
+  }
 }
 }

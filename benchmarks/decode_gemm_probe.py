@@ -10,9 +10,10 @@ the L2, every (warps, mma tiles per warp, cluster splits, tokens per tile) candi
 
 With --cutlass it times CUTLASS 3.x's sm_90 kernels instead (decode_gemm_cutlass.cu, built beforehand with the
 command in its header and loaded through ctypes), at T = 1, 32, 128, each configuration at 1, 2 and 4 K splits;
-then the same GEMM with the LoRA term h . B_slot^T added in its epilogue, with h given and with h computed by the
-same kernel over [A of every slot; W] (the fold in one launch), each checked against the float32 product and timed
-beside the plain GEMM.
+then the same GEMM with the LoRA term h . B_slot^T added in its epilogue: with h given; with h computed by the same
+kernel over [A of every slot; W] (the fold in one launch); and as a grouped GEMM whose groups are the present slots'
+A and then W (only the present adapters' bytes), each checked against the float32 product and timed beside the
+plain GEMM.
 """
 import argparse
 import ctypes
@@ -59,7 +60,53 @@ def cutlass_library(lib_path):
     lib.dgc_run_lora.argtypes = common + [ptr, ptr, ptr, i64, i64, i64, i32, i32]
     lib.dgc_run_fold.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, ptr, ctypes.c_size_t, ptr,
                                  ptr, ptr, ptr, i64, i64, i32, i32, ctypes.c_float, i32, ptr]
+    lib.dgc_grouped_name.restype = ctypes.c_char_p
+    lib.dgc_grouped_setup.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ptr, ptr,
+                                      ctypes.c_size_t, ptr]
+    lib.dgc_grouped_run.argtypes = [i32, ptr, i32, i32, i32, ptr, ctypes.c_size_t, ptr, ptr, ptr, ptr, i64, i64,
+                                    i32, ctypes.c_float, i32, ptr, ptr]
     return lib
+
+
+def grouped_fold_configs(lib, t, n, k, xs, a_sets, ws, ys, slot, rank, slots):
+    """(label, run(x, w, y, extra)) of the grouped fold: groups of the present slots' A, then W; extra = (token_slot,
+    h scratch, B, scale, counters, the set's device arrays). Returns the configurations and each set's arrays."""
+    present = (ctypes.c_int * slots)(*[int(s in set(slot.tolist())) for s in range(slots)])
+    d_scratch = torch.empty(slots, t, rank, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for config in range(2):
+        need = ctypes.c_size_t(0)
+        lib.dgc_grouped_setup(config, 0, 0, 0, 0, 0, t, n, k, rank, slots, present, 0, 0, ctypes.byref(need))
+        arrays = []
+        for x, a, w, y in zip(xs, a_sets, ws, ys):
+            buf = torch.empty(need.value, dtype=torch.uint8, device="cuda")
+            rc = lib.dgc_grouped_setup(config, x.data_ptr(), a.data_ptr(), w.data_ptr(), y.data_ptr(),
+                                       d_scratch.data_ptr(), t, n, k, rank, slots, present, buf.data_ptr(),
+                                       buf.numel(), None)
+            if rc:
+                raise RuntimeError(f"dgc_grouped_setup: {rc}")
+            arrays.append(buf)
+        out.append((config, arrays))
+    count = sum(present)
+
+    def configs():
+        for config, arrays in out:
+            ws_need = ctypes.c_size_t(0)
+            lib.dgc_grouped_run(config, arrays[0].data_ptr(), slots, t, n, 0, 0, None, 0, 0, 0, 0, 0, rank, 1.0,
+                                count, 0, ctypes.byref(ws_need))
+            workspace = torch.empty(max(ws_need.value, 1), dtype=torch.uint8, device="cuda")
+
+            def run(x, w, y, extra, config=config, workspace=workspace, d_scratch=d_scratch):
+                # d_scratch: kept alive with run (the h groups' D, which the kernel writes)
+                token_slot, h, b, scale, counters, buf = extra
+                rc = lib.dgc_grouped_run(config, buf.data_ptr(), slots, t, n, workspace.data_ptr(), workspace.numel(),
+                                         torch.cuda.current_stream().cuda_stream, token_slot.data_ptr(), h.data_ptr(),
+                                         b.data_ptr(), b.stride(0), b.stride(1), rank, scale, count,
+                                         counters.data_ptr(), None)
+                if rc:
+                    raise RuntimeError(f"dgc_grouped_run: {rc}")
+            yield lib.dgc_grouped_name(config).decode(), run, arrays
+    return configs()
 
 
 def cutlass_configs(lib, t, m, k, mode="plain"):
@@ -146,7 +193,15 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
         expect = ref + scale * torch.einsum("tr,tnr->tn", h_true, bs[0][slot.long()].float())
         fold = [measure(label, run, folded, y_ext, [(slot, h_scratch, b, scale, counters) for b in bs], expect,
                         counters) for label, run in cutlass_configs(lib, t, slots * rank + n, k, "fold")]
-        for what, times in (("h given", given), ("fold", fold)):
+        try:
+            grouped = [measure(label, run, ws, ys, [(slot, h_scratch, b, scale, counters, buf)
+                                                    for b, buf in zip(bs, arrays)], expect, counters)
+                       for label, run, arrays in grouped_fold_configs(lib, t, n, k, xs, a_sets, ws, ys, slot, rank,
+                                                                      slots)]
+        except RuntimeError as exc:
+            print(f"  grouped fold: {exc}")
+            grouped = []
+        for what, times in (("h given", given), ("fold", fold), ("grouped fold", grouped)):
             times = [us for us in times if us is not None]
             if times:
                 print(f"  best with LoRA ({what}) / best plain: {min(times) / plain:.3f}")
