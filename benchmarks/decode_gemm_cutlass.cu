@@ -367,6 +367,7 @@ struct GroupedFold {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using TileShape = Tile;
+  static constexpr int kClusterM = cute::size<0>(Cluster{});  // the scheduler pads each group's M tiles to it
   static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
 };
 using GroupedFold0 = GroupedFold<Shape<_64, _32, _64>, Cluster2, PtrPingpong>;
@@ -470,8 +471,8 @@ int grouped_run(void* arrays, int slots, int t, int n, void* workspace, size_t b
   if (need) return *need = want, 0;
   if (want > bytes) return -1;
   const dim3 grid = G::Device::get_grid_shape(args);
-  // every h tile (and a cluster's padding tile beside it) must be the first tile of a CTA of the persistent grid
-  if (2 * present_count * n_tiles > int(grid.x * grid.y * grid.z)) return -6;
+  // every h tile (and a cluster's padding tiles beside it) must be the first tile of a CTA of the persistent grid
+  if (G::kClusterM * present_count * n_tiles > int(grid.x * grid.y * grid.z)) return -6;
   typename G::Device op;
   if (op.can_implement(args) != cutlass::Status::kSuccess) return -2;
   if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return -3;
@@ -574,7 +575,8 @@ int dgc_grouped_setup(int config, const void* x, const void* a_slots, const void
     default: return -9;
   }
 }
-// need != nullptr: only the workspace size (arrays must already be set up).
+// need != nullptr: only the workspace size (arrays must already be set up). present_count must be the number of
+// slots marked present at setup (the W tiles wait for that many slots' h tiles; more: they time out after 0.2 s).
 int dgc_grouped_run(int config, void* arrays, int slots, int t, int n, void* workspace, size_t bytes, void* stream,
                     const int* token_slot, float* h, const void* lora_b, int64_t b_stride_slot, int64_t b_stride_row,
                     int rank, float scale, int present_count, int* counters, size_t* need) {

@@ -149,6 +149,8 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
     best plain time and the bytes LoRA must read. Returns the best plain time."""
 
     def measure(label, run, weights, outs, extras, expect, counters=None):
+        if counters is not None:
+            counters.zero_()  # a failed configuration before this one may have left them set
         try:
             run(xs[0], weights[0], outs[0], extras[0])
             torch.cuda.synchronize()
