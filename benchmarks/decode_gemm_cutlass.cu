@@ -72,6 +72,7 @@ struct LoraParams {
   int* counters;     // [2], zero before the first launch: h threads arrived, W threads done
   int h_arrivals;    // h tiles x epilogue warps per tile (lane 0 of each warp arrives)
   int w_arrivals;    // W tiles x epilogue warps per tile
+  const int* h_arrivals_dev;  // grouped fold with the device prep: h_arrivals as written by the prep kernel
 };
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -145,7 +146,8 @@ struct Sm90LoraTerm {
       if (folded() && !h_tile && counted) {
         if (threadIdx.x % 32 == 0) {
           const uint64_t start = global_ns();
-          while (load_acquire(params.counters) < params.h_arrivals && global_ns() - start < 200000000ull) {
+          const int target = params.h_arrivals_dev ? *params.h_arrivals_dev : params.h_arrivals;
+          while (load_acquire(params.counters) < target && global_ns() - start < 200000000ull) {
             __nanosleep(64);
           }
         }
@@ -401,9 +403,36 @@ struct GroupArrays {
     take(out->stride_a, groups * sizeof(typename K::InternalStrideA));
     take(out->stride_b, groups * sizeof(typename K::InternalStrideB));
     take(out->stride_d, groups * sizeof(typename K::InternalStrideD));
+    take(out->h_arrivals, sizeof(int));
     return offset;
   }
+  int* h_arrivals;  // written by grouped_prep_kernel
 };
+
+// Once per decode step in the op (here: before each GEMM, the worst case): which slots the tokens use, from the
+// token slots on the device, as the h groups' problem shapes (rank x T x K, or empty), and how many h-tile warps
+// the W tiles wait for. One CTA; slots <= 1024.
+template <class G>
+__global__ void grouped_prep_kernel(GroupArrays<G> arr, const int* token_slot, int t, int k, int rank, int slots,
+                                    int arrivals_per_slot) {
+  __shared__ int present[1024];
+  __shared__ int count;
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) present[s] = 0;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < t; i += blockDim.x) {
+    const int s = token_slot[i];
+    if (s >= 0 && s < slots) present[s] = 1;
+  }
+  __syncthreads();
+  using MNK = typename GroupArrays<G>::MNK;
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    arr.shapes[s] = present[s] ? MNK(rank, t, k) : MNK(0, 0, 0);
+    if (present[s]) atomicAdd(&count, 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *arr.h_arrivals = count * arrivals_per_slot;
+}
 
 template <class G>
 typename G::Device::Arguments grouped_arguments(const GroupArrays<G>& arr, int groups, const LoraParams* lora) {
@@ -454,8 +483,9 @@ int grouped_setup(const void* x, const void* a_slots, const void* w, void* y, vo
   return cudaMemcpy(arrays, host.data(), used, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -2;
 }
 
+// present_count < 0: the device prep kernel runs first and decides (from the token slots).
 template <class G>
-int grouped_run(void* arrays, int slots, int t, int n, void* workspace, size_t bytes, cudaStream_t stream,
+int grouped_run(void* arrays, int slots, int t, int n, int k, void* workspace, size_t bytes, cudaStream_t stream,
                 const LoraParams& lora_in, int present_count, size_t* need) {
   const int groups = slots + 1;
   GroupArrays<G> arr{};
@@ -464,15 +494,24 @@ int grouped_run(void* arrays, int slots, int t, int n, void* workspace, size_t b
   LoraParams lora = lora_in;
   if (lora.rank > kTileM) return -7;  // one real M tile per present slot
   const int n_tiles = (t + kTileN - 1) / kTileN;
-  lora.h_arrivals = present_count * n_tiles * G::kEpilogueWarps;
+  const bool device_prep = present_count < 0;
+  lora.h_arrivals = (device_prep ? 0 : present_count) * n_tiles * G::kEpilogueWarps;
+  lora.h_arrivals_dev = device_prep ? arr.h_arrivals : nullptr;
   lora.w_arrivals = (n + kTileM - 1) / kTileM * n_tiles * G::kEpilogueWarps;
+  if (device_prep && slots > 1024) return -7;
   auto args = grouped_arguments<G>(arr, groups, &lora);
   const size_t want = G::Device::get_workspace_size(args);
   if (need) return *need = want, 0;
   if (want > bytes) return -1;
   const dim3 grid = G::Device::get_grid_shape(args);
   // every h tile (and a cluster's padding tiles beside it) must be the first tile of a CTA of the persistent grid
-  if (G::kClusterM * present_count * n_tiles > int(grid.x * grid.y * grid.z)) return -6;
+  // (with the device prep, for every slot present: the host does not know which are)
+  if (G::kClusterM * (device_prep ? slots : present_count) * n_tiles > int(grid.x * grid.y * grid.z)) return -6;
+  if (device_prep) {
+    grouped_prep_kernel<G><<<1, 256, 0, stream>>>(arr, lora.token_slot, t, k, lora.rank, slots,
+                                                  n_tiles * G::kEpilogueWarps);
+    if (cudaGetLastError() != cudaSuccess) return -5;
+  }
   typename G::Device op;
   if (op.can_implement(args) != cutlass::Status::kSuccess) return -2;
   if (op.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return -3;
@@ -575,9 +614,12 @@ int dgc_grouped_setup(int config, const void* x, const void* a_slots, const void
     default: return -9;
   }
 }
-// need != nullptr: only the workspace size (arrays must already be set up). present_count must be the number of
-// slots marked present at setup (the W tiles wait for that many slots' h tiles; more: they time out after 0.2 s).
-int dgc_grouped_run(int config, void* arrays, int slots, int t, int n, void* workspace, size_t bytes, void* stream,
+// need != nullptr: only the workspace size (arrays must already be set up). present_count >= 0 must be the number
+// of slots marked present at setup (the W tiles wait for that many slots' h tiles; more: they time out after
+// 0.2 s); present_count < 0 runs the device prep kernel first, which rewrites the h groups' shapes and the count
+// from token_slot (what the op would do).
+int dgc_grouped_run(int config, void* arrays, int slots, int t, int n, int k, void* workspace, size_t bytes,
+                    void* stream,
                     const int* token_slot, float* h, const void* lora_b, int64_t b_stride_slot, int64_t b_stride_row,
                     int rank, float scale, int present_count, int* counters, size_t* need) {
   dgc::LoraParams lora{};
@@ -596,9 +638,11 @@ int dgc_grouped_run(int config, void* arrays, int slots, int t, int n, void* wor
   const auto s = static_cast<cudaStream_t>(stream);
   switch (config) {
     case 0:
-      return dgc::grouped_run<dgc::GroupedFold0>(arrays, slots, t, n, workspace, bytes, s, lora, present_count, need);
+      return dgc::grouped_run<dgc::GroupedFold0>(arrays, slots, t, n, k, workspace, bytes, s, lora, present_count,
+                                                 need);
     case 1:
-      return dgc::grouped_run<dgc::GroupedFold1>(arrays, slots, t, n, workspace, bytes, s, lora, present_count, need);
+      return dgc::grouped_run<dgc::GroupedFold1>(arrays, slots, t, n, k, workspace, bytes, s, lora, present_count,
+                                                 need);
     default: return -9;
   }
 }

@@ -63,14 +63,17 @@ def cutlass_library(lib_path):
     lib.dgc_grouped_name.restype = ctypes.c_char_p
     lib.dgc_grouped_setup.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ptr, ptr,
                                       ctypes.c_size_t, ptr]
-    lib.dgc_grouped_run.argtypes = [i32, ptr, i32, i32, i32, ptr, ctypes.c_size_t, ptr, ptr, ptr, ptr, i64, i64,
-                                    i32, ctypes.c_float, i32, ptr, ptr]
+    lib.dgc_grouped_run.argtypes = [i32, ptr, i32, i32, i32, i32, ptr, ctypes.c_size_t, ptr, ptr, ptr, ptr, i64,
+                                    i64, i32, ctypes.c_float, i32, ptr, ptr]
     return lib
 
 
 def grouped_fold_configs(lib, t, n, k, xs, a_sets, ws, ys, slot, rank, slots):
-    """(label, run(x, w, y, extra)) of the grouped fold: groups of the present slots' A, then W; extra = (token_slot,
-    h scratch, B, scale, counters, the set's device arrays). Returns the configurations and each set's arrays."""
+    """(label, run(x, w, y, extra), arrays) of the grouped fold: groups of the present slots' A, then W; extra =
+    (token_slot, h scratch, B, scale, counters, the set's device arrays). Each configuration twice: with the slots
+    present known on the host (the arrays' shapes written at setup), and with the device prep kernel before each
+    GEMM deciding them from the token slots (the op's way; once per step there, here once per module: the worst
+    case)."""
     present = (ctypes.c_int * slots)(*[int(s in set(slot.tolist())) for s in range(slots)])
     d_scratch = torch.empty(slots, t, rank, device="cuda", dtype=torch.bfloat16)
     out = []
@@ -90,22 +93,24 @@ def grouped_fold_configs(lib, t, n, k, xs, a_sets, ws, ys, slot, rank, slots):
     count = sum(present)
 
     def configs():
-        for config, arrays in out:
+        for (config, arrays), (how, present_count) in itertools.product(out, (("host-known slots", count),
+                                                                               ("device prep", -1))):
             ws_need = ctypes.c_size_t(0)
-            lib.dgc_grouped_run(config, arrays[0].data_ptr(), slots, t, n, 0, 0, None, 0, 0, 0, 0, 0, rank, 1.0,
-                                count, 0, ctypes.byref(ws_need))
+            lib.dgc_grouped_run(config, arrays[0].data_ptr(), slots, t, n, k, 0, 0, None, 0, 0, 0, 0, 0, rank, 1.0,
+                                present_count, 0, ctypes.byref(ws_need))
             workspace = torch.empty(max(ws_need.value, 1), dtype=torch.uint8, device="cuda")
 
-            def run(x, w, y, extra, config=config, workspace=workspace, d_scratch=d_scratch):
+            def run(x, w, y, extra, config=config, workspace=workspace, present_count=present_count,
+                    d_scratch=d_scratch):
                 # d_scratch: kept alive with run (the h groups' D, which the kernel writes)
                 token_slot, h, b, scale, counters, buf = extra
-                rc = lib.dgc_grouped_run(config, buf.data_ptr(), slots, t, n, workspace.data_ptr(), workspace.numel(),
-                                         torch.cuda.current_stream().cuda_stream, token_slot.data_ptr(), h.data_ptr(),
-                                         b.data_ptr(), b.stride(0), b.stride(1), rank, scale, count,
-                                         counters.data_ptr(), None)
+                rc = lib.dgc_grouped_run(config, buf.data_ptr(), slots, t, n, k, workspace.data_ptr(),
+                                         workspace.numel(), torch.cuda.current_stream().cuda_stream,
+                                         token_slot.data_ptr(), h.data_ptr(), b.data_ptr(), b.stride(0), b.stride(1),
+                                         rank, scale, present_count, counters.data_ptr(), None)
                 if rc:
                     raise RuntimeError(f"dgc_grouped_run: {rc}")
-            yield lib.dgc_grouped_name(config).decode(), run, arrays
+            yield f"{lib.dgc_grouped_name(config).decode()}, {how}", run, arrays
     return configs()
 
 
@@ -163,7 +168,7 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
             if counters is not None and counters.tolist() != [0, 0]:
                 raise RuntimeError(f"counters not reset after the replays: {counters.tolist()}")
         except RuntimeError as exc:
-            print(f"  {label:<44} {exc}")
+            print(f"  {label:<66} {exc}")
             return None
         line(label, us, err)
         return us
@@ -231,7 +236,7 @@ def main():
         def line(label, us, err=None):
             tbps = moved / (us * 1e-6) / 1e12
             tail = "" if err is None else f"  max err {err:.1e}"
-            print(f"  {label:<44} {us:8.2f} us  {100 * tbps / copy_tbps:5.1f}% of the copy{tail}")
+            print(f"  {label:<66} {us:8.2f} us  {100 * tbps / copy_tbps:5.1f}% of the copy{tail}")
 
         print(f"{name} T={t} N={n} K={k}")
         cublas = time_cuda([lambda x=x, w=w: torch.mm(x, w.T) for x, w in zip(xs, ws)], graph=True)
