@@ -24,6 +24,9 @@ every call. The axes are what the C++ kernels see on the host, without reading d
 - positions: the length of token_indices (else the rows);
 - rank: the pool's max rank R (lora_b.shape[2]; the true ranks live on the device);
 - slices: len(slice_offsets) - 1;
+- true_ranks (sgmv, lora_expand): 1 when the call passes no lora_ranks (every adapter at the pool's rank R: the
+  serving layer's calls while its pool holds one rank), 2 when it passes them (any rank up to R: the C++ kernels
+  pay each adapter's true rank, Triton's pay R);
 - n, k (grouped_gemm): w.shape[1], w.shape[2], the pool's widest group.
 """
 from __future__ import annotations
@@ -52,10 +55,14 @@ TRITON_MARGIN = 1.1
 # - rank 16/32/64: the measured choice changes with the rank (256 positions: CUDA at 16, closer at 64; 4096 at 128:
 #   Triton by 3.6×).
 # - slices 1: the tensor-core sgmv loses on fused modules (3 slices, 1024 positions: Triton by 2.6×).
+# - true_ranks 1: at 256 positions of a rank-64 pool, Triton wins when every adapter has rank 64 (38.6 against
+#   45.6 µs) and the C++ kernel by 2.5× on rank-8 adapters (true-rank cost); only whether ranks are passed tells
+#   the two apart on the host.
 # - grouped_gemm n/k 128: the C++ kernels' skinny paths (LoRA shrink n <= 128, expand k <= 128) against their tile
 #   kernel; positions 256/4096: decode (where the shrink takes the split-K kernels when it can), prefill, long
 #   prefill.
-_SGMV_AXES = (("positions", (16, 64, 256, 1023, 4096)), ("rank", (16, 32, 64)), ("slices", (1,)))
+_SGMV_AXES = (("positions", (16, 64, 256, 1023, 4096)), ("rank", (16, 32, 64)), ("slices", (1,)),
+              ("true_ranks", (1,)))
 AXES: Dict[str, Tuple[Tuple[str, Tuple[int, ...]], ...]] = {
     "sgmv": _SGMV_AXES,
     "lora_expand": _SGMV_AXES,
@@ -65,10 +72,11 @@ AXES: Dict[str, Tuple[Tuple[str, Tuple[int, ...]], ...]] = {
 
 def record_regime(record: dict) -> Dict[str, int]:
     """The axis values of an op-bench record (every row of the bench's cases is reached through token_indices of
-    length T, so positions = T)."""
+    length T, so positions = T; records from before the bench said whether it passed lora_ranks passed them)."""
     if record["op"] == "grouped_gemm":
         return {"positions": record["T"], "n": record["N"], "k": record["K"]}
-    return {"positions": record["T"], "rank": record["pool_rank"], "slices": record["slices"]}
+    return {"positions": record["T"], "rank": record["pool_rank"], "slices": record["slices"],
+            "true_ranks": 2 if record.get("lora_ranks", True) else 1}
 
 
 def _class_of(bounds: Sequence[int], value: int) -> int:
@@ -198,8 +206,8 @@ def _class_range(bounds: Sequence[int], c: int) -> List[Optional[int]]:
 
 
 def _case_fields(record: dict) -> dict:
-    keep = ("T", "adapters", "rank", "pool_rank", "K", "N", "slices", "groups", "shape", "dtype", "x_dtype",
-            "y_dtype")
+    keep = ("T", "adapters", "rank", "pool_rank", "lora_ranks", "K", "N", "slices", "groups", "shape", "dtype",
+            "x_dtype", "y_dtype")
     return {k: record[k] for k in keep if k in record}
 
 
@@ -241,7 +249,8 @@ def validate(table: dict) -> None:
 
 
 def choice(table: dict, op: str, **values: int) -> str:
-    """The backend the table gives a call of `op` with these axis values (e.g. positions=, rank=, slices=)."""
+    """The backend the table gives a call of `op` with these axis values (e.g. positions=, rank=, slices=,
+    true_ranks=)."""
     spec = table["ops"][op]
     return spec["cells"][_cell_index(spec["axes"], values)]["backend"]
 

@@ -51,6 +51,8 @@ def _rec(op, backend, us, T, mode="graph", dtype="bfloat16", **kw):
     else:
         fields = dict(adapters=4, rank=kw.get("rank", 16), pool_rank=kw.get("pool_rank", kw.get("rank", 16)),
                       K=4096, N=4096, slices=kw.get("slices", 1))
+        if "lora_ranks" in kw:
+            fields["lora_ranks"] = kw["lora_ranks"]
     return dict(op=op, backend=backend, mode=mode, dtype=dtype, T=T, us=us, **fields)
 
 
@@ -84,26 +86,41 @@ def test_build_gives_triton_only_regimes_it_wins_by_the_margin_and_marks_unmeasu
         spec = table["ops"][op]
         return spec["cells"][op_table._cell_index(spec["axes"], values)]
 
-    assert cell("sgmv", positions=8, rank=16, slices=1)["backend"] == "cuda"
-    big = cell("sgmv", positions=4096, rank=128, slices=1)
+    assert cell("sgmv", positions=8, rank=16, slices=1, true_ranks=2)["backend"] == "cuda"
+    big = cell("sgmv", positions=4096, rank=128, slices=1, true_ranks=2)
     assert big["backend"] == "triton" and big["measured"]
     assert big["cases"] == [dict(T=4096, adapters=4, rank=128, pool_rank=128, K=4096, N=4096, slices=1,
                                  dtype="bfloat16", us={"cuda": 400.0, "triton": 120.0})]
-    mixed = cell("sgmv", positions=256, rank=64, slices=1)
+    mixed = cell("sgmv", positions=256, rank=64, slices=1, true_ranks=2)
     assert mixed["backend"] == "cuda" and len(mixed["cases"]) == 2
-    assert not cell("sgmv", positions=2048, rank=16, slices=1)["measured"]
-    assert not cell("sgmv", positions=40, rank=16, slices=1)["measured"]
-    tie = cell("sgmv", positions=100, rank=16, slices=1)
+    assert not cell("sgmv", positions=2048, rank=16, slices=1, true_ranks=2)["measured"]
+    assert not cell("sgmv", positions=40, rank=16, slices=1, true_ranks=2)["measured"]
+    tie = cell("sgmv", positions=100, rank=16, slices=1, true_ranks=2)
     assert tie["measured"] and tie["backend"] == "cuda"
-    assert cell("sgmv", positions=16384, rank=16, slices=1)["backend"] == "cuda"
-    assert cell("sgmv", positions=16384, rank=64, slices=1)["backend"] == "triton"
+    assert cell("sgmv", positions=16384, rank=16, slices=1, true_ranks=2)["backend"] == "cuda"
+    assert cell("sgmv", positions=16384, rank=64, slices=1, true_ranks=2)["backend"] == "triton"
     assert table["triton_margin"] == op_table.TRITON_MARGIN
     assert cell("grouped_gemm", positions=16384, n=16, k=4096)["backend"] == "triton"
     assert cell("grouped_gemm", positions=16384, n=4096, k=4096)["backend"] == "cuda"
-    assert cell("lora_expand", positions=32, rank=16, slices=2)["backend"] == "triton"
+    assert cell("lora_expand", positions=32, rank=16, slices=2, true_ranks=2)["backend"] == "triton"
     assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 8
     unmeasured = [c for op in op_table.OPS for c in table["ops"][op]["cells"] if not c["measured"]]
     assert all(c["backend"] == "cuda" and "cases" not in c for c in unmeasured)
+
+
+def test_true_ranks_separates_calls_without_ranks_from_calls_with_them():
+    """256 positions of a rank-64 pool: Triton wins the calls that pass no ranks (every adapter at rank 64), the C++
+    kernel the ones with rank-8 adapters (true-rank cost); records from before the bench said so count as ranks
+    passed."""
+    records = (_pair("sgmv", 45.6, 38.6, T=256, rank=64, lora_ranks=False)
+               + _pair("sgmv", 15.0, 38.2, T=256, rank=8, pool_rank=64, lora_ranks=True)
+               + _pair("sgmv", 10.0, 12.0, T=8))
+    table = op_table.build(records, META)
+    assert op_table.choice(table, "sgmv", positions=256, rank=64, slices=1, true_ranks=1) == "triton"
+    assert op_table.choice(table, "sgmv", positions=256, rank=64, slices=1, true_ranks=2) == "cuda"
+    spec = table["ops"]["sgmv"]
+    old = spec["cells"][op_table._cell_index(spec["axes"], dict(positions=8, rank=16, slices=1, true_ranks=2))]
+    assert old["measured"]
 
 
 @pytest.mark.parametrize("us", [0.0, -1.0, None])
@@ -172,7 +189,7 @@ def _table(**overrides):
     (lambda t: t["ops"]["sgmv"]["axes"][0].update(max=[16, 16, 256, 1023, 4096]), "bounds must increase"),
     (lambda t: t["ops"]["sgmv"]["axes"][0].update(max=[0, 16, 256, 1023, 4096]), "bounds must increase from 1"),
     (lambda t: t["ops"]["sgmv"]["axes"][1].update(max=[16.5, 32, 64]), "bounds must be a list of ints"),
-    (lambda t: t["ops"]["lora_expand"]["cells"].pop(), "47 cells for 48 regimes"),
+    (lambda t: t["ops"]["lora_expand"]["cells"].pop(), "95 cells for 96 regimes"),
     (lambda t: t["ops"]["sgmv"]["cells"].reverse(), "out of order"),
     (lambda t: t["ops"]["grouped_gemm"]["cells"][3].update(backend="rocm"), "unknown backend 'rocm'"),
     (lambda t: t["ops"]["grouped_gemm"]["cells"][3].pop("measured"), "no 'measured' flag"),
@@ -188,14 +205,16 @@ def test_validate_rejects_a_table_with_gaps_or_unknown_names(mutate, msg):
 
 
 def test_choice_follows_the_class_bounds():
-    table = _table(sgmv=[dict(positions=1024, rank=17, slices=2)], grouped_gemm=[dict(positions=257, n=128, k=129)])
-    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=2) == "triton"
-    assert op_table.choice(table, "sgmv", positions=4096, rank=32, slices=3) == "triton"     # same class
-    assert op_table.choice(table, "sgmv", positions=1023, rank=17, slices=2) == "cuda"       # the kernel switch
-    assert op_table.choice(table, "sgmv", positions=4097, rank=17, slices=2) == "cuda"
-    assert op_table.choice(table, "sgmv", positions=1024, rank=16, slices=2) == "cuda"
-    assert op_table.choice(table, "sgmv", positions=1024, rank=33, slices=2) == "cuda"
-    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=1) == "cuda"
+    table = _table(sgmv=[dict(positions=1024, rank=17, slices=2, true_ranks=2)],
+                   grouped_gemm=[dict(positions=257, n=128, k=129)])
+    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=2, true_ranks=2) == "triton"
+    assert op_table.choice(table, "sgmv", positions=4096, rank=32, slices=3, true_ranks=9) == "triton"  # same class
+    assert op_table.choice(table, "sgmv", positions=1023, rank=17, slices=2, true_ranks=2) == "cuda"  # kernel switch
+    assert op_table.choice(table, "sgmv", positions=4097, rank=17, slices=2, true_ranks=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=16, slices=2, true_ranks=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=33, slices=2, true_ranks=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=1, true_ranks=2) == "cuda"
+    assert op_table.choice(table, "sgmv", positions=1024, rank=17, slices=2, true_ranks=1) == "cuda"  # no ranks
     assert op_table.choice(table, "grouped_gemm", positions=4096, n=1, k=1 << 20) == "triton"
     assert op_table.choice(table, "grouped_gemm", positions=256, n=128, k=129) == "cuda"
     assert op_table.choice(table, "grouped_gemm", positions=257, n=129, k=129) == "cuda"
@@ -211,7 +230,7 @@ def test_override_picks_the_table_at_import(monkeypatch, tmp_path):
     monkeypatch.setenv("LORA_OPS_OP_TABLE", "off")
     op_table.install_default()
     assert seen.pop() is None
-    custom = _table(sgmv=[dict(positions=1, rank=1, slices=1)])
+    custom = _table(sgmv=[dict(positions=1, rank=1, slices=1, true_ranks=2)])
     path = tmp_path / "table.json"
     path.write_text(json.dumps(custom))
     monkeypatch.setenv("LORA_OPS_OP_TABLE", str(path))
@@ -240,8 +259,8 @@ def test_every_op_of_the_table_has_a_triton_twin_by_name():
 
 def test_cpp_lookup_agrees_with_the_python_lookup_at_every_class_edge():
     triton_backend()
-    tables = [op_table.load(), _table(sgmv=[dict(positions=1024, rank=17, slices=2)],
-                                      lora_expand=[dict(positions=1, rank=1, slices=1)],
+    tables = [op_table.load(), _table(sgmv=[dict(positions=1024, rank=17, slices=2, true_ranks=2)],
+                                      lora_expand=[dict(positions=1, rank=1, slices=1, true_ranks=2)],
                                       grouped_gemm=[dict(positions=257, n=128, k=129)])]
     previous = op_table.installed
     try:
@@ -254,20 +273,24 @@ def test_cpp_lookup_agrees_with_the_python_lookup_at_every_class_edge():
                     assert op_table.cuda_choice(op, **values) == op_table.choice(table, op, **values), (op, values)
         with op_table.disabled():
             assert op_table.installed is None
-            assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "cuda"
-        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "triton"  # restored
+            assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2, true_ranks=2) == "cuda"
+        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2, true_ranks=2) == "triton"  # restored
     finally:
         op_table.install(previous)
+
+
+SGMV_AXES = "positions,rank,slices,true_ranks"
 
 
 @pytest.mark.parametrize("args,msg", [
     (("bgmv", "", [], [], []), "unknown op 'bgmv'"),
     (("sgmv", "positions,n,k", [1, 1, 1], [1, 1, 1], [0] * 8), "axes 'positions,n,k', expected"),
-    (("sgmv", "positions,rank,slices", [1, 1], [1, 1], [0] * 4), "2 bound counts for 3 axes"),
-    (("sgmv", "positions,rank,slices", [1, 1, 1], [1, 1, 1], [0] * 7), "7 regimes given for 8"),
-    (("sgmv", "positions,rank,slices", [2, 1, 1], [5, 5, 1, 1], [0] * 12), "must increase"),
-    (("sgmv", "positions,rank,slices", [1, 1, 1], [1, 1, 1], [0] * 7 + [2]), "must be 0 or 1"),
-    (("sgmv", "positions,rank,slices", [1, 1, 9], [1, 1, 1], [0] * 8), "do not match"),
+    (("sgmv", "positions,rank,slices", [1, 1, 1], [1, 1, 1], [0] * 8), "axes 'positions,rank,slices', expected"),
+    (("sgmv", SGMV_AXES, [1, 1], [1, 1], [0] * 4), "2 bound counts for 4 axes"),
+    (("sgmv", SGMV_AXES, [1, 1, 1, 1], [1, 1, 1, 1], [0] * 15), "15 regimes given for 16"),
+    (("sgmv", SGMV_AXES, [2, 1, 1, 1], [5, 5, 1, 1, 1], [0] * 24), "must increase"),
+    (("sgmv", SGMV_AXES, [1, 1, 1, 1], [1, 1, 1, 1], [0] * 15 + [2]), "must be 0 or 1"),
+    (("sgmv", SGMV_AXES, [1, 1, 9, 1], [1, 1, 1, 1], [0] * 16), "do not match"),
 ])
 def test_cpp_setter_rejects_a_malformed_table(args, msg):
     with pytest.raises(ValueError, match=msg):
@@ -277,8 +300,9 @@ def test_cpp_setter_rejects_a_malformed_table(args, msg):
 def test_install_is_all_or_nothing(monkeypatch):
     """An op whose table the C++ setter refuses leaves every op on the previous table."""
     triton_backend()
-    before = _table(sgmv=[dict(positions=1024, rank=17, slices=2)])
-    after = _table(sgmv=[dict(positions=1, rank=1, slices=1)], grouped_gemm=[dict(positions=1, n=1, k=1)])
+    before = _table(sgmv=[dict(positions=1024, rank=17, slices=2, true_ranks=2)])
+    after = _table(sgmv=[dict(positions=1, rank=1, slices=1, true_ranks=2)],
+                   grouped_gemm=[dict(positions=1, n=1, k=1)])
     real = torch.ops.lora_ops._set_cuda_op_table
 
     def refusing_grouped_gemm(op, axes, *rest):
@@ -292,8 +316,8 @@ def test_install_is_all_or_nothing(monkeypatch):
         with pytest.raises(RuntimeError, match="refused for the test"):
             op_table.install(after)
         assert op_table.installed is before
-        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2) == "triton"
-        assert op_table.cuda_choice("sgmv", positions=1, rank=1, slices=1) == "cuda"
+        assert op_table.cuda_choice("sgmv", positions=1024, rank=17, slices=2, true_ranks=2) == "triton"
+        assert op_table.cuda_choice("sgmv", positions=1, rank=1, slices=1, true_ranks=2) == "cuda"
         assert op_table.cuda_choice("grouped_gemm", positions=1, n=1, k=1) == "cuda"
     finally:
         monkeypatch.undo()
@@ -386,7 +410,7 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
     if backends.cuda_served_by[op] != "cuda":
         pytest.skip(f"{op} has no C++ CUDA kernel to consult the table")
     table = _table(**{op: [dict(positions=2048, n=32, k=256) if op == "grouped_gemm"
-                           else dict(positions=2048, rank=32, slices=3)]})
+                           else dict(positions=2048, rank=32, slices=3, true_ranks=2)]})
     p, oracle = _routed_problem(op)
     public = getattr(torch.ops.lora_ops, op).default
     before = p.y.clone()

@@ -12,11 +12,13 @@ namespace lora_ops::op_table {
 namespace {
 
 constexpr const char* kOpNames[kOps] = {"sgmv", "lora_expand", "grouped_gemm"};
-constexpr const char* kOpAxes[kOps] = {"positions,rank,slices", "positions,rank,slices", "positions,n,k"};
+constexpr const char* kOpAxes[kOps] = {"positions,rank,slices,true_ranks", "positions,rank,slices,true_ranks",
+                                       "positions,n,k"};
+constexpr int kOpAxisCount[kOps] = {4, 4, 3};
 
 struct Table {
-  // Per axis: the inclusive upper bounds of its classes but the last, which is open-ended.
-  std::array<std::vector<int64_t>, kAxes> bounds;
+  // Per axis of the op: the inclusive upper bounds of its classes but the last, which is open-ended.
+  std::vector<std::vector<int64_t>> bounds;
   std::vector<uint8_t> triton;  // per regime, row-major over the axes: 1 = Triton
 
   bool operator==(const Table& other) const { return bounds == other.bounds && triton == other.triton; }
@@ -57,11 +59,13 @@ std::unique_ptr<Table> parse(const std::string& op, Op which, const std::string&
   const int index = static_cast<int>(which);
   TORCH_CHECK_VALUE(axes == kOpAxes[index], "lora_ops op table: ", op, " axes '", axes, "', expected '",
                     kOpAxes[index], "'");
-  TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(kAxes), "lora_ops op table: ", op, ": ",
-                    bounds_per_axis.size(), " bound counts for ", kAxes, " axes");
+  const int axes_count = kOpAxisCount[index];
+  TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(axes_count), "lora_ops op table: ", op, ": ",
+                    bounds_per_axis.size(), " bound counts for ", axes_count, " axes");
   auto table = std::make_unique<Table>();
+  table->bounds.resize(axes_count);
   size_t next = 0, regimes = 1;
-  for (int a = 0; a < kAxes; ++a) {
+  for (int a = 0; a < axes_count; ++a) {
     const auto count = static_cast<size_t>(std::max<int64_t>(bounds_per_axis[a], 0));
     TORCH_CHECK_VALUE(bounds_per_axis[a] >= 0 && next + count <= bounds.size(), "lora_ops op table: ", op,
                       ": bound counts ", bounds_per_axis, " do not match ", bounds.size(), " bounds");
@@ -86,11 +90,11 @@ std::unique_ptr<Table> parse(const std::string& op, Op which, const std::string&
 
 }  // namespace
 
-bool says_triton(Op op, const std::array<int64_t, kAxes>& values) {
+bool says_triton(Op op, const std::array<int64_t, kMaxAxes>& values) {
   const Table* table = g_tables[static_cast<int>(op)].load(std::memory_order_acquire);
   if (table == nullptr) return false;
   size_t regime = 0;
-  for (int a = 0; a < kAxes; ++a) {
+  for (size_t a = 0; a < table->bounds.size(); ++a) {
     const auto& b = table->bounds[a];
     regime = regime * (b.size() + 1) + (std::lower_bound(b.begin(), b.end(), values[a]) - b.begin());
   }
@@ -116,9 +120,13 @@ void set_table(const std::string& op, const std::string& axes, at::IntArrayRef b
 }
 
 std::string choice(const std::string& op, at::IntArrayRef values) {
-  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(kAxes), "lora_ops op table: ", kAxes,
-                    " axis values expected, got ", values.size());
-  return says_triton(op_named(op), {values[0], values[1], values[2]}) ? "triton" : "cuda";
+  const Op which = op_named(op);
+  const int axes_count = kOpAxisCount[static_cast<int>(which)];
+  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(axes_count), "lora_ops op table: ", axes_count,
+                    " axis values expected for ", op, ", got ", values.size());
+  std::array<int64_t, kMaxAxes> all{};
+  std::copy(values.begin(), values.end(), all.begin());
+  return says_triton(which, all) ? "triton" : "cuda";
 }
 
 size_t kept_tables() {

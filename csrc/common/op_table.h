@@ -16,11 +16,16 @@ namespace lora_ops::op_table {
 
 enum class Op { Sgmv, LoraExpand, GroupedGemm };
 constexpr int kOps = 3;
-constexpr int kAxes = 3;
+constexpr int kMaxAxes = 4;  // sgmv and lora_expand have 4, grouped_gemm 3
 
-// The installed table's choice for a call of `op` with these axis values (positions, rank, slices; grouped_gemm:
-// positions, n, k): one atomic load and a few integer compares, no Python and no device read.
-bool says_triton(Op op, const std::array<int64_t, kAxes>& values);
+// The installed table's choice for a call of `op` with these axis values (positions, rank, slices, true_ranks;
+// grouped_gemm: positions, n, k, and a value past its axes that is not read): one atomic load and a few integer
+// compares, no Python and no device read.
+bool says_triton(Op op, const std::array<int64_t, kMaxAxes>& values);
+
+// The true_ranks axis value of a call: 1 when it passes no lora_ranks (every adapter at the pool's rank: the serving
+// layer's calls while its pool holds one rank), 2 when it passes them (any rank up to the pool's).
+inline int64_t true_ranks_axis(bool ranks_given) { return ranks_given ? 2 : 1; }
 
 // op: which op; axes: its axis names, comma-separated (checked against what the kernels compute); bounds_per_axis
 // and bounds: each axis' inclusive upper bounds, concatenated; triton: one 0/1 per regime, row-major. An empty

@@ -134,7 +134,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const cuda::ExpandKernel expand_kernel = preferred_expand_kernel();
   if (preferred == SgmvKernel::Auto && expand_kernel == cuda::ExpandKernel::Auto && table_dtype(lora_b) &&
       op_table::says_triton(Op::Sgmv, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
-                                       slices_of(slice_offsets)})) {
+                                       slices_of(slice_offsets), op_table::true_ranks_axis(lora_ranks.has_value())})) {
     triton_twin<Op::Sgmv>().redispatch(kCudaKeys, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices,
                                        lora_ranks, lora_scales, slice_offsets, scale);
     return;
@@ -174,7 +174,8 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
   const cuda::ExpandKernel preferred = preferred_expand_kernel();
   if (preferred == cuda::ExpandKernel::Auto && seg_indptr.has_value() && table_dtype(lora_b) &&
       op_table::says_triton(Op::LoraExpand, {positions_of(y, token_indices), size_or_zero(lora_b, 2),
-                                             slices_of(slice_offsets)})) {
+                                             slices_of(slice_offsets),
+                                             op_table::true_ranks_axis(lora_ranks.has_value())})) {
     triton_twin<Op::LoraExpand>().redispatch(kCudaKeys, y, h, lora_b, seg_indptr, seg_lora, token_indices,
                                              lora_ranks, lora_scales, slice_offsets, scale);
     return;

@@ -47,6 +47,11 @@ class Case:
     def R(self):
         return self.pool_rank or self.rank
 
+    @property
+    def ranks_passed(self) -> bool:
+        """Whether the ops get lora_ranks: only where an adapter's rank is below the pool's."""
+        return self.rank != self.R
+
 
 # The decode and prefill target tables (H200, bf16, K = N = 4096, 32-slot pool, one slice), then the decode
 # step's own module shapes, true-rank cost, fused QKV, wider layers and rank 128.
@@ -75,7 +80,9 @@ class Problem:
             slots, token_lora = like.slots, like.token_lora.cpu()
         width = case.N // case.slices
         offsets = [s * width for s in range(case.slices)] + [case.N]
-        ranks = [case.rank] * case.pool_slots
+        # As the serving layer calls the ops: no ranks while every adapter has the pool's rank (op_table's
+        # true_ranks axis tells the two calls apart)
+        ranks = [case.rank] * case.pool_slots if case.ranks_passed else None
         # drawn on the device: a small case rotates among hundreds of sets
         values = torch.Generator(device).manual_seed(seed)
         self.p = testing.make_sgmv(token_lora, num_slots=case.pool_slots, K=case.K, N=case.N, max_rank=case.R,
@@ -333,8 +340,9 @@ def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: L
     pb0 = Problem(case, dtype, device, seed=1)
     sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
                                  log)
-    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "K": case.K,
-           "N": case.N, "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
+    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R,
+           "lora_ranks": case.ranks_passed, "K": case.K, "N": case.N, "slices": case.slices,
+           "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.sgmv(*pb.p.args()), dtype,
              pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
@@ -427,8 +435,9 @@ def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, rec
     pb0 = ExpandProblem(case, dtype, device, seed=1)
     sets, rotation = _input_sets(pb0, lambda seed: ExpandProblem(case, dtype, device, seed, like=pb0), l2_bytes,
                                  device, log)
-    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R, "N": case.N,
-           "slices": case.slices, "dtype": str(dtype).replace("torch.", ""), **rotation}
+    row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R,
+           "lora_ranks": case.ranks_passed, "N": case.N, "slices": case.slices,
+           "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.lora_expand(*pb.args(pb.p.y)),
              dtype, pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
 
