@@ -234,20 +234,22 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
                          preferred == GroupedGemmKernel::Split;
   // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
   // Automatic only where K does split (one chunk would be two launches for the narrow tiles' one) and the partials,
-  // sized by y's rows, stay small.
+  // sized by y's rows, stay small. The plan is made only for a call the split path may take.
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
-  const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
   if (cuda::grouped_gemm_split_serves(p) &&
       (preferred == GroupedGemmKernel::Split ||
        (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions &&
-        p.rows <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK && plan.splits >= 2))) {
-    const auto partials = at::empty({plan.splits * p.rows * p.n}, y.options().dtype(at::kFloat));
-    C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
-    C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
-        p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-        stream));
-    return;
+        p.rows <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK))) {
+    const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
+    const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
+    if (preferred == GroupedGemmKernel::Split || plan.splits >= 2) {
+      const auto partials = at::empty({plan.splits * p.rows * p.n}, y.options().dtype(at::kFloat));
+      C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
+      C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
+          p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+          stream));
+      return;
+    }
   }
   // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
   const bool skinny = preferred == GroupedGemmKernel::Skinny ||
