@@ -228,36 +228,38 @@ using LoraFusion = cutlass::epilogue::fusion::Sm90EVT<
     cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, T, float, cutlass::FloatRoundStyle::round_to_nearest>,
     cutlass::epilogue::fusion::Sm90AccFetch, Sm90LoraTerm>;
 
-template <class Tile, class Cluster, class Schedule, class Fusion>
-struct EpilogueOf {  // with a fusion: D = its output
-  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, cutlass::layout::ColumnMajor, kAlign, T, cutlass::layout::ColumnMajor, kAlign,
-      typename Schedule::Epilogue, Fusion>::CollectiveOp;
-};
-template <class Tile, class Cluster, class Schedule>
-struct EpilogueOf<Tile, Cluster, Schedule, void> {  // D = alpha * acc
-  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, cutlass::layout::ColumnMajor, kAlign, T, cutlass::layout::ColumnMajor, kAlign,
-      typename Schedule::Epilogue>::CollectiveOp;
-};
+// D = alpha * acc, no C (the builder's default fusion for a void C, named so that Gemm can default to it).
+using PlainFusion = cutlass::epilogue::fusion::LinearCombination<T, float, void, float>;
 
-template <class Tile, class Cluster, class Schedule, class Scheduler, class Fusion = void>
-struct Gemm {
-  using TileShape = Tile;
-  using Epilogue = typename EpilogueOf<Tile, Cluster, Schedule, Fusion>::type;
+// The collectives of every configuration, dense or ptr-array (grouped): A = the weight rows (RowMajor), B = x (the
+// ColumnMajor K x N view of [T, K]), D column-major (y [T, M] row-major); the ptr-array kernels take each layout
+// as a pointer type.
+template <class Tile, class Cluster, class Schedule, class Fusion, bool kPtrArray>
+struct Collectives {
+  template <class L>
+  using Layout = std::conditional_t<kPtrArray, L*, L>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout<cutlass::layout::ColumnMajor>,
+      kAlign, T, Layout<cutlass::layout::ColumnMajor>, kAlign, typename Schedule::Epilogue, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, Layout<cutlass::layout::RowMajor>, kAlign, T,
+      Layout<cutlass::layout::ColumnMajor>, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::Mainloop>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
+  // threads that store each tile: both consumer warpgroups (cooperative) or one (ping-pong)
+  static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
+};
+
+template <class Tile, class Cluster, class Schedule, class Scheduler, class Fusion = PlainFusion>
+struct Gemm : Collectives<Tile, Cluster, Schedule, Fusion, false> {
+  using TileShape = Tile;
+  using Base = Collectives<Tile, Cluster, Schedule, Fusion, false>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename Base::Mainloop,
+                                                      typename Base::Epilogue, Scheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr bool kStreamK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   static constexpr bool kLora = std::is_same_v<Fusion, LoraFusion>;
-  // threads that store each tile: both consumer warpgroups (cooperative) or one (ping-pong)
-  static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
 };
 
 template <class G>
@@ -356,21 +358,12 @@ struct PtrPingpong {
 };
 
 template <class Tile, class Cluster, class Schedule>
-struct GroupedFold {
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, cutlass::layout::ColumnMajor*, kAlign, T, cutlass::layout::ColumnMajor*, kAlign,
-      typename Schedule::Epilogue, LoraFusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor*, kAlign, T,
-      cutlass::layout::ColumnMajor*, kAlign, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Schedule::Mainloop>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, Mainloop, Epilogue>;
+struct GroupedFold : Collectives<Tile, Cluster, Schedule, LoraFusion, true> {
+  using Base = Collectives<Tile, Cluster, Schedule, LoraFusion, true>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, typename Base::Mainloop, typename Base::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using TileShape = Tile;
   static constexpr int kClusterM = cute::size<0>(Cluster{});  // the scheduler pads each group's M tiles to it
-  static constexpr int kEpilogueWarps = int(cute::size(typename Mainloop::TiledMma{})) / 32;
 };
 using GroupedFold0 = GroupedFold<Shape<_64, _32, _64>, Cluster2, PtrPingpong>;
 using GroupedFold1 = GroupedFold<Shape<_128, _32, _64>, Cluster1, PtrCoop>;
