@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(WARPS * 32) decode_gemm_kernel(const __nv_bflo
   }
   asm volatile("cp.async.wait_group 0;\n");
   __syncthreads();
-  // This CTA's partial tile, [TT][BM] fp32 (rows of W contiguous, as y's columns are), in its own shared memory; then each rank sums a slice of rows over
-  // the cluster's ranks in rank order.
+  // This CTA's partial tile, [TT][BM] fp32 (rows of W contiguous, as y's columns are), in its own shared memory;
+  // then each rank sums a slice of rows over the cluster's ranks in rank order.
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi)

@@ -3,7 +3,8 @@
 The +5% target at T=32 with one adapter needs the LoRA inside the base GEMM's launch, and that needs a GEMM of our
 own at cuBLAS's speed first. This builds decode_gemm_probe.cu (torch's JIT extension loader) and times it against
 `x @ w.T` (cuBLAS) on Llama-3-8B's four linear layers at T = 32 and 128: CUDA-graph replay, weights rotated past
-the L2, every (warps, mma tiles per warp, cluster splits, tokens per tile) candidate; the error against a float32 product is checked.
+the L2, every (warps, mma tiles per warp, cluster splits, tokens per tile) candidate; the error against a float32
+product is checked.
 
     python benchmarks/decode_gemm_probe.py
     python benchmarks/decode_gemm_probe.py --cutlass build/decode_gemm_cutlass.so
@@ -188,10 +189,10 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
         bs = [(torch.randn(slots, n, rank, generator=gen, device=dev) / rank ** 0.5).to(torch.bfloat16) for _ in xs]
         present = len(set(slot.tolist()))
         w_bytes = n * k * 2
+        every_a = 100 * slots * rank * k * 2 / w_bytes
         print(f"  + LoRA, {adapters} adapter(s) of rank {rank} in a {slots}-slot pool: present B "
               f"{100 * present * n * rank * 2 / w_bytes:.1f}% of W's bytes, present A "
-              f"{100 * present * rank * k * 2 / w_bytes:.1f}%, every slot's A {100 * slots * rank * k * 2 / w_bytes:.1f}%;"
-              f" best plain {plain:.2f} us")
+              f"{100 * present * rank * k * 2 / w_bytes:.1f}%, every slot's A {every_a:.1f}%; best plain {plain:.2f} us")
         h = torch.randn(t, rank, generator=gen, device=dev) * 0.05
         expect = ref + torch.einsum("tr,tnr->tn", h, bs[0][slot.long()].float())
         given = [measure(label, run, ws, ys, [(slot, h, b) for b in bs], expect)
