@@ -192,7 +192,8 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
         every_a = 100 * slots * rank * k * 2 / w_bytes
         print(f"  + LoRA, {adapters} adapter(s) of rank {rank} in a {slots}-slot pool: present B "
               f"{100 * present * n * rank * 2 / w_bytes:.1f}% of W's bytes, present A "
-              f"{100 * present * rank * k * 2 / w_bytes:.1f}%, every slot's A {every_a:.1f}%; best plain {plain:.2f} us")
+              f"{100 * present * rank * k * 2 / w_bytes:.1f}%, every slot's A {every_a:.1f}%; "
+              f"best plain {plain:.2f} us")
         h = torch.randn(t, rank, generator=gen, device=dev) * 0.05
         expect = ref + torch.einsum("tr,tnr->tn", h, bs[0][slot.long()].float())
         given = [measure(label, run, ws, ys, [(slot, h, b) for b in bs], expect)
