@@ -35,7 +35,8 @@ def main():
     for i in range(3):
         flush.zero_()
         for meta in (p.seg_indptr, p.seg_lora, p.token_indices, p.lora_ranks, p.lora_scales, pb.token_lora):
-            meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
+            if meta is not None:  # lora_ranks: none where every adapter has the pool's rank (the bench's case)
+                meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
         if expand and args.rows:
