@@ -303,6 +303,7 @@ template <class G>
 int run(const void* x, const void* w, void* y, int t, int n, int k, int splits, void* workspace, size_t bytes,
         cudaStream_t stream, size_t* need, const LoraParams* lora) {
   if (G::kLora && lora == nullptr) return -8;
+  if (!G::kStreamK && splits != 1) return -5;  // no split-K scheduler
   LoraParams fold{};
   if (G::kLora && lora->h_rows > 0) {  // the arrivals each side waits for, in this configuration's tiles
     constexpr int kTileM = cute::size<0>(typename G::TileShape{}), kTileN = cute::size<1>(typename G::TileShape{});
@@ -330,7 +331,13 @@ int run(const void* x, const void* w, void* y, int t, int n, int k, int splits, 
 
 using Cluster2 = Shape<_2, _1, _1>;
 using Cluster1 = Shape<_1, _1, _1>;
+// CUTLASS 4.2's stream-K scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90 (its is_last_tile binds a
+// const member to a non-const reference): that build's cooperative kernels are data-parallel, one K split only.
+#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
+using SK = cutlass::gemm::PersistentScheduler;
+#else
 using SK = cutlass::gemm::StreamKScheduler;
+#endif
 using PS = cutlass::gemm::PersistentScheduler;
 using Config0 = Gemm<Shape<_128, _32, _64>, Cluster2, Coop, SK>;
 using Config1 = Gemm<Shape<_128, _32, _64>, Cluster1, Coop, SK>;

@@ -15,6 +15,14 @@ then the same GEMM with the LoRA term h . B_slot^T added in its epilogue: with h
 kernel over [A of every slot; W] (the fold in one launch); and as a grouped GEMM whose groups are the present slots'
 A and then W (only the present adapters' bytes), each checked against the float32 product and timed beside the
 plain GEMM.
+
+    python benchmarks/decode_gemm_probe.py --step build/decode_gemm_cutlass.so build/decode_gemm_cutlass_gdc.so
+
+With --step (needs lora_ops built) it times whole Llama-3-8B decode steps as `python -m lora_ops.bench --decode-step`
+does (one CUDA graph per step, every layer), the base and the fold route (GEMM over [W; A of every slot], then the
+lora_expand op's rows kernel), with cuBLAS or with each library's fastest plain CUTLASS configuration per module as
+the GEMM: the second library is the same source built with -DCUTLASS_ENABLE_GDC_FOR_SM90, whose kernels let the
+lora_expand kernel (launched programmatically dependent) start before the GEMM's epilogue ends.
 """
 import argparse
 import ctypes
@@ -217,10 +225,77 @@ def time_cutlass(lib, t, n, k, xs, ws, ref, line, dev, gen):
     return plain
 
 
+def fastest_plain(lib, t, m, k, dev):
+    """The fastest plain configuration's run for y [t, m] = x [t, k] . w [m, k]^T (graph replay, weights rotated
+    past the L2), and its label."""
+    sets = max(2, -(-3 * L2_BYTES // (m * k * 2)))
+    ws = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in range(sets)]
+    x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+    y = torch.empty(t, m, dtype=torch.bfloat16, device=dev)
+    timed = []
+    for label, run in cutlass_configs(lib, t, m, k):
+        try:
+            run(x, ws[0], y)
+        except RuntimeError:  # a K split the library's scheduler does not have (the GDC build)
+            continue
+        timed.append((time_cuda([lambda w=w, run=run: run(x, w, y) for w in ws], graph=True), label, run))
+    return min(timed, key=lambda c: c[0])[1:]
+
+
+def time_steps(libs, dev):
+    """The decode step's base and fold route with cuBLAS and with each library's CUTLASS GEMM (see --step)."""
+    from lora_ops.bench import decode_step as ds
+    from lora_ops.bench.timing import capture, time_loop
+
+    expand = torch.ops.lora_ops.lora_expand.default
+    model = ds.MODELS["llama3-8b"]
+    for step in ds.STEPS:
+        s = ds.Setup(model, step, dev)
+        ref = s.reference(0)
+        print(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}")
+        runs = {"cuBLAS": (lambda x, w, y: torch.mm(x, w.t(), out=y),) * 2}
+        for name, lib in libs.items():
+            chosen = []
+            for n, m in zip(s.names, s.layers[0]):
+                chosen.append([fastest_plain(lib, step.T, rows, m.K, dev) for rows in (m.N, m.w_cat.shape[0])])
+            print(f"  {name}: " + "; ".join(f"{n} {b[0]} / fold {f[0]}" for n, (b, f) in zip(s.names, chosen)))
+            by_shape = {(w.shape[0], m.K): c[i][1] for m, c in zip(s.layers[0], chosen)
+                        for i, w in enumerate((m.w, m.w_cat))}
+            gemm = lambda x, w, y, by_shape=by_shape: by_shape[tuple(w.shape)](x, w, y)
+            runs[name] = (gemm, gemm)
+        base_us = None
+        for name, (base_gemm, fold_gemm) in runs.items():
+            def fold_one(m, n, gemm=fold_gemm):
+                out = s.out[n]
+                gemm(s.x[n], m.w_cat, out)
+                expand(out[:, :m.N], out[:, m.N:].view(step.T, ds.POOL_SLOTS, m.S * m.R), m.lora_b,
+                       *s.expand_rows(expand), s.ranks, s.scales, m.slice_offsets, 1.0)
+            base = [lambda m=m, n=n, g=base_gemm: g(s.x[n], m.w, s.y[n]) for layer in s.layers
+                    for n, m in zip(s.names, layer)]
+            fold = [s.build_segments] + [lambda m=m, n=n: fold_one(m, n) for layer in s.layers
+                                         for n, m in zip(s.names, layer)]
+            for f in fold[:1 + len(s.names)]:
+                f()
+            err = max(ds._rel(s.out[n][:, :m.N], ref[n][1]) for n, m in zip(s.names, s.layers[0]))
+            for label, calls in (("base", base), ("fold", fold)):
+                us = 1e3 * time_loop(capture(calls).replay, min_ms=100)
+                base_us = base_us or us
+                tail = f"  err {err:.1e}" if label == "fold" else ""
+                print(f"  {name:<10} {label:<5} {us:9.1f} us  {100 * (us - base_us) / base_us:+6.1f}% of cuBLAS's "
+                      f"base{tail}")
+        del s
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cutlass", default=None, help="time decode_gemm_cutlass.cu's configurations from this library")
+    ap.add_argument("--step", nargs="+", default=None, metavar="LIB",
+                    help="time decode steps with each library's GEMM (the first without, the second with GDC)")
     args = ap.parse_args()
+    if args.step:
+        names = ("CUTLASS", "CUTLASS+GDC")
+        return time_steps({name: cutlass_library(path) for name, path in zip(names, args.step)}, "cuda")
     cutlass = cutlass_library(args.cutlass) if args.cutlass else None
     ext = None if cutlass else build()
     dev = "cuda"
