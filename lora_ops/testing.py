@@ -186,19 +186,28 @@ def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.
 
     Elements the oracle leaves alone must be bitwise unchanged (NaN poison included); the written ones must
     carry no NaN and their change (out - before) must match the oracle's within tolerance(inputs_dtype, out.dtype)
-    (inputs_dtype: the weights' dtype). Compared on the oracle's device: a bench output of 16384 × 4096 takes
-    seconds on the host."""
+    (inputs_dtype: the weights' dtype). One exception: a finite element of a row the oracle changes elsewhere may
+    move by at most the tolerance times that row's largest change. There the exact sum cancelled (bf16 products
+    can sum to exactly 0, so the oracle adds 0) while a kernel's rounding left a residue; such an element counts
+    as written, with an expected change of 0. Compared on the oracle's device: a bench output of 16384 × 4096
+    takes seconds on the host."""
     out, before = out.to(ref.device), before.to(ref.device)
     before64 = before.double()
-    touched = ~((ref == before64) | (ref.isnan() & before64.isnan()))
-    if not torch.equal(out[~touched].view(torch.uint8), before[~touched].view(torch.uint8)):  # bitwise, NaN too
-        return f"{int((out[~touched] != before[~touched]).sum())} elements outside the LoRA rows/columns changed"
+    left_alone = (ref == before64) | (ref.isnan() & before64.isnan())
+    touched = ~left_alone
+    base = torch.where(before64.isnan(), torch.zeros_like(before64), before64)
+    tol = tolerance(inputs_dtype, out.dtype)
+    moved = left_alone & _bits_differ(out, before)  # bitwise, NaN too
+    if moved.any() and out.dim() == 2:
+        row_change = torch.where(touched, ref - base, 0).abs().amax(dim=1, keepdim=True)
+        residue = moved & before64.isfinite() & ((out.double() - before64).abs() <= tol * row_change)
+        moved, touched = moved & ~residue, touched | residue
+    if moved.any():
+        return f"{int(moved.sum())} elements outside the LoRA rows/columns changed"
     if touched.any():
         if out[touched].isnan().any():
             return f"{int(out[touched].isnan().sum())} written elements are NaN (unwritten or poisoned)"
-        base = torch.where(before64.isnan(), torch.zeros_like(before64), before64)
         err = relative_error((out.double() - base)[touched], (ref - base)[touched])
-        tol = tolerance(inputs_dtype, out.dtype)
         if err > tol:
             return f"relative error {err:.3e} > {tol:.0e} ({inputs_dtype} inputs, {out.dtype} output)"
         rows = _rows_off(torch.where(touched, out.double() - base, 0), torch.where(touched, ref - base, 0),
@@ -206,6 +215,13 @@ def check_against_reference(out: torch.Tensor, before: torch.Tensor, ref: torch.
         if rows:
             return f"{rows} rows are off by more than half of their change (all rows together: {err:.1e})"
     return ""
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element of a and b (one shape and dtype): whether their bits differ."""
+    def words(t):
+        return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
+    return (words(a) != words(b)).any(dim=1).reshape(a.shape)
 
 
 def _rows_off(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, dtype) -> int:
