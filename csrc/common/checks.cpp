@@ -11,14 +11,15 @@
 #include <vector>
 
 namespace lora_ops {
+
+std::string num(int64_t v) { return std::to_string(v); }
+
 namespace {
 
 constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-// Messages format numbers with std::to_string and never stream them: on the H200 image (torch 2.11) an
-// ostream number insertion made from this library crashed the process instead of raising.
-std::string num(int64_t v) { return std::to_string(v); }
+using lora_ops::num;
 
 // Sizes are SymInts so that the Meta kernels can run these checks on fake tensors with symbolic sizes.
 std::string num(const c10::SymInt& v) {
@@ -262,6 +263,8 @@ void fill_slot_params(const SgmvIndexTensors& keep, int64_t T, Segments* seg, co
 }
 
 }  // namespace
+
+std::string num_list(at::IntArrayRef values) { return list_str(values); }
 
 void check_sgmv_host(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                      const at::Tensor& seg_indptr, const at::Tensor& seg_lora,

@@ -14,10 +14,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 
 #include "params.h"
 
 namespace lora_ops {
+
+// Numbers, and lists of them, for error messages: std::to_string, never an ostream insertion (on the H200 image,
+// torch 2.11, streaming a 64-bit number from this library crashed the process or garbled the message).
+std::string num(int64_t v);
+std::string num_list(at::IntArrayRef values);
 
 // Index tensors as the kernels read them (int32, contiguous), and lora_scales made contiguous.
 struct SgmvIndexTensors {

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include "checks.h"
+
 namespace lora_ops::op_table {
 namespace {
 
@@ -61,23 +63,23 @@ std::unique_ptr<Table> parse(const std::string& op, Op which, const std::string&
                     kOpAxes[index], "'");
   const int axes_count = kOpAxisCount[index];
   TORCH_CHECK_VALUE(bounds_per_axis.size() == static_cast<size_t>(axes_count), "lora_ops op table: ", op, ": ",
-                    bounds_per_axis.size(), " bound counts for ", axes_count, " axes");
+                    num(bounds_per_axis.size()), " bound counts for ", num(axes_count), " axes");
   auto table = std::make_unique<Table>();
   table->bounds.resize(axes_count);
   size_t next = 0, regimes = 1;
   for (int a = 0; a < axes_count; ++a) {
     const auto count = static_cast<size_t>(std::max<int64_t>(bounds_per_axis[a], 0));
     TORCH_CHECK_VALUE(bounds_per_axis[a] >= 0 && next + count <= bounds.size(), "lora_ops op table: ", op,
-                      ": bound counts ", bounds_per_axis, " do not match ", bounds.size(), " bounds");
+                      ": bound counts ", num_list(bounds_per_axis), " do not match ", num(bounds.size()), " bounds");
     table->bounds[a].assign(bounds.begin() + next, bounds.begin() + next + count);
     const auto& b = table->bounds[a];
     TORCH_CHECK_VALUE(std::adjacent_find(b.begin(), b.end(), std::greater_equal<int64_t>()) == b.end(),
-                      "lora_ops op table: ", op, ": bounds of axis ", a, " must increase");
+                      "lora_ops op table: ", op, ": bounds of axis ", num(a), " must increase");
     next += count;
     regimes *= b.size() + 1;
   }
   TORCH_CHECK_VALUE(next == bounds.size() && triton.size() == regimes, "lora_ops op table: ", op, ": ",
-                    triton.size(), " regimes given for ", regimes, " (", bounds.size(), " bounds)");
+                    num(triton.size()), " regimes given for ", num(regimes), " (", num(bounds.size()), " bounds)");
   bool any_triton = false;
   for (const int64_t t : triton) {
     TORCH_CHECK_VALUE(t == 0 || t == 1, "lora_ops op table: ", op, ": regime values must be 0 or 1");
@@ -122,8 +124,8 @@ void set_table(const std::string& op, const std::string& axes, at::IntArrayRef b
 std::string choice(const std::string& op, at::IntArrayRef values) {
   const Op which = op_named(op);
   const int axes_count = kOpAxisCount[static_cast<int>(which)];
-  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(axes_count), "lora_ops op table: ", axes_count,
-                    " axis values expected for ", op, ", got ", values.size());
+  TORCH_CHECK_VALUE(values.size() == static_cast<size_t>(axes_count), "lora_ops op table: ", num(axes_count),
+                    " axis values expected for ", op, ", got ", num(values.size()));
   std::array<int64_t, kMaxAxes> all{};
   std::copy(values.begin(), values.end(), all.begin());
   return says_triton(which, all) ? "triton" : "cuda";
