@@ -362,6 +362,16 @@ MUTATIONS: List[Mutation] = [
              "const int64_t row = lane < kRunPositions ? segment_row(",
              "CUDA segments kernel: a tile takes 8 positions whatever its segment's end (the next segment's rows get "
              "this slot's product)", needs_gpu=True, tests=EXPAND_T),
+    Mutation("cuda-expand-f32h-hi-only", "csrc/cuda/lora_expand_rows.cu",
+             "if constexpr (kHiLo) mma16816<TB>(acc[i], a, trip.h_lo[u]);",
+             "if constexpr (false) mma16816<TB>(acc[i], a, trip.h_lo[u]);",
+             "CUDA tensor-core expand: float32 h rounded to B's 16-bit type (its lo part dropped)", needs_gpu=True,
+             tests=EXPAND_T + SGMV_T),
+    Mutation("cuda-expand-f32h-first-split", "csrc/cuda/lora_expand_rows.cu",
+             "    for (int64_t s0 = 0; s0 < p.h_splits; s0 += kSplitBatch) {",
+             "    for (int64_t s0 = 0; s0 < 1; s0 += kSplitBatch) {",
+             "CUDA tensor-core expand: float32 h takes only its first 4 split partials (the decode sgmv beyond 4 "
+             "K splits)", needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-gg-split-last-split", "csrc/cuda/grouped_gemm_split.cu",
              "for (int64_t s = 0; s < splits; ++s) sum +=",
              "for (int64_t s = 1; s < splits; ++s) sum +=",
