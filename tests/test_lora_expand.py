@@ -345,25 +345,36 @@ def test_lora_expand_fallback_kernel(dtype, N, form, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_scale", [1.0, 1e-4, 3e4])
 @pytest.mark.parametrize("form", ["rows", "segments"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_lora_expand_float32_h_runs_on_tensor_cores(dtype, form):
-    """float32 h with 16-bit B runs the tensor-core kernels, h split into hi + lo parts, within the float32
-    output's tolerance. (The decode sgmv's expand passes its shrink's float32 partials the same way, in several
-    splits summed in split order: the sgmv GPU grid covers that.)"""
+def test_lora_expand_float32_h_on_tensor_cores_with_bf16_b(dtype, form, h_scale):
+    """float32 h with bf16 B runs the tensor-core kernels, h split into bf16 hi + lo parts: within the float32
+    output's tolerance at any scale of h, ranks below the pool's in and across 16-rank steps, NaN in h past each
+    slot's rank never read. With fp16 B the SIMT kernels keep it (fp16 hi + lo would overflow past 65504 and lose
+    small h's lo part to subnormals). The decode sgmv's expand passes its shrink's float32 partials the same way,
+    in several splits summed in split order: the sgmv GPU grid covers that."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
-    case = lambda g: (testing.random_token_slots(40, [0, 2, 5], g), dict(K=32, N=256, max_rank=16,
+    ranks = [32, 0, 13, 0, 0, 20]
+    case = lambda g: (testing.random_token_slots(40, [0, 2, 5], g), dict(K=32, N=256, max_rank=32, ranks=ranks,
                                                                          y_dtype=torch.float32))
     args = list(_problem(case, cuda, dtype, key=f"f32h-{form}", h_fp32=True, form=form))
+    h = args[1]
+    h.mul_(h_scale)
+    for slot, rank in enumerate(ranks):
+        h[:, slot, rank:] = float("nan")
     before = args[0].clone()
     ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
     with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         lora_ops.ops.lora_expand(*args)
         torch.cuda.synchronize()
     ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
-    expected = ("expand_segments_kernel",) if form == "segments" else ("expand_rows_kernel", "expand_runs_kernel")
+    if dtype == torch.bfloat16:
+        expected = ("expand_segments_kernel",) if form == "segments" else ("expand_rows_kernel", "expand_runs_kernel")
+    else:
+        expected = ("expand_positions_kernel", "expand_tiles_kernel")
     assert any(k in e for e in ran for k in expected), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 

@@ -7,8 +7,8 @@
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier: a warp's chain is its slot (and for the segments kernel the walk), then B, h and
 // y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h in any number of
-// split partials (the decode sgmv's shrink output; summed in split order, then split into B's type as hi + lo, two
-// mma: ~16 bits of h for bf16), and aligned rows (mma_kernels_serve); anything else goes to lora_expand.cu's
+// split partials with bf16 B (the decode sgmv's shrink output; summed in split order, then split into bf16 hi + lo,
+// two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else goes to lora_expand.cu's
 // kernels. Why: the positions kernel's per-CTA set-up
 // and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
 // gate_up at T=32 (csrc/cuda/NOTES.md).
@@ -61,8 +61,8 @@ __device__ __forceinline__ float4 load_f4(const float* ptr, int valid) {
 }
 
 // A lane's 4 ranks of float32 h (`valid` of them inside the rank): its partials summed in split order, as the
-// mma's two k-pair words of B's 16-bit type (hi) and their rounding remainders (lo). hi + lo keeps ~16 bits of
-// bf16's 8 (22 of fp16's 11), below the output's own rounding.
+// mma's two k-pair words of bf16 (hi) and their rounding remainders (lo): ~16 bits of h, below the output's own
+// rounding.
 template <class TB>
 __device__ __forceinline__ void load_h_hi_lo(const ExpandParams& p, const float* h, int valid, uint32_t hi[2],
                                              uint32_t lo[2]) {
@@ -401,7 +401,9 @@ cudaError_t launch_h_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl,
 }  // namespace
 
 bool mma_kernels_serve(const ExpandParams& p) {
-  const bool h_float = p.h_dtype == DType::F32;  // e.g. the decode sgmv's split partials
+  // float32 h (e.g. the decode sgmv's split partials) goes as bf16 hi + lo, which keep float32's range: fp16's
+  // would overflow past 65504 and lose the lo part of small h to subnormals.
+  const bool h_float = p.h_dtype == DType::F32 && p.b_dtype == DType::BF16;
   if (p.b_dtype == DType::F32 || (!h_float && (p.h_splits != 1 || p.h_dtype != p.b_dtype))) return false;
   if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
   bool ok = aligned(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}, 8) &&
