@@ -372,6 +372,11 @@ MUTATIONS: List[Mutation] = [
              "    for (int64_t s0 = 0; s0 < 1; s0 += kSplitBatch) {",
              "CUDA tensor-core expand: float32 h takes only its first 4 split partials (the decode sgmv beyond 4 "
              "K splits)", needs_gpu=True, tests=SGMV_T),
+    Mutation("cuda-gg-lora-ignores-k-sizes", "csrc/cuda/registration.cpp",
+             "  e.lora_ranks = p.k_sizes;",
+             "  e.lora_ranks = nullptr;",
+             "CUDA grouped_gemm's LoRA expand on lora_expand's kernels reads every group's K (k_sizes ignored)",
+             needs_gpu=True, tests=("tests/test_grouped_gemm_cuda.py",)),
     Mutation("cuda-gg-split-last-split", "csrc/cuda/grouped_gemm_split.cu",
              "for (int64_t s = 0; s < splits; ++s) sum +=",
              "for (int64_t s = 1; s < splits; ++s) sum +=",
