@@ -211,3 +211,27 @@ def test_decode_expand_takes_lora_expands_kernel(T, K, x_dtype, n_sizes, accumul
     assert all(any(n in k for k in ran) for n in KERNEL_NAMES[expected]), ran
     others = [n for kind, names in KERNEL_NAMES.items() if kind != expected for n in names]
     assert not any(n in k for n in others for k in ran), ran
+
+
+@pytest.mark.parametrize("x_dtype", [None, torch.float32], ids=["bf16_x", "fp32_x"])
+def test_lora_path_sizes_and_empty_reductions(x_dtype, monkeypatch):
+    """lora_expand's kernels as grouped_gemm's LoRA expand (forced): k_sizes out of range clamp as the oracle's (-1
+    and 0 add nothing, 2^30 is all of K, 13 ends inside a 4-element group), and with a NaN alpha the groups whose
+    reduction is empty leave y exactly as it was (the rest become NaN, as alpha * x . w is)."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "lora")
+    gen = torch.Generator().manual_seed(21)
+    token_lora = testing.random_token_slots(40, [0, 1, 2, 3, 4], gen)
+    sizes = [-1, 1 << 30, 0, 13, 8]
+    problem = testing.make_grouped_gemm(token_lora, num_groups=5, K=32, N=512, dtype=torch.bfloat16, device="cuda",
+                                        gen=gen, x_dtype=x_dtype, k_sizes=sizes, alpha=0.5, accumulate=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        assert _check(problem, x_dtype or torch.bfloat16) == ""
+    assert any("expand_segments_kernel" in e.key for e in prof.key_averages()), "the lora path did not run"
+    problem.alpha = float("nan")
+    y = problem.y.clone()
+    lora_ops.ops.grouped_gemm(*problem.args(y))
+    empty = torch.isin(token_lora, torch.tensor([0, 2])).cuda()
+    assert torch.equal(y[empty], problem.y[empty])
+    assert y[~empty].isnan().all()

@@ -386,7 +386,7 @@ CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"),
                "lora_expand": ("expand_positions_kernel", "expand_tiles_kernel", "expand_segments_kernel",
                                "expand_rows_kernel", "expand_runs_kernel"),
                "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel", "sgmv_shrink_kernel",
-                                "grouped_gemm_split_sum_kernel")}
+                                "grouped_gemm_split_sum_kernel", "expand_segments_kernel")}
 
 
 def _assert_cpp_ran(op, kernels, names=None):
