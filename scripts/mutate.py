@@ -363,9 +363,9 @@ MUTATIONS: List[Mutation] = [
              "CUDA segments kernel: a tile takes 8 positions whatever its segment's end (the next segment's rows get "
              "this slot's product)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-shrink-mma-first-k-part", "csrc/cuda/sgmv_shrink.cu",
-             "for (int q = 0; q < k_parts; ++q) sum += s_blocks[warp + q * (int)blocks][lane][i];",
-             "for (int q = 0; q < 1; ++q) sum += s_blocks[warp + q * (int)blocks][lane][i];",
-             "CUDA tensor-core decode shrink: at rank <= 32 h keeps only the first warp's part of the K chunk",
+             "        for (int q = 0; q < k_parts; ++q) {",
+             "        for (int q = 0; q < 1; ++q) {",
+             "CUDA tensor-core decode shrink: where K is split among the warps h keeps only its first part",
              needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-shrink-mma-rows-swapped", "csrc/cuda/sgmv_shrink.cu",
              "const uint32_t a[4] = {a0[2 * m], a1[2 * m], a0[2 * m + 1], a1[2 * m + 1]};",

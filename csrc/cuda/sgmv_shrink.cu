@@ -108,8 +108,9 @@ __global__ void __launch_bounds__(kThreads) sgmv_shrink_kernel(SgmvParams p, int
 // (one 16-byte load) of A rows g and g + 8 and of position g's x row per 32-element step; the first four feed one
 // mma as its k pairs (2t, 2t + 1) and (2t + 8, 2t + 9), the last four the next (K is summed, so any order that A
 // and x share is the product). A warp thus holds a 16 x 8 block of h in 4 floats and can keep kLoadSteps steps'
-// loads in flight. Rank <= 32 (one or two M blocks) splits the CTA's K chunk over the warps instead, and the
-// warps' blocks are summed in warp order through shared memory (deterministic).
+// loads in flight. Where the M blocks do not split evenly over the 4 warps (rank 16: one block; rank 16 or 32 of
+// three slices: 3 or 6), the CTA's K chunk is split too, and each block's parts are summed in part order through
+// shared memory (deterministic).
 constexpr int kMmaSteps = 4;  // 32-element K steps whose loads are issued together
 
 // A lane's 8 elements at offset k of its row (null: a row outside the tile or past the rank, zeros).
@@ -118,16 +119,36 @@ __device__ __forceinline__ void load_lane8(const T* row, int64_t k, bool vec, in
   load_raw8(row ? row + k : row, vec, row ? valid : 0, out);
 }
 
+// K parts per M block: enough that the (block, part) units split evenly over the warps, while their C fragments
+// fit kMaxUnits slots of shared memory; else one part (a warp takes whole blocks).
+constexpr int kMaxUnits = 16;
+__device__ __forceinline__ int shrink_k_parts(int64_t blocks) {
+  const int parts = blocks % kWarps == 0 ? 1 : (blocks % 2 == 0 ? 2 : kWarps);
+  return blocks * parts <= kMaxUnits ? parts : 1;
+}
+
+// h of the units' 16 A rows at the tile's positions (C fragment: acc[0], acc[1] = A row g at positions 2t, 2t + 1;
+// acc[2], acc[3] = row g + 8) into the partials.
+__device__ __forceinline__ void store_block(const SgmvParams& p, float* partials, int64_t split, int64_t block,
+                                            int64_t rank, const int64_t* s_rows, const float acc[4], int g, int t) {
+  const int64_t rows_of_a = p.num_slices * rank, SR = p.num_slices * p.max_rank;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t e = block * 16 + g + 8 * (i >> 1), row = s_rows[2 * t + (i & 1)];
+    if (e < rows_of_a && row >= 0) partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = acc[i];
+  }
+}
+
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads) sgmv_shrink_mma_kernel(SgmvParams p, int64_t max_tiles, int64_t k_chunk,
                                                                    float* partials) {
   __shared__ int64_t s_rows[kTileRows];
-  __shared__ float s_blocks[kWarps][32][4];  // each warp's C fragments, when the warps split K
+  __shared__ float s_units[kMaxUnits][4][32];  // the units' C fragments, when the blocks' K is split
   allow_dependents_to_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t split = blockIdx.x;
   for (int64_t tile_index = blockIdx.y; tile_index < max_tiles; tile_index += gridDim.y) {
-    __syncthreads();  // a previous tile's readers of s_rows and s_blocks are done
+    __syncthreads();  // a previous tile's readers of s_rows and s_units are done
     TileRef tile;
     if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_index, &tile, s_rows, p.lora_ranks,
                                     p.max_rank)) {
@@ -136,17 +157,16 @@ __global__ void __launch_bounds__(kThreads) sgmv_shrink_mma_kernel(SgmvParams p,
     const int64_t rank = tile.size, rows_of_a = p.num_slices * rank;
     const int64_t blocks = (rows_of_a + 15) / 16;  // M blocks of 16 A rows
     if (blocks == 0) continue;
-    // Warps per M block (K split among them) and the K each one covers, in whole 32-element steps.
-    const int k_parts = blocks >= kWarps ? 1 : kWarps / (int)blocks;
+    // Units (block, K part), unit u = part * blocks + block, warp w taking units w, w + 4, ...; each part covers
+    // whole 32-element steps of the CTA's K chunk.
+    const int k_parts = shrink_k_parts(blocks);
     const int64_t k0 = split * k_chunk, k1 = std::min(p.k, k0 + k_chunk);
     const int64_t part_len = ((k1 - k0 + k_parts - 1) / k_parts + 31) / 32 * 32;
     const T* a_slot = static_cast<const T*>(p.lora_a) + tile.slot * p.a_stride0;
     const int64_t x_row = s_rows[g];
     const T* x_lane = x_row >= 0 ? static_cast<const T*>(p.x) + x_row * p.x_row_stride + 8 * t : nullptr;
-    const int64_t SR = p.num_slices * p.max_rank;
-    const int part = warp / (int)std::min<int64_t>(blocks, kWarps);
-    for (int64_t block = warp % std::min<int64_t>(blocks, kWarps); part < k_parts && block < blocks;
-         block += kWarps) {
+    for (int64_t unit = warp; unit < blocks * k_parts; unit += kWarps) {
+      const int64_t block = unit % blocks, part = unit / blocks;
       // This lane's two A rows of the block (slice-major, each slice's rank rows first): null past the rows.
       const T* a_lane[2];
 #pragma unroll
@@ -178,33 +198,22 @@ __global__ void __launch_bounds__(kThreads) sgmv_shrink_mma_kernel(SgmvParams p,
           }
         }
       }
-      // C fragment: acc[0], acc[1] = A row g of the block at positions 2t, 2t + 1; acc[2], acc[3] = row g + 8.
-      if (k_parts > 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s_blocks[warp][lane][i] = acc[i];
-      }
       if (k_parts == 1) {
+        store_block(p, partials, split, block, rank, s_rows, acc, g, t);
+      } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t e = block * 16 + g + 8 * (i >> 1), row = s_rows[2 * t + (i & 1)];
-          if (e < rows_of_a && row >= 0) {
-            partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = acc[i];
-          }
-        }
+        for (int i = 0; i < 4; ++i) s_units[unit][i][lane] = acc[i];
       }
     }
-    if (k_parts > 1) {  // blocks < kWarps: warp w holds block w % blocks, K part w / blocks
+    if (k_parts > 1) {  // each block's parts summed in part order
       __syncthreads();
-      if (warp < blocks) {
+      for (int64_t block = warp; block < blocks; block += kWarps) {
+        float sum[4] = {};
+        for (int q = 0; q < k_parts; ++q) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float sum = 0.f;
-          for (int q = 0; q < k_parts; ++q) sum += s_blocks[warp + q * (int)blocks][lane][i];
-          const int64_t e = warp * 16 + g + 8 * (i >> 1), row = s_rows[2 * t + (i & 1)];
-          if (e < rows_of_a && row >= 0) {
-            partials[(split * p.rows + row) * SR + (e / rank) * p.max_rank + e % rank] = sum;
-          }
+          for (int i = 0; i < 4; ++i) sum[i] += s_units[q * blocks + block][i][lane];
         }
+        store_block(p, partials, split, block, rank, s_rows, sum, g, t);
       }
     }
   }
