@@ -142,7 +142,7 @@ def _decode_shrink(T, K, x_dtype=None, k_sizes=False):
                                      accumulate=True)
 
 
-KERNEL_NAMES = {"split": ("sgmv_shrink_kernel", "grouped_gemm_split_sum_kernel"),
+KERNEL_NAMES = {"split": ("sgmv_shrink", "grouped_gemm_split_sum_kernel"),
                 "tile": ("grouped_gemm_tile_kernel",), "expand": ("grouped_gemm_expand_kernel",),
                 "lora": ("expand_segments_kernel",)}
 
