@@ -366,12 +366,7 @@ MUTATIONS: List[Mutation] = [
              "if constexpr (kHiLo) mma16816<TB>(acc[i], a, trip.h_lo[u]);",
              "if constexpr (false) mma16816<TB>(acc[i], a, trip.h_lo[u]);",
              "CUDA tensor-core expand: float32 h rounded to B's 16-bit type (its lo part dropped)", needs_gpu=True,
-             tests=EXPAND_T + SGMV_T),
-    Mutation("cuda-expand-f32h-first-split", "csrc/cuda/lora_expand_rows.cu",
-             "    for (int64_t s0 = 0; s0 < p.h_splits; s0 += kSplitBatch) {",
-             "    for (int64_t s0 = 0; s0 < 1; s0 += kSplitBatch) {",
-             "CUDA tensor-core expand: float32 h takes only its first 4 split partials (the decode sgmv beyond 4 "
-             "K splits)", needs_gpu=True, tests=SGMV_T),
+             tests=EXPAND_T + ("tests/test_grouped_gemm_cuda.py",)),
     Mutation("cuda-gg-lora-ignores-k-sizes", "csrc/cuda/registration.cpp",
              "  e.lora_ranks = p.k_sizes;",
              "  e.lora_ranks = nullptr;",

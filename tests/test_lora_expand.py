@@ -354,8 +354,8 @@ def test_lora_expand_float32_h_on_tensor_cores_with_bf16_b(dtype, form, h_scale)
     """float32 h with bf16 B runs the tensor-core kernels, h split into bf16 hi + lo parts: within the float32
     output's tolerance at any scale of h, ranks below the pool's in and across 16-rank steps, NaN in h past each
     slot's rank never read. With fp16 B the SIMT kernels keep it (fp16 hi + lo would overflow past 65504 and lose
-    small h's lo part to subnormals). The decode sgmv's expand passes its shrink's float32 partials the same way,
-    in several splits summed in split order: the sgmv GPU grid covers that."""
+    small h's lo part to subnormals). The decode sgmv's float32 split partials stay on the SIMT kernels (slower
+    on these, H200)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)

@@ -6,10 +6,10 @@
 // - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier: a warp's chain is its slot (and for the segments kernel the walk), then B, h and
-// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h in any number of
-// split partials with bf16 B (the decode sgmv's shrink output; summed in split order, then split into bf16 hi + lo,
-// two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else goes to lora_expand.cu's
-// kernels. Why: the positions kernel's per-CTA set-up
+// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h (one split) with
+// bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else,
+// the decode sgmv's split partials among it, goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA
+// set-up
 // and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
 // gate_up at T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
@@ -47,8 +47,6 @@ struct Trip {
   uint2 b[kSteps][kTiles][2];
 };
 
-constexpr int kSplitBatch = 4;  // float32 h: split partials loaded together before they are summed in order
-
 // 4 consecutive floats, zero from element `valid` on (valid <= 0: none read); one 16-byte load when all are valid
 // (float32 h rows are 16-byte aligned: mma_kernels_serve).
 __device__ __forceinline__ float4 load_f4(const float* ptr, int valid) {
@@ -60,32 +58,13 @@ __device__ __forceinline__ float4 load_f4(const float* ptr, int valid) {
   return v;
 }
 
-// A lane's 4 ranks of float32 h (`valid` of them inside the rank): its partials summed in split order, as the
-// mma's two k-pair words of bf16 (hi) and their rounding remainders (lo): ~16 bits of h, below the output's own
-// rounding.
+// A lane's 4 ranks of float32 h (`valid` of them inside the rank) as the mma's two k-pair words of bf16 (hi) and
+// their rounding remainders (lo): ~16 bits of h, below the output's own rounding.
 template <class TB>
-__device__ __forceinline__ void load_h_hi_lo(const ExpandParams& p, const float* h, int valid, uint32_t hi[2],
-                                             uint32_t lo[2]) {
-  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (valid > 0) {
-    for (int64_t s0 = 0; s0 < p.h_splits; s0 += kSplitBatch) {
-      float4 part[kSplitBatch];
-#pragma unroll
-      for (int i = 0; i < kSplitBatch; ++i) {
-        part[i] = s0 + i < p.h_splits ? load_f4(h + (s0 + i) * p.h_split_stride, valid) : make_float4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kSplitBatch; ++i) {
-        if (s0 + i >= p.h_splits) break;
-        sum.x += part[i].x;
-        sum.y += part[i].y;
-        sum.z += part[i].z;
-        sum.w += part[i].w;
-      }
-    }
-  }
-  split_pack<TB>(make_float2(sum.x, sum.y), &hi[0], &lo[0]);
-  split_pack<TB>(make_float2(sum.z, sum.w), &hi[1], &lo[1]);
+__device__ __forceinline__ void load_h_hi_lo(const float* h, int valid, uint32_t hi[2], uint32_t lo[2]) {
+  const float4 v = load_f4(h, valid);
+  split_pack<TB>(make_float2(v.x, v.y), &hi[0], &lo[0]);
+  split_pack<TB>(make_float2(v.z, v.w), &hi[1], &lo[1]);
 }
 
 // Issues a trip's loads. Lane (g, t) reads ranks j + 4t .. j + 4t + 3 of h and of B's columns 2g and 2g + 1 of
@@ -101,7 +80,7 @@ __device__ __forceinline__ void load_trip(const ExpandParams& p, Trip<kSteps>& t
   for (int u = 0; u < kSteps; ++u) {
     const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
     if constexpr (std::is_same_v<TH, float>) {
-      load_h_hi_lo<TB>(p, h + jj + 4 * t, h_live ? valid : 0, trip.h[u], trip.h_lo[u]);
+      load_h_hi_lo<TB>(h + jj + 4 * t, h_live ? valid : 0, trip.h[u], trip.h_lo[u]);
     } else {
       const uint2 hv = load4(h + jj + 4 * t, h_live ? valid : 0);
       trip.h[u][0] = hv.x;
@@ -401,13 +380,14 @@ cudaError_t launch_h_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl,
 }  // namespace
 
 bool mma_kernels_serve(const ExpandParams& p) {
-  // float32 h (e.g. the decode sgmv's split partials) goes as bf16 hi + lo, which keep float32's range: fp16's
-  // would overflow past 65504 and lose the lo part of small h to subnormals.
+  // float32 h goes as bf16 hi + lo, which keep float32's range: fp16's would overflow past 65504 and lose the lo
+  // part of small h to subnormals. The decode sgmv's split partials stay on the SIMT kernels: on these kernels its
+  // expand was slower at every decode shape (H200, csrc/cuda/NOTES.md session 17).
   const bool h_float = p.h_dtype == DType::F32 && p.b_dtype == DType::BF16;
-  if (p.b_dtype == DType::F32 || (!h_float && (p.h_splits != 1 || p.h_dtype != p.b_dtype))) return false;
+  if (p.b_dtype == DType::F32 || p.h_splits != 1 || (!h_float && p.h_dtype != p.b_dtype)) return false;
   if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
   bool ok = aligned(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}, 8) &&
-            (h_float ? aligned(p.h, {p.h_row_stride * 4, p.h_slot_stride * 4, p.h_split_stride * 4}, 16)
+            (h_float ? aligned(p.h, {p.h_row_stride * 4, p.h_slot_stride * 4}, 16)
                      : aligned(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2}, 8));
   const int64_t ey = dtype_size(p.y_dtype);
   ok = ok && reinterpret_cast<uintptr_t>(p.y) % (2 * ey) == 0 && p.y_row_stride % 2 == 0;
