@@ -6,7 +6,9 @@ NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CU
 tiles of the tile kernel (several column tiles where N > 128); `sm90`: the sm_90a CUTLASS kernel where it can take
 the input (contiguous segments, 16-byte aligned fp16/bf16 tensors: few of this grid's cases), the automatic choice
 elsewhere (test_grouped_gemm_sm90.py covers its own grid); `split`: the split-K shrink and its sum where they can
-take the input (N <= 128, x and w of one dtype, no k_sizes), the automatic choice elsewhere."""
+take the input (N <= 128, x and w of one dtype, no k_sizes), the automatic choice elsewhere; `lora`: lora_expand's
+tensor-core segments kernel where it can take the input (K <= 128 in fours, accumulate, no n_sizes, 16-bit w),
+the automatic choice elsewhere."""
 import zlib
 
 import pytest
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["mma", "skinny", "sm90", "split"])
+@pytest.fixture(params=["mma", "skinny", "sm90", "split", "lora"])
 def kernel(request, monkeypatch):
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
@@ -140,8 +142,9 @@ def _decode_shrink(T, K, x_dtype=None, k_sizes=False):
                                      accumulate=True)
 
 
-KERNEL_NAMES = {"split": ("sgmv_shrink_kernel", "grouped_gemm_split_sum_kernel"),
-                "tile": ("grouped_gemm_tile_kernel",), "expand": ("grouped_gemm_expand_kernel",)}
+KERNEL_NAMES = {"split": ("sgmv_shrink", "grouped_gemm_split_sum_kernel"),
+                "tile": ("grouped_gemm_tile_kernel",), "expand": ("grouped_gemm_expand_kernel",),
+                "lora": ("expand_segments_kernel",)}
 
 
 @pytest.mark.parametrize("T, K, x_dtype, k_sizes, expected", [
@@ -180,3 +183,55 @@ def test_decode_shrink_graph_replay():
     expected = fresh.clone()
     lora_ops.ops.grouped_gemm(*problem.args(expected))
     assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("T, K, x_dtype, n_sizes, accumulate, expected", [
+    (32, 16, None, False, True, "lora"), (32, 16, torch.float32, False, True, "lora"),
+    (256, 64, None, False, True, "lora"), (257, 16, None, False, True, "expand"), (32, 16, None, True, True, "expand"),
+    (32, 16, None, False, False, "expand"), (32, 18, None, False, True, "expand")],
+    ids=["decode", "fp32_x", "256_positions", "257_positions", "n_sizes", "overwrite", "k_not_in_fours"])
+def test_decode_expand_takes_lora_expands_kernel(T, K, x_dtype, n_sizes, accumulate, expected, monkeypatch):
+    """The automatic choice for K <= 128 (the LoRA expand): lora_expand's segments kernel up to 256 positions
+    where it can take the call (y +=, every group's N, K in fours; fp32 x split hi + lo), with each group's k_sizes
+    as its rank; the staging expand kernel otherwise (17.0 us against Triton's 6.1 for 32 single rows, H200)."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.delenv("LORA_OPS_CUDA_GG_KERNEL", raising=False)
+    gen = torch.Generator().manual_seed(T + K)
+    token_lora = testing.random_token_slots(T, list(range(0, 32, 3)), gen)
+    problem = testing.make_grouped_gemm(token_lora, num_groups=32, K=K, N=512, dtype=torch.bfloat16, device="cuda",
+                                        gen=gen, x_dtype=x_dtype, y_dtype=torch.float32 if x_dtype else None,
+                                        n_sizes=[512 - 8 * (g % 5) for g in range(32)] if n_sizes else None,
+                                        k_sizes=[K - 4 * (g % 3) for g in range(32)], alpha=0.5,
+                                        accumulate=accumulate)
+    from lora_ops import op_table
+    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        assert _check(problem, x_dtype or torch.bfloat16) == ""
+    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    assert all(any(n in k for k in ran) for n in KERNEL_NAMES[expected]), ran
+    others = [n for kind, names in KERNEL_NAMES.items() if kind != expected for n in names]
+    assert not any(n in k for n in others for k in ran), ran
+
+
+@pytest.mark.parametrize("x_dtype", [None, torch.float32], ids=["bf16_x", "fp32_x"])
+def test_lora_path_sizes_and_empty_reductions(x_dtype, monkeypatch):
+    """lora_expand's kernels as grouped_gemm's LoRA expand (forced): k_sizes out of range clamp as the oracle's (-1
+    and 0 add nothing, 2^30 is all of K, 13 ends inside a 4-element group), and with a NaN alpha the groups whose
+    reduction is empty leave y exactly as it was (the rest become NaN, as alpha * x . w is)."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "lora")
+    gen = torch.Generator().manual_seed(21)
+    token_lora = testing.random_token_slots(40, [0, 1, 2, 3, 4], gen)
+    sizes = [-1, 1 << 30, 0, 13, 8]
+    problem = testing.make_grouped_gemm(token_lora, num_groups=5, K=32, N=512, dtype=torch.bfloat16, device="cuda",
+                                        gen=gen, x_dtype=x_dtype, k_sizes=sizes, alpha=0.5, accumulate=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        assert _check(problem, x_dtype or torch.bfloat16) == ""
+    assert any("expand_segments_kernel" in e.key for e in prof.key_averages()), "the lora path did not run"
+    problem.alpha = float("nan")
+    y = problem.y.clone()
+    lora_ops.ops.grouped_gemm(*problem.args(y))
+    empty = torch.isin(token_lora, torch.tensor([0, 2])).cuda()
+    assert torch.equal(y[empty], problem.y[empty])
+    assert y[~empty].isnan().all()

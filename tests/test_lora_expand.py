@@ -290,6 +290,14 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     assert _run_and_check(cuda, _problem(case, cuda, dtype, name, form=form), dtype) == ""
 
 
+def _cuda_kernels_run(args) -> set:
+    """The lora_ops CUDA kernels that one lora_expand call on args runs (the op table off)."""
+    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lora_ops.ops.lora_expand(*args)
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("forced", [None, "positions", "tiles", "rows", "runs", "segments"])
@@ -311,10 +319,7 @@ def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
     args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}", form=form)
-    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        lora_ops.ops.lora_expand(*args)
-        torch.cuda.synchronize()
-    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    ran = _cuda_kernels_run(args)
     assert any(f"expand_{expected}_kernel" in k for k in ran), ran
     assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
 
@@ -334,13 +339,43 @@ def test_lora_expand_fallback_kernel(dtype, N, form, T):
     args = _problem(case, cuda, dtype, key=f"fallback-{N}-{T}", form=form)
     before = args[0].clone()
     ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
-    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        lora_ops.ops.lora_expand(*args)
-        torch.cuda.synchronize()
-    ran = {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    ran = _cuda_kernels_run(args)
     expected = "tiles" if form == "segments" and T > 64 else "positions"
     assert any(f"expand_{expected}_kernel" in k for k in ran), ran
     assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
+    assert testing.check_against_reference(args[0], before, ref, dtype) == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_scale", [1.0, 1e-4, 3e4])
+@pytest.mark.parametrize("form", ["rows", "segments"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_lora_expand_float32_h_on_tensor_cores_with_bf16_b(dtype, form, h_scale):
+    """float32 h with bf16 B runs the tensor-core kernels, h split into bf16 hi + lo parts: within the float32
+    output's tolerance at any scale of h, ranks below the pool's in and across 16-rank steps, NaN in h past each
+    slot's rank never read. With fp16 B the SIMT kernels keep it (fp16 hi + lo would overflow past 65504 and lose
+    small h's lo part to subnormals). The decode sgmv's float32 split partials stay on the SIMT kernels (slower
+    on these, H200)."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
+    ranks = [32, 0, 13, 0, 0, 20]
+    case = lambda g: (testing.random_token_slots(40, [0, 2, 5], g), dict(K=32, N=256, max_rank=32, ranks=ranks,
+                                                                         y_dtype=torch.float32))
+    args = list(_problem(case, cuda, dtype, key=f"f32h-{form}", h_fp32=True, form=form))
+    args[0].zero_()  # y is the product alone: y ~ 1 would round a product ~ 1e-4 past the tolerance on any backend
+    h = args[1]
+    h.mul_(h_scale)
+    for slot, rank in enumerate(ranks):
+        h[:, slot, rank:] = float("nan")
+    before = args[0].clone()
+    ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    ran = _cuda_kernels_run(args)
+    if dtype == torch.bfloat16:
+        expected = ("expand_segments_kernel",) if form == "segments" else ("expand_rows_kernel", "expand_runs_kernel")
+    else:
+        expected = ("expand_positions_kernel", "expand_tiles_kernel")
+    assert any(k in e for e in ran for k in expected), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 

@@ -382,11 +382,11 @@ def _weights_dtype(op, p):
 
 
 TRITON_KERNEL = {"sgmv": "sgmv_kernel", "lora_expand": "lora_expand_kernel", "grouped_gemm": "grouped_gemm_kernel"}
-CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink_kernel"),
+CPP_KERNELS = {"sgmv": ("sgmv_mma_kernel", "sgmv_shrink"),
                "lora_expand": ("expand_positions_kernel", "expand_tiles_kernel", "expand_segments_kernel",
                                "expand_rows_kernel", "expand_runs_kernel"),
-               "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel", "sgmv_shrink_kernel",
-                                "grouped_gemm_split_sum_kernel")}
+               "grouped_gemm": ("grouped_gemm_tile_kernel", "grouped_gemm_expand_kernel", "sgmv_shrink",
+                                "grouped_gemm_split_sum_kernel", "expand_segments_kernel")}
 
 
 def _assert_cpp_ran(op, kernels, names=None):
@@ -446,7 +446,7 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
             y_off = before.clone()
             _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_off))))
             assert not testing.check_against_reference(y_off, before, ref, _weights_dtype(op, p))
-        forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split", "sgmv_shrink_kernel"),
+        forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split", "sgmv_shrink"),
                   "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles", "expand_tiles_kernel"),
                   "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma", "grouped_gemm_tile_kernel")}
         if op in forced:

@@ -36,7 +36,8 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
 // lora_expand on tensor cores (lora_expand_rows.cu), no shared memory, no barrier. The rows form: one warp per
 // position (the rows kernel), or per 8 positions that share B within each run of one slot (the runs kernel). The
 // segment form: one warp per tile of up to 8 positions of one segment (the segments kernel), which loads its slot's
-// B once. They serve fp16/bf16 B with h of B's dtype, ranks in fours and 8-byte-aligned rows (mma_kernels_serve);
+// B once. They serve fp16/bf16 B with h of B's dtype (8-byte-aligned rows) or bf16 B with float32 h of one split
+// (16-byte-aligned rows), ranks in fours (mma_kernels_serve);
 // the automatic choice of launch_lora_expand takes the segments kernel for the segment form, and for the rows form
 // the runs kernel where runs_kernel_pays, the rows kernel elsewhere.
 bool mma_kernels_serve(const ExpandParams& p);

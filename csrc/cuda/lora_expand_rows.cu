@@ -6,8 +6,10 @@
 // - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier: a warp's chain is its slot (and for the segments kernel the walk), then B, h and
-// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype and aligned rows
-// (mma_kernels_serve); anything else goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA set-up
+// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h (one split) with
+// bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else,
+// the decode sgmv's split partials among it, goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA
+// set-up
 // and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
 // gate_up at T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
@@ -41,23 +43,49 @@ __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
 template <int kSteps>
 struct Trip {
   uint32_t h[kSteps][2];
+  uint32_t h_lo[kSteps][2];  // float32 h: what its 16-bit h leaves out (a second mma)
   uint2 b[kSteps][kTiles][2];
 };
+
+// 4 consecutive floats, zero from element `valid` on (valid <= 0: none read); one 16-byte load when all are valid
+// (float32 h rows are 16-byte aligned: mma_kernels_serve).
+__device__ __forceinline__ float4 load_f4(const float* ptr, int valid) {
+  if (valid >= 4) return *reinterpret_cast<const float4*>(ptr);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (valid > 0) v.x = ptr[0];
+  if (valid > 1) v.y = ptr[1];
+  if (valid > 2) v.z = ptr[2];
+  return v;
+}
+
+// A lane's 4 ranks of float32 h (`valid` of them inside the rank) as the mma's two k-pair words of bf16 (hi) and
+// their rounding remainders (lo): ~16 bits of h, below the output's own rounding.
+template <class TB>
+__device__ __forceinline__ void load_h_hi_lo(const float* h, int valid, uint32_t hi[2], uint32_t lo[2]) {
+  const float4 v = load_f4(h, valid);
+  split_pack<TB>(make_float2(v.x, v.y), &hi[0], &lo[0]);
+  split_pack<TB>(make_float2(v.z, v.w), &hi[1], &lo[1]);
+}
 
 // Issues a trip's loads. Lane (g, t) reads ranks j + 4t .. j + 4t + 3 of h and of B's columns 2g and 2g + 1 of
 // every tile: the mma's k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those
 // columns. Unchecked where the trip lies inside the rank and the slice (uniform over the warp; a rank-16k adapter
 // over whole passes), masked elsewhere.
 // h_live false: this lane's h is zeros (the runs and segments kernels: its N column is a row outside the run).
-template <int kSteps, bool kChecked, class TB>
-__device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, bool h_live, const TB* b_lane,
-                                          int64_t b_stride1, int j, int rank, int pass_cols, int g, int t) {
+template <int kSteps, bool kChecked, class TB, class TH>
+__device__ __forceinline__ void load_trip(const ExpandParams& p, Trip<kSteps>& trip, const TH* h, bool h_live,
+                                          const TB* b_lane, int64_t b_stride1, int j, int rank, int pass_cols, int g,
+                                          int t) {
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
     const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
-    const uint2 hv = load4(h + jj + 4 * t, h_live ? valid : 0);
-    trip.h[u][0] = hv.x;
-    trip.h[u][1] = hv.y;
+    if constexpr (std::is_same_v<TH, float>) {
+      load_h_hi_lo<TB>(h + jj + 4 * t, h_live ? valid : 0, trip.h[u], trip.h_lo[u]);
+    } else {
+      const uint2 hv = load4(h + jj + 4 * t, h_live ? valid : 0);
+      trip.h[u][0] = hv.x;
+      trip.h[u][1] = hv.y;
+    }
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const int v = !kChecked || 16 * i + 2 * g < pass_cols ? valid : 0;  // even slice widths: both columns
@@ -68,7 +96,7 @@ __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TB* h, bool 
   }
 }
 
-template <class TB, int kSteps>
+template <class TB, bool kHiLo, int kSteps>
 __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[kTiles][4]) {
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
@@ -76,30 +104,32 @@ __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[
     for (int i = 0; i < kTiles; ++i) {
       const uint32_t a[4] = {trip.b[u][i][0].x, trip.b[u][i][1].x, trip.b[u][i][0].y, trip.b[u][i][1].y};
       mma16816<TB>(acc[i], a, trip.h[u]);
+      if constexpr (kHiLo) mma16816<TB>(acc[i], a, trip.h_lo[u]);
     }
   }
 }
 
 // acc += h[:rank] . B[the pass's columns, :rank]^T (b_lane: this lane's first B element of the pass), in trips
 // of 16 * kSteps ranks, all of a trip's loads issued before its mma.
-template <class TB, int kSteps>
-__device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TB* h, bool h_live, const TB* b_lane,
-                                          int64_t b_stride1, int rank, int pass_cols, int g, int t) {
+template <class TB, class TH, int kSteps>
+__device__ __forceinline__ void mma_ranks(const ExpandParams& p, float (&acc)[kTiles][4], const TH* h, bool h_live,
+                                          const TB* b_lane, int64_t b_stride1, int rank, int pass_cols, int g,
+                                          int t) {
   constexpr int kTripRanks = 16 * kSteps;
   for (int j = 0; j < rank; j += kTripRanks) {
     Trip<kSteps> trip;
     if (pass_cols >= kPassCols && j + kTripRanks <= rank) {
-      load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+      load_trip<kSteps, false>(p, trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     } else {
-      load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+      load_trip<kSteps, true>(p, trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     }
-    mma_trip<TB>(trip, acc);
+    mma_trip<TB, std::is_same_v<TH, float>>(trip, acc);
   }
 }
 
 // Position pos over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each in trips of
 // 16 * kSteps ranks (all of a trip's loads issued before its mma).
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
@@ -107,7 +137,7 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
   const int rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
   if (rank == 0) return;
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
-  const TB* h = static_cast<const TB*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
+  const TH* h = static_cast<const TH*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
   const TB* b = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0;
   TY* y = static_cast<TY*>(p.y) + row * p.y_row_stride;
   for (int pass = n0; pass < n1; pass += kPassCols) {
@@ -120,7 +150,7 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       if (col < n1) y_pairs[quad].load(y + col, 2);
     }
     float acc[kTiles][4] = {};
-    mma_ranks<TB, kSteps>(acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
+    mma_ranks<TB, TH, kSteps>(p, acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
                           n1 - pass, g, t);
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
 #pragma unroll
@@ -146,7 +176,7 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 // the run of its rows among them. Lane (g, t) then reads h of N column g and adds to rows 2t, 2t + 1 (its C
 // fragment's columns). A run's product is added to its own rows only, so nothing of one slot's B (a NaN, an inf)
 // reaches the rows of another slot through their zero h.
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, int64_t slot, int rank, float coef,
                                             int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -156,7 +186,7 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
   const bool y_live[2] = {(live >> (2 * t) & 1) != 0, (live >> (2 * t + 1) & 1) != 0};
-  const TB* h_lane = static_cast<const TB*>(p.h) + h_row * p.h_row_stride + slice * p.max_rank;
+  const TH* h_lane = static_cast<const TH*>(p.h) + h_row * p.h_row_stride + slice * p.max_rank;
   TY* y[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) y[r] = static_cast<TY*>(p.y) + y_row[r] * p.y_row_stride;
@@ -178,7 +208,7 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
       const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);
       todo &= ~run;
       float acc[kTiles][4] = {};
-      mma_ranks<TB, kSteps>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
+      mma_ranks<TB, TH, kSteps>(p, acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
                             static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
                                 (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                             p.b_stride1, run_rank, n1 - pass, g, t);
@@ -204,7 +234,7 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
 
 // Positions pos0 .. pos0 + 7 of the rows form (the runs kernel): each with its own row and slot, in runs of one
 // slot where token_indices orders them so.
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
                                                      int n1) {
   const int lane = threadIdx.x & 31;
@@ -219,12 +249,12 @@ __device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int6
       coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
     }
   }
-  expand_runs<TB, TY, kSteps>(p, row, slot, rank, coef, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps>(p, row, slot, rank, coef, slice, n0, n1);
 }
 
 // Tile `tile` of the walk over the segments (the segments kernel): up to 8 positions of one segment, so one run,
 // and the warp loads its slot's B once per pass. False when there are fewer tiles.
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64_t tile, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31;
   TileRef ref;
@@ -232,7 +262,7 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   const int64_t row = ref.begin + lane < ref.end ? segment_row(p.seg, ref.begin + lane, p.rows) : -1;
   const int rank = row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TY, kSteps>(p, row, ref.slot, rank, coef, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps>(p, row, ref.slot, rank, coef, slice, n0, n1);
   return true;
 }
 
@@ -252,13 +282,13 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // Grid: (column blocks of `passes` passes, groups of kWarps warps); CTAs loop over groups past the grid's limit.
 // A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
 // of one segment (segments kernel).
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TY, kSteps>(p, pos, slice, n0, n1);
+    expand_position<TB, TH, TY, kSteps>(p, pos, slice, n0, n1);
   }
 }
 
@@ -269,18 +299,18 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_
 template <class TY, int kSteps>
 constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
 
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
        pos0 += (int64_t)gridDim.y * kWarps * kRunPositions) {
-    expand_run_positions<TB, TY, kSteps>(p, pos0, slice, n0, n1);
+    expand_run_positions<TB, TH, TY, kSteps>(p, pos0, slice, n0, n1);
   }
 }
 
-template <class TB, class TY, int kSteps>
+template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
@@ -288,7 +318,7 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
   const int64_t tiles = max_segment_tiles(p.seg, kRunPositions);
   for (int64_t tile = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); tile < tiles;
        tile += (int64_t)gridDim.y * kWarps) {
-    if (!expand_segment_tile<TB, TY, kSteps>(p, tile, slice, n0, n1)) break;
+    if (!expand_segment_tile<TB, TH, TY, kSteps>(p, tile, slice, n0, n1)) break;
   }
 }
 
@@ -313,41 +343,52 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
-template <class TB, class TY>
+template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = p.max_rank >= 32;
   switch (kernel) {
     case ExpandKernel::Segments: {
       const int64_t groups = (max_segment_tiles(p.seg, kRunPositions) + kWarps - 1) / kWarps;
-      return two ? launch_kernel<expand_segments_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_segments_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
     case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
-      return two ? launch_kernel<expand_runs_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_runs_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
     default: {
       const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
-      return two ? launch_kernel<expand_rows_kernel<TB, TY, 2>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_rows_kernel<TB, TY, 1>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_rows_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_rows_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
   }
 }
 
-template <class TB>
+template <class TB, class TH>
 cudaError_t launch_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_steps<TB, float>(p, kernel, pdl, stream)
-                                 : launch_steps<TB, TB>(p, kernel, pdl, stream);
+  return p.y_dtype == DType::F32 ? launch_steps<TB, TH, float>(p, kernel, pdl, stream)
+                                 : launch_steps<TB, TH, TB>(p, kernel, pdl, stream);
+}
+
+template <class TB>
+cudaError_t launch_h_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
+  return p.h_dtype == DType::F32 ? launch_typed<TB, float>(p, kernel, pdl, stream)
+                                 : launch_typed<TB, TB>(p, kernel, pdl, stream);
 }
 
 }  // namespace
 
 bool mma_kernels_serve(const ExpandParams& p) {
-  if (p.h_splits != 1 || p.b_dtype == DType::F32 || p.h_dtype != p.b_dtype) return false;
+  // float32 h goes as bf16 hi + lo, which keep float32's range: fp16's would overflow past 65504 and lose the lo
+  // part of small h to subnormals. The decode sgmv's split partials stay on the SIMT kernels: on these kernels its
+  // expand was slower at every decode shape (H200, csrc/cuda/NOTES.md session 17).
+  const bool h_float = p.h_dtype == DType::F32 && p.b_dtype == DType::BF16;
+  if (p.b_dtype == DType::F32 || p.h_splits != 1 || (!h_float && p.h_dtype != p.b_dtype)) return false;
   if (p.max_rank % 4 != 0 || p.max_rank > INT32_MAX / 2 || p.n > INT32_MAX / 2) return false;
   bool ok = aligned(p.lora_b, {p.b_stride0 * 2, p.b_stride1 * 2}, 8) &&
-            aligned(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2}, 8);
+            (h_float ? aligned(p.h, {p.h_row_stride * 4, p.h_slot_stride * 4}, 16)
+                     : aligned(p.h, {p.h_row_stride * 2, p.h_slot_stride * 2}, 8));
   const int64_t ey = dtype_size(p.y_dtype);
   ok = ok && reinterpret_cast<uintptr_t>(p.y) % (2 * ey) == 0 && p.y_row_stride % 2 == 0;
   for (int64_t s = 0; s <= p.num_slices; ++s) ok = ok && p.slice_offsets[s] % 2 == 0;
@@ -360,8 +401,8 @@ bool runs_kernel_pays(const ExpandParams& p) {
 
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream) {
   if (p.seg.positions == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
-  return p.b_dtype == DType::F16 ? launch_typed<__half>(p, kernel, cc_major >= 9, stream)
-                                 : launch_typed<__nv_bfloat16>(p, kernel, cc_major >= 9, stream);
+  return p.b_dtype == DType::F16 ? launch_h_typed<__half>(p, kernel, cc_major >= 9, stream)
+                                 : launch_h_typed<__nv_bfloat16>(p, kernel, cc_major >= 9, stream);
 }
 
 }  // namespace lora_ops::cuda

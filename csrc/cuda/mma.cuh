@@ -28,11 +28,13 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const 
   }
 }
 
-// Two floats -> packed pair of T (hi), and the rounding remainders -> packed pair (lo).
+// Two floats -> packed pair of T (hi), and the rounding remainders -> packed pair (lo); an infinite hi has no
+// remainder (inf - inf would make the pair's product NaN where the float's is infinite).
 template <class T>
 __device__ __forceinline__ void split_pack(float2 v, uint32_t* hi, uint32_t* lo) {
   const T h0 = from_f32<T>(v.x), h1 = from_f32<T>(v.y);
-  const T l0 = from_f32<T>(v.x - to_f32(h0)), l1 = from_f32<T>(v.y - to_f32(h1));
+  const float r0 = isinf(to_f32(h0)) ? 0.f : v.x - to_f32(h0), r1 = isinf(to_f32(h1)) ? 0.f : v.y - to_f32(h1);
+  const T l0 = from_f32<T>(r0), l1 = from_f32<T>(r1);
   *hi = (uint32_t)__builtin_bit_cast(uint16_t, h0) | ((uint32_t)__builtin_bit_cast(uint16_t, h1) << 16);
   *lo = (uint32_t)__builtin_bit_cast(uint16_t, l0) | ((uint32_t)__builtin_bit_cast(uint16_t, l1) << 16);
 }

@@ -124,6 +124,37 @@ ExpandParams expand_of_shrink(const SgmvParams& p, const cuda::ShrinkPlan& plan,
   return e;
 }
 
+// grouped_gemm's LoRA expand (K <= 128: y[t, :N] += alpha * x[t, :k_l] * w[l, :, :k_l]^T) as a lora_expand: x is
+// every group's h window (slot stride 0), w is B, each group's k_l its rank, alpha the scale.
+ExpandParams expand_of_grouped_gemm(const GroupedGemmParams& p) {
+  ExpandParams e{};
+  e.y = p.y;
+  e.h = p.x;
+  e.lora_b = p.w;
+  e.y_row_stride = p.y_row_stride;
+  e.h_row_stride = p.x_row_stride;
+  e.h_slot_stride = 0;
+  e.h_split_stride = 0;
+  e.h_splits = 1;
+  e.b_stride0 = p.w_stride0;
+  e.b_stride1 = p.w_stride1;
+  e.b_dtype = p.w_dtype;
+  e.h_dtype = p.x_dtype;
+  e.y_dtype = p.y_dtype;
+  e.seg = p.seg;
+  e.lora_ranks = p.k_sizes;
+  e.lora_scales = nullptr;
+  e.rows = p.rows;
+  e.n = p.n;
+  e.num_slots = p.num_groups;
+  e.max_rank = p.k;
+  e.num_slices = 1;
+  e.slice_offsets[0] = 0;
+  e.slice_offsets[1] = p.n;
+  e.scale = p.alpha;
+  return e;
+}
+
 void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
                const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
@@ -190,11 +221,12 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
 }
 
 // LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
-// over the whole grid); =sm90 and =split take the sm_90a CUTLASS kernel or the split-K shrink wherever they can
-// serve the input (whatever the sizes) and the automatic choice elsewhere; unset or "auto": by shape.
-enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90, Split };
+// over the whole grid); =sm90, =split and =lora take the sm_90a CUTLASS kernel, the split-K shrink or lora_expand's
+// tensor-core kernels wherever they can serve the input (whatever the sizes) and the automatic choice elsewhere;
+// unset or "auto": by shape.
+enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90, Split, Lora };
 GroupedGemmKernel preferred_grouped_gemm_kernel() {
-  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split"});
+  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split", "lora"});
 }
 
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
@@ -231,7 +263,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   }
   // A forced sm90 or split the kernel cannot take falls back to the automatic choice.
   const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90 ||
-                         preferred == GroupedGemmKernel::Split;
+                         preferred == GroupedGemmKernel::Split || preferred == GroupedGemmKernel::Lora;
   // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
   // Automatic only where K does split (one chunk would be two launches for the narrow tiles' one) and the partials,
   // sized by y's rows, stay small. The plan is made only for a call the split path may take.
@@ -248,6 +280,19 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
       C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
           p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
           stream));
+      return;
+    }
+  }
+  // The LoRA expand at decode size (y +=, every group's N): lora_expand's tensor-core segments kernel, a warp per
+  // 8 positions of one group (the staging kernel below makes a 64-row tile of each group's few rows: 17.0 us for
+  // 32 single rows, H200).
+  if (p.k <= cuda::kGroupedGemmExpandMaxK && p.accumulate && p.n_sizes == nullptr &&
+      (preferred == GroupedGemmKernel::Lora ||
+       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions))) {
+    const ExpandParams e = expand_of_grouped_gemm(p);
+    if (cuda::mma_kernels_serve(e)) {
+      C10_CUDA_CHECK(cuda::launch_lora_expand(e, cuda::ExpandKernel::Segments, /*inputs_ready=*/false,
+                                              device_attribute(cudaDevAttrComputeCapabilityMajor, device), stream));
       return;
     }
   }
