@@ -64,13 +64,13 @@ META = dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", s
 
 
 def test_build_gives_triton_only_regimes_it_wins_by_the_margin_and_marks_unmeasured_ones():
-    assert op_table.TRITON_MARGIN == 1.1
+    assert op_table.TRITON_MARGIN == 1.05
     records = (_pair("sgmv", 10.0, 12.0, T=8)                            # cuda wins
                + _pair("sgmv", 400.0, 120.0, T=4096, rank=128)           # triton wins by 3.3x
                # one regime, two cases: triton by 1.2x on one, cuda by 2.6x on the other -> cuda (worst 1.2x)
                + _pair("sgmv", 44.0, 37.0, T=256, rank=64) + _pair("sgmv", 14.6, 38.0, T=256, rank=8, pool_rank=64)
-               + _pair("sgmv", 109.0, 100.0, T=16384, rank=16)           # triton by 9%: within the margin
-               + _pair("sgmv", 111.0, 100.0, T=16384, rank=64)           # triton by 11%: past it
+               + _pair("sgmv", 104.0, 100.0, T=16384, rank=16)           # triton by 4%: within the margin
+               + _pair("sgmv", 106.0, 100.0, T=16384, rank=64)           # triton by 6%: past it
                + [_rec("sgmv", "cuda", 1.0, T=2048)]                      # one backend only: not a comparison
                + _pair("sgmv", 99.0, 1.0, T=40, mode="eager")            # eager: ignored
                + _pair("sgmv", 99.0, 1.0, T=40, dtype="float32")         # fp32: the table does not apply
