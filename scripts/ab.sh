@@ -4,7 +4,8 @@
 #   Here:  bash scripts/ab.sh prepare REV...   exports each revision's tracked files to build/ab/<REV> (git-ignored:
 #          give the device tool carry=["build/ab"]).
 #   There: bash scripts/ab.sh run [-- BENCH ARGS]   builds the working tree and every build/ab/<REV> for sm_90a in
-#          parallel (no CUTLASS: not for grouped_gemm's sm90 kernel), then runs `python3 -m lora_ops.bench BENCH ARGS`
+#          parallel (with the CUTLASS kernels when the nvidia-cutlass wheel is carried in .whl/, as for
+#          gpu_run.sh: carry=["build/ab", ".whl"]), then runs `python3 -m lora_ops.bench BENCH ARGS`
 #          in each, one tree after the other (default: --ops --op-kinds lora_expand --impls cuda), and prints the
 #          graph-replay and decode-step lines side by side. Logs go to $OUT when set (the device tool's folder).
 #          AB_TESTS="pytest -k expression" also runs those GPU tests in each prepared revision after its bench.
@@ -30,6 +31,7 @@ case "$mode" in
     trees=(.); for d in build/ab/*/; do [ -d "$d" ] && trees+=("${d%/}"); done
     jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -gt 0 ] || jobs=1
     export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} PYTHONUNBUFFERED=1
+    if compgen -G ".whl/*.whl" >/dev/null; then python3 -m pip install -q --no-deps .whl/*.whl || exit 1; fi
     name() { [ "$1" = . ] && echo worktree || basename "$1"; }  # not "main": a prepared main is build/ab/main
     t0=$(date +%s)
     for t in "${trees[@]}"; do
