@@ -9,8 +9,7 @@
 // y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h (one split) with
 // bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else,
 // the decode sgmv's split partials among it, goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA
-// set-up
-// and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
+// set-up and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
 // gate_up at T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
 #include <type_traits>
@@ -73,9 +72,8 @@ __device__ __forceinline__ void load_h_hi_lo(const float* h, int valid, uint32_t
 // over whole passes), masked elsewhere.
 // h_live false: this lane's h is zeros (the runs and segments kernels: its N column is a row outside the run).
 template <int kSteps, bool kChecked, class TB, class TH>
-__device__ __forceinline__ void load_trip(const ExpandParams& p, Trip<kSteps>& trip, const TH* h, bool h_live,
-                                          const TB* b_lane, int64_t b_stride1, int j, int rank, int pass_cols, int g,
-                                          int t) {
+__device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool h_live, const TB* b_lane,
+                                          int64_t b_stride1, int j, int rank, int pass_cols, int g, int t) {
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
     const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
@@ -112,16 +110,15 @@ __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[
 // acc += h[:rank] . B[the pass's columns, :rank]^T (b_lane: this lane's first B element of the pass), in trips
 // of 16 * kSteps ranks, all of a trip's loads issued before its mma.
 template <class TB, class TH, int kSteps>
-__device__ __forceinline__ void mma_ranks(const ExpandParams& p, float (&acc)[kTiles][4], const TH* h, bool h_live,
-                                          const TB* b_lane, int64_t b_stride1, int rank, int pass_cols, int g,
-                                          int t) {
+__device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TH* h, bool h_live, const TB* b_lane,
+                                          int64_t b_stride1, int rank, int pass_cols, int g, int t) {
   constexpr int kTripRanks = 16 * kSteps;
   for (int j = 0; j < rank; j += kTripRanks) {
     Trip<kSteps> trip;
     if (pass_cols >= kPassCols && j + kTripRanks <= rank) {
-      load_trip<kSteps, false>(p, trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+      load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     } else {
-      load_trip<kSteps, true>(p, trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+      load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     }
     mma_trip<TB, std::is_same_v<TH, float>>(trip, acc);
   }
@@ -150,8 +147,8 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       if (col < n1) y_pairs[quad].load(y + col, 2);
     }
     float acc[kTiles][4] = {};
-    mma_ranks<TB, TH, kSteps>(p, acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
-                          n1 - pass, g, t);
+    mma_ranks<TB, TH, kSteps>(acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
+                              n1 - pass, g, t);
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
 #pragma unroll
     for (int quad = 0; quad < kTiles / 4; ++quad) {
@@ -208,10 +205,10 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
       const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);
       todo &= ~run;
       float acc[kTiles][4] = {};
-      mma_ranks<TB, TH, kSteps>(p, acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
-                            static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
-                                (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
-                            p.b_stride1, run_rank, n1 - pass, g, t);
+      mma_ranks<TB, TH, kSteps>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
+                                static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
+                                    (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
+                                p.b_stride1, run_rank, n1 - pass, g, t);
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
       // run, so its y is written once. The coefficients are shuffled here, not before the loads: their load
       // (lora_scales) need not finish before the trip's are issued.
@@ -371,12 +368,6 @@ cudaError_t launch_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
                                  : launch_steps<TB, TH, TB>(p, kernel, pdl, stream);
 }
 
-template <class TB>
-cudaError_t launch_h_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
-  return p.h_dtype == DType::F32 ? launch_typed<TB, float>(p, kernel, pdl, stream)
-                                 : launch_typed<TB, TB>(p, kernel, pdl, stream);
-}
-
 }  // namespace
 
 bool mma_kernels_serve(const ExpandParams& p) {
@@ -401,8 +392,10 @@ bool runs_kernel_pays(const ExpandParams& p) {
 
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream) {
   if (p.seg.positions == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
-  return p.b_dtype == DType::F16 ? launch_h_typed<__half>(p, kernel, cc_major >= 9, stream)
-                                 : launch_h_typed<__nv_bfloat16>(p, kernel, cc_major >= 9, stream);
+  const bool pdl = cc_major >= 9;
+  if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
+  return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
+                                 : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
 }
 
 }  // namespace lora_ops::cuda
