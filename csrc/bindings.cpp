@@ -1,6 +1,7 @@
 // The one place the ops are defined (docs/design.md §1): schemas, Meta kernels, and the Python module that holds
 // their fake/autograd registrations. Device kernels register themselves from csrc/<backend>/registration.cpp.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -83,6 +84,26 @@ check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   return {t.seg_indptr, t.seg_weight, if_defined(t.token_indices), if_defined(t.n_sizes), if_defined(t.k_sizes)};
 }
 
+// fold_linear on every backend but CUDA (and on Meta: fake tensors): at::linear, whose checks and errors it keeps.
+at::Tensor fold_linear_default(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return at::linear(x, weight, bias);
+}
+
+// fold_linear under autograd: where a gradient is wanted, at::linear itself (its backward, autocast and transforms
+// are torch's); otherwise the backend kernel below autograd (on CUDA the CUTLASS GEMM). No autograd node on the
+// inference path, so an eager call under no_grad costs what a plain dispatch does.
+at::Tensor fold_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) {
+    return at::linear(x, weight, bias);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("lora_ops::fold_linear", "")
+                             .typed<decltype(fold_linear_default)>();
+  return op.call(x, weight, bias);
+}
+
 at::Tensor check_build_segments_op(const at::Tensor& token_lora, int64_t num_slots) {
   return lora_ops::build_segments_token_lora(token_lora, num_slots);
 }
@@ -97,6 +118,10 @@ TORCH_LIBRARY(lora_ops, m) {
   // into the base layer's GEMM).
   m.def((std::string("lora_expand") + lora_ops::schema::kLoraExpand).c_str());
   m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
+  // y = x·weightᵀ (+ bias): the fold route's GEMM against [W; A of every slot]. at::linear on every backend; on
+  // sm_90 at decode sizes a GEMM that lets the lora_expand launched after it start before it ends (PDL). Unlike
+  // the ops above it has a backward: linear's, wherever a gradient is wanted.
+  m.def((std::string("fold_linear") + lora_ops::schema::kFoldLinear).c_str());
   // The Triton kernels of sgmv, lora_expand and grouped_gemm under names of their own (registered for CUDA from
   // Python), so that a caller choosing the backend per regime (lora_ops/routes.py, the CUDA kernels' op table)
   // reaches either one through the dispatcher.
@@ -125,6 +150,7 @@ TORCH_LIBRARY(lora_ops, m) {
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
+  m.impl("fold_linear", &fold_linear_default);
   m.impl("_check_build_segments", &check_build_segments_op);
   m.impl("_check_sgmv", &check_sgmv_op);
   m.impl("_check_lora_expand", &check_lora_expand_op);
@@ -155,6 +181,7 @@ void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lora_ops, Autograd, m) {
+  m.impl("fold_linear", &fold_linear_autograd);
   for (const char* op : {"sgmv", "lora_expand", "grouped_gemm", "_triton_sgmv", "_triton_lora_expand",
                          "_triton_grouped_gemm"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());

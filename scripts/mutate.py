@@ -446,6 +446,16 @@ MUTATIONS: List[Mutation] = [
              "if any(b is None for b in bounds[:-1]):",
              "routes.validate accepts a table whose last regime is bounded: larger T fall in a gap with no route",
              tests=("tests/test_routes.py",)),
+    Mutation("fold-linear-no-bias-grad", "csrc/bindings.cpp",
+             "const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();",
+             "const bool bias_grad = false;",
+             "fold_linear under autograd ignores a bias that requires grad (no gradient reaches it)",
+             tests=("tests/test_fold_linear.py",)),
+    Mutation("cuda-fold-linear-short-k", "csrc/cuda/fold_linear_sm90.cu",
+             "cute::make_shape((int)p.n, (int)p.t, (int)p.k, 1);",
+             "cute::make_shape((int)p.n, (int)p.t, (int)p.k - 8, 1);",
+             "CUDA fold_linear: the CUTLASS GEMM stops 8 elements short of K", needs_gpu=True,
+             tests=("tests/test_fold_linear.py",)),
 ]
 
 

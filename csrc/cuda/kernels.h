@@ -91,6 +91,26 @@ bool grouped_gemm_sm90_preferred(const GroupedGemmParams& p);
 size_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmParams& p, int num_sms);
 cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace, int num_sms, cudaStream_t stream);
 
+// fold_linear on sm_90a (fold_linear_sm90.cu: CUTLASS 3.x, TMA + wgmma, built with CUTLASS_ENABLE_GDC_FOR_SM90 so
+// that the lora_expand launched after it starts before it ends), compiled in with grouped_gemm_sm90.cu: y [t, n]
+// (contiguous) = x [t, k] . w [n, k]^T, fp16 or bf16 throughout, rows 16-byte aligned, n and k multiples of 8,
+// a 9.0 device. Automatic up to kFoldLinearMaxTokens tokens (the decode sizes where it was measured to beat
+// cuBLAS in the fold route; cuBLAS's tiles win at 128); a 64 x 32 ping-pong tile up to
+// kFoldLinearPingpongMaxTokens, 128 x 64 cooperative beyond.
+struct FoldLinearParams {
+  const void* x;
+  const void* w;
+  void* y;
+  int64_t t, n, k, x_row_stride, w_row_stride;
+  DType dtype;
+};
+constexpr int64_t kFoldLinearMaxTokens = 64;
+constexpr int64_t kFoldLinearPingpongMaxTokens = 32;
+// Supported: the checks above and CUTLASS's can_implement (y, written by the launch, is not read here).
+bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
+size_t fold_linear_sm90_workspace_bytes(const FoldLinearParams& p);
+cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, void* workspace, cudaStream_t stream);
+
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);

@@ -307,6 +307,43 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
 }
 
+// LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
+// number of tokens), or always on at::linear (cuBLAS); unset or "auto": the CUTLASS kernels up to
+// kFoldLinearMaxTokens tokens where they serve, at::linear elsewhere (and with a bias: the fold route's bias_cat is
+// rare, e.g. Qwen2's qkv, and cuBLAS adds it in its epilogue).
+enum class FoldLinearKernel { Auto, Cutlass, Cublas };
+
+at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const auto preferred =
+      preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  if (preferred != FoldLinearKernel::Cublas && !(bias.has_value() && bias->defined()) && half && x.dim() >= 1 &&
+      weight.dim() == 2 && x.scalar_type() == weight.scalar_type() && x.device() == weight.device() &&
+      x.size(-1) == weight.size(1) && x.is_contiguous() && weight.stride(1) == 1 &&
+      weight.stride(0) >= weight.size(1)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    const int64_t k = weight.size(1), n = weight.size(0), t = k > 0 ? x.numel() / k : 0;
+    cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
+                             x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
+    if ((preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
+        cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = n;
+      const at::Tensor y = at::empty(sizes, x.options());
+      p.y = y.data_ptr();
+      const size_t bytes = cuda::fold_linear_sm90_workspace_bytes(p);
+      const at::Tensor workspace =
+          bytes ? at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte)) : at::Tensor();
+      C10_CUDA_CHECK(cuda::launch_fold_linear_sm90(p, bytes ? workspace.data_ptr() : nullptr,
+                                                   c10::cuda::getCurrentCUDAStream()));
+      return y;
+    }
+  }
+  return at::linear(x, weight, bias);
+}
+
 // The kernels and their Triton twins share one signature (the op's schema).
 static_assert(std::is_same_v<decltype(sgmv_cuda), op_table::SgmvSignature>);
 static_assert(std::is_same_v<decltype(lora_expand_cuda), op_table::LoraExpandSignature>);
@@ -331,4 +368,5 @@ TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("lora_expand", &lora_ops::lora_expand_cuda);
   m.impl("grouped_gemm", &lora_ops::grouped_gemm_cuda);
   m.impl("build_segments", &lora_ops::build_segments_cuda);
+  m.impl("fold_linear", &lora_ops::fold_linear_cuda);
 }

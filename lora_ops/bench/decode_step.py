@@ -9,7 +9,8 @@ adapter of a 32-slot pool. Routes:
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
                the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
-               rows form (each row's slot as given, no segments), on Triton over the segments.
+               rows form (each row's slot as given, no segments), on Triton over the segments. The GEMM is
+               lora_ops.fold_linear before the CUDA expand (as the serving layer runs it), cuBLAS before Triton's.
 
 The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
 serving layer's pool builds it every step). Reported per route: µs per step, the overhead over base
@@ -24,6 +25,7 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 import lora_ops
 from lora_ops import backends, reference, testing
@@ -148,10 +150,9 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
-    def fold_calls(self, expand) -> List[Callable[[], None]]:
+    def fold_calls(self, expand, linear) -> List[Callable[[], None]]:
         def one(m, n):
-            out = self.out[n]
-            torch.mm(self.x[n], m.w_cat.t(), out=out)
+            out = self.out[n] = linear(self.x[n], m.w_cat)  # captured: the graph's buffer, read by outputs()
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
@@ -160,6 +161,10 @@ class Setup:
     # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
     def fold_gemm_calls(self) -> List[Callable[[], None]]:
         return [lambda m=m, n=n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n])
+                for layer in self.layers for n, m in zip(self.names, layer)]
+
+    def fold_linear_calls(self) -> List[Callable[[], None]]:
+        return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat)
                 for layer in self.layers for n, m in zip(self.names, layer)]
 
     def expand_only_calls(self, expand) -> List[Callable[[], None]]:
@@ -211,6 +216,12 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
     return out
 
 
+def fold_linear(route: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The fold route's GEMM as the serving layer runs it: lora_ops.fold_linear before the CUDA expand (on sm_90 at
+    decode sizes a GEMM that lets the expand start early), torch's linear (cuBLAS) before Triton's."""
+    return lora_ops.ops.fold_linear if route.endswith("-cuda") else F.linear
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
@@ -239,12 +250,13 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            calls = {"sgmv": s.sgmv_calls, "fold": s.fold_calls}[kind](op)
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(op, fold_linear(name))
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
             err = max(_rel(outs[n], ref[n][1]) for n in s.names)
             ms = time_loop(capture(calls).replay, min_ms=100)
+            outs = s.outputs(name)  # again: the fold route's GEMM output is the captured graph's own buffer
             err = max(err, *(_rel(outs[n], ref_last[n][1]) for n in s.names))
         except Exception as exc:
             failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
@@ -265,9 +277,9 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
 
 
 def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
-    """Each route's parts alone (op "decode_step_part"): the fold GEMMs, the expand kernels on their output, the
-    sgmv kernels without the base GEMM; µs per step and as % of the base step."""
-    parts = {"fold-gemm": s.fold_gemm_calls()}
+    """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, and fold_linear's), the expand
+    kernels on their output, the sgmv kernels without the base GEMM; µs per step and as % of the base step."""
+    parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for name, (kind, op) in routes().items():
         if only and name not in only:
             continue

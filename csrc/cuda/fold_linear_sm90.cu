@@ -1,0 +1,177 @@
+// fold_linear on sm_90a: the fold route's GEMM y = x . W^T (W = [base weight; A of every slot]) at decode sizes,
+// on CUTLASS 3.x warp-specialized kernels (TMA + wgmma, persistent CTAs) built with CUTLASS_ENABLE_GDC_FOR_SM90:
+// each CTA triggers its programmatic dependents after its last mainloop, so the lora_expand launched next (with
+// programmatic stream serialization, waiting before it reads h) is resident and past its set-up when the GEMM
+// ends. cuBLAS's kernels do not trigger early, so after them the expand's launch and set-up are serial
+// (csrc/cuda/NOTES.md, session 16: a llama3-8b decode step at T=32, 32 adapters +27.6% -> +25.2% with these kernels).
+//
+// Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
+// N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tiles: 64 W rows x 32 tokens,
+// ping-pong, up to 32 tokens; 128 x 64 cooperative beyond (the probe's fastest per shape). Clusters of 2 along M
+// (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so the sum
+// over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
+#ifndef NDEBUG
+#define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
+#endif
+#define CUTLASS_ENABLE_GDC_FOR_SM90
+#include "common.cuh"
+#include "kernels.h"
+
+#if defined(LORA_OPS_GG_SM90)
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#endif
+
+#include <climits>
+
+namespace lora_ops::cuda {
+
+#if defined(LORA_OPS_GG_SM90)
+namespace {
+
+using cute::_1;
+using cute::_2;
+using cute::_32;
+using cute::_64;
+using cute::_128;
+using cute::Int;
+using cute::Shape;
+
+struct Pingpong {
+  using Tile = Shape<_64, _32, _64>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+struct Cooperative {
+  using Tile = Shape<_128, _64, _64>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+template <class T, class Config>
+struct FoldGemm {
+  static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+  using Cluster = Shape<_2, _1, _1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
+      cutlass::layout::ColumnMajor, kAlign, typename Config::Epilogue>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
+      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Mainloop>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// The device's SMs and the clusters of this kernel that fit at once (an occupancy query: once per device), as the
+// probe that measured these kernels launched them.
+template <class K>
+cutlass::KernelHardwareInfo hardware_info() {
+  static cutlass::KernelHardwareInfo cached[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  cutlass::KernelHardwareInfo& info = cached[device & 63];
+  if (info.sm_count == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(device);
+  return info;
+}
+
+template <class G>
+typename G::Device::Arguments arguments(const FoldLinearParams& p) {
+  using K = typename G::Kernel;
+  using T = typename G::Kernel::ElementA;
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = cute::make_shape((int)p.n, (int)p.t, (int)p.k, 1);  // M = W's rows, N = tokens
+  args.mainloop.ptr_A = static_cast<const T*>(p.w);
+  args.mainloop.dA = typename K::StrideA{p.w_row_stride, Int<1>{}, int64_t{0}};
+  args.mainloop.ptr_B = static_cast<const T*>(p.x);
+  args.mainloop.dB = typename K::StrideB{p.x_row_stride, Int<1>{}, int64_t{0}};
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = typename K::StrideC{Int<1>{}, p.n, int64_t{0}};
+  args.epilogue.ptr_D = static_cast<T*>(p.y);
+  args.epilogue.dD = typename K::StrideD{Int<1>{}, p.n, int64_t{0}};
+  args.hw_info = hardware_info<K>();
+  return args;
+}
+
+template <class T>
+struct ElementTag {
+  using type = T;
+};
+
+template <class F>
+decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
+  auto by_config = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return p.t <= kFoldLinearPingpongMaxTokens ? f(FoldGemm<T, Pingpong>{}) : f(FoldGemm<T, Cooperative>{});
+  };
+  if (p.dtype == DType::BF16) return by_config(ElementTag<cutlass::bfloat16_t>{});
+  return by_config(ElementTag<cutlass::half_t>{});
+}
+
+}  // namespace
+#endif  // LORA_OPS_GG_SM90
+
+bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor) {
+  if (!grouped_gemm_sm90_built() || cc_major != 9 || cc_minor != 0) return false;  // sm_90a code runs on 9.0 only
+  if (p.dtype != DType::F16 && p.dtype != DType::BF16) return false;
+  if (p.t <= 0 || p.n <= 0 || p.k <= 0 || p.n % 8 != 0 || p.k % 8 != 0) return false;
+  if (p.t > INT_MAX || p.n > INT_MAX || p.k > INT_MAX) return false;
+  if (!aligned(p.x, {p.x_row_stride * 2}) || !aligned(p.w, {p.w_row_stride * 2})) return false;
+#if defined(LORA_OPS_GG_SM90)
+  // CUTLASS's own host checks (shapes and strides against TMA's rules), so that the launch cannot refuse
+  return dispatch(p, [&](auto gemm) { return decltype(gemm)::Kernel::can_implement(arguments<decltype(gemm)>(p)); });
+#else
+  return false;
+#endif
+}
+
+size_t fold_linear_sm90_workspace_bytes(const FoldLinearParams& p) {
+#if defined(LORA_OPS_GG_SM90)
+  return dispatch(p, [&](auto gemm) {
+    return decltype(gemm)::Device::get_workspace_size(arguments<decltype(gemm)>(p));
+  });
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, void* workspace, cudaStream_t stream) {
+#if defined(LORA_OPS_GG_SM90)
+  return dispatch(p, [&](auto gemm) -> cudaError_t {
+    using G = decltype(gemm);
+    using Kernel = typename G::Kernel;
+    auto args = arguments<G>(p);
+    if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
+    auto params = Kernel::to_underlying_arguments(args, workspace);
+    if (const cudaError_t err = allow_dynamic_smem((const void*)cutlass::device_kernel<Kernel>,
+                                                   Kernel::SharedStorageSize);
+        err != cudaSuccess) {
+      return err;
+    }
+    if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+    }
+    return cudaSuccess;
+  });
+#else
+  (void)p;
+  (void)workspace;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+}  // namespace lora_ops::cuda

@@ -1,0 +1,218 @@
+"""fold_linear (the fold route's GEMM, y = x · weightᵀ + bias): torch's linear on every backend, its errors and
+its gradient, opcheck and torch.compile; on CUDA the sm_90a CUTLASS kernel (csrc/cuda/fold_linear_sm90.cu, a
+GEMM that lets the lora_expand after it start early) where it serves, named through the profiler, against the
+float64 product, bitwise deterministic and under CUDA-graph replay, and at::linear wherever it does not."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora_ops
+from lora_ops import backends
+
+from conftest import case_generator
+
+
+
+def _inputs(T, K, N, dtype, device, bias=False, key="fold"):
+    gen = case_generator(f"fold_linear-{key}-{T}-{K}-{N}")
+    x = torch.randn(T, K, generator=gen).to(dtype).to(device)
+    w = torch.randn(N, K, generator=gen).to(dtype).to(device)
+    b = torch.randn(N, generator=gen).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24), (0, 24)], ids=["2d", "3d", "empty"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fold_linear_is_torchs_linear_on_cpu(shape, bias, dtype):
+    gen = case_generator(f"fold_linear-cpu-{shape}")
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    w = torch.randn(40, 24, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
+    assert torch.equal(lora_ops.fold_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_fold_linear_raises_torchs_errors():
+    x, w = torch.randn(4, 24), torch.randn(40, 23)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        lora_ops.fold_linear(x, w)
+
+
+@pytest.mark.parametrize("wants_grad", ["x", "weight", "bias"])
+def test_fold_linear_gradient_is_linears(wants_grad):
+    """Where a gradient is wanted (of any one argument, the bias alone too) fold_linear is at::linear, autograd and
+    all: the same gradients as F.linear, through torch's own backward node, with no warning."""
+    gen = case_generator("fold_linear-grad")
+    args = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 6), (5, 6), (5,))]
+    which = ("x", "weight", "bias").index(wants_grad)
+    args[which].requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = lora_ops.fold_linear(*args)
+        (grad,) = torch.autograd.grad(out.square().sum(), [args[which]])
+    assert out.grad_fn is not None and "Backward" in type(out.grad_fn).__name__
+    (expected,) = torch.autograd.grad(F.linear(*args).square().sum(), [args[which]])
+    assert torch.equal(grad, expected)
+    assert torch.autograd.gradcheck(lora_ops.fold_linear, args)
+
+
+def test_fold_linear_without_grad_leaves_no_graph():
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8)
+    with torch.no_grad():
+        assert lora_ops.fold_linear(x, w).grad_fn is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_opcheck_fold_linear(device):
+    for bias in (False, True):
+        x, w, b = _inputs(8, 64, 48, torch.bfloat16 if device == "cuda" else torch.float32, device, bias)
+        torch.library.opcheck(torch.ops.lora_ops.fold_linear.default, (x, w, b))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fold_linear_compiles_without_graph_breaks(device):
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: lora_ops.fold_linear(x, w) * 2, fullgraph=True, dynamic=True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for T in (8, 16):
+        x, w, _ = _inputs(T, 64, 48, dtype, device)
+        assert torch.equal(f(x, w), lora_ops.fold_linear(x, w) * 2)
+
+
+# ---- CUDA ----
+
+def _sm90_built():
+    info = backends.build_info().get("backends", {}).get("cuda", {})
+    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _cuda_kernels(f):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = f()
+        torch.cuda.synchronize()
+    return out, {e.key for e in prof.key_averages()}
+
+
+def _ran_cutlass(keys) -> bool:
+    """CUTLASS's kernel among the profiler's names (mangled on the H200 image: _ZN7cutlass13device_kernel...)."""
+    return any("cutlass" in k and "device_kernel" in k and "GemmUniversal" in k for k in keys)
+
+
+def _assert_product(y, x, w, b=None):
+    ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 32, 33, 64, 65])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
+    """The automatic choice: the CUTLASS kernel up to 64 tokens (the ping-pong tile to 32, cooperative beyond),
+    at::linear past them; the product within the output dtype's rounding of the float64 one."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    x, w, _ = _inputs(T, 520, 1040, dtype, "cuda")
+    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w))
+    _assert_product(y, x, w)
+    assert _ran_cutlass(ran) == (_sm90_built() and T <= 64), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["bias", "n_not_in_eights", "k_not_in_eights", "float32", "strided_x",
+                                  "unaligned_w", "forced_cublas"])
+def test_at_linear_where_the_kernel_does_not_serve(case, monkeypatch):
+    """A bias, sizes not in eights, float32, a non-contiguous x, an unaligned weight or a forced cuBLAS all take
+    at::linear: no CUTLASS kernel, the same product."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    N = 1001 if case == "n_not_in_eights" else 1040
+    K = 517 if case == "k_not_in_eights" else 520
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    x, w, b = _inputs(16, K, N, dtype, "cuda", bias=case == "bias", key=case)
+    if case == "strided_x":
+        x = torch.cat([x, x], dim=1)[:, ::2]
+    if case == "unaligned_w":
+        w = torch.zeros(N * K + 1, dtype=dtype, device="cuda")[1:].view(N, K).copy_(w)  # 2 bytes off 16
+    if case == "forced_cublas":
+        monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cublas")
+    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, b))
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, F.linear(x, w, b))
+    else:
+        _assert_product(y, x, w, b)
+    assert not _ran_cutlass(ran), ran
+
+
+@pytest.mark.gpu
+def test_forced_cutlass_serves_any_token_count(monkeypatch):
+    if not _sm90_built():
+        pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")
+    monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlass")
+    x, w, _ = _inputs(300, 520, 1040, torch.bfloat16, "cuda")
+    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w))
+    _assert_product(y, x, w)
+    assert _ran_cutlass(ran), ran
+
+
+@pytest.mark.gpu
+def test_unknown_kernel_name_is_an_error(monkeypatch):
+    monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlas")
+    x, w, _ = _inputs(4, 64, 48, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_LINEAR_KERNEL = 'cutlas'"):
+        lora_ops.fold_linear(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8, 48])
+def test_deterministic_and_graph_replay(T, monkeypatch):
+    """Bitwise the same result on every call (no split-K); then the fold route's pair, fold_linear and the CUDA
+    lora_expand launched to start before the GEMM ends, captured in a CUDA graph and replayed on new inputs: y
+    equals the float64 base product plus the expand of the h the GEMM wrote (a read of y or h before the GEMM
+    finished would not), and an eager run of the pair on the new inputs bitwise."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    L, R, N, K = 32, 16, 4096, 4096
+    x, w, _ = _inputs(T, K, N + L * R, torch.bfloat16, "cuda", key="graph")
+    w.div_(16)
+    first = lora_ops.fold_linear(x, w)
+    assert all(torch.equal(first, lora_ops.fold_linear(x, w)) for _ in range(3))
+    gen = case_generator(f"fold_linear-graph-b-{T}")
+    lora_b = torch.randn(L, N, R, generator=gen).to(torch.bfloat16).cuda()
+    slots = torch.randint(-1, L, (T,), generator=gen, dtype=torch.int32).cuda()
+
+    def step():
+        out = lora_ops.fold_linear(x, w)
+        lora_ops.lora_expand(out[:, :N], out[:, N:].view(T, L, R), lora_b, None, slots, scale=0.5)
+        return out
+
+    _, ran = _cuda_kernels(step)
+    assert _ran_cutlass(ran) == _sm90_built(), ran
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.copy_(_inputs(T, K, N + L * R, torch.bfloat16, "cuda", key="graph-new")[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    h = captured[:, N:].double().view(T, L, R)
+    _assert_product(captured[:, N:], x, w[N:])
+    base = x.double() @ w[:N].double().t()
+    delta = torch.zeros_like(base)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            delta[t] = 0.5 * h[t, slot] @ lora_b[slot].double().t()
+    expected = base + delta
+    assert ((captured[:, :N].double() - expected).norm() / expected.norm()).item() < 1e-2
+    assert torch.equal(captured, step())
+
+
+@pytest.mark.gpu
+def test_gradient_on_cuda_is_linears(monkeypatch):
+    """At a decode size where the inference path runs the CUTLASS kernel, a weight that wants a gradient takes
+    at::linear: the output and the gradient are F.linear's, bitwise."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    x, w, _ = _inputs(16, 520, 1040, torch.bfloat16, "cuda", key="grad")
+    w.requires_grad_(True)
+    out = lora_ops.fold_linear(x, w)
+    expected = F.linear(x, w)
+    assert torch.equal(out, expected)
+    assert torch.equal(torch.autograd.grad(out.sum(), [w])[0], torch.autograd.grad(expected.sum(), [w])[0])
