@@ -25,6 +25,8 @@
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "cutlass_run.cuh"
 #endif
 
 #include <climits>
@@ -151,20 +153,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, void* workspace, 
 #if defined(LORA_OPS_GG_SM90)
   return dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
-    using Kernel = typename G::Kernel;
-    auto args = arguments<G>(p);
-    if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
-    auto params = Kernel::to_underlying_arguments(args, workspace);
-    if (const cudaError_t err = allow_dynamic_smem((const void*)cutlass::device_kernel<Kernel>,
-                                                   Kernel::SharedStorageSize);
-        err != cudaSuccess) {
-      return err;
-    }
-    if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return cudaSuccess;
+    return run_cutlass<G>(arguments<G>(p), workspace, stream);
   });
 #else
   (void)p;

@@ -38,6 +38,8 @@
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "cutlass_run.cuh"
 #endif
 
 #include <climits>
@@ -264,21 +266,7 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
     using Kernel = typename G::Kernel;
     auto args = arguments<G>(p, arr, num_sms);
     if (!Kernel::can_implement(args)) return cudaErrorInvalidValue;  // host-side checks (mode, schedule)
-    void* cutlass_workspace = base + arrays_bytes;
-    if (Kernel::initialize_workspace(args, cutlass_workspace, stream) != cutlass::Status::kSuccess) {
-      return cudaErrorUnknown;
-    }
-    auto params = Kernel::to_underlying_arguments(args, cutlass_workspace);
-    if (const cudaError_t err = allow_dynamic_smem((const void*)cutlass::device_kernel<Kernel>,
-                                                   Kernel::SharedStorageSize);
-        err != cudaSuccess) {
-      return err;
-    }
-    if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
-      const cudaError_t err = cudaGetLastError();
-      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
-    }
-    return cudaSuccess;
+    return run_cutlass<G>(args, base + arrays_bytes, stream);
   });
 #else
   (void)p;

@@ -1,0 +1,31 @@
+// One launch of a CUTLASS 3.x GEMM (grouped_gemm_sm90.cu, fold_linear_sm90.cu) from its host arguments: CUTLASS's
+// workspace set-up, its kernel parameters, the dynamic shared memory the kernel asks for, then the launch (with
+// its cluster shape). Included only where CUTLASS's headers are (LORA_OPS_GG_SM90).
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+
+#include "common.cuh"
+
+namespace lora_ops::cuda {
+
+// G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
+template <class G>
+cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
+  auto params = Kernel::to_underlying_arguments(args, workspace);
+  if (const cudaError_t err = allow_dynamic_smem((const void*)cutlass::device_kernel<Kernel>,
+                                                 Kernel::SharedStorageSize);
+      err != cudaSuccess) {
+    return err;
+  }
+  if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace lora_ops::cuda
