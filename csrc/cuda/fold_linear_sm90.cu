@@ -129,35 +129,20 @@ bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_
   if (p.dtype != DType::F16 && p.dtype != DType::BF16) return false;
   if (p.t <= 0 || p.n <= 0 || p.k <= 0 || p.n % 8 != 0 || p.k % 8 != 0) return false;
   if (p.t > INT_MAX || p.n > INT_MAX || p.k > INT_MAX) return false;
-  if (!aligned(p.x, {p.x_row_stride * 2}) || !aligned(p.w, {p.w_row_stride * 2})) return false;
-#if defined(LORA_OPS_GG_SM90)
-  // CUTLASS's own host checks (shapes and strides against TMA's rules), so that the launch cannot refuse
-  return dispatch(p, [&](auto gemm) { return decltype(gemm)::Kernel::can_implement(arguments<decltype(gemm)>(p)); });
-#else
-  return false;
-#endif
+  return aligned(p.x, {p.x_row_stride * 2}) && aligned(p.w, {p.w_row_stride * 2});
 }
 
-size_t fold_linear_sm90_workspace_bytes(const FoldLinearParams& p) {
-#if defined(LORA_OPS_GG_SM90)
-  return dispatch(p, [&](auto gemm) {
-    return decltype(gemm)::Device::get_workspace_size(arguments<decltype(gemm)>(p));
-  });
-#else
-  (void)p;
-  return 0;
-#endif
-}
-
-cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, void* workspace, cudaStream_t stream) {
+cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream) {
 #if defined(LORA_OPS_GG_SM90)
   return dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
-    return run_cutlass<G>(arguments<G>(p), workspace, stream);
+    const auto args = arguments<G>(p);
+    // CUTLASS's own host checks, and no workspace (the persistent data-parallel schedule needs none)
+    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return cudaErrorNotSupported;
+    return run_cutlass<G>(args, nullptr, stream);
   });
 #else
   (void)p;
-  (void)workspace;
   (void)stream;
   return cudaErrorNotSupported;
 #endif

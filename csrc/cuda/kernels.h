@@ -106,10 +106,10 @@ struct FoldLinearParams {
 };
 constexpr int64_t kFoldLinearMaxTokens = 64;
 constexpr int64_t kFoldLinearPingpongMaxTokens = 32;
-// Supported: the checks above and CUTLASS's can_implement (y, written by the launch, is not read here).
+// Supported: the checks above (y is not read). The launch returns cudaErrorNotSupported, launching nothing, where
+// CUTLASS's own host checks refuse the call (the caller then runs at::linear).
 bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
-size_t fold_linear_sm90_workspace_bytes(const FoldLinearParams& p);
-cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, void* workspace, cudaStream_t stream);
+cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream);
 
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();

@@ -333,12 +333,11 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       sizes.back() = n;
       const at::Tensor y = at::empty(sizes, x.options());
       p.y = y.data_ptr();
-      const size_t bytes = cuda::fold_linear_sm90_workspace_bytes(p);
-      const at::Tensor workspace =
-          bytes ? at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte)) : at::Tensor();
-      C10_CUDA_CHECK(cuda::launch_fold_linear_sm90(p, bytes ? workspace.data_ptr() : nullptr,
-                                                   c10::cuda::getCurrentCUDAStream()));
-      return y;
+      const cudaError_t err = cuda::launch_fold_linear_sm90(p, c10::cuda::getCurrentCUDAStream());
+      if (err != cudaErrorNotSupported) {
+        C10_CUDA_CHECK(err);
+        return y;
+      }
     }
   }
   return at::linear(x, weight, bias);
