@@ -109,14 +109,13 @@ def _assert_product(y, x, w, b=None):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 32, 33, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
-    """The automatic choice: the CUTLASS kernel up to 64 tokens (the ping-pong tile to 32, cooperative beyond),
-    at::linear past them; the product within the output dtype's rounding of the float64 one."""
+def test_cutlass_kernel_up_to_32_tokens(T, dtype, monkeypatch):
+    """The automatic choice: the CUTLASS kernel up to 32 tokens, at::linear past them; the product within the output dtype's rounding of the float64 one."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     x, w, _ = _inputs(T, 520, 1040, dtype, "cuda")
     y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w))
     _assert_product(y, x, w)
-    assert _ran_cutlass(ran) == (_sm90_built() and T <= 64), ran
+    assert _ran_cutlass(ran) == (_sm90_built() and T <= 32), ran
 
 
 @pytest.mark.gpu

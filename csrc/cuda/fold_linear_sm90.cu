@@ -6,8 +6,8 @@
 // (csrc/cuda/NOTES.md, session 16: a llama3-8b decode step at T=32, 32 adapters +27.6% -> +25.2% with these kernels).
 //
 // Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
-// N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tiles: 64 W rows x 32 tokens,
-// ping-pong, up to 32 tokens; 128 x 64 cooperative beyond (the probe's fastest per shape). Clusters of 2 along M
+// N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tile: 64 W rows x 32 tokens,
+// ping-pong (the probe's fastest at 32 tokens; the fold route calls it up to 32). Clusters of 2 along M
 // (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so the sum
 // over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
 #ifndef NDEBUG
@@ -40,34 +40,23 @@ using cute::_1;
 using cute::_2;
 using cute::_32;
 using cute::_64;
-using cute::_128;
 using cute::Int;
 using cute::Shape;
 
-struct Pingpong {
-  using Tile = Shape<_64, _32, _64>;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-struct Cooperative {
-  using Tile = Shape<_128, _64, _64>;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-
-template <class T, class Config>
+template <class T>
 struct FoldGemm {
+  using Tile = Shape<_64, _32, _64>;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   using Cluster = Shape<_2, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, typename Config::Epilogue>::CollectiveOp;
+      cutlass::layout::ColumnMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, float, typename Config::Tile, Cluster,
+      cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::Mainloop>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -106,19 +95,10 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   return args;
 }
 
-template <class T>
-struct ElementTag {
-  using type = T;
-};
-
 template <class F>
 decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
-  auto by_config = [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return p.t <= kFoldLinearPingpongMaxTokens ? f(FoldGemm<T, Pingpong>{}) : f(FoldGemm<T, Cooperative>{});
-  };
-  if (p.dtype == DType::BF16) return by_config(ElementTag<cutlass::bfloat16_t>{});
-  return by_config(ElementTag<cutlass::half_t>{});
+  if (p.dtype == DType::BF16) return f(FoldGemm<cutlass::bfloat16_t>{});
+  return f(FoldGemm<cutlass::half_t>{});
 }
 
 }  // namespace
