@@ -245,7 +245,8 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
                 f()
 
     monkeypatch.setattr(decode_step, "capture", Eager)
-    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), run(), 1.0)[-1])
+    monkeypatch.setattr(decode_step, "time_interleaved",
+                        lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
     sgmv = torch.ops.lora_ops.sgmv.default
     calls = []
 
@@ -263,6 +264,29 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     assert [r["backend"] for r in records] == ["base", "sgmv-cpu", "fold-cpu"]
     assert all(r["err"] < 2e-2 for r in records)
     assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
+
+
+def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):
+    """The rounds alternate the runs (a drift over the measurement moves them alike) and each run's time is the
+    median of its rounds (one slow round, e.g. a clock change, does not move it)."""
+    from lora_ops.bench import timing
+    order, times = [], iter([5.0, 1.0, 9.0, 1.2, 5.0, 40.0])
+
+    def fake_loop(run, min_ms):
+        order.append(run.__name__)
+        assert min_ms == 10.0
+        return next(times)
+
+    def base():
+        pass
+
+    def route():
+        pass
+
+    monkeypatch.setattr(timing, "time_loop", fake_loop)
+    assert timing.time_interleaved({"base": base, "route": route}, min_ms=30.0, rounds=3) == \
+        {"base": 5.0, "route": 1.2}
+    assert order == ["base", "route"] * 3
 
 
 def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every_slot_a():

@@ -163,7 +163,7 @@ def test_unknown_kernel_name_is_an_error(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [8, 48])
+@pytest.mark.parametrize("T", [8, 32, 48])
 def test_deterministic_and_graph_replay(T, monkeypatch):
     """Bitwise the same result on every call (no split-K); then the fold route's pair, fold_linear and the CUDA
     lora_expand launched to start before the GEMM ends, captured in a CUDA graph and replayed on new inputs: y
@@ -185,7 +185,7 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
         return out
 
     _, ran = _cuda_kernels(step)
-    assert _ran_cutlass(ran) == _sm90_built(), ran
+    assert _ran_cutlass(ran) == (_sm90_built() and T <= 32), ran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()

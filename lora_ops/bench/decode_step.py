@@ -13,11 +13,11 @@ adapter of a 32-slot pool. Routes:
                lora_ops.fold_linear before the CUDA expand (as the serving layer runs it), cuBLAS before Triton's.
 
 The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
-serving layer's pool builds it every step). Reported per route: µs per step, the overhead over base
-in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
+serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
+of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
 be read, at the same bandwidth), the fold route's own floor (its GEMM reads every pool slot's A, not only the
 present adapters'), and the relative error against the float64 oracle of the first layer's outputs, run eagerly,
-and of the last layer's, left by the timed graph's replays (the larger; `base` shows the bf16 GEMM's own error).
+and of the last layer's, left by a replay of the timed graph (the larger; `base` shows the bf16 GEMM's own error).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import lora_ops
 from lora_ops import backends, reference, testing
 from lora_ops import routes as route_table
 
-from .timing import capture, time_loop
+from .timing import capture, time_interleaved, time_loop
 
 POOL_SLOTS = 32
 
@@ -122,7 +122,9 @@ class Setup:
         self.y = {name: torch.empty(step.T, m.N, dtype=torch.bfloat16, device=device)
                   for (name, _, _), m in zip(shapes, first)}
         self.out = {name: torch.empty(step.T, m.w_cat.shape[0], dtype=torch.bfloat16, device=device)
-                    for (name, _, _), m in zip(shapes, first)}
+                    for (name, _, _), m in zip(shapes, first)}  # the fold GEMM parts' outputs
+        # Each fold route's last GEMM outputs: in its captured graph's memory, which its replays rewrite
+        self.fold_out: Dict[str, Dict[str, torch.Tensor]] = {}
         self.names = [name for name, _, _ in shapes]
         self.seg: Optional[lora_ops.Segments] = None
 
@@ -150,9 +152,9 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
-    def fold_calls(self, expand, linear) -> List[Callable[[], None]]:
+    def fold_calls(self, route: str, expand, linear) -> List[Callable[[], None]]:
         def one(m, n):
-            out = self.out[n] = linear(self.x[n], m.w_cat)  # captured: the graph's buffer, read by outputs()
+            out = self.fold_out.setdefault(route, {})[n] = linear(self.x[n], m.w_cat)
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
@@ -186,7 +188,7 @@ class Setup:
         """The outputs of the layer that ran last, as the route leaves them (every layer writes the same buffers):
         the first layer's after build_segments and its calls ran alone, the last layer's after a whole step."""
         if route.startswith("fold"):
-            return {n: self.out[n][:, :m.N] for n, m in zip(self.names, self.layers[0])}
+            return {n: self.fold_out[route][n][:, :m.N] for n, m in zip(self.names, self.layers[0])}
         return self.y
 
     def reference(self, layer: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
@@ -229,8 +231,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
                only: Optional[Sequence[str]] = None, parts: bool = False) -> None:
     s = Setup(model, step, device)
-    # The first layer's outputs are checked after it ran eagerly, the last layer's after the timed graph's replays
-    # (each replay is a whole step: every layer's base GEMM overwrites the buffers its LoRA then adds to).
+    # The first layer's outputs are checked after it ran eagerly, the last layer's after a replay of the timed graph
+    # (each replay is a whole step: every layer's base GEMM overwrites the buffers its LoRA then adds to). The base
+    # and the routes are timed in turn, round after round (time_interleaved), so that the overheads compare times
+    # taken side by side.
     ref, ref_last = s.reference(0), s.reference(-1)
     floor, fold_floor = floors_pct(model, step)
     row = dict(op="decode_step", model=model.name, T=step.T, adapters=step.adapters, rank=step.rank,
@@ -238,38 +242,48 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%, "
         f"the fold route's +{fold_floor:.1f}% (every slot's A)")
     base_calls = s.base_calls()
-    base_ms = time_loop(capture(base_calls).replay, min_ms=100)
-    base_err = max(_rel(s.y[n], ref_last[n][0]) for n in s.names)
+    graphs = {"base": capture(base_calls)}
+    checked = {}
+    for name, (kind, op) in routes().items():
+        if only and name not in only:
+            continue
+        try:
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, fold_linear(name))
+            for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
+                f()
+            outs = s.outputs(name)
+            checked[name] = max(_rel(outs[n], ref[n][1]) for n in s.names)
+            graphs[name] = capture(calls)
+        except Exception as exc:
+            failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
+            log(f"  {name:<12} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
+    ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
+
+    def last_layer_err(name: str, which: int) -> float:  # its graph replayed last: the step's final outputs
+        graphs[name].replay()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        return max(_rel(s.outputs(name)[n], ref_last[n][which]) for n in s.names)
+
+    base_ms = ms["base"]
+    base_err = last_layer_err("base", 0)
     for f in base_calls[:len(s.names)]:
         f()
     base_err = max(base_err, *(_rel(s.y[n], ref[n][0]) for n in s.names))
     records.append(dict(row, backend="base", base_us=round(base_ms * 1e3, 1), us=round(base_ms * 1e3, 1),
                         overhead_pct=0.0, err=base_err))
     log(f"  {'base':<12} {base_ms * 1e3:9.1f} us                   err {base_err:.1e}")
-    for name, (kind, op) in routes().items():
-        if only and name not in only:
-            continue
-        try:
-            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(op, fold_linear(name))
-            for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
-                f()
-            outs = s.outputs(name)
-            err = max(_rel(outs[n], ref[n][1]) for n in s.names)
-            ms = time_loop(capture(calls).replay, min_ms=100)
-            outs = s.outputs(name)  # again: the fold route's GEMM output is the captured graph's own buffer
-            err = max(err, *(_rel(outs[n], ref_last[n][1]) for n in s.names))
-        except Exception as exc:
-            failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
-            log(f"  {name:<12} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
-            continue
+    for name, first_err in checked.items():
+        err = max(first_err, last_layer_err(name, 1))
         if not err <= 2 * max(base_err, 1e-3):
             failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")
             log(f"  {name:<12} WRONG: relative error {err:.2e} vs the float64 oracle; not recorded")
             continue
-        overhead = 100.0 * (ms - base_ms) / base_ms
-        records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms * 1e3, 1),
+        overhead = 100.0 * (ms[name] - base_ms) / base_ms
+        records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms[name] * 1e3, 1),
                             overhead_pct=round(overhead, 2), err=err))
-        log(f"  {name:<12} {ms * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
+        log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
+    del graphs
     if parts:
         bench_parts(s, base_ms, row, records, log, only)
     del s

@@ -4,8 +4,9 @@ On CUDA a call list is timed as CUDA-graph replay or as eager launches, with dev
 on the CPU with the wall clock."""
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -54,6 +55,18 @@ def time_loop(run: Callable[[], None], min_ms: float = 30.0) -> float:
         if ms >= min_ms or reps >= 1 << 14:
             return ms / reps
         reps *= 2 if ms * 4 < min_ms else max(2, int(min_ms / max(ms, 1e-3)) + 1)
+
+
+def time_interleaved(runs: Dict[str, Callable[[], None]], min_ms: float, rounds: int = 5) -> Dict[str, float]:
+    """ms per run of each of `runs`, the median of `rounds` rounds that each time every run in turn (time_loop,
+    min_ms / rounds apiece): a drift of the clocks or the temperature during the measurement moves them alike,
+    so their ratios hold (the decode step's base, timed once before its routes, moved by 2% between two cases of
+    one run: 2 points of overhead)."""
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(time_loop(run, min_ms / rounds))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 # Calls per timed graph replay or eager loop (fewer input sets are repeated up to it): one launch's overhead,
