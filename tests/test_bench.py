@@ -266,6 +266,37 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
 
 
+def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(monkeypatch):
+    """A route that raises while its graph is captured (e.g. a sync under capture) is a failure of that route
+    alone: the base and the other routes are still timed, checked and recorded."""
+    from lora_ops.bench import decode_step
+
+    captures = []
+
+    class Eager:
+        def __init__(self, calls):
+            captures.append(calls)
+            if len(captures) == 2:  # the base's, then the first route's: sgmv-cpu
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.calls = calls
+
+        def replay(self):
+            for f in self.calls:
+                f()
+
+    sgmv = torch.ops.lora_ops.sgmv.default
+    monkeypatch.setattr(decode_step, "capture", Eager)
+    monkeypatch.setattr(decode_step, "time_interleaved",
+                        lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
+    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", sgmv),
+                                                        "fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
+    assert [r["backend"] for r in records] == ["base", "fold-cpu"]
+    assert len(failures) == 1 and "sgmv-cpu" in failures[0] and "capturing" in failures[0]
+
+
 def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):
     """The rounds alternate the runs (a drift over the measurement moves them alike) and each run's time is the
     median of its rounds (one slow round, e.g. a clock change, does not move it)."""

@@ -1,9 +1,9 @@
 // fold_linear on sm_90a: the fold route's GEMM y = x . W^T (W = [base weight; A of every slot]) at decode sizes,
-// on CUTLASS 3.x warp-specialized kernels (TMA + wgmma, persistent CTAs) built with CUTLASS_ENABLE_GDC_FOR_SM90:
+// on a CUTLASS 3.x warp-specialized kernel (TMA + wgmma, persistent CTAs) built with CUTLASS_ENABLE_GDC_FOR_SM90:
 // each CTA triggers its programmatic dependents after its last mainloop, so the lora_expand launched next (with
 // programmatic stream serialization, waiting before it reads h) is resident and past its set-up when the GEMM
 // ends. cuBLAS's kernels do not trigger early, so after them the expand's launch and set-up are serial
-// (csrc/cuda/NOTES.md, session 16: a llama3-8b decode step at T=32, 32 adapters +27.6% -> +25.2% with these kernels).
+// (csrc/cuda/NOTES.md, session 18: a llama3-8b decode step at T=32, 32 adapters +26.6% -> +24.1% with this kernel).
 //
 // Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
 // N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tile: 64 W rows x 32 tokens,
@@ -62,8 +62,7 @@ struct FoldGemm {
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// The device's SMs and the clusters of this kernel that fit at once (an occupancy query: once per device), as the
-// probe that measured these kernels launched them.
+// The device's SMs and the clusters of this kernel that fit at once (an occupancy query: once per device).
 template <class K>
 cutlass::KernelHardwareInfo hardware_info() {
   static cutlass::KernelHardwareInfo cached[64] = {};

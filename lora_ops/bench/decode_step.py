@@ -243,7 +243,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         f"the fold route's +{fold_floor:.1f}% (every slot's A)")
     base_calls = s.base_calls()
     graphs = {"base": capture(base_calls)}
-    checked = {}
+    checked, calls = {}, []
     for name, (kind, op) in routes().items():
         if only and name not in only:
             continue
@@ -252,8 +252,9 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
-            checked[name] = max(_rel(outs[n], ref[n][1]) for n in s.names)
+            first_err = max(_rel(outs[n], ref[n][1]) for n in s.names)
             graphs[name] = capture(calls)
+            checked[name] = first_err
         except Exception as exc:
             failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
             log(f"  {name:<12} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
@@ -274,7 +275,12 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
                         overhead_pct=0.0, err=base_err))
     log(f"  {'base':<12} {base_ms * 1e3:9.1f} us                   err {base_err:.1e}")
     for name, first_err in checked.items():
-        err = max(first_err, last_layer_err(name, 1))
+        try:
+            err = max(first_err, last_layer_err(name, 1))
+        except Exception as exc:
+            failures.append(f"decode_step {name} {row}: its graph's replay raised {type(exc).__name__}: {exc}")
+            log(f"  {name:<12} FAILED on replay: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
+            continue
         if not err <= 2 * max(base_err, 1e-3):
             failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")
             log(f"  {name:<12} WRONG: relative error {err:.2e} vs the float64 oracle; not recorded")
@@ -283,7 +289,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms[name] * 1e3, 1),
                             overhead_pct=round(overhead, 2), err=err))
         log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
-    del graphs
+    del graphs, calls, base_calls  # the graphs' pools and the Setup the calls hold: freed before the next step
     if parts:
         bench_parts(s, base_ms, row, records, log, only)
     del s
