@@ -297,6 +297,40 @@ def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(m
     assert len(failures) == 1 and "sgmv-cpu" in failures[0] and "capturing" in failures[0]
 
 
+def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone(monkeypatch):
+    """--parts: the fold GEMM (cuBLAS's and fold_linear's) over the whole step and over each module's layers alone,
+    and each route's LoRA kernels alone, recorded as % of the base step."""
+    from lora_ops.bench import decode_step
+    sizes = []
+
+    class Eager:
+        def __init__(self, calls):
+            sizes.append(len(calls))
+            self.calls = calls
+
+        def replay(self):
+            for f in self.calls:
+                f()
+
+    monkeypatch.setattr(decode_step, "capture", Eager)
+    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
+    monkeypatch.setattr(decode_step, "time_interleaved",
+                        lambda runs, min_ms: {name: (run(), 4.0)[-1] for name, run in runs.items()})
+    monkeypatch.setattr(decode_step, "routes", lambda: {"fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print,
+                           parts=True)
+    assert not failures
+    parts = {r["backend"]: r for r in records if r["op"] == "decode_step_part"}
+    modules = ["qkv", "o", "gate_up", "down"]
+    assert list(parts) == ["fold-gemm", "fold-gemm-fold_linear"] + \
+        [f"fold-gemm{kind}-{m}" for m in modules for kind in ("", "-fold_linear")] + ["expand-only-cpu"]
+    assert all(r["pct_of_base"] == 50.0 for r in parts.values())
+    # the captures after the base's and the route's: the parts', in that order (build_segments + 4 x 3 layers)
+    assert sizes[2:] == [12, 12] + [3] * 8 + [13]
+
+
 def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):
     """The rounds alternate the runs (a drift over the measurement moves them alike) and each run's time is the
     median of its rounds (one slow round, e.g. a clock change, does not move it)."""

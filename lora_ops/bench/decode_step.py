@@ -161,13 +161,13 @@ class Setup:
                                         for n, m in zip(self.names, layer)]
 
     # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
-    def fold_gemm_calls(self) -> List[Callable[[], None]]:
+    def fold_gemm_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
         return [lambda m=m, n=n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n])
-                for layer in self.layers for n, m in zip(self.names, layer)]
+                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
-    def fold_linear_calls(self) -> List[Callable[[], None]]:
+    def fold_linear_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
         return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat)
-                for layer in self.layers for n, m in zip(self.names, layer)]
+                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
     def expand_only_calls(self, expand) -> List[Callable[[], None]]:
         def one(m, n):
@@ -297,9 +297,13 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
 
 
 def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
-    """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, and fold_linear's), the expand
-    kernels on their output, the sgmv kernels without the base GEMM; µs per step and as % of the base step."""
+    """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, and fold_linear's), of every
+    module and of each module alone (which GEMM shape fold_linear's kernel wins or loses), the expand kernels on
+    their output, the sgmv kernels without the base GEMM; µs per step and as % of the base step."""
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
+    for module in s.names:
+        parts[f"fold-gemm-{module}"] = s.fold_gemm_calls(module)
+        parts[f"fold-gemm-fold_linear-{module}"] = s.fold_linear_calls(module)
     for name, (kind, op) in routes().items():
         if only and name not in only:
             continue
@@ -312,7 +316,7 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
         ms = time_loop(capture(calls).replay, min_ms=50)
         records.append(dict(row, op="decode_step_part", backend=name, base_us=round(base_ms * 1e3, 1),
                             us=round(ms * 1e3, 1), pct_of_base=round(100 * ms / base_ms, 2)))
-        log(f"  part {name:<16} {ms * 1e3:9.1f} us = {100 * ms / base_ms:5.1f}% of base")
+        log(f"  part {name:<30} {ms * 1e3:9.1f} us = {100 * ms / base_ms:5.1f}% of base")
 
 
 def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS,
