@@ -18,14 +18,6 @@
 #include "kernels.h"
 
 #if defined(LORA_OPS_GG_SM90)
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
-
 #include "cutlass_run.cuh"
 #endif
 
