@@ -105,3 +105,9 @@ def build_segments(token_lora: torch.Tensor, num_slots: int):
     return (torch.tensor(order, dtype=torch.int32, device=dev),
             torch.tensor(indptr, dtype=torch.int32, device=dev),
             torch.arange(num_slots, dtype=torch.int32, device=dev))
+
+
+def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x · weightᵀ (+ bias) in float64, any leading dims of x (F.linear's semantics)."""
+    out = x.detach().to(torch.float64) @ weight.detach().to(torch.float64).t()
+    return out + bias.detach().to(torch.float64) if bias is not None else out

@@ -1,4 +1,4 @@
-"""Random calls of the four ops, one per case seed, and the judgement of one call on one backend.
+"""Random calls of the ops, one per case seed, and the judgement of one call on one backend.
 
 A case is fully determined by its seed (random.Random for the structure, torch.Generator for the data) and the
 device, so any case can be rebuilt anywhere from the seed printed in a report. It draws shapes (zeros included),
@@ -26,8 +26,8 @@ import torch
 
 from lora_ops import reference, testing
 
-OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
-OP_WEIGHTS = (4, 4, 3, 1)
+OPS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments", "fold_linear")
+OP_WEIGHTS = (4, 4, 3, 1, 2)
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
 
@@ -421,6 +421,32 @@ def make_grouped_gemm(d: _Draw, case: Case) -> None:
                        accumulate=d.chance(0.6))
 
 
+def make_fold_linear(d: _Draw, case: Case) -> None:
+    """Mostly decode sizes (the CUDA CUTLASS kernel serves up to 32 tokens with n and k multiples of 8, 16-byte
+    aligned rows and no bias; at::linear elsewhere): tokens up to 40 in any leading dims, n and k usually in
+    eights, the weight often a row range of a taller one (the fold route's [W; A...]) at any row offset, x
+    sometimes a column slice (not contiguous), a bias now and then. Every case is valid: fold_linear's errors are
+    F.linear's."""
+    big = 4096 if d.large else 64
+    T, N, K = d.size(40, 300), d.size(96, big), d.size(96, big)
+    if d.chance(0.7):
+        N, K = _round_up(N, 8), _round_up(K, 8)
+    dtype = _float_dtype(d)
+    scale = 1 / max(K, 1) ** 0.5
+    x = d.rows_view(T, K, dtype) if d.chance(0.3) else d.randn(T, K, dtype=dtype)
+    if T % 2 == 0 and T > 0 and d.chance(0.3):
+        x = x.view(2, T // 2, K) if x.is_contiguous() else x
+    if d.chance(0.5):  # a row range of a taller weight, as the fold route's [W; A of every slot]
+        extra = d.rng.choice([1, 3, 8, 40])
+        off = d.rng.randint(0, extra)
+        weight = d.randn(N + extra, K, dtype=dtype, scale=scale)[off:off + N]
+    else:
+        weight = d.pool_slice((N, K), dtype, scale, slice_dim=1)
+    bias = d.randn(N, dtype=dtype) if d.chance(0.2) else None
+    case.dtype = dtype
+    case.kwargs = dict(x=x, weight=weight, bias=bias)
+
+
 def make_build_segments(d: _Draw, case: Case) -> None:
     num_slots = d.size(8, 300)
     T = d.size(40, 4000)
@@ -603,8 +629,8 @@ def make_case(seed: int, device: str, large: bool = False, invalid_share: float 
     op = d.rng.choices(OPS, weights=OP_WEIGHTS)[0]
     case = Case(seed=seed, device=device, op=op, kwargs={})
     {"sgmv": make_sgmv, "lora_expand": make_lora_expand, "grouped_gemm": make_grouped_gemm,
-     "build_segments": make_build_segments}[op](d, case)
-    if d.chance(invalid_share):
+     "build_segments": make_build_segments, "fold_linear": make_fold_linear}[op](d, case)
+    if op != "fold_linear" and d.chance(invalid_share):  # fold_linear's errors are F.linear's, not ours
         _mutate(d, case)
     return case
 
@@ -666,6 +692,20 @@ def _compare(case: Case, args: dict, out: torch.Tensor, before: torch.Tensor, re
     return "" if err <= allowed else f"{problem}; absolute {err:.3e} > {allowed:.3e} allowing for rounding"
 
 
+def _compare_linear(case: Case, args: dict, out: torch.Tensor) -> str:
+    """fold_linear's output against the float64 product: its shape and dtype, and the relative error within the
+    dtype's tolerance widened by the rounding of the output's dtype and of the float32 accumulation over K."""
+    ref = reference.fold_linear(**args)
+    if out.shape != ref.shape or out.dtype != args["x"].dtype:
+        return f"output {out.dtype}{list(out.shape)}, expected {args['x'].dtype}{list(ref.shape)}"
+    mag = reference.fold_linear(args["x"].abs(), args["weight"].abs(),
+                                args["bias"].abs() if args["bias"] is not None else None)
+    allowed = (testing.TOLERANCE[case.dtype] * ref.norm().item() + _ROUNDOFF[out.dtype] * ref.norm().item()
+               + args["x"].shape[-1] * _ROUNDOFF[torch.float32] * mag.norm().item())
+    err = (out.cpu().double() - ref).norm().item()
+    return "" if err <= allowed else f"absolute error {err:.3e} > {allowed:.3e} against the float64 product"
+
+
 def _key(v: torch.Tensor) -> Tuple:
     """Which storage v lives in (empty storages all have address 0: one key per dtype and device for them)."""
     return (v.untyped_storage().data_ptr(), v.dtype, v.device)
@@ -723,7 +763,12 @@ def judge(case: Case, call: Callable[[], object], debug: bool) -> Tuple[str, str
         return "FAIL", f"accepted an invalid {'/'.join(case.error_names)}"
     if expect_debug_error:
         return "FAIL", "LORA_OPS_DEBUG=1 accepted metadata it must reject"
-    if case.op == "build_segments":
+    if case.op == "fold_linear":
+        args = {k: _cpu(v) for k, v in case.kwargs.items()}
+        problem = _compare_linear(case, args, result)
+        if problem:
+            return "FAIL", problem
+    elif case.op == "build_segments":
         want = reference.build_segments(case.kwargs["token_lora"].cpu(), case.kwargs["num_slots"])
         for name, g, w in zip(("token_indices", "seg_indptr", "seg_lora"), result, want):
             if g.dtype != torch.int32 or g.device != case.kwargs["token_lora"].device or not torch.equal(g.cpu(), w):

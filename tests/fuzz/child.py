@@ -28,10 +28,12 @@ PREFIX = "FUZZ "
 # forces grouped_gemm's split-K shrink where it serves. lora_expand's kernels ride along: the positions kernel with
 # "cuda:mma", the segment-tile kernel with "cuda:split", the runs kernel (the rows form; elsewhere the automatic
 # choice) with "cuda:skinny"; "cuda" runs the tensor-core kernels where they serve (the segments kernel on the
-# segment form, the rows or runs kernel on the rows form).
+# segment form, the rows or runs kernel on the rows form). fold_linear: "cuda" takes the CUTLASS GEMM up to 32
+# tokens where it serves, "cuda:mma" at any token count.
 FORCED_CUDA_KERNELS = {
     "cuda:mma": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "mma"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "mma"),
-                 "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions")},
+                 "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "positions"),
+                 "fold_linear": ("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlass")},
     "cuda:split": {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split"), "grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "split"),
                    "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles")},
     "cuda:skinny": {"grouped_gemm": ("LORA_OPS_CUDA_GG_KERNEL", "skinny"),
@@ -84,6 +86,9 @@ def run_case(seed: int, device: str, backends, large: bool, debug: bool) -> dict
         interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         if interpreted and not (case.fp32_only or case.error_names):
             results[name] = ["SKIP", "the Triton interpreter runs float32 only", case.op]
+            continue
+        if name == "triton" and case.op == "fold_linear":
+            results[name] = ["SKIP", "fold_linear has no Triton kernel (F.linear)", case.op]
             continue
         if name in FORCED_CUDA_KERNELS and case.op not in FORCED_CUDA_KERNELS[name]:
             results[name] = ["SKIP", f"{name} forces no {case.op} kernel", case.op]
