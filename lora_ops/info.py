@@ -36,8 +36,8 @@ def report() -> str:
         for op in backends.OPS:
             served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none: no AscendC kernel for it yet"
             lines.append(f"{'npu':<8} {op:<16} {served}")
-        lines.append("Ascend kernels: fp16/bf16 (grouped_gemm also fp32); tested on a CPU model of the AscendC API, "
-                     "not yet on Ascend hardware")
+        lines.append("Ascend kernels: fp16/bf16/fp32; tested on a CPU model of the AscendC API, not yet on Ascend "
+                     "hardware")
     if backends.forced_backend():
         lines.append(f"LORA_OPS_BACKEND={backends.forced_backend()}")
     if backends.unavailable:

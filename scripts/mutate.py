@@ -397,6 +397,17 @@ MUTATIONS: List[Mutation] = [
              "return h_[(slot * t_.expand.num_slices + s) * t_.expand.max_rank];",
              "Ascend lora_expand (CPU model) assumes h's slots are contiguous (slot stride S*R; a broadcast h has 0)",
              tests=EXPAND_T),
+    Mutation("ascend-sgmv-f32-h-read-unsynced", "csrc/ascend/sgmv.cpp",
+             "        SetFlag<HardEvent::FIX_MTE2>(h_stored);\n        WaitFlag<HardEvent::FIX_MTE2>(h_stored);\n",
+             "",
+             "Ascend sgmv float32 x (CPU model): h is copied back from GM into L1 with no FIX -> MTE2 sync after "
+             "Fixpipe stored it", tests=("tests/test_ascend_model.py",)),
+    Mutation("ascend-sgmv-f32-h-other-block", "csrc/ascend/sgmv.cpp",
+             "stage.CopyIn(cube, 0, planes.source, walk.count, planes.ld, t_.expand, rank);",
+             "stage.CopyIn(cube, 0, SplitPlanes<T>(split_, (block + 1) % t_.tiles.block_dim, t_.tiles).source, "
+             "walk.count, planes.ld, t_.expand, rank);",
+             "Ascend sgmv float32 x (CPU model): h is read back from the next block's GM tile",
+             tests=("tests/test_ascend_model.py",)),
     # ---- the op table (C++ or Triton by measurement) and build_segments v4 ----
     Mutation("op-table-cpp-boundary", "csrc/common/op_table.cpp",
              "(std::lower_bound(b.begin(), b.end(), values[a]) - b.begin())",

@@ -50,9 +50,10 @@ def test_test_ops_have_the_real_schemas(op):
     assert str(getattr(ascend, op).default._schema) == real.replace("lora_ops::", "lora_ops_ascend_model::")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES))
 def test_sgmv_parity(name, dtype):
+    """float32 x: h stays fp32, through the block's GM tile and back into L1 (csrc/ascend/NOTES.md)."""
     assert _check_sgmv(_sgmv_problem(name, dtype), dtype) == ""
 
 
@@ -61,34 +62,36 @@ def test_sgmv_float32_y(dtype):
     assert _check_sgmv(_sgmv_problem("slices_gqa", dtype, torch.float32), dtype) == ""
 
 
-def test_sgmv_garbage_metadata():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_sgmv_garbage_metadata(dtype):
     """Out-of-range indptr, rows outside [0, T), huge slots, ranks outside [0, R]: skipped or clamped."""
     gen = torch.Generator().manual_seed(5)
     T = 16
     problem = testing.make_sgmv(torch.zeros(T, dtype=torch.int32), num_slots=3, K=20, N=12, max_rank=4,
-                                dtype=torch.float16, device="cpu", gen=gen)
+                                dtype=dtype, device="cpu", gen=gen)
     problem.token_indices = torch.tensor([3, -5, 7, T + 7, 1, 2, 1 << 30, 9, 0, 4, 5, 6, 8, 10, 11, 12],
                                          dtype=torch.int32)
     problem.seg_indptr = torch.tensor([-4, 3, 1, 9, 1 << 30], dtype=torch.int32)
     problem.seg_lora = torch.tensor([0, 1, -1, 2], dtype=torch.int32)
     problem.lora_ranks = torch.tensor([4, 99, -3], dtype=torch.int32)
-    assert _check_sgmv(problem, torch.float16) == ""
+    assert _check_sgmv(problem, dtype) == ""
     problem.seg_lora = torch.tensor([1 << 30, -(1 << 30), 7, 3], dtype=torch.int32)
-    assert _check_sgmv(problem, torch.float16) == ""
+    assert _check_sgmv(problem, dtype) == ""
 
 
-def test_sgmv_int64_indices_and_per_token_routing():
-    problem = _sgmv_problem("mixed_ranks", torch.bfloat16)
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float16), (torch.float32, torch.float32)], ids=str)
+def test_sgmv_int64_indices_and_per_token_routing(dtypes):
+    problem = _sgmv_problem("mixed_ranks", dtypes[0])
     problem.seg_indptr, problem.seg_lora = problem.seg_indptr.long(), problem.seg_lora.long()
     problem.token_indices, problem.lora_ranks = problem.token_indices.long(), problem.lora_ranks.long()
-    assert _check_sgmv(problem, torch.bfloat16) == ""
+    assert _check_sgmv(problem, dtypes[0]) == ""
     gen = torch.Generator().manual_seed(11)
     token_lora = testing.random_token_slots(19, [0, 1, -1, 3], gen)
-    problem = testing.make_sgmv(token_lora, num_slots=4, K=24, N=20, max_rank=8, dtype=torch.float16, device="cpu",
+    problem = testing.make_sgmv(token_lora, num_slots=4, K=24, N=20, max_rank=8, dtype=dtypes[1], device="cpu",
                                 gen=gen, gathered=False)
     problem.seg_indptr = torch.arange(20, dtype=torch.int32)
     problem.seg_lora = token_lora
-    assert _check_sgmv(problem, torch.float16) == ""
+    assert _check_sgmv(problem, dtypes[1]) == ""
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
@@ -108,12 +111,6 @@ def test_build_segments_matches_reference(num_slots):
     token_lora[:2] = torch.tensor([1 << 30, -(1 << 30)])
     for got, want in zip(ascend.build_segments(token_lora, num_slots), reference.build_segments(token_lora, num_slots)):
         assert torch.equal(got, want)
-
-
-def test_unsupported_inputs_are_clear_errors():
-    problem = _sgmv_problem("basic", torch.float32)
-    with pytest.raises(ValueError, match="x float32 is not supported"):
-        ascend.sgmv(*problem.args())
 
 
 def test_shared_argument_checks_run_first():

@@ -440,16 +440,19 @@ class RowUpdater {
   TBuf<TPosition::VECCALC> acc_;
 };
 
-// One block's part of the split workspace: the hi and lo planes (tile_rows x split_ld of T each), then the fp32
-// source tile (tile_rows x split_ld floats; sgmv only).
+// One block's part of the split workspace: for a 16-bit T, the hi and lo planes (tile_rows x split_ld of T each),
+// then the fp32 source tile (tile_rows x split_ld floats; sgmv only). An fp32 T is never split: the block holds the
+// source tile alone (sgmv's fp32 h on its way from L0C back into L1), and hi and lo are not used.
 template <typename T>
 struct SplitPlanes {
+  static constexpr int64_t kPlanes = sizeof(T) == 2 ? 2 : 0;
+
   __aicore__ inline SplitPlanes(GM_ADDR split, int64_t block, const MatmulTiles& tiles) : ld(tiles.split_ld) {
-    const int64_t plane = int64_t(tiles.tile_rows) * ld;
-    __gm__ T* base = reinterpret_cast<__gm__ T*>(split) + block * tiles.split_block_elems;
-    hi.SetGlobalBuffer(base);
-    lo.SetGlobalBuffer(base + plane);
-    source.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(base + 2 * plane));
+    const int64_t plane = int64_t(tiles.tile_rows) * ld;  // 16-bit elements
+    __gm__ uint16_t* base = reinterpret_cast<__gm__ uint16_t*>(split) + block * tiles.split_block_elems;
+    hi.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(base));
+    lo.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(base + plane));
+    source.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(base + kPlanes * plane));
   }
   // The planes from column c0 on (the source tile is not moved).
   __aicore__ inline SplitPlanes Columns(int64_t c0) const {
@@ -555,6 +558,18 @@ class ExpandStage {
 
   // Before writing h: the previous tile's expand has read it.
   __aicore__ inline void BeginTile() { WaitFlag<kHRead>(h_read_); }
+
+  // Part p of h from rows [0, count) of a GM matrix with row_stride that holds it at the L1 columns (slice s from
+  // column s * rank_pad): the true rank of every non-empty slice, one ND->NZ DMA each (zero-filled to the next C0;
+  // nothing past the rank is read, so no stale or NaN column can reach the cube).
+  __aicore__ inline void CopyIn(Cube<T>& cube, int p, const GlobalTensor<T>& src, int32_t count, int64_t row_stride,
+                                const ExpandTiling& e, int64_t rank) {
+    const int64_t rank_pad = RoundUp(rank, kFrac);
+    for (int64_t s = 0; s < e.num_slices; ++s) {
+      if (e.slice_offsets[s] == e.slice_offsets[s + 1]) continue;  // an empty slice needs no h
+      cube.CopyToL1(cube.NzColumns(h[p], s * rank_pad), src[s * rank_pad], count, row_stride, rank);
+    }
+  }
 
   __aicore__ inline void Expand(Cube<T>& cube, SlotWriter& slots, const ExpandTiling& e, int32_t count,
                                 const GlobalTensor<T>& b, int64_t rank) {

@@ -10,7 +10,7 @@ struct SgmvBuffers {
   const void *x, *lora_a, *lora_b, *seg_indptr, *seg_lora;
   const void *token_indices, *lora_ranks, *lora_scales;  // nullptr when absent
   void* workspace;  // tiles.block_dim * 2 * tile_rows * n_block floats
-  void* split;      // tiles.block_dim * split_block_elems 16-bit elements (float32 y), else unused
+  void* split;      // tiles.block_dim * split_block_elems 16-bit elements (float32 y or x), else unused
 };
 void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& buffers, void* stream);
 

@@ -47,14 +47,13 @@ class LoraExpandKernel {
       if (rank == 0) continue;
       const int64_t rank_pad = RoundUp(rank, kFrac);
       stage.BeginTile();
-      if constexpr (kSplit) CrossCoreWaitFlag(kSplitDoneFlag);  // the tile's h as hi and lo planes
-      for (int64_t s = 0; s < e.num_slices; ++s) {
-        if (e.slice_offsets[s] == e.slice_offsets[s + 1]) continue;  // an empty slice needs no h
-        if constexpr (kSplit) {
-          const SplitPlanes<T> slice = planes.Columns(s * rank_pad);
-          cube.CopyToL1(cube.NzColumns(stage.h[0], s * rank_pad), slice.hi, walk.count, planes.ld, rank);
-          cube.CopyToL1(cube.NzColumns(stage.h[1], s * rank_pad), slice.lo, walk.count, planes.ld, rank);
-        } else {
+      if constexpr (kSplit) {
+        CrossCoreWaitFlag(kSplitDoneFlag);  // the tile's h as hi and lo planes
+        stage.CopyIn(cube, 0, planes.hi, walk.count, planes.ld, e, rank);
+        stage.CopyIn(cube, 1, planes.lo, walk.count, planes.ld, e, rank);
+      } else {
+        for (int64_t s = 0; s < e.num_slices; ++s) {
+          if (e.slice_offsets[s] == e.slice_offsets[s + 1]) continue;  // an empty slice needs no h
           cube.GatherToL1(cube.NzColumns(stage.h[0], s * rank_pad), SliceOfH(walk.slot, s), walk.rows, walk.count,
                           t_.h_row_stride, rank);
         }

@@ -53,11 +53,12 @@ uint32_t blocks_for(const Segments& s, int64_t tile_rows, const Target& target) 
 static_assert(kL0CStage / 4 / 2 * 4 * 4 + kSplitElems * (4 + 4 + 2 + 2) <= kUbBytes,
               "RowUpdater and HiLoSplitter buffers exceed UB");
 
-// The split workspace of `tiles` with planes of ld columns: hi and lo planes of 16-bit elements, plus an fp32
-// source tile (two planes' worth) when the source is made on the AIC (kernel_common.h SplitPlanes).
-uint64_t set_split(MatmulTiles& tiles, int64_t ld, bool with_source) {
+// The split workspace of `tiles` with rows of ld columns, per block (kernel_common.h SplitPlanes): `halves` planes
+// of 16-bit elements (hi and lo: 2; an fp32 operand that is not split: 0), plus an fp32 source tile (two planes'
+// worth) when the source is made on the AIC.
+uint64_t set_split(MatmulTiles& tiles, int64_t ld, int64_t halves, bool with_source) {
   tiles.split_ld = static_cast<uint32_t>(ld);
-  tiles.split_block_elems = uint64_t(tiles.tile_rows) * ld * (with_source ? 4 : 2);
+  tiles.split_block_elems = uint64_t(tiles.tile_rows) * ld * (halves + (with_source ? 2 : 0));
   return uint64_t(tiles.block_dim) * tiles.split_block_elems * 2;
 }
 
@@ -107,11 +108,6 @@ int64_t k_chunk_for(int64_t tile_rows, int64_t elem, int64_t k) {
 
 Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   Plan<SgmvTiling> plan;
-  if (p.x_dtype == DType::F32) {
-    plan.error = "lora_ops.sgmv on Ascend: x float32 is not supported (fp16 and bf16 are): on NPU arch 2201 an fp32 "
-                 "intermediate cannot stay on chip in the cube's layout";
-    return plan;
-  }
   if (!nd2nz_stride_ok(p.a_stride1) || !nd2nz_stride_ok(p.b_stride1)) {
     plan.error = "lora_ops.sgmv on Ascend: the row strides of lora_a (" + std::to_string(p.a_stride1) +
                  ") and lora_b (" + std::to_string(p.b_stride1) + ") must be in [1, 65535] elements (Nd2Nz)";
@@ -121,12 +117,14 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   if (p.rows == 0 || p.seg.num_segments == 0 || p.seg.positions == 0 || p.k == 0 || p.n == 0 || p.max_rank == 0) {
     return plan;
   }
-  constexpr int64_t elem = 2;
+  const int64_t elem = dtype_size(p.x_dtype);  // the cube's operand type (the weights share x's dtype)
   SgmvTiling& t = plan.tiling;
   t.expand = expand_of(p);
   const int64_t rank_pad = round_up(p.max_rank, 16), h_cols = t.expand.h_cols;
-  // A float32 y keeps h in L1 as hi and lo halves (kernel_common.h), else rounded once to x's dtype.
-  const bool split = p.y_dtype == DType::F32;
+  // A float32 y from 16-bit x keeps h in L1 as hi and lo halves (kernel_common.h), a float32 x keeps it in fp32,
+  // else it is rounded once to x's dtype.
+  const bool f32 = p.x_dtype == DType::F32;
+  const bool split = p.y_dtype == DType::F32 && !f32;
   const int64_t h_parts = split ? 2 : 1;
   const int64_t tile_rows = fit_tile_rows(p.seg, [&](int64_t rows) {
     const int64_t k_chunk = k_chunk_for(rows, elem, p.k);
@@ -139,7 +137,7 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   if (tile_rows == 0) {
     plan.error = "lora_ops.sgmv on Ascend: S*R = " + std::to_string(h_cols) +
                  " intermediate columns (slices x rank rounded up to 16" +
-                 (split ? ", kept as hi and lo halves for a float32 y" : "") +
+                 (split ? ", kept as hi and lo halves for a float32 y" : "") + (f32 ? ", float32" : "") +
                  ") do not fit in L1 even with 16-row tiles";
     return plan;
   }
@@ -155,7 +153,9 @@ Plan<SgmvTiling> plan_sgmv(const SgmvParams& p, const Target& target) {
   t.x_dtype = code(p.x_dtype);
   t.y_dtype = code(p.y_dtype);
   plan.workspace_bytes = slot_workspace_bytes(t.tiles);
-  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/true);
+  // h in GM on its way back into L1: as fp32 rows for the AIVs to split, or (float32 x) alone.
+  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*halves=*/2, /*with_source=*/true);
+  if (f32) plan.split_bytes = set_split(t.tiles, h_cols, /*halves=*/0, /*with_source=*/true);
   plan.launch = true;
   return plan;
 }
@@ -199,7 +199,7 @@ Plan<LoraExpandTiling> plan_lora_expand(const ExpandParams& p, const Target& tar
   t.b_dtype = code(p.b_dtype);
   t.y_dtype = code(p.y_dtype);
   plan.workspace_bytes = slot_workspace_bytes(t.tiles);
-  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*with_source=*/false);
+  if (split) plan.split_bytes = set_split(t.tiles, h_cols, /*halves=*/2, /*with_source=*/false);
   plan.launch = true;
   return plan;
 }
@@ -239,7 +239,9 @@ Plan<GroupedGemmTiling> plan_grouped_gemm(const GroupedGemmParams& p, const Targ
   t.has_n_sizes = p.n_sizes != nullptr;
   t.has_k_sizes = p.k_sizes != nullptr;
   plan.workspace_bytes = slot_workspace_bytes(t.tiles);
-  if (p.x_dtype != p.w_dtype) plan.split_bytes = set_split(t.tiles, round_up(p.k, 16), /*with_source=*/false);
+  if (p.x_dtype != p.w_dtype) {
+    plan.split_bytes = set_split(t.tiles, round_up(p.k, 16), /*halves=*/2, /*with_source=*/false);
+  }
   plan.launch = true;
   return plan;
 }

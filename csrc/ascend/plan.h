@@ -20,7 +20,7 @@ template <class Tiling>
 struct Plan {
   Tiling tiling{};
   uint64_t workspace_bytes = 0;  // fp32 workspace: the AIC -> AIV output slots
-  uint64_t split_bytes = 0;      // 16-bit split workspace (fp32 left operands of the cube), 0 without one
+  uint64_t split_bytes = 0;      // split workspace (fp32 left operands of the cube, sgmv's fp32 h), 0 without one
   bool launch = false;  // false: nothing to compute (empty input), or `error` is set
   std::string error;
 };

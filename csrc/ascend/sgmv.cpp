@@ -1,9 +1,11 @@
 // sgmv on the cube unit (docs/design.md §2): for each tile of up to tile_rows rows of one segment (slot l, rank r),
 //   AIC:  h = x[rows] . A[l, s*R : s*R + r]^T for every slice s, accumulated in fp32 in L0C and kept in L1 for the
-//         expand, whose operands are 16-bit: for a half-precision y rounded once to x's dtype (below y's own
-//         rounding), for a float32 y as hi + lo halves (split by the AIVs, kernel_common.h), so that h keeps ~2x
-//         x's precision; then the expand lora_expand shares (kernel_common.h ExpandStage): for every slice and
-//         block of its columns, delta = h_s . B[l, block, :r]^T in fp32 (one Mmad per half) -> workspace slot;
+//         expand, whose operands are x's dtype: for a half-precision y rounded once to x's dtype (below y's own
+//         rounding), for a float32 y from 16-bit x as hi + lo halves (split by the AIVs, kernel_common.h), so that
+//         h keeps ~2x x's precision; for a float32 x as fp32, through a per-block tile in GM (arch 2201's Fixpipe
+//         cannot write fp32 into L1 in the cube's layout); then the expand lora_expand shares (kernel_common.h
+//         ExpandStage): for every slice and block of its columns, delta = h_s . B[l, block, :r]^T in fp32 (one
+//         Mmad per half) -> workspace slot;
 //   AIVs: y[rows, block] += scale * lora_scales[l] * delta, in fp32, rounded once to y's dtype.
 // Only the true rank is read and computed. Every slice is handled in the one launch.
 #include <type_traits>
@@ -17,10 +19,15 @@ namespace {
 
 template <typename T, typename Y>
 class SgmvKernel {
-  // A float32 y takes h as hi + lo: the L1 halves are written by MTE2 (from the split planes), else by Fixpipe.
-  static constexpr bool kSplit = std::is_same_v<Y, float>;
+  // A float32 x: h stays fp32 (the cube takes fp32 operands), stored by Fixpipe to GM and copied back into L1.
+  static constexpr bool kF32 = std::is_same_v<T, float>;
+  // A float32 y from 16-bit x takes h as hi + lo halves, made by the AIVs from h in GM.
+  static constexpr bool kSplit = std::is_same_v<Y, float> && !kF32;
+  // h leaves L0C as fp32 rows in the block's source tile of the split workspace; its L1 copy is then written by
+  // MTE2. Else Fixpipe rounds it into L1 itself.
+  static constexpr bool kHViaGm = kSplit || kF32;
   static constexpr int kParts = kSplit ? 2 : 1;
-  using Stage = ExpandStage<T, kParts, kSplit ? HardEvent::MTE2_MTE1 : HardEvent::FIX_MTE1>;
+  using Stage = ExpandStage<T, kParts, kHViaGm ? HardEvent::MTE2_MTE1 : HardEvent::FIX_MTE1>;
 
  public:
   __aicore__ inline SgmvKernel(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
@@ -42,6 +49,9 @@ class SgmvKernel {
     stage.Init(pipe, cube, t_.expand, tile_rows);
     const SplitPlanes<T> planes(split_, block, t_.tiles);
     SlotWriter slots(workspace_, block, t_.tiles);
+    // Fixpipe's store of the fp32 h -> MTE2's copy of it back into L1: same core, same GM, two pipes.
+    TEventID h_stored = 0;
+    if constexpr (kF32) h_stored = pipe.AllocEventID<HardEvent::FIX_MTE2>();
     TileWalk walk(indptr_, slots_, token_indices_, t_.seg, block, t_.tiles.block_dim, tile_rows);
     while (walk.Next()) {
       const int64_t rank = SlotRank(ranks_, t_.expand, walk.slot);
@@ -49,18 +59,28 @@ class SgmvKernel {
       const int64_t m_pad = RoundUp(walk.count, kFrac), rank_pad = RoundUp(rank, kFrac);
       const int64_t h_cols = t_.expand.num_slices * rank_pad;
       stage.BeginTile();
-      if constexpr (kSplit) {
+      if constexpr (kHViaGm) {
         Shrink(cube, walk, planes.source, a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+      } else {
+        Shrink(cube, walk, stage.h[0], a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+      }
+      if constexpr (kSplit) {
         CrossCoreSetFlag<2, PIPE_FIX>(kSplitSourceFlag);
         CrossCoreWaitFlag(kSplitDoneFlag);
         cube.CopyToL1(stage.h[0], planes.hi, walk.count, planes.ld, h_cols);
         cube.CopyToL1(stage.h[1], planes.lo, walk.count, planes.ld, h_cols);
-      } else {
-        Shrink(cube, walk, stage.h[0], a_[walk.slot * t_.a_stride0], rank, rank_pad, m_pad);
+      }
+      // The next tile's Fixpipe overwrites the source tile only after this copy-in: MTE2 -> MTE1 (the expand's
+      // h_written) -> M -> FIX (the accumulator queue) orders it.
+      if constexpr (kF32) {
+        SetFlag<HardEvent::FIX_MTE2>(h_stored);
+        WaitFlag<HardEvent::FIX_MTE2>(h_stored);
+        stage.CopyIn(cube, 0, planes.source, walk.count, planes.ld, t_.expand, rank);
       }
       stage.Expand(cube, slots, t_.expand, walk.count, b_[walk.slot * t_.expand.b_stride0], rank);
     }
     stage.Finish(pipe);
+    if constexpr (kF32) pipe.ReleaseEventID<HardEvent::FIX_MTE2>(h_stored);
     slots.Drain();
   }
 
@@ -90,7 +110,7 @@ class SgmvKernel {
 
  private:
   // h[:, s * rank_pad + j] = x[rows] . A[s * R + j]^T for j < rank, in passes of group_cols columns of L0C, each
-  // stored by Fixpipe: rounded to T into L1 (NZ), or as fp32 rows into the split source tile in GM.
+  // stored by Fixpipe: rounded to T into L1 (NZ), or as fp32 rows into the block's source tile in GM.
   template <class H>
   __aicore__ inline void Shrink(Cube<T>& cube, const TileWalk& walk, const H& h, const GlobalTensor<T>& a,
                                 int64_t rank, int64_t rank_pad, int64_t m_pad) {
@@ -114,7 +134,7 @@ class SgmvKernel {
         cube.FreeLeft(xa);
       }
       acc = cube.Finish(acc);
-      if constexpr (kSplit) {
+      if constexpr (kHViaGm) {
         Fixpipe(h[c0], acc,
                 FixpipeParamsV220{static_cast<uint16_t>(c1 - c0), static_cast<uint16_t>(walk.count),
                                   static_cast<uint16_t>(m_pad), static_cast<uint32_t>(t_.tiles.split_ld), false,
@@ -163,7 +183,10 @@ extern "C" __global__ __aicore__ void lora_ops_sgmv(GM_ADDR y, GM_ADDR x, GM_ADD
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
   const bool f32_y = tiling.y_dtype == kFloat;
-  if (tiling.x_dtype == kHalf) {
+  if (tiling.x_dtype == kFloat) {  // y is float32 too (the contract: y is x's dtype or float32)
+    RunSgmv<float, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                          workspace, split);
+  } else if (tiling.x_dtype == kHalf) {
     f32_y ? RunSgmv<half, float>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,
                                  lora_scales, workspace, split)
           : RunSgmv<half, half>(tiling, y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks,

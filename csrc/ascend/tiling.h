@@ -34,7 +34,8 @@ struct SegmentShape {
 // n_block columns, handed from each AIC to its two AIVs through two workspace slots of tile_rows x n_block floats.
 // An fp32 left operand of the cube (sgmv's h for a float32 y, grouped_gemm's float32 x with a 16-bit w,
 // lora_expand's float32 h with a 16-bit B) goes through the split workspace: per block, a hi and a lo plane of
-// tile_rows x split_ld 16-bit elements, then (sgmv) the fp32 source tile of tile_rows x split_ld floats.
+// tile_rows x split_ld 16-bit elements, then (sgmv) the fp32 source tile of tile_rows x split_ld floats. sgmv with
+// a float32 x has no planes: its block holds the fp32 source tile alone (h from L0C back into L1).
 struct MatmulTiles {
   uint32_t block_dim;  // AI cores (one AIC + two AIVs each)
   uint32_t tile_rows;  // positions per tile, a multiple of 16 (<= kMaxTileRows)

@@ -532,6 +532,35 @@ TEST(AscendModelHazards, MissingSyncBetweenPipesIsReported) {
   EXPECT_NE(err.find("PIPE_MTE2"), std::string::npos) << err;
 }
 
+// Fixpipe's store to GM and an MTE2 load of it on the same AIC (sgmv's fp32 h on its way back into L1) are two
+// pipes of one core: the element-wise GM tracking orders them like any other pair, so the load needs FIX -> MTE2.
+TEST(AscendModelHazards, GlobalMemoryBetweenPipesOfOneCoreNeedsASync) {
+  std::vector<float> ws(64);
+  auto run = [&](bool sync) {
+    Declare(ws, true, "ws");
+    return RunKernel(KERNEL_TYPE_AIC_ONLY, 1, [&] {
+      TPipe pipe;
+      TQue<TPosition::CO1, 1> co1;
+      TBuf<TPosition::A1> l1;
+      pipe.InitBuffer(co1, 1, 16 * 16 * 4);
+      pipe.InitBuffer(l1, 16 * 16 * 4);
+      auto acc = co1.AllocTensor<float>();
+      Fixpipe(Gm(ws), acc, FixpipeParamsV220{16, 4, 16, 16, false, QuantMode_t::NoQuant, 0, 1, 0, 0, 0});
+      if (sync) {
+        SetFlag<HardEvent::FIX_MTE2>(EVENT_ID0);
+        WaitFlag<HardEvent::FIX_MTE2>(EVENT_ID0);
+      }
+      DataCopy(l1.Get<float>(), Gm(ws), Nd2NzParams{1, 4, 16, 0, 16, 16, 1, 0});
+      co1.FreeTensor(acc);
+    });
+  };
+  EXPECT_EQ(run(true), "");
+  const std::string race = run(false);
+  EXPECT_NE(race.find("RAW hazard on 'ws'"), std::string::npos) << race;
+  EXPECT_NE(race.find("PIPE_MTE2 of AIC of block 0"), std::string::npos) << race;
+  EXPECT_NE(race.find("PIPE_FIX"), std::string::npos) << race;
+}
+
 TEST(AscendModelHazards, FlagsMustPair) {
   EXPECT_NE(RunKernel(KERNEL_TYPE_AIV_ONLY, 1, [] { WaitFlag<HardEvent::V_MTE3>(EVENT_ID1); }).find("stall forever"),
             std::string::npos);
