@@ -21,6 +21,7 @@ import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
 ROUTES = ("sgmv", "fold")
@@ -99,6 +100,13 @@ def sorted_slots(token_lora: torch.Tensor, token_indices: torch.Tensor, out: Opt
     """Each position's slot in build_segments' order, token_lora[token_indices]: the seg_lora of the fold route's
     rows form (fold_expand_rows). Once per step, beside build_segments, not per layer."""
     return torch.index_select(token_lora, 0, token_indices, out=out)
+
+
+def fold_gemm(backend: str) -> Callable:
+    """The fold route's GEMM against [W; A of every slot] before that backend's expand: on CUDA lora_ops'
+    fold_linear (on sm_90 at decode sizes a GEMM that lets the CUDA expand, PDL-launched, start before it ends),
+    before Triton's expand torch's linear (Triton's kernel waits for the GEMM either way)."""
+    return torch.ops.lora_ops.fold_linear.default if backend == "cuda" else F.linear
 
 
 def fold_expand_rows(backend: str, sorted_slots, segments: tuple) -> tuple:

@@ -25,7 +25,6 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 import lora_ops
 from lora_ops import backends, reference, testing
@@ -218,12 +217,6 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
     return out
 
 
-def fold_linear(route: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The fold route's GEMM as the serving layer runs it: lora_ops.fold_linear before the CUDA expand (on sm_90 at
-    decode sizes a GEMM that lets the expand start early), torch's linear (cuBLAS) before Triton's."""
-    return lora_ops.ops.fold_linear if route.endswith("-cuda") else F.linear
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
@@ -248,7 +241,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, fold_linear(name))
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, route_table.fold_gemm(name.split("-")[1]))
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)

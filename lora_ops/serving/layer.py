@@ -4,10 +4,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import ops, routes
+from .. import routes
 
 if TYPE_CHECKING:  # the pool imports this module
     from .pool import AdapterPool, ModuleSlots
@@ -66,8 +65,7 @@ class MultiLoRALinear(nn.Module):
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
         per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":
-            # on CUDA the GEMM that lets the CUDA expand after it start early; Triton's expand waits either way
-            out = (ops.fold_linear if backend == "cuda" else F.linear)(x, m.w_cat, m.bias_cat)
+            out = routes.fold_gemm(backend)(x, m.w_cat, m.bias_cat)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
             h = out2d[:, N:].view(tokens, m.lora_b.shape[0], len(m.slice_names) * m.lora_b.shape[2])
             rows = routes.fold_expand_rows(backend, batch.sorted_slots,
