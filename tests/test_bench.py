@@ -480,3 +480,13 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     assert routes.pick(64, "cuda", 16) == ("fold", "cuda")
     assert routes.pick(64, "cuda", 64) == ("fold", "triton")
+
+
+def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
+    from lora_ops.bench import decode_step
+    assert decode_step.parse_steps("16/16/64,4/4/8") == [decode_step.Step(16, 16, 64), decode_step.Step(4, 4, 8)]
+    for bad, msg in (("16/16", "three positive integers"), ("0/1/16", "three positive integers"),
+                     ("8/33/16", "more adapters than the pool's 32 slots")):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", "cuda", "--decode-step", "--steps", bad])
+        assert msg in capsys.readouterr().err

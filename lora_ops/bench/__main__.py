@@ -81,6 +81,8 @@ def main(argv=None) -> int:
                          "(lora_ops/routes.json)")
     ap.add_argument("--parts", action="store_true",
                     help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv)")
+    ap.add_argument("--steps", default=None, metavar="T/ADAPTERS/RANK,...",
+                    help="with --decode-step: these steps instead of issue 12's four (e.g. 16/16/64,32/16/64)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
@@ -90,6 +92,11 @@ def main(argv=None) -> int:
         ap.error(f"--op-kinds: unknown {sorted(set(kinds) - set(OP_KINDS))}; expected some of {OP_KINDS}")
     if args.op_table and not args.out:
         ap.error("--op-table needs --out: the table names the results file it was built from")
+    if args.steps:
+        try:
+            decode_step.parse_steps(args.steps)
+        except ValueError as e:
+            ap.error(f"--steps: {e}")
     if args.op_table and args.decode_step and not args.ops:
         ap.error("--op-table needs the op bench (--ops)")
     dtype = getattr(torch, args.dtype)
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = decode_step.STEPS[:1] if args.quick else decode_step.STEPS
+        if args.steps:
+            steps = decode_step.parse_steps(args.steps)
         with op_table.disabled():
             decode_step.run(models, device, records, failures, log, only, steps, args.parts)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}

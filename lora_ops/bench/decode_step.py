@@ -69,6 +69,20 @@ class Step:
 STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64)]
 
 
+def parse_steps(text: str) -> List[Step]:
+    """'T/adapters/rank,...' (the --steps option) as steps; a ValueError names the bad one."""
+    steps = []
+    for item in text.split(","):
+        fields = item.split("/")
+        if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"{item!r} is not T/adapters/rank with three positive integers")
+        step = Step(*map(int, fields))
+        if step.adapters > POOL_SLOTS:
+            raise ValueError(f"{item!r}: more adapters than the pool's {POOL_SLOTS} slots")
+        steps.append(step)
+    return steps
+
+
 def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
     """The overhead floors of a step, in % of the base weights' bytes: (the adapters present, A and B: what any
     route must read; the fold route's: every pool slot's A, which its GEMM reads, and the present adapters' B).
