@@ -107,7 +107,7 @@ def _assert_product(y, x, w, b=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 7, 32, 33, 64, 65])
+@pytest.mark.parametrize("T", [1, 7, 16, 17, 32, 33, 64, 65])  # 16 | 17: the two tiles
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cutlass_kernel_up_to_32_tokens(T, dtype, monkeypatch):
     """The automatic choice: the CUTLASS kernel up to 32 tokens, at::linear past them; the product within the output dtype's rounding of the float64 one."""

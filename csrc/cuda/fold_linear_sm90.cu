@@ -6,10 +6,12 @@
 // (csrc/cuda/NOTES.md, session 18: a llama3-8b decode step at T=32, 32 adapters +26.6% -> +24.1% with this kernel).
 //
 // Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
-// N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tile: 64 W rows x 32 tokens,
-// ping-pong (the probe's fastest at 32 tokens; the fold route calls it up to 32). Clusters of 2 along M
-// (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so the sum
-// over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
+// N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tiles: 64 W rows x 32 tokens,
+// ping-pong (the probe's fastest at 32 tokens; the fold route calls it up to 32), and 64 x 16 up to 16 tokens (the
+// 32-token tile made a llama3-8b step's fold GEMMs at rank 64, 4 tokens, 10% slower than cuBLAS's, the 16-token
+// one 2%; the step at rank 16, 4 tokens: +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19). Clusters of 2
+// along M (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so
+// the sum over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -35,9 +37,9 @@ using cute::_64;
 using cute::Int;
 using cute::Shape;
 
-template <class T>
+template <class T, int kTokens>
 struct FoldGemm {
-  using Tile = Shape<_64, _32, _64>;
+  using Tile = Shape<_64, Int<kTokens>, _64>;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   using Cluster = Shape<_2, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -88,8 +90,10 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
 
 template <class F>
 decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
-  if (p.dtype == DType::BF16) return f(FoldGemm<cutlass::bfloat16_t>{});
-  return f(FoldGemm<cutlass::half_t>{});
+  if (p.dtype == DType::BF16) {
+    return p.t <= 16 ? f(FoldGemm<cutlass::bfloat16_t, 16>{}) : f(FoldGemm<cutlass::bfloat16_t, 32>{});
+  }
+  return p.t <= 16 ? f(FoldGemm<cutlass::half_t, 16>{}) : f(FoldGemm<cutlass::half_t, 32>{});
 }
 
 }  // namespace

@@ -339,10 +339,14 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
-// H200: the runs kernel at rank 64 9.28 -> 8.49 us).
+// H200: the runs kernel at rank 64 9.28 -> 8.49 us). Those kernels are launched after the previous kernel ends,
+// not programmatically: after the fold route's GEMM, which lets its dependents launch early, the early launch made
+// a llama3-8b decode step at rank 64 slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's
+// GEMM; csrc/cuda/NOTES.md, session 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
 template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = p.max_rank >= 32;
+  pdl = pdl && !two;
   switch (kernel) {
     case ExpandKernel::Segments: {
       const int64_t groups = (max_segment_tiles(p.seg, kRunPositions) + kWarps - 1) / kWarps;
