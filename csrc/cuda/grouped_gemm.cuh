@@ -65,6 +65,52 @@ cudaError_t launch(Kernel kernel, int64_t blocks, int threads, size_t smem, cuda
 // ---------------------------------------------------------------------------------------------------------------
 // Warp products
 
+// The A fragments of a 16-wide K step of a warp tile of MI*16 rows of x (half w only): x points at the warp's first
+// row and the step's first column in shared memory (row stride xs elements); an fp32 x is split into hi and lo.
+template <class TX, class TW>
+constexpr int kAParts = std::is_same_v<TX, float> ? 2 : 1;
+
+template <class TX, class TW, int MI>
+__device__ __forceinline__ void load_a(uint32_t (&a)[MI][kAParts<TX, TW>][4], const TX* x, int xs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    if constexpr (std::is_same_v<TX, float>) {
+      const float* r0 = x + (mi * 16 + g) * xs + 2 * t;
+      const float* r1 = r0 + 8 * xs;
+      split_pack<TW>(*reinterpret_cast<const float2*>(r0), &a[mi][0][0], &a[mi][1][0]);
+      split_pack<TW>(*reinterpret_cast<const float2*>(r1), &a[mi][0][1], &a[mi][1][1]);
+      split_pack<TW>(*reinterpret_cast<const float2*>(r0 + 8), &a[mi][0][2], &a[mi][1][2]);
+      split_pack<TW>(*reinterpret_cast<const float2*>(r1 + 8), &a[mi][0][3], &a[mi][1][3]);
+    } else {
+      ldmatrix_x4(a[mi][0], x + (mi * 16 + (lane & 15)) * xs + (lane >> 4) * 8);
+    }
+  }
+}
+
+// acc += A . W[NI*8 rows][16]^T on tensor cores, A from load_a, w at the step's first column of the warp's first
+// row of w in shared memory (row stride ws elements); K runs along rows of w.
+template <class TX, class TW, int MI, int NI>
+__device__ __forceinline__ void warp_k16_a(float (&acc)[MI][NI][4], const uint32_t (&a)[MI][kAParts<TX, TW>][4],
+                                           const TW* w, int ws) {
+  static_assert(NI % 2 == 0, "B fragments are loaded for pairs of n8 tiles");
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int np = 0; np < NI / 2; ++np) {
+    uint32_t r[4];
+    ldmatrix_x4(r, w + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ws + ((lane >> 3) & 1) * 8);
+    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+      for (int part = 0; part < kAParts<TX, TW>; ++part) {
+        mma16816<TW>(acc[mi][2 * np], a[mi][part], b0);
+        mma16816<TW>(acc[mi][2 * np + 1], a[mi][part], b1);
+      }
+    }
+  }
+}
+
 // acc += X[MI*16 rows][16] . W[NI*8 rows][16]^T, one K step of a warp tile. x and w point at the warp's first
 // row and the step's first column in shared memory (row strides xs, ws elements); K runs along rows of both.
 template <class TX, class TW, int MI, int NI>
@@ -98,36 +144,9 @@ __device__ __forceinline__ void warp_k16(float (&acc)[MI][NI][4], const TX* x, i
       }
     }
   } else {
-    static_assert(NI % 2 == 0, "B fragments are loaded for pairs of n8 tiles");
-    constexpr int kParts = std::is_same_v<TX, float> ? 2 : 1;  // hi (+ lo) halves of x
-    uint32_t a[MI][kParts][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      if constexpr (std::is_same_v<TX, float>) {
-        const float* r0 = x + (mi * 16 + g) * xs + 2 * t;
-        const float* r1 = r0 + 8 * xs;
-        split_pack<TW>(*reinterpret_cast<const float2*>(r0), &a[mi][0][0], &a[mi][1][0]);
-        split_pack<TW>(*reinterpret_cast<const float2*>(r1), &a[mi][0][1], &a[mi][1][1]);
-        split_pack<TW>(*reinterpret_cast<const float2*>(r0 + 8), &a[mi][0][2], &a[mi][1][2]);
-        split_pack<TW>(*reinterpret_cast<const float2*>(r1 + 8), &a[mi][0][3], &a[mi][1][3]);
-      } else {
-        ldmatrix_x4(a[mi][0], x + (mi * 16 + (lane & 15)) * xs + (lane >> 4) * 8);
-      }
-    }
-#pragma unroll
-    for (int np = 0; np < NI / 2; ++np) {
-      uint32_t r[4];
-      ldmatrix_x4(r, w + (np * 16 + (lane & 7) + (lane >> 4) * 8) * ws + ((lane >> 3) & 1) * 8);
-      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          mma16816<TW>(acc[mi][2 * np], a[mi][part], b0);
-          mma16816<TW>(acc[mi][2 * np + 1], a[mi][part], b1);
-        }
-      }
-    }
+    uint32_t a[MI][kAParts<TX, TW>][4];
+    load_a<TX, TW, MI>(a, x, xs);
+    warp_k16_a<TX, TW, MI, NI>(acc, a, w, ws);
   }
 }
 
@@ -181,25 +200,68 @@ __device__ __forceinline__ void store_tile(const T* src, RowPtr row_ptr, int64_t
   }
 }
 
-// The epilogue of a warp tile, in the shared y tile (ys: the warp's first element, row stride `stride`):
-// y = (has_k ? alpha * acc : 0) + (accumulate ? y : 0). An empty reduction contributes exactly zero, whatever
-// alpha is; with accumulate the y tile must hold y.
-template <class TY, int MI, int NI>
-__device__ __forceinline__ void combine(TY* ys, int stride, const float (&acc)[MI][NI][4], float alpha, bool has_k,
-                                        bool accumulate) {
+// Pairs of adjacent y elements in shared memory as float2: one 4-byte (8 for float) load or store each.
+template <class TY>
+using YPair = std::conditional_t<std::is_same_v<TY, float>, float2,
+                                 std::conditional_t<std::is_same_v<TY, __half>, __half2, __nv_bfloat162>>;
+
+template <class TY>
+__device__ __forceinline__ float2 load_pair(const YPair<TY>* src) {
+  if constexpr (std::is_same_v<TY, float>) {
+    return *src;
+  } else if constexpr (std::is_same_v<TY, __half>) {
+    return __half22float2(*src);
+  } else {  // bf16 -> float is exact: its bits are the float's upper half
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(src);
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
+}
+
+template <class TY>
+__device__ __forceinline__ void store_pair(YPair<TY>* dst, float2 v) {
+  if constexpr (std::is_same_v<TY, float>) {
+    *dst = v;
+  } else if constexpr (std::is_same_v<TY, __half>) {
+    *dst = __float22half2_rn(v);
+  } else {
+    *dst = __float22bfloat162_rn(v);
+  }
+}
+
+template <class TY, int MI, int NI, bool kAccumulate>
+__device__ __forceinline__ void combine_pairs(TY* ys, int stride, const float (&acc)[MI][NI][4], float a) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        TY* dst = ys + (mi * 16 + g + (e >> 1) * 8) * stride + ni * 8 + 2 * t + (e & 1);
-        float v = has_k ? alpha * acc[mi][ni][e] : 0.f;
-        if (accumulate) v += to_f32(*dst);
-        *dst = from_f32<TY>(v);
+      for (int h = 0; h < 2; ++h) {
+        auto* dst = reinterpret_cast<YPair<TY>*>(ys + (mi * 16 + g + h * 8) * stride + ni * 8 + 2 * t);
+        const float* c = &acc[mi][ni][2 * h];
+        if constexpr (kAccumulate) {
+          const float2 old = load_pair<TY>(dst);
+          store_pair<TY>(dst, make_float2(fmaf(a, c[0], old.x), fmaf(a, c[1], old.y)));
+        } else {
+          store_pair<TY>(dst, make_float2(a * c[0], a * c[1]));
+        }
       }
     }
+  }
+}
+
+// The epilogue of a warp tile, in the shared y tile (ys: the warp's first element, row stride `stride`):
+// y = (has_k ? alpha * acc : 0) + (accumulate ? y : 0), with one rounding (an fma) before the store's. An empty
+// reduction contributes exactly zero, whatever alpha is (its acc is zero: it is multiplied by 1); with accumulate
+// the y tile must hold y. Each fragment's two adjacent columns go as one pair.
+template <class TY, int MI, int NI>
+__device__ __forceinline__ void combine(TY* ys, int stride, const float (&acc)[MI][NI][4], float alpha, bool has_k,
+                                        bool accumulate) {
+  const float a = has_k ? alpha : 1.f;
+  if (accumulate) {
+    combine_pairs<TY, MI, NI, true>(ys, stride, acc, a);
+  } else {
+    combine_pairs<TY, MI, NI, false>(ys, stride, acc, a);
   }
 }
 

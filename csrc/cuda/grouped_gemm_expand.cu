@@ -3,7 +3,9 @@
 // (64 x KT, KT = K rounded up to 16) once, then streams 64-column chunks of w and y through a cp.async pipeline:
 // per chunk, 4 warps of 16 rows x 64 columns multiply on tensor cores (fp32 x split hi + lo; FMA for fp32 w),
 // combine with the staged y tile in shared memory and write it back with 16-byte stores. y is read and written
-// once, w is read once per tile of 64 rows (from L2 after the first).
+// once, w is read once per tile of 64 rows (from L2 after the first). The per-chunk work is kept short (x's
+// fragments in registers up to 32 ranks, the y rows' addresses once per tile, pairs in the epilogue): the H200
+// ran the kernel issue-bound (csrc/cuda/NOTES.md, session 19).
 #include <algorithm>
 
 #include "common.cuh"
@@ -44,6 +46,20 @@ struct ExpandPlan {
   Access vec;
 };
 
+// A thread's 16-byte pieces of a ROWS x COLS tile of T: piece j is row r0() + j * kRowStep, columns [c(), c() +
+// kElems). Whole chunks of w and y are staged and stored through these, with the addresses of the tile's y rows
+// worked out once per tile (stage_tile and store_tile work out each piece's row, column and bounds per chunk: ~70
+// instructions a piece, most of the kernel's); a chunk at the group's last columns, or a tensor without 16-byte
+// rows, goes through stage_tile/store_tile.
+template <class T, int ROWS, int COLS>
+struct Pieces {
+  static constexpr int kElems = 16 / sizeof(T), kChunks = COLS / kElems, kRowStep = kThreads / kChunks;
+  static constexpr int kCount = ROWS / kRowStep;
+  static_assert(COLS % kElems == 0 && kThreads % kChunks == 0 && ROWS % kRowStep == 0, "pieces tile the tile");
+  static __device__ __forceinline__ int r0() { return threadIdx.x / kChunks; }
+  static __device__ __forceinline__ int c() { return threadIdx.x % kChunks * kElems; }
+};
+
 template <class TX, class TW, class TY, int KT>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     grouped_gemm_expand_kernel(GroupedGemmParams p, ExpandPlan plan) {
@@ -51,6 +67,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   constexpr int kStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[kBM];
+  __shared__ TY* s_y[kBM];  // the tile's rows of y (nullptr: no row)
   const TX* x = static_cast<const TX*>(p.x);
   const TW* w = static_cast<const TW*>(p.w);
   TY* y = static_cast<TY*>(p.y);
@@ -72,17 +89,42 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           k_l, plan.vec.x, x);
     }
     const TW* w_slot = w + tile.slot * p.w_stride0;
-    auto y_row = [&](int64_t n0) {
-      return [&, n0](int r) -> TY* { return s_rows[r] >= 0 ? y + s_rows[r] * p.y_row_stride + n0 : nullptr; };
-    };
+    if (threadIdx.x < kBM) {
+      const int64_t row = s_rows[threadIdx.x];
+      s_y[threadIdx.x] = row >= 0 ? y + row * p.y_row_stride : nullptr;
+    }
+    __syncthreads();
+    auto y_row = [&](int64_t n0) { return [&, n0](int r) -> TY* { return s_y[r] ? s_y[r] + n0 : nullptr; }; };
+    using WP = Pieces<TW, kBN, KT>;
+    using YP = Pieces<TY, kBM, kBN>;
+    const int w_bytes = (int)clamp_index(k_l - WP::c(), 0, WP::kElems) * (int)sizeof(TW);  // the piece's valid bytes
+    // Piece j's row of y (nullptr: no row), and the piece in the shared y tile of stage st.
+    auto y_row_of = [&](int j) { return s_y[YP::r0() + j * YP::kRowStep]; };
+    auto y_shared = [&](int st, int j) { return L::ys(smem, st) + (YP::r0() + j * YP::kRowStep) * L::YS + YP::c(); };
     auto load_chunk = [&](int st, int64_t n0) {
-      if (has_k) {
+      const bool whole = n0 + kBN <= n_l;
+      if (has_k && whole && plan.vec.w) {
+        const TW* first = w_slot + (n0 + WP::r0()) * p.w_stride1 + WP::c();
+#pragma unroll
+        for (int j = 0; j < WP::kCount; ++j) {
+          cp_async16(L::ws(smem, st) + (WP::r0() + j * WP::kRowStep) * L::WS + WP::c(),
+                     w_bytes > 0 ? first + j * WP::kRowStep * p.w_stride1 : w, w_bytes);
+        }
+      } else if (has_k) {
         stage_tile<TW, kBN, KT, L::WS, kThreads>(
             L::ws(smem, st),
             [&](int i) -> const TW* { return n0 + i < n_l ? w_slot + (n0 + i) * p.w_stride1 : nullptr; }, k_l,
             plan.vec.w, w);
       }
-      if (p.accumulate) stage_tile<TY, kBM, kBN, L::YS, kThreads>(L::ys(smem, st), y_row(n0), n_l - n0, plan.vec.y, y);
+      if (p.accumulate && whole && plan.vec.y) {
+#pragma unroll
+        for (int j = 0; j < YP::kCount; ++j) {
+          const TY* row = y_row_of(j);
+          cp_async16(y_shared(st, j), row ? row + n0 + YP::c() : y, row ? 16 : 0);
+        }
+      } else if (p.accumulate) {
+        stage_tile<TY, kBM, kBN, L::YS, kThreads>(L::ys(smem, st), y_row(n0), n_l - n0, plan.vec.y, y);
+      }
     };
     const int64_t chunks = c_end - c_begin;
 #pragma unroll
@@ -91,6 +133,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       cp_async_commit();
     }
     const int k_steps = (int)(k_l + 15) / 16;
+    // Up to 32 ranks, the warp's x fragments (split into hi and lo once, for an fp32 x) stay in registers for all
+    // of the tile's chunks; above, each chunk loads them again from shared memory.
+    constexpr bool kHoistA = !std::is_same_v<TW, float> && KT <= 32;
+    uint32_t a[kHoistA ? KT / 16 : 1][1][kAParts<TX, TW>][4];
     for (int64_t i = 0; i < chunks; ++i) {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // chunk i has landed for every thread; chunk i - 1 is no longer read
@@ -100,16 +146,36 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const int st = i % kStages;
       const int64_t n0 = (c_begin + i) * kBN;
       float acc[1][kNI][4] = {};
+      if constexpr (kHoistA) {
+        if (i == 0) {  // x has landed with the first chunk
+#pragma unroll
+          for (int ks = 0; ks < KT / 16; ++ks) {
+            load_a<TX, TW, 1>(a[ks], L::xs(smem) + warp * 16 * L::XS + ks * 16, L::XS);
+          }
+        }
+      }
 #pragma unroll
       for (int ks = 0; ks < KT / 16; ++ks) {
         if (ks < k_steps) {
-          warp_k16<TX, TW, 1, kNI>(acc, L::xs(smem) + warp * 16 * L::XS + ks * 16, L::XS,
-                                   L::ws(smem, st) + ks * 16, L::WS);
+          if constexpr (kHoistA) {
+            warp_k16_a<TX, TW, 1, kNI>(acc, a[ks], L::ws(smem, st) + ks * 16, L::WS);
+          } else {
+            warp_k16<TX, TW, 1, kNI>(acc, L::xs(smem) + warp * 16 * L::XS + ks * 16, L::XS,
+                                     L::ws(smem, st) + ks * 16, L::WS);
+          }
         }
       }
       combine<TY, 1, kNI>(L::ys(smem, st) + warp * 16 * L::YS, L::YS, acc, p.alpha, has_k, p.accumulate);
       __syncthreads();
-      store_tile<TY, kBM, kBN, L::YS, kThreads>(L::ys(smem, st), y_row(n0), n_l - n0, plan.vec.y);
+      if (n0 + kBN <= n_l && plan.vec.y) {
+#pragma unroll
+        for (int j = 0; j < YP::kCount; ++j) {
+          TY* row = y_row_of(j);
+          if (row) *reinterpret_cast<uint4*>(row + n0 + YP::c()) = *reinterpret_cast<const uint4*>(y_shared(st, j));
+        }
+      } else {
+        store_tile<TY, kBM, kBN, L::YS, kThreads>(L::ys(smem, st), y_row(n0), n_l - n0, plan.vec.y);
+      }
     }
     cp_async_wait<0>();
   }
