@@ -452,8 +452,8 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
         # fold-cuda wins at rank 16, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
         us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
               "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0}
-        records += [dict(op="decode_step", backend=b, us=v, T=step.T, adapters=step.adapters, rank=step.rank)
-                    for b, v in us.items()]
+        records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
+                         rank=step.rank) for b, v in us.items()]
 
     monkeypatch.setattr(decode_step, "bench_step", fake_step)
     path = str(tmp_path / "routes.json")
@@ -471,6 +471,22 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
         # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends
         assert got == [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda" for b in routes.REGIME_BOUNDS]
         assert got[-2:] == ["sgmv-cuda"] * 2
+    # The same table from the run's results file (python -m lora_ops.bench.report --routes), and none from a
+    # file with failures or without the sweep.
+    records = []
+    for rank, adapters in routes.RANK_SAMPLES:
+        for T in routes.REGIME_SAMPLES:
+            fake_step(decode_step.MODELS["llama3-8b"], decode_step.Step(T, adapters, rank), "cuda", records, [], None)
+    results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[], records=records)
+    (tmp_path / "run.json").write_text(json.dumps(results))
+    assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json")]) == 0
+    again = routes.load(str(tmp_path / "again.json"))
+    assert again.pop("source") == "run.json" and again == dict(table, torch="t")
+    for broken in (dict(results, failures=["decode_step fold-cuda: raised"]), dict(results, records=records[:-5])):
+        (tmp_path / "run.json").write_text(json.dumps(broken))
+        with pytest.raises(SystemExit):
+            report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
+        assert not (tmp_path / "none.json").exists()
     failing = lambda model, step, device, records, failures, *rest: failures.append("fold-cuda raised")
     monkeypatch.setattr(decode_step, "bench_step", failing)
     (tmp_path / "routes.json").unlink()

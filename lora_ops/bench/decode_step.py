@@ -346,32 +346,53 @@ def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
     return chosen
 
 
+def routes_table(records: List[dict], meta: dict) -> dict:
+    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records (llama3-8b,
+    each rank class at its sample rank and adapter count, every regime's sample T; the last record of each route
+    counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError where a
+    sample step has no route timed."""
+    timed: Dict[Tuple[int, int, int], Dict[str, float]] = {}
+    for r in records:
+        if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
+            timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
+    classes = []
+    for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
+        timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
+        samples = [{k: v for k, v in t.items() if k != "base"} for t in timings]
+        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples) if not sample]
+        if missing:
+            raise ValueError(f"no route timed at rank {rank}, {adapters} adapters, T = {missing}")
+        regimes = []
+        for bound, T, choice, t in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
+                                       choose_routes(samples), timings):
+            route, backend = choice.split("-")
+            regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=t))
+        classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
+    table = dict(meta, model="llama3-8b", ranks=classes)
+    route_table.validate(table)
+    return table
+
+
 def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
     """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count
-    (llama3-8b), and writes the table of each class's routes by regime (choose_routes) to `path`
+    (llama3-8b), and writes the table of each class's routes by regime (routes_table) to `path`
     (lora_ops/routes.json). A run in which any route failed or gave a wrong result writes none."""
     import json
 
     failures_before = len(failures)
-    classes = []
-    for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
-        samples, timings = [], []
+    first = len(records)
+    for rank, adapters in route_table.RANK_SAMPLES:
         for T in route_table.REGIME_SAMPLES:
-            first = len(records)
             bench_step(MODELS["llama3-8b"], Step(T, adapters, rank), device, records, failures, log)
-            timings.append({r["backend"]: r["us"] for r in records[first:]})
-            samples.append({k: v for k, v in timings[-1].items() if k != "base"})
-        if len(failures) > failures_before or not all(samples):
-            failures.append(f"routes: {path} not written: a route failed or none ran (rank {rank})")
-            return
-        regimes = []
-        for bound, T, choice, timed in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
-                                           choose_routes(samples), timings):
-            route, backend = choice.split("-")
-            regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=timed))
-        classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
-    table = dict(meta, model="llama3-8b", ranks=classes)
-    route_table.validate(table)
+    try:
+        table = routes_table(records[first:], meta)
+    except ValueError as exc:
+        failures.append(f"routes: {path} not written: {exc}")
+        return
+    if len(failures) > failures_before:
+        failures.append(f"routes: {path} not written: a route failed")
+        return
+    classes = table["ranks"]
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
     log(f"wrote {path}: " + "; ".join(

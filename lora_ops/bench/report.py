@@ -5,7 +5,9 @@ table and its claims cannot drift from the data:
 
 rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
 `--op-table lora_ops/op_table.json` it also writes the CUDA kernels' op table from the file's records
-(lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems).
+(lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems);
+with `--routes lora_ops/routes.json` the serving layer's routes table from a route sweep's records (the decode-step
+bench's --routes writes the same table).
 Several files of one commit and GPU (the op bench and the decode-step bench run as separate processes, so that
 one's results survive the other's crash or timeout) are merged first; `--out PATH` writes the merged results."""
 from __future__ import annotations
@@ -322,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", default=None, help="rewrite this file's bench section (default: print it)")
     ap.add_argument("--op-table", default=None, metavar="PATH",
                     help="write the op table built from the file's records (lora_ops/op_table.json) instead")
+    ap.add_argument("--routes", default=None, metavar="PATH",
+                    help="write the serving layer's routes table built from the file's route-sweep records "
+                         "(lora_ops/routes.json; what --decode-step --routes writes) instead")
     ap.add_argument("--out", default=None, help="write the merged results to <out>.json/.csv/.png")
     args = ap.parse_args(argv)
     loaded = []
@@ -342,6 +347,16 @@ def main(argv=None) -> int:
             op_table.write(args.op_table, result, table_meta(result, source=source))
         except ValueError as exc:
             raise SystemExit(f"{', '.join(args.results)}: {exc}")
+    elif args.routes:
+        from lora_ops.bench import decode_step
+        try:
+            if result["failures"]:
+                raise ValueError(f"a run with failures writes no routes table: {result['failures']}")
+            table = decode_step.routes_table(result["records"], table_meta(result, source=source))
+        except ValueError as exc:
+            raise SystemExit(f"{', '.join(args.results)}: {exc}")
+        with open(args.routes, "w") as f:
+            json.dump(table, f, indent=1)
     elif args.readme:
         update_readme(args.readme, result)
     elif not args.out:
