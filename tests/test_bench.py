@@ -451,7 +451,7 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     def fake_step(model, step, device, records, failures, log, *rest):
         # fold-cuda wins at rank 16, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
         us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
-              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0}
+              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0, "sgmv-triton": 210.0}
         records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
                          rank=step.rank) for b, v in us.items()]
 
@@ -484,7 +484,9 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json")]) == 0
     again = routes.load(str(tmp_path / "again.json"))
     assert again.pop("source") == "run.json" and again == dict(table, torch="t")
-    for broken in (dict(results, failures=["decode_step fold-cuda: raised"]), dict(results, records=records[:-5])):
+    some_routes = [r for r in records if r["backend"] in ("base", "fold-cuda")]  # a run with --impls fold-cuda
+    for broken in (dict(results, failures=["decode_step fold-cuda: raised"]), dict(results, records=records[:-5]),
+                   dict(results, records=some_routes)):
         (tmp_path / "run.json").write_text(json.dumps(broken))
         with pytest.raises(SystemExit):
             report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
@@ -508,3 +510,6 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
         with pytest.raises(SystemExit):
             bench.main(["--device", "cuda", "--decode-step", "--steps", bad])
         assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--steps", "16/16/64"])  # the op bench has no steps
+    assert "--steps needs --decode-step" in capsys.readouterr().err

@@ -49,8 +49,8 @@ struct ExpandPlan {
 // A thread's 16-byte pieces of a ROWS x COLS tile of T: piece j is row r0() + j * kRowStep, columns [c(), c() +
 // kElems). Whole chunks of w and y are staged and stored through these, with the addresses of the tile's y rows
 // worked out once per tile (stage_tile and store_tile work out each piece's row, column and bounds per chunk: ~70
-// instructions a piece, most of the kernel's); a chunk at the group's last columns, or a tensor without 16-byte
-// rows, goes through stage_tile/store_tile.
+// instructions a piece, most of the kernel's); a chunk that the group's last column cuts short, or a tensor
+// without 16-byte rows, goes through stage_tile/store_tile.
 template <class T, int ROWS, int COLS>
 struct Pieces {
   static constexpr int kElems = 16 / sizeof(T), kChunks = COLS / kElems, kRowStep = kThreads / kChunks;

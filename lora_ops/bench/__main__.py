@@ -92,6 +92,8 @@ def main(argv=None) -> int:
         ap.error(f"--op-kinds: unknown {sorted(set(kinds) - set(OP_KINDS))}; expected some of {OP_KINDS}")
     if args.op_table and not args.out:
         ap.error("--op-table needs --out: the table names the results file it was built from")
+    if args.steps and not args.decode_step:
+        ap.error("--steps needs --decode-step")
     if args.steps:
         try:
             decode_step.parse_steps(args.steps)

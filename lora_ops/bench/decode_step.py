@@ -349,8 +349,8 @@ def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
 def routes_table(records: List[dict], meta: dict) -> dict:
     """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records (llama3-8b,
     each rank class at its sample rank and adapter count, every regime's sample T; the last record of each route
-    counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError where a
-    sample step has no route timed."""
+    counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError unless
+    every route and backend was timed at every sample step (a run of some routes, --impls, makes no table)."""
     timed: Dict[Tuple[int, int, int], Dict[str, float]] = {}
     for r in records:
         if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
@@ -359,9 +359,11 @@ def routes_table(records: List[dict], meta: dict) -> dict:
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
         timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
         samples = [{k: v for k, v in t.items() if k != "base"} for t in timings]
-        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples) if not sample]
+        every = {f"{route}-{backend}" for route in route_table.ROUTES for backend in route_table.BACKENDS}
+        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples) if set(sample) != every]
         if missing:
-            raise ValueError(f"no route timed at rank {rank}, {adapters} adapters, T = {missing}")
+            raise ValueError(f"not every route ({sorted(every)}) timed at rank {rank}, {adapters} adapters, "
+                             f"T = {missing}")
         regimes = []
         for bound, T, choice, t in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
                                        choose_routes(samples), timings):
