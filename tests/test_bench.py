@@ -299,7 +299,7 @@ def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(m
 
 def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone(monkeypatch):
     """--parts: the fold GEMM (cuBLAS's and fold_linear's) over the whole step and over each module's layers alone,
-    and each route's LoRA kernels alone, recorded as % of the base step."""
+    each route's LoRA kernels alone (a fold route's expand also per module), recorded as % of the base step."""
     from lora_ops.bench import decode_step
     sizes = []
 
@@ -325,10 +325,11 @@ def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone
     parts = {r["backend"]: r for r in records if r["op"] == "decode_step_part"}
     modules = ["qkv", "o", "gate_up", "down"]
     assert list(parts) == ["fold-gemm", "fold-gemm-fold_linear"] + \
-        [f"fold-gemm{kind}-{m}" for m in modules for kind in ("", "-fold_linear")] + ["expand-only-cpu"]
+        [f"fold-gemm{kind}-{m}" for m in modules for kind in ("", "-fold_linear")] + ["expand-only-cpu"] + \
+        [f"expand-only-cpu-{m}" for m in modules]
     assert all(r["pct_of_base"] == 50.0 for r in parts.values())
     # the captures after the base's and the route's: the parts', in that order (build_segments + 4 x 3 layers)
-    assert sizes[2:] == [12, 12] + [3] * 8 + [13]
+    assert sizes[2:] == [12, 12] + [3] * 8 + [13] + [4] * 4
 
 
 def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):

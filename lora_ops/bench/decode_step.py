@@ -182,13 +182,13 @@ class Setup:
         return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat)
                 for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
-    def expand_only_calls(self, expand) -> List[Callable[[], None]]:
+    def expand_only_calls(self, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
             out = self.out[n]
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer)]
+                                        for n, m in zip(self.names, layer) if module in (None, n)]
 
     def sgmv_only_calls(self, sgmv) -> List[Callable[[], None]]:
         def one(m, n):
@@ -306,7 +306,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
 def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
     """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, and fold_linear's), of every
     module and of each module alone (which GEMM shape fold_linear's kernel wins or loses), the expand kernels on
-    their output, the sgmv kernels without the base GEMM; µs per step and as % of the base step."""
+    their output, of every module and of each alone, the sgmv kernels without the base GEMM; µs per step and as %
+    of the base step."""
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for module in s.names:
         parts[f"fold-gemm-{module}"] = s.fold_gemm_calls(module)
@@ -317,6 +318,9 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
         backend = name.split("-")[1]
         parts[f"{'expand' if kind == 'fold' else 'sgmv'}-only-{backend}"] = \
             s.expand_only_calls(op) if kind == "fold" else s.sgmv_only_calls(op)
+        if kind == "fold":  # each module's expands alone: which slice shapes the expand's time goes to
+            for module in s.names:
+                parts[f"expand-only-{backend}-{module}"] = s.expand_only_calls(op, module)
     for name, calls in parts.items():
         for f in calls:  # eagerly once: the expand parts read the fold GEMMs' outputs as they are
             f()
