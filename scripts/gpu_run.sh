@@ -6,10 +6,14 @@
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
 #              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
 #              (lora_ops/op_table.json)
+#   routes     python -m lora_ops.bench --decode-step --routes: issue 12's rows of llama3-8b, then every route at
+#              every regime, and the serving layer's route table from them (lora_ops/routes.json; ~5 minutes, not
+#              in the default)
 #   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder).
-# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [mutate] [-- bench args]
+# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [routes] [mutate]
+#        [-- bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -94,6 +98,15 @@ if want bench; then
         || status=1
     fi
   fi
+fi
+if want routes; then
+  step routes
+  gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
+  name="benchmarks/results/$(date +%F)-$gpu-routes"
+  $PY -m lora_ops.bench --decode-step --routes lora_ops/routes.json --out "$name" 2>&1 | tee "$OUT/routes.log" \
+    | grep -E "^llama3|fold-cuda|wrote"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ "$OUT" != benchmarks/results ] && [ -f "$name.json" ]; then cp "$name.json" lora_ops/routes.json "$OUT"/; fi
 fi
 if want mutate; then
   step mutate
