@@ -30,6 +30,10 @@ done
 want() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T)) ==="; }
+# benchmarks/results/<date>-<gpu>: the bench's records' base name
+results_base() {
+  echo "benchmarks/results/$(date +%F)-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")"
+}
 
 step build
 # Wheels carried to a machine without a registry (.whl/, git-ignored), e.g. nvidia-cutlass for the sm_90a build.
@@ -75,8 +79,7 @@ fi
 
 if want bench; then
   step bench
-  gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
-  name="benchmarks/results/$(date +%F)-$gpu"
+  name=$(results_base)
   # The op bench and the decode-step bench run as two processes, so that one's results survive the other's crash
   # or timeout (each part is copied to $OUT when done); then merged into <name>.json, and the op table is written
   # from the merged file, only from a full run: none with extra bench arguments (e.g. --quick).
@@ -101,8 +104,7 @@ if want bench; then
 fi
 if want routes; then
   step routes
-  gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
-  name="benchmarks/results/$(date +%F)-$gpu-routes"
+  name="$(results_base)-routes"
   $PY -m lora_ops.bench --decode-step --routes lora_ops/routes.json --out "$name" 2>&1 | tee "$OUT/routes.log" \
     | grep -E "^llama3|fold-cuda|wrote"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1

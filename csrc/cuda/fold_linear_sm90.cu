@@ -90,10 +90,11 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
 
 template <class F>
 decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
-  if (p.dtype == DType::BF16) {
-    return p.t <= 16 ? f(FoldGemm<cutlass::bfloat16_t, 16>{}) : f(FoldGemm<cutlass::bfloat16_t, 32>{});
-  }
-  return p.t <= 16 ? f(FoldGemm<cutlass::half_t, 16>{}) : f(FoldGemm<cutlass::half_t, 32>{});
+  auto by_tokens = [&](auto element) {
+    using T = decltype(element);
+    return p.t <= 16 ? f(FoldGemm<T, 16>{}) : f(FoldGemm<T, 32>{});
+  };
+  return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
 }
 
 }  // namespace

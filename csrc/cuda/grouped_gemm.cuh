@@ -67,11 +67,11 @@ cudaError_t launch(Kernel kernel, int64_t blocks, int threads, size_t smem, cuda
 
 // The A fragments of a 16-wide K step of a warp tile of MI*16 rows of x (half w only): x points at the warp's first
 // row and the step's first column in shared memory (row stride xs elements); an fp32 x is split into hi and lo.
-template <class TX, class TW>
+template <class TX>
 constexpr int kAParts = std::is_same_v<TX, float> ? 2 : 1;
 
 template <class TX, class TW, int MI>
-__device__ __forceinline__ void load_a(uint32_t (&a)[MI][kAParts<TX, TW>][4], const TX* x, int xs) {
+__device__ __forceinline__ void load_a(uint32_t (&a)[MI][kAParts<TX>][4], const TX* x, int xs) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
@@ -91,7 +91,7 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[MI][kAParts<TX, TW>][4], co
 // acc += A . W[NI*8 rows][16]^T on tensor cores, A from load_a, w at the step's first column of the warp's first
 // row of w in shared memory (row stride ws elements); K runs along rows of w.
 template <class TX, class TW, int MI, int NI>
-__device__ __forceinline__ void warp_k16_a(float (&acc)[MI][NI][4], const uint32_t (&a)[MI][kAParts<TX, TW>][4],
+__device__ __forceinline__ void warp_k16_a(float (&acc)[MI][NI][4], const uint32_t (&a)[MI][kAParts<TX>][4],
                                            const TW* w, int ws) {
   static_assert(NI % 2 == 0, "B fragments are loaded for pairs of n8 tiles");
   const int lane = threadIdx.x & 31;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void warp_k16_a(float (&acc)[MI][NI][4], const uint32
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-      for (int part = 0; part < kAParts<TX, TW>; ++part) {
+      for (int part = 0; part < kAParts<TX>; ++part) {
         mma16816<TW>(acc[mi][2 * np], a[mi][part], b0);
         mma16816<TW>(acc[mi][2 * np + 1], a[mi][part], b1);
       }
@@ -144,7 +144,7 @@ __device__ __forceinline__ void warp_k16(float (&acc)[MI][NI][4], const TX* x, i
       }
     }
   } else {
-    uint32_t a[MI][kAParts<TX, TW>][4];
+    uint32_t a[MI][kAParts<TX>][4];
     load_a<TX, TW, MI>(a, x, xs);
     warp_k16_a<TX, TW, MI, NI>(acc, a, w, ws);
   }

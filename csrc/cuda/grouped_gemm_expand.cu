@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // Piece j's row of y (nullptr: no row), and the piece in the shared y tile of stage st.
     auto y_row_of = [&](int j) { return s_y[YP::r0() + j * YP::kRowStep]; };
     auto y_shared = [&](int st, int j) { return L::ys(smem, st) + (YP::r0() + j * YP::kRowStep) * L::YS + YP::c(); };
+    auto whole = [&](int64_t n0) { return n0 + kBN <= n_l; };  // the chunk's columns all belong to the group
     auto load_chunk = [&](int st, int64_t n0) {
-      const bool whole = n0 + kBN <= n_l;
-      if (has_k && whole && plan.vec.w) {
+      if (has_k && whole(n0) && plan.vec.w) {
         const TW* first = w_slot + (n0 + WP::r0()) * p.w_stride1 + WP::c();
 #pragma unroll
         for (int j = 0; j < WP::kCount; ++j) {
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             [&](int i) -> const TW* { return n0 + i < n_l ? w_slot + (n0 + i) * p.w_stride1 : nullptr; }, k_l,
             plan.vec.w, w);
       }
-      if (p.accumulate && whole && plan.vec.y) {
+      if (p.accumulate && whole(n0) && plan.vec.y) {
 #pragma unroll
         for (int j = 0; j < YP::kCount; ++j) {
           const TY* row = y_row_of(j);
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // Up to 32 ranks, the warp's x fragments (split into hi and lo once, for an fp32 x) stay in registers for all
     // of the tile's chunks; above, each chunk loads them again from shared memory.
     constexpr bool kHoistA = !std::is_same_v<TW, float> && KT <= 32;
-    uint32_t a[kHoistA ? KT / 16 : 1][1][kAParts<TX, TW>][4];
+    uint32_t a[kHoistA ? KT / 16 : 1][1][kAParts<TX>][4];
     for (int64_t i = 0; i < chunks; ++i) {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // chunk i has landed for every thread; chunk i - 1 is no longer read
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
       combine<TY, 1, kNI>(L::ys(smem, st) + warp * 16 * L::YS, L::YS, acc, p.alpha, has_k, p.accumulate);
       __syncthreads();
-      if (n0 + kBN <= n_l && plan.vec.y) {
+      if (whole(n0) && plan.vec.y) {
 #pragma unroll
         for (int j = 0; j < YP::kCount; ++j) {
           TY* row = y_row_of(j);

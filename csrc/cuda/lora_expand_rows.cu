@@ -339,14 +339,12 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
-// H200: the runs kernel at rank 64 9.28 -> 8.49 us). Those kernels are launched after the previous kernel ends,
-// not programmatically: after the fold route's GEMM, which lets its dependents launch early, the early launch made
-// a llama3-8b decode step at rank 64 slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's
-// GEMM; csrc/cuda/NOTES.md, session 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
+// H200: the runs kernel at rank 64 9.28 -> 8.49 us).
+bool two_rank_steps(const ExpandParams& p) { return p.max_rank >= 32; }
+
 template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
-  const bool two = p.max_rank >= 32;
-  pdl = pdl && !two;
+  const bool two = two_rank_steps(p);
   switch (kernel) {
     case ExpandKernel::Segments: {
       const int64_t groups = (max_segment_tiles(p.seg, kRunPositions) + kWarps - 1) / kWarps;
@@ -396,7 +394,11 @@ bool runs_kernel_pays(const ExpandParams& p) {
 
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream) {
   if (p.seg.positions == 0 || slice_column_blocks(p, kPassCols) == 0) return cudaSuccess;
-  const bool pdl = cc_major >= 9;
+  // Programmatic launch (sm_90) for the one-step kernels only: after the fold route's GEMM, which lets its
+  // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
+  // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
+  // 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
+  const bool pdl = cc_major >= 9 && !two_rank_steps(p);
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);

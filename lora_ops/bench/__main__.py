@@ -94,11 +94,10 @@ def main(argv=None) -> int:
         ap.error("--op-table needs --out: the table names the results file it was built from")
     if args.steps and not args.decode_step:
         ap.error("--steps needs --decode-step")
-    if args.steps:
-        try:
-            decode_step.parse_steps(args.steps)
-        except ValueError as e:
-            ap.error(f"--steps: {e}")
+    try:
+        steps = decode_step.parse_steps(args.steps) if args.steps else None
+    except ValueError as e:
+        ap.error(f"--steps: {e}")
     if args.op_table and args.decode_step and not args.ops:
         ap.error("--op-table needs the op bench (--ops)")
     dtype = getattr(torch, args.dtype)
@@ -141,9 +140,7 @@ def main(argv=None) -> int:
             run_op_bench(kinds, args.quick, only, dtype, device, l2, copy_tbps, records, failures, log)
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
-        steps = decode_step.STEPS[:1] if args.quick else decode_step.STEPS
-        if args.steps:
-            steps = decode_step.parse_steps(args.steps)
+        steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)
         with op_table.disabled():
             decode_step.run(models, device, records, failures, log, only, steps, args.parts)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}

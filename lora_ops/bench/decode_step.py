@@ -255,7 +255,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, route_table.fold_gemm(name.split("-")[1]))
+            backend = name.split("-")[1]
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, route_table.fold_gemm(backend))
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
@@ -359,11 +360,11 @@ def routes_table(records: List[dict], meta: dict) -> dict:
     for r in records:
         if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
             timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
+    every = {f"{route}-{backend}" for route in route_table.ROUTES for backend in route_table.BACKENDS}
     classes = []
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
         timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
         samples = [{k: v for k, v in t.items() if k != "base"} for t in timings]
-        every = {f"{route}-{backend}" for route in route_table.ROUTES for backend in route_table.BACKENDS}
         missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples) if set(sample) != every]
         if missing:
             raise ValueError(f"not every route ({sorted(every)}) timed at rank {rank}, {adapters} adapters, "
