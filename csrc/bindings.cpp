@@ -84,24 +84,29 @@ check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   return {t.seg_indptr, t.seg_weight, if_defined(t.token_indices), if_defined(t.n_sizes), if_defined(t.k_sizes)};
 }
 
-// fold_linear on every backend but CUDA (and on Meta: fake tensors): at::linear, whose checks and errors it keeps.
-at::Tensor fold_linear_default(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// fold_linear on every backend but CUDA (and on Meta: fake tensors): at::linear, whose checks and errors it keeps,
+// over every row of weight (the slot windows' checks are the CUDA kernel's, which may skip unused ones).
+at::Tensor fold_linear_default(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
+  lora_ops::check_fold_linear_host(weight, seg_indptr, slot_rows);
   return at::linear(x, weight, bias);
 }
 
 // fold_linear under autograd: where a gradient is wanted, at::linear itself (its backward, autocast and transforms
 // are torch's); otherwise the backend kernel below autograd (on CUDA the CUTLASS GEMM). No autograd node on the
 // inference path, so an eager call under no_grad costs what a plain dispatch does.
-at::Tensor fold_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor fold_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) {
+    lora_ops::check_fold_linear_host(weight, seg_indptr, slot_rows);
     return at::linear(x, weight, bias);
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("lora_ops::fold_linear", "")
                              .typed<decltype(fold_linear_default)>();
-  return op.call(x, weight, bias);
+  return op.call(x, weight, bias, seg_indptr, slot_rows);
 }
 
 at::Tensor check_build_segments_op(const at::Tensor& token_lora, int64_t num_slots) {

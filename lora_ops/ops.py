@@ -94,12 +94,19 @@ def build_segments(token_lora: torch.Tensor, num_slots: int) -> Segments:
     return Segments(*_build_segments(token_lora, num_slots))
 
 
-def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                seg_indptr: Optional[torch.Tensor] = None, slot_rows: int = 0) -> torch.Tensor:
     """``x · weightᵀ (+ bias)``, as ``torch.nn.functional.linear`` (its arguments, errors and gradient): the fold
     route's GEMM against a module's ``[W; A of every slot]``, whose extra columns are every slot's h for
     :func:`lora_expand`. On CUDA sm_90 at decode sizes (up to 32 tokens, fp16/bf16, contiguous x, n and k
-    multiples of 8, 16-byte aligned rows, no bias, no gradient wanted) it runs a CUTLASS GEMM, equal to cuBLAS's up to rounding, that lets the lora_expand
-    launched after it start before it ends (programmatic dependent launch); elsewhere, and on every other backend,
-    ``at::linear`` (which also gives the gradient wherever one is wanted).
+    multiples of 8, 16-byte aligned rows, no bias, no gradient wanted) it runs a CUTLASS GEMM, equal to cuBLAS's up
+    to rounding, that lets the lora_expand launched after it start before it ends (programmatic dependent launch);
+    elsewhere, and on every other backend, ``at::linear`` (which also gives the gradient wherever one is wanted).
+
+    With the step's ``seg_indptr`` (:func:`build_segments`', [num_slots + 1]) and ``slot_rows`` (S·R, the rows of
+    weight per slot), weight's last num_slots·slot_rows rows are the slots' windows, and the output columns of a
+    slot no row uses (``seg_indptr[s + 1] <= seg_indptr[s]``) are unspecified: the CUTLASS kernel skips the tiles
+    that hold only such rows, so that a step reads the A of the adapters present, not of every slot (at::linear
+    computes them).
     """
-    return _fold_linear(x, weight, bias)
+    return _fold_linear(x, weight, bias, seg_indptr, slot_rows)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from lora_ops import backends, reference
+from lora_ops import backends, reference, testing
 
 from conftest import case_generator
 
@@ -32,6 +32,54 @@ def test_fold_linear_is_torchs_linear_on_cpu(shape, bias, dtype):
     w = torch.randn(40, 24, generator=gen).to(dtype)
     b = torch.randn(40, generator=gen).to(dtype) if bias else None
     assert torch.equal(lora_ops.fold_linear(x, w, b), F.linear(x, w, b))
+
+
+def _slot_windows(T, slots_used, num_slots, key):
+    """token_lora over `slots_used` (and a row without a slot when T allows), and build_segments' seg_indptr."""
+    gen = case_generator(f"fold_linear-slots-{key}")
+    token_lora = testing.random_token_slots(T, slots_used, gen) if slots_used else \
+        torch.full((T,), -1, dtype=torch.int32)
+    if T > len(slots_used) and slots_used:
+        token_lora[0] = -1
+    return token_lora, lora_ops.build_segments(token_lora, num_slots).seg_indptr
+
+
+def test_fold_linear_with_slot_windows_on_cpu_computes_every_row():
+    """On CPU the slot windows change nothing: at::linear over every row of weight, the unused slots' too."""
+    x, w, _ = _inputs(6, 24, 40 + 8 * 3, torch.float32, "cpu")
+    _, seg_indptr = _slot_windows(6, [1], 8, "cpu")
+    assert torch.equal(lora_ops.fold_linear(x, w, None, seg_indptr, 3), F.linear(x, w))
+
+
+@pytest.mark.parametrize("case", ["float_indptr", "2d_indptr", "empty_indptr", "slot_rows_0", "too_many_slots",
+                                  "huge_slot_rows", "slot_rows_alone", "weight_3d"])
+def test_fold_linear_slot_window_errors_name_the_argument(case):
+    x, w = torch.randn(4, 24), torch.randn(40, 24)
+    seg, slot_rows = torch.zeros(9, dtype=torch.int32), 4
+    match = {"float_indptr": "seg_indptr must be int32 or int64", "2d_indptr": "seg_indptr must be 1-D",
+             "empty_indptr": "seg_indptr must have num_slots \\+ 1 >= 1 entries",
+             "slot_rows_0": "slot_rows .* must be >= 1", "too_many_slots": "8 slots of slot_rows = 6 rows",
+             "huge_slot_rows": "slots of slot_rows = 4611686018427387904", "slot_rows_alone": "without seg_indptr",
+             "weight_3d": "weight must be 2-D"}[case]
+    if case == "float_indptr":
+        seg = seg.float()
+    elif case == "2d_indptr":
+        seg = seg.view(3, 3)
+    elif case == "empty_indptr":
+        seg = seg[:0]
+    elif case == "slot_rows_0":
+        slot_rows = 0
+    elif case == "too_many_slots":
+        slot_rows = 6  # 8 slots x 6 rows > 40
+    elif case == "huge_slot_rows":
+        slot_rows = 2 ** 62  # 8 x 2^62 wraps int64: checked by division
+    elif case == "slot_rows_alone":
+        seg = None
+    elif case == "weight_3d":
+        w = w.view(2, 20, 24)
+    error = TypeError if case == "float_indptr" else ValueError
+    with pytest.raises(error, match=match):
+        lora_ops.fold_linear(x, w, None, seg, slot_rows)
 
 
 def test_fold_linear_raises_torchs_errors():
@@ -69,16 +117,22 @@ def test_opcheck_fold_linear(device):
     for bias in (False, True):
         x, w, b = _inputs(8, 64, 48, torch.bfloat16 if device == "cuda" else torch.float32, device, bias)
         torch.library.opcheck(torch.ops.lora_ops.fold_linear.default, (x, w, b))
+    # every slot used (the output is then specified everywhere, as opcheck compares whole outputs)
+    x, w, _ = _inputs(8, 64, 32 + 8 * 2, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    _, seg_indptr = _slot_windows(8, list(range(8)), 8, "opcheck")
+    torch.library.opcheck(torch.ops.lora_ops.fold_linear.default, (x, w, None, seg_indptr.to(device), 2))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fold_linear_compiles_without_graph_breaks(device):
     torch._dynamo.reset()
-    f = torch.compile(lambda x, w: lora_ops.fold_linear(x, w) * 2, fullgraph=True, dynamic=True)
+    f = torch.compile(lambda x, w, seg: lora_ops.fold_linear(x, w, None, seg, 2) * 2, fullgraph=True, dynamic=True)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for T in (8, 16):
-        x, w, _ = _inputs(T, 64, 48, dtype, device)
-        assert torch.equal(f(x, w), lora_ops.fold_linear(x, w) * 2)
+        x, w, _ = _inputs(T, 64, 32 + 8 * 2, dtype, device)
+        _, seg_indptr = _slot_windows(T, list(range(8)), 8, f"compile-{T}")
+        seg_indptr = seg_indptr.to(device)
+        assert torch.equal(f(x, w, seg_indptr), lora_ops.fold_linear(x, w, None, seg_indptr, 2) * 2)
 
 
 # ---- CUDA ----
@@ -178,9 +232,12 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
     gen = case_generator(f"fold_linear-graph-b-{T}")
     lora_b = torch.randn(L, N, R, generator=gen).to(torch.bfloat16).cuda()
     slots = torch.randint(-1, L, (T,), generator=gen, dtype=torch.int32).cuda()
+    seg_indptr = lora_ops.build_segments(slots, L).seg_indptr
+    used = sorted(set(slots.tolist()) - {-1})
+    specified = torch.cat([torch.arange(N)] + [torch.arange(N + s * R, N + (s + 1) * R) for s in used]).cuda()
 
-    def step():
-        out = lora_ops.fold_linear(x, w)
+    def step():  # as the serving layer's fold route: fold_linear skips the unused slots' windows
+        out = lora_ops.fold_linear(x, w, None, seg_indptr, R)
         lora_ops.lora_expand(out[:, :N], out[:, N:].view(T, L, R), lora_b, None, slots, scale=0.5)
         return out
 
@@ -193,7 +250,7 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     h = captured[:, N:].double().view(T, L, R)
-    _assert_product(captured[:, N:], x, w[N:])
+    _assert_product(captured[:, specified[N:]], x, w[specified[N:]])
     base = reference.fold_linear(x, w[:N])
     delta = torch.zeros_like(base)
     for t, slot in enumerate(slots.tolist()):
@@ -201,7 +258,67 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
             delta[t] = 0.5 * h[t, slot] @ lora_b[slot].double().t()
     expected = base + delta
     assert ((captured[:, :N].double() - expected).norm() / expected.norm()).item() < 1e-2
-    assert torch.equal(captured, step())
+    assert torch.equal(captured[:, specified], step()[:, specified])
+
+
+# fold_linear_sm90.cu: 64-row tiles in clusters of 2 along W's rows; a cluster is skipped when no row uses a slot
+# whose window it touches
+_CLUSTER_ROWS = 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 32])
+@pytest.mark.parametrize("base_rows,slot_rows", [(1024, 16), (1040, 48), (4096, 64)],
+                         ids=["r16", "qkv_r16_base_mid_cluster", "r64"])
+def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, monkeypatch):
+    """With the step's seg_indptr, the base rows and every used slot's window are the float64 product, and on the
+    CUTLASS kernel the clusters of rows that only unused slots' windows touch are not computed: the output's
+    memory, poisoned with NaN before (the caching allocator hands the same block back), keeps its NaN there."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    num_slots = 32
+    gen = case_generator(f"fold_linear-skip-{T}-{slot_rows}")
+    used = sorted(torch.randperm(num_slots, generator=gen)[:max(1, min(T - 1, 3))].tolist())
+    if slot_rows == 48:
+        used[-1] = num_slots - 1  # the last slot: its window ends W, in a cluster of its own
+    token_lora, seg_indptr = _slot_windows(T, used, num_slots, f"skip-{T}-{slot_rows}")
+    rows = base_rows + num_slots * slot_rows
+    x, w, _ = _inputs(T, 256, rows, torch.bfloat16, "cuda", key="skip")
+    poisoned = torch.full((T, rows), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poisoned_ptr = poisoned.data_ptr()
+    del poisoned
+    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, None, seg_indptr.cuda(), slot_rows))
+    ref = reference.fold_linear(x, w)
+    needed = torch.zeros(rows, dtype=torch.bool)
+    needed[:base_rows] = True
+    for slot in set(token_lora.tolist()) - {-1}:
+        needed[base_rows + slot * slot_rows:base_rows + (slot + 1) * slot_rows] = True
+    torch.testing.assert_close(y[:, needed].double(), ref[:, needed], rtol=2 ** -7, atol=1e-2)
+    if not _sm90_built():
+        assert not _ran_cutlass(ran) and not y.isnan().any()
+        return
+    assert _ran_cutlass(ran), ran
+    assert y.data_ptr() == poisoned_ptr, "the caching allocator did not reuse the poisoned block"
+    computed = needed.clone()
+    for first in range(0, rows, _CLUSTER_ROWS):
+        computed[first:first + _CLUSTER_ROWS] = needed[first:first + _CLUSTER_ROWS].any()
+    assert not y[:, computed].isnan().any()
+    assert y[:, ~computed].isnan().all(), f"{(~y[:, ~computed].isnan()).sum().item()} skippable values computed"
+    assert (~computed).sum() >= (num_slots - len(used)) * slot_rows - 2 * _CLUSTER_ROWS * len(used)
+
+
+@pytest.mark.gpu
+def test_garbage_seg_indptr_reads_in_bounds_and_computes_the_base_rows(monkeypatch):
+    """Any seg_indptr values (negative, huge, descending) only choose which slot windows are computed: the base rows
+    are the product, and compute-sanitizer (scripts/gpu_run.sh) sees every read in bounds."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    gen = case_generator("fold_linear-garbage")
+    x, w, _ = _inputs(16, 256, 1024 + 16 * 48, torch.bfloat16, "cuda", key="garbage")
+    for seg_indptr in (torch.randint(-2 ** 31, 2 ** 31 - 1, (17,), generator=gen, dtype=torch.int64),
+                       torch.arange(16, -1, -1, dtype=torch.int32), torch.zeros(17, dtype=torch.int32),
+                       torch.tensor([0, 2 ** 40] * 8 + [-(2 ** 40)]), torch.zeros(1, dtype=torch.int32)):
+        y = lora_ops.fold_linear(x, w, None, seg_indptr.cuda(), 48)
+        torch.testing.assert_close(y[:, :1024].double(), reference.fold_linear(x, w[:1024]), rtol=2 ** -7,
+                                   atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+import lora_ops
 from lora_ops import routes
 
 from test_serving import _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a module fixture)
@@ -20,6 +21,26 @@ def test_committed_table_covers_every_regime():
     for tokens in (1, *[t for b in routes.REGIME_BOUNDS[:-1] for t in (b, b + 1)], 1 << 20):
         for max_rank in (1, 16, 32, 33, 64, 256):
             assert routes.pick(tokens, "cuda", max_rank) in {(r, b) for r in routes.ROUTES for b in routes.BACKENDS}
+
+
+def test_fold_gemm_hands_fold_linear_the_steps_segments():
+    """The fold route's GEMM passes fold_linear the step's seg_indptr and the rows of one slot's window, so that
+    the CUDA kernel skips the unused slots' A (on CPU every row is computed: F.linear's product)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(3, 8), torch.randn(16 + 4 * 2, 8)
+    seg_indptr = lora_ops.build_segments(torch.tensor([1, 3, 1], dtype=torch.int32), 4).seg_indptr
+    with Record():
+        out = routes.fold_gemm(x, w, None, seg_indptr, 2)
+    assert torch.equal(out, torch.nn.functional.linear(x, w))
+    (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
+    assert args[3].data_ptr() == seg_indptr.data_ptr() and args[4] == 2
 
 
 @pytest.mark.parametrize("regimes,msg", [

@@ -548,6 +548,36 @@ at::Tensor build_segments_token_lora(const at::Tensor& token_lora, int64_t num_s
   return kernel_index(token_lora);
 }
 
+void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
+                            int64_t slot_rows) {
+  constexpr const char* op = "lora_ops.fold_linear";
+  if (!seg_indptr.has_value()) {
+    TORCH_CHECK_VALUE(slot_rows == 0, op, ": slot_rows = ", num(slot_rows),
+                      " without seg_indptr; pass build_segments' seg_indptr with it, or neither");
+    return;
+  }
+  TORCH_CHECK_VALUE(seg_indptr->device() == weight.device(), op, ": seg_indptr is on ", seg_indptr->device().str(),
+                    " but weight is on ", weight.device().str(), "; all tensors must be on one device");
+  check_index_tensor(op, "seg_indptr", *seg_indptr, *seg_indptr, std::nullopt, "");
+  TORCH_CHECK_VALUE(holds(seg_indptr->sym_size(0).sym_ge(1)), op,
+                    ": seg_indptr must have num_slots + 1 >= 1 entries, got 0");
+  check_int32_extent(op, "len(seg_indptr)", seg_indptr->sym_size(0));
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [rows, in_features] with seg_indptr, got shape ",
+                    shape_str(weight));
+  TORCH_CHECK_VALUE(slot_rows >= 1, op, ": slot_rows (the rows of weight per slot, S·R) must be >= 1, got ",
+                    num(slot_rows));
+  // num_slots * slot_rows <= rows, written as a division: slot_rows may be any int64
+  TORCH_CHECK_VALUE(holds((seg_indptr->sym_size(0) - 1).sym_le(weight.sym_size(0) / slot_rows)), op,
+                    ": seg_indptr's ", num(seg_indptr->sym_size(0) - 1), " slots of slot_rows = ", num(slot_rows),
+                    " rows each do not fit weight's ", num(weight.sym_size(0)), " rows");
+}
+
+at::Tensor fold_linear_seg_indptr(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
+                                  int64_t slot_rows) {
+  check_fold_linear_host(weight, seg_indptr, slot_rows);
+  return seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
+}
+
 BuildSegmentsParams check_build_segments(const at::Tensor& token_lora, int64_t num_slots,
                                          at::Tensor& token_indices, at::Tensor& seg_indptr,
                                          at::Tensor& seg_lora, at::Tensor& token_lora_i32) {

@@ -54,6 +54,15 @@ void check_grouped_gemm_host(const at::Tensor& y, const at::Tensor& x, const at:
 
 void check_build_segments_host(const at::Tensor& token_lora, int64_t num_slots);
 
+// fold_linear's slot windows: with seg_indptr (1-D int32 or int64 on weight's device, num_slots + 1 >= 1 entries)
+// weight is 2-D, slot_rows >= 1 and its last num_slots * slot_rows rows are the slots' windows; without it,
+// slot_rows is 0. (x, weight and bias are at::linear's to check.)
+void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
+                            int64_t slot_rows);
+// The same, then seg_indptr as the kernels read it (int32, contiguous; int64 saturated), or undefined without it.
+at::Tensor fold_linear_seg_indptr(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
+                                  int64_t slot_rows);
+
 // lora_scales is not converted (left undefined in the result): the Triton kernel reads it through its stride.
 SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                                     const at::Tensor& lora_b, const at::Tensor& seg_indptr,

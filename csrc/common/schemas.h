@@ -16,7 +16,8 @@ constexpr const char* kGroupedGemm =
     "(Tensor(a!) y, Tensor x, Tensor w, Tensor seg_indptr, Tensor seg_weight, "
     "Tensor? token_indices=None, Tensor? n_sizes=None, Tensor? k_sizes=None, float alpha=1.0, "
     "bool accumulate=True) -> ()";
-constexpr const char* kFoldLinear = "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor";
+constexpr const char* kFoldLinear =
+    "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? seg_indptr=None, int slot_rows=0) -> Tensor";
 constexpr const char* kBuildSegments =
     "(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, Tensor seg_lora)";
 

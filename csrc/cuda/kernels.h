@@ -97,12 +97,16 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
 // a 9.0 device, a 64 x 16 ping-pong tile up to 16 tokens, 64 x 32 above. Automatic up to kFoldLinearMaxTokens
 // tokens, where it was measured to beat cuBLAS in the fold route (H200: llama3-8b T=32/32 +26.6 -> +24.1%; at 64
 // tokens a 128 x 64 cooperative tile lost to cuBLAS, +68.0 -> +75.1%).
+// With seg_indptr (int32 [num_slots + 1], build_segments'): w's last num_slots * slot_rows rows are the slots'
+// windows, and the kernel may skip those of slots no row uses (their columns of y are then left unwritten).
 struct FoldLinearParams {
   const void* x;
   const void* w;
   void* y;
   int64_t t, n, k, x_row_stride, w_row_stride;
   DType dtype;
+  const int32_t* seg_indptr = nullptr;
+  int64_t num_slots = 0, slot_rows = 0;
 };
 constexpr int64_t kFoldLinearMaxTokens = 32;
 // Supported: the checks above (y is not read). The launch returns cudaErrorNotSupported, launching nothing, where

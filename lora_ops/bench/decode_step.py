@@ -7,10 +7,11 @@ adapter of a 32-slot pool. Routes:
 
 - base:        the base GEMMs alone (cuBLAS).
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
-- fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every slot's h (bf16) at once, then
-               the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
+- fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every used slot's h (bf16) at once,
+               then the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
                rows form (each row's slot as given, no segments), on Triton over the segments. The GEMM is
-               lora_ops.fold_linear before the CUDA expand (as the serving layer runs it), cuBLAS before Triton's.
+               lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (routes.fold_gemm:
+               up to 32 tokens on sm_90 it skips the A of the slots no row uses).
 
 The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
 serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
@@ -165,9 +166,10 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
-    def fold_calls(self, route: str, expand, linear) -> List[Callable[[], None]]:
+    def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
         def one(m, n):
-            out = self.fold_out.setdefault(route, {})[n] = linear(self.x[n], m.w_cat)
+            out = self.fold_out.setdefault(route, {})[n] = route_table.fold_gemm(self.x[n], m.w_cat, None,
+                                                                                  self.seg.seg_indptr, m.S * m.R)
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
@@ -179,8 +181,10 @@ class Setup:
                 for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
     def fold_linear_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
-        return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat)
-                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
+        """fold_linear as the fold routes call it: skipping the slots no row uses."""
+        return [self.build_segments] + [
+            lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
+            for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
     def expand_only_calls(self, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
@@ -255,8 +259,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            backend = name.split("-")[1]
-            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op, route_table.fold_gemm(backend))
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op)
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)

@@ -17,8 +17,9 @@ class MultiLoRALinear(nn.Module):
     route and backend per regime of tokens, from the decode-step bench's measurements):
 
     - "sgmv": y = base(x), then one sgmv over the step's segments (shrink and expand of the adapters present);
-    - "fold": one GEMM against the module's [W; A of every slot] gives y and every slot's h, then lora_expand adds
-      each row's own window of h times its B (its rows form: the rows' slots, no segments). h is rounded to the
+    - "fold": one GEMM against the module's [W; A of every slot] gives y and every used slot's h (fold_linear,
+      which skips the A of the slots no row uses where it can), then lora_expand adds each row's own window of h
+      times its B (its rows form: the rows' slots, no segments). h is rounded to the
       activation dtype there (the sgmv route keeps it in float32); y is returned as a view of the wider GEMM
       output.
 
@@ -65,9 +66,10 @@ class MultiLoRALinear(nn.Module):
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
         per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":
-            out = routes.fold_gemm(backend)(x, m.w_cat, m.bias_cat)
+            slot_rows = len(m.slice_names) * m.lora_b.shape[2]
+            out = routes.fold_gemm(x, m.w_cat, m.bias_cat, batch.seg_indptr, slot_rows)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
-            h = out2d[:, N:].view(tokens, m.lora_b.shape[0], len(m.slice_names) * m.lora_b.shape[2])
+            h = out2d[:, N:].view(tokens, m.lora_b.shape[0], slot_rows)
             rows = routes.fold_expand_rows(backend, batch.sorted_slots,
                                            (batch.seg_indptr, batch.seg_lora, batch.token_indices))
             routes.op("lora_expand", backend)(out2d[:, :N], h, m.lora_b, *rows, *per_slot)
