@@ -211,7 +211,8 @@ template <class F>
 decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    return p.t <= 16 ? f(FoldGemm<T, 16>{}) : f(FoldGemm<T, 32>{});
+    if (p.t <= 16) return f(FoldGemm<T, 16>{});
+    return p.t <= 32 ? f(FoldGemm<T, 32>{}) : f(FoldGemm<T, 64>{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
 }

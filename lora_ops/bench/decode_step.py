@@ -13,12 +13,14 @@ adapter of a 32-slot pool. Routes:
                lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (routes.fold_gemm:
                up to 32 tokens on sm_90 it skips the A of the slots no row uses).
 
-The sgmv and fold routes also run build_segments once per step (the fold route does not read its output, but the
+The sgmv and fold routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the
 serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
-of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes of the adapters present over the bytes of the base weights: what must
-be read, at the same bandwidth), the fold route's own floor (its GEMM reads every pool slot's A, not only the
-present adapters'), and the relative error against the float64 oracle of the first layer's outputs, run eagerly,
-and of the last layer's, left by a replay of the timed graph (the larger; `base` shows the bf16 GEMM's own error).
+of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes of
+the adapters present over the bytes of the base weights: what must be read, at the same bandwidth), the fold
+route's own floor where its GEMM does not skip unused slots (at::linear reads every pool slot's A; fold_linear's
+sm_90 kernel, which skips them, can go below it), and the relative error against the float64 oracle of the first
+layer's outputs, run eagerly, and of the last layer's, left by a replay of the timed graph (the larger; `base`
+shows the bf16 GEMM's own error).
 """
 from __future__ import annotations
 

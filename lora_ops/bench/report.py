@@ -281,8 +281,9 @@ def readme_section(result: dict) -> str:
     if decode:
         head += ["", "**Decode step** (every linear layer of the model in one CUDA graph, bf16, 32-slot pool, each "
                  "row on a random adapter; LoRA overhead over the base step, beside its floor: the adapters' bytes "
-                 "over the base weights' bytes, and the fold route's own floor: every pool slot's A, the present "
-                 "adapters' B; best route in bold):", ""] + decode
+                 "over the base weights' bytes, and the fold route's own floor where its GEMM reads every pool "
+                 "slot's A (the present adapters' B; fold_linear's sm_90 kernel skips the unused slots' A); best "
+                 "route in bold):", ""] + decode
     op = _op_table(records)
     if op:
         head += ["", "**sgmv op** (bf16, graph replay, µs; in brackets % of the memory roofline):", ""] + op
