@@ -283,10 +283,11 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, monkeypa
     token_lora, seg_indptr = _slot_windows(T, used, num_slots, f"skip-{T}-{slot_rows}")
     rows = base_rows + num_slots * slot_rows
     x, w, _ = _inputs(T, 256, rows, torch.bfloat16, "cuda", key="skip")
+    seg_indptr = seg_indptr.cuda()  # before the poisoned block is freed: nothing else may take it
     poisoned = torch.full((T, rows), float("nan"), dtype=torch.bfloat16, device="cuda")
     poisoned_ptr = poisoned.data_ptr()
     del poisoned
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, None, seg_indptr.cuda(), slot_rows))
+    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, None, seg_indptr, slot_rows))
     ref = reference.fold_linear(x, w)
     needed = torch.zeros(rows, dtype=torch.bool)
     needed[:base_rows] = True

@@ -7,9 +7,10 @@
 //
 // Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
 // N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tiles: 64 W rows x 32 tokens,
-// ping-pong (the probe's fastest at 32 tokens; the fold route calls it up to 32), and 64 x 16 up to 16 tokens (the
+// ping-pong (the probe's fastest at 32 tokens; the fold route calls it up to 32), 64 x 16 up to 16 tokens (the
 // 32-token tile made a llama3-8b step's fold GEMMs at rank 64, 4 tokens, 10% slower than cuBLAS's, the 16-token
-// one 2%; the step at rank 16, 4 tokens: +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19). Clusters of 2
+// one 2%; the step at rank 16, 4 tokens: +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19), and 64 x 64
+// past 32 (only where forced, LORA_OPS_CUDA_LINEAR_KERNEL=cutlass: W read once per 64 tokens). Clusters of 2
 // along M (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so
 // the sum over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
 //
@@ -48,7 +49,9 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // W rows all lie in unused slots' windows. Every role of the ping-pong kernel (the producer, both consumers, which
 // take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; both
 // CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both). The check
-// reads two entries of seg_indptr (L2-resident; a W tile needs none).
+// reads two entries of seg_indptr (L2-resident; a W tile needs none). Every role reads them, the consumers before
+// any griddepcontrol.wait: safe because the GEMM is launched without programmatic stream serialization
+// (run_cutlass), so whatever wrote seg_indptr has finished when it starts.
 template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -113,10 +116,13 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   CUTLASS_DEVICE bool needed(WorkTileInfo const& work) const {
     const int64_t first = int64_t(work.M_idx / kClusterTiles) * kClusterRows;
     if (slots_.seg_indptr == nullptr || first < slots_.base_rows) return true;
-    const int64_t s0 = (first - slots_.base_rows) / slots_.slot_rows;
-    if (s0 >= slots_.num_slots) return false;  // rows past W's (the tile grid rounded up to whole clusters)
-    const int64_t s1 = cute::min((first + kClusterRows - 1 - slots_.base_rows) / slots_.slot_rows,
-                                 int64_t(slots_.num_slots) - 1);
+    if (first - slots_.base_rows >= int64_t(slots_.num_slots) * slots_.slot_rows) {
+      return false;  // rows past W's (the tile grid rounded up to whole clusters)
+    }
+    // first - base_rows < num_slots * slot_rows <= n: int32 from here
+    const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
+    const int32_t s0 = offset / slots_.slot_rows;
+    const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
     return __ldg(slots_.seg_indptr + s1 + 1) > __ldg(slots_.seg_indptr + s0);
   }
 
@@ -224,7 +230,7 @@ bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_
   if (!grouped_gemm_sm90_built() || cc_major != 9 || cc_minor != 0) return false;  // sm_90a code runs on 9.0 only
   if (p.dtype != DType::F16 && p.dtype != DType::BF16) return false;
   if (p.t <= 0 || p.n <= 0 || p.k <= 0 || p.n % 8 != 0 || p.k % 8 != 0) return false;
-  if (p.t > INT_MAX || p.n > INT_MAX || p.k > INT_MAX) return false;
+  if (p.t > INT_MAX || p.n > INT_MAX / 2 || p.k > INT_MAX) return false;  // n / 2: the scheduler's int32 rows
   return aligned(p.x, {p.x_row_stride * 2}) && aligned(p.w, {p.w_row_stride * 2});
 }
 
