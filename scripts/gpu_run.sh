@@ -51,8 +51,10 @@ if want tests; then
     && (cd build/cpp-tests && ctest --output-on-failure 2>&1 | tail -15) || status=1
   step pytest
   # --durations: the suite must fit one device call (600 s); the slowest tests say where its time goes.
-  # PYTEST_ARGS (e.g. -k "serving or routes") narrows it.
+  # PYTEST_K (a -k expression, e.g. "serving or routes") narrows it; PYTEST_ARGS adds plain arguments (split on
+  # spaces: no quoting inside).
   $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-$(nproc)} --durations=40 ${PYTEST_ARGS:-} \
+    ${PYTEST_K:+-k "$PYTEST_K"} \
     -p no:benchmark 2>&1 | tee "$OUT/pytest.log" | tail -70
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
