@@ -113,19 +113,6 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
  private:
   // Whether some row uses a W row of this tile's cluster: a base-weight row, or a row of a used slot's window.
   // seg_indptr ascends, so slots s0..s1 hold rows iff seg_indptr[s1 + 1] > seg_indptr[s0].
-  // An entry of seg_indptr, kept in L2 (evict_last): the weights streaming through L2 between two modules' GEMMs
-  // would evict it, and a slot window's first tile would wait on HBM before its first load (H200, session 20: the
-  // llama3-8b step at T=32, 32 adapters +22.6 -> +27.8% with plain loads).
-  static CUTLASS_DEVICE int32_t load_kept(const int32_t* entry) {
-    int32_t value;
-    asm volatile(
-        "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
-        " ld.global.nc.L2::cache_hint.b32 %0, [%1], policy;\n}"
-        : "=r"(value)
-        : "l"(entry));
-    return value;
-  }
-
   CUTLASS_DEVICE bool needed(WorkTileInfo const& work) const {
     const int64_t first = int64_t(work.M_idx / kClusterTiles) * kClusterRows;
     if (slots_.seg_indptr == nullptr || first < slots_.base_rows) return true;
@@ -136,7 +123,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
     const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
     const int32_t s0 = offset / slots_.slot_rows;
     const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-    return load_kept(slots_.seg_indptr + s1 + 1) > load_kept(slots_.seg_indptr + s0);
+    return __ldg(slots_.seg_indptr + s1 + 1) > __ldg(slots_.seg_indptr + s0);
   }
 
   CUTLASS_DEVICE void skip_unused() {
