@@ -84,8 +84,8 @@ check_grouped_gemm_op(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   return {t.seg_indptr, t.seg_weight, if_defined(t.token_indices), if_defined(t.n_sizes), if_defined(t.k_sizes)};
 }
 
-// fold_linear on every backend but CUDA (and on Meta: fake tensors): at::linear, whose checks and errors it keeps,
-// over every row of weight (the slot windows' checks are the CUDA kernel's, which may skip unused ones).
+// fold_linear on every backend but CUDA (and on Meta: fake tensors): the slot windows' checks, then at::linear,
+// whose checks and errors it keeps, over every row of weight (only the CUDA kernel skips unused slots' windows).
 at::Tensor fold_linear_default(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
   lora_ops::check_fold_linear_host(weight, seg_indptr, slot_rows);

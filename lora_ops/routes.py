@@ -4,7 +4,7 @@ The table (routes.json beside this file) is written by the decode-step bench, wh
 regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes lora_ops/routes.json`):
 
 - route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
-- route "fold": one GEMM against [W; A of every slot] gives y and every slot's h, then the lora_expand op;
+- route "fold": one GEMM against [W; A of every slot] gives y and every used slot's h, then the lora_expand op;
 - backend "cuda" (the public op: the C++ kernels, which hand the regimes lora_ops/op_table.json gives to Triton
   over to it) or "triton" (the Triton kernel by name).
 

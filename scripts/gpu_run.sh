@@ -52,7 +52,7 @@ if want tests; then
   step pytest
   # --durations: the suite must fit one device call (600 s); the slowest tests say where its time goes.
   # PYTEST_K (a -k expression, e.g. "serving or routes") narrows it; PYTEST_ARGS adds plain arguments (split on
-  # spaces: no quoting inside).
+  # spaces: no quoting inside; a -k there loses to PYTEST_K's, pytest keeping the last).
   $PY -m pytest tests -q -p no:cacheprovider -m gpu -n ${PYTEST_WORKERS:-$(nproc)} --durations=40 ${PYTEST_ARGS:-} \
     ${PYTEST_K:+-k "$PYTEST_K"} \
     -p no:benchmark 2>&1 | tee "$OUT/pytest.log" | tail -70

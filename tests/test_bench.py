@@ -328,9 +328,8 @@ def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone
         [f"fold-gemm{kind}-{m}" for m in modules for kind in ("", "-fold_linear")] + ["expand-only-cpu"] + \
         [f"expand-only-cpu-{m}" for m in modules]
     assert all(r["pct_of_base"] == 50.0 for r in parts.values())
-    # the captures after the base's and the route's: the parts', in that order (4 x 3 layers; build_segments first
-    # where the calls read the step's segments: fold_linear's, as the routes call it, and the expands)
-    assert sizes[2:] == [12, 13] + [3, 4] * 4 + [13] + [4] * 4
+    # the captures after the base's and the route's: the parts', in that order (build_segments + 4 x 3 layers)
+    assert sizes[2:] == [12, 12] + [3] * 8 + [13] + [4] * 4
 
 
 def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):

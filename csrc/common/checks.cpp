@@ -558,6 +558,7 @@ void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Te
   }
   TORCH_CHECK_VALUE(seg_indptr->device() == weight.device(), op, ": seg_indptr is on ", seg_indptr->device().str(),
                     " but weight is on ", weight.device().str(), "; all tensors must be on one device");
+  // its dtype and dims (the device, checked against weight's above, against itself here)
   check_index_tensor(op, "seg_indptr", *seg_indptr, *seg_indptr, std::nullopt, "");
   TORCH_CHECK_VALUE(holds(seg_indptr->sym_size(0).sym_ge(1)), op,
                     ": seg_indptr must have num_slots + 1 >= 1 entries, got 0");

@@ -315,7 +315,7 @@ enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
-  const at::Tensor slots_indptr = fold_linear_seg_indptr(weight, seg_indptr, slot_rows);
+  check_fold_linear_host(weight, seg_indptr, slot_rows);
   const auto preferred =
       preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
@@ -328,14 +328,16 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     const int64_t k = weight.size(1), n = weight.size(0), t = k > 0 ? x.numel() / k : 0;
     cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
                              x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
-    if (slots_indptr.defined()) {
-      p.seg_indptr = slots_indptr.data_ptr<int32_t>();
-      p.num_slots = slots_indptr.size(0) - 1;
-      p.slot_rows = slot_rows;
-    }
     if ((preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
         cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                          device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+      // int32 as the kernel reads it, converted only here: at::linear computes every row
+      const at::Tensor slots_indptr = fold_linear_seg_indptr(weight, seg_indptr, slot_rows);
+      if (slots_indptr.defined()) {
+        p.seg_indptr = slots_indptr.data_ptr<int32_t>();
+        p.num_slots = slots_indptr.size(0) - 1;
+        p.slot_rows = slot_rows;
+      }
       auto sizes = x.sizes().vec();
       sizes.back() = n;
       const at::Tensor y = at::empty(sizes, x.options());

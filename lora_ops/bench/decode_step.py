@@ -88,7 +88,8 @@ def parse_steps(text: str) -> List[Step]:
 
 def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
     """The overhead floors of a step, in % of the base weights' bytes: (the adapters present, A and B: what any
-    route must read; the fold route's: every pool slot's A, which its GEMM reads, and the present adapters' B).
+    route must read; the fold route's: every pool slot's A, which its GEMM reads where it does not skip unused
+    slots, and the present adapters' B).
     With fewer tokens than adapters, T adapters are present (one token each, Setup)."""
     base = a = b = 0
     for _, K, widths in model.modules():
@@ -183,10 +184,12 @@ class Setup:
                 for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
     def fold_linear_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
-        """fold_linear as the fold routes call it: skipping the slots no row uses."""
-        return [self.build_segments] + [
-            lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
-            for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
+        """fold_linear as the fold routes call it, with the step's segments (built before: not timed here), so
+        skipping the slots no row uses. The calls hold that seg_indptr: other parts rebuild self.seg as they are
+        captured, and a graph keeps only its address."""
+        seg_indptr = self.seg.seg_indptr
+        return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, seg_indptr, m.S * m.R)
+                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
 
     def expand_only_calls(self, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
@@ -310,10 +313,12 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
 
 
 def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
-    """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, and fold_linear's), of every
-    module and of each module alone (which GEMM shape fold_linear's kernel wins or loses), the expand kernels on
+    """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, reading every slot's A, and
+    fold_linear's as the routes call it, skipping unused slots), of every module and of each module alone (which
+    GEMM shape fold_linear's kernel wins or loses), the expand kernels on
     their output, of every module and of each alone, the sgmv kernels without the base GEMM; µs per step and as %
     of the base step."""
+    s.build_segments()  # the step's segments, which fold_linear's parts read
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for module in s.names:
         parts[f"fold-gemm-{module}"] = s.fold_gemm_calls(module)

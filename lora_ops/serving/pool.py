@@ -24,8 +24,8 @@ class ModuleSlots:
 
     The base weight and every slot's A share one tensor, w_cat = [W; A of slot 0; ...; A of slot L-1]
     ([N + L*S*R, K]): the base layer's weight (and bias, with zeros after it in bias_cat) become views of its first
-    N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every slot's h at
-    once, and nothing is stored twice. Create the pool after moving the model to its device and dtype."""
+    N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every used slot's h
+    at once, and nothing is stored twice. Create the pool after moving the model to its device and dtype."""
 
     def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
                  num_slots: int, max_rank: int):
