@@ -425,8 +425,10 @@ def make_fold_linear(d: _Draw, case: Case) -> None:
     """Mostly decode sizes (the CUDA CUTLASS kernel serves up to 32 tokens with n and k multiples of 8, 16-byte
     aligned rows and no bias; at::linear elsewhere): tokens up to 40 in any leading dims, n and k usually in
     eights, the weight often a row range of a taller one (the fold route's [W; A...]) at any row offset, x
-    sometimes a column slice (not contiguous), a bias now and then. Every case is valid: fold_linear's errors are
-    F.linear's."""
+    sometimes a column slice (not contiguous), a bias now and then, and often slot windows (seg_indptr and
+    slot_rows: weight's last rows, whose unused slots the CUDA kernel skips), with build_segments' ascending counts
+    or garbage values. Every case is valid: fold_linear's errors are F.linear's and the windows' (whose checks
+    tests/test_fold_linear.py covers)."""
     big = 4096 if d.large else 64
     T, N, K = d.size(40, 300), d.size(96, big), d.size(96, big)
     if d.chance(0.7):
@@ -445,6 +447,16 @@ def make_fold_linear(d: _Draw, case: Case) -> None:
     bias = d.randn(N, dtype=dtype) if d.chance(0.2) else None
     case.dtype = dtype
     case.kwargs = dict(x=x, weight=weight, bias=bias)
+    if d.chance(0.4):
+        slot_rows = d.rng.choice([8, 16, 48, 64])
+        num_slots = d.rng.randint(0, N // slot_rows)
+        if d.chance(0.8):  # build_segments' form: rows per slot, many slots without any
+            values = [0]
+            for _ in range(num_slots):
+                values.append(values[-1] + d.rng.choice([0, 0, 0, 1, 3]))
+        else:
+            values = [d.index_value(-5, 40, 0.3) for _ in range(num_slots + 1)]
+        case.kwargs.update(seg_indptr=d.index_tensor(values), slot_rows=slot_rows)
 
 
 def make_build_segments(d: _Draw, case: Case) -> None:
@@ -692,14 +704,34 @@ def _compare(case: Case, args: dict, out: torch.Tensor, before: torch.Tensor, re
     return "" if err <= allowed else f"{problem}; absolute {err:.3e} > {allowed:.3e} allowing for rounding"
 
 
+def _specified_columns(args: dict) -> torch.Tensor:
+    """The output columns fold_linear must compute: every one without slot windows; with them the base rows' and,
+    where seg_indptr ascends within int32 (build_segments' form), the used slots' (seg_indptr[s + 1] >
+    seg_indptr[s]); the others are unspecified (the CUDA kernel skips them, garbage only chooses which)."""
+    n = args["weight"].shape[0]
+    keep = torch.ones(n, dtype=torch.bool)
+    if args.get("seg_indptr") is None:
+        return keep
+    seg, rows = args["seg_indptr"].tolist(), args["slot_rows"]
+    base = n - (len(seg) - 1) * rows
+    keep[base:] = False
+    if all(0 <= a <= b <= INT32_MAX for a, b in zip(seg, seg[1:])):
+        for s in range(len(seg) - 1):
+            if seg[s + 1] > seg[s]:
+                keep[base + s * rows:base + (s + 1) * rows] = True
+    return keep
+
+
 def _compare_linear(case: Case, args: dict, out: torch.Tensor) -> str:
     """fold_linear's output against the float64 product: its shape and dtype, and the relative error within the
     dtype's tolerance widened by the rounding of the output's dtype and of the float32 accumulation over K."""
-    ref = reference.fold_linear(**args)
+    ref = reference.fold_linear(args["x"], args["weight"], args["bias"])
     if out.shape != ref.shape or out.dtype != args["x"].dtype:
         return f"output {out.dtype}{list(out.shape)}, expected {args['x'].dtype}{list(ref.shape)}"
     mag = reference.fold_linear(args["x"].abs(), args["weight"].abs(),
                                 args["bias"].abs() if args["bias"] is not None else None)
+    keep = _specified_columns(args)
+    ref, mag, out = ref[..., keep], mag[..., keep], out[..., keep]
     allowed = (testing.TOLERANCE[case.dtype] * ref.norm().item() + _ROUNDOFF[out.dtype] * ref.norm().item()
                + args["x"].shape[-1] * _ROUNDOFF[torch.float32] * mag.norm().item())
     err = (out.cpu().double() - ref).norm().item()
