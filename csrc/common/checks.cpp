@@ -14,6 +14,16 @@ namespace lora_ops {
 
 std::string num(int64_t v) { return std::to_string(v); }
 
+// The one conversion of index values for every backend (the Triton backend receives its tensors from here
+// through torch.ops.lora_ops._check_*). int64 values outside the int32 range SATURATE to INT32_MIN/INT32_MAX
+// instead of wrapping: every size they are compared with fits int32 (check_int32_extent), so a saturated value
+// is skipped or clamped exactly as its true value would be. On the tensor's device, no host sync; int32
+// contiguous input costs nothing, int64 pays two elementwise kernels.
+at::Tensor kernel_index(const at::Tensor& t) {
+  if (t.scalar_type() == at::kInt) return t.contiguous();
+  return t.clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()).to(at::kInt).contiguous();
+}
+
 namespace {
 
 constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
@@ -99,15 +109,6 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t, c
                     num(*expected_len), " entries (", len_what, "), got ", num(t.sym_size(0)));
 }
 
-// The one conversion of index values for every backend (the Triton backend receives its tensors from here
-// through torch.ops.lora_ops._check_*). int64 values outside the int32 range SATURATE to INT32_MIN/INT32_MAX
-// instead of wrapping: every size they are compared with fits int32 (check_int32_extent), so a saturated value
-// is skipped or clamped exactly as its true value would be. On the tensor's device, no host sync; int32
-// contiguous input costs nothing, int64 pays two elementwise kernels.
-at::Tensor kernel_index(const at::Tensor& t) {
-  if (t.scalar_type() == at::kInt) return t.contiguous();
-  return t.clamp(kInt32Min, kInt32Max).to(at::kInt).contiguous();
-}
 
 // seg_indptr [G+1], the per-segment slots [G], token_indices [P] (any P). Without seg_indptr (lora_expand's rows
 // form) position p is segment p: the slots are [P], P = len(token_indices) or the number of rows.
@@ -571,12 +572,6 @@ void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Te
   TORCH_CHECK_VALUE(holds((seg_indptr->sym_size(0) - 1).sym_le(weight.sym_size(0) / slot_rows)), op,
                     ": seg_indptr's ", num(seg_indptr->sym_size(0) - 1), " slots of slot_rows = ", num(slot_rows),
                     " rows each do not fit weight's ", num(weight.sym_size(0)), " rows");
-}
-
-at::Tensor fold_linear_seg_indptr(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
-                                  int64_t slot_rows) {
-  check_fold_linear_host(weight, seg_indptr, slot_rows);
-  return seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
 }
 
 BuildSegmentsParams check_build_segments(const at::Tensor& token_lora, int64_t num_slots,

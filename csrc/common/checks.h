@@ -25,6 +25,10 @@ namespace lora_ops {
 std::string num(int64_t v);
 std::string num_list(at::IntArrayRef values);
 
+// An index tensor as the kernels read it: int32, contiguous; int64 values saturate to the int32 range (one
+// conversion for every op and backend).
+at::Tensor kernel_index(const at::Tensor& t);
+
 // Index tensors as the kernels read them (int32, contiguous), and lora_scales made contiguous.
 struct SgmvIndexTensors {
   at::Tensor seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales;
@@ -59,9 +63,6 @@ void check_build_segments_host(const at::Tensor& token_lora, int64_t num_slots);
 // slot_rows is 0. (x, weight and bias are at::linear's to check.)
 void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
                             int64_t slot_rows);
-// The same, then seg_indptr as the kernels read it (int32, contiguous; int64 saturated), or undefined without it.
-at::Tensor fold_linear_seg_indptr(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
-                                  int64_t slot_rows);
 
 // lora_scales is not converted (left undefined in the result): the Triton kernel reads it through its stride.
 SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,

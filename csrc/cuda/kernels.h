@@ -94,9 +94,9 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
 // fold_linear on sm_90a (fold_linear_sm90.cu: CUTLASS 3.x, TMA + wgmma, built with CUTLASS_ENABLE_GDC_FOR_SM90 so
 // that the lora_expand launched after it starts before it ends), compiled in with grouped_gemm_sm90.cu: y [t, n]
 // (contiguous) = x [t, k] . w [n, k]^T, fp16 or bf16 throughout, rows 16-byte aligned, n and k multiples of 8,
-// a 9.0 device, a 64 x 16 ping-pong tile up to 16 tokens, 64 x 32 up to 32, 64 x 64 above. Automatic up to kFoldLinearMaxTokens
-// tokens, where it was measured to beat cuBLAS in the fold route (H200: llama3-8b T=32/32 +26.6 -> +24.1%; at 64
-// tokens a 128 x 64 cooperative tile lost to cuBLAS, +68.0 -> +75.1%).
+// a 9.0 device, a 64 x 16 ping-pong tile up to 16 tokens, 64 x 32 up to 32, 64 x 64 above. Automatic up to
+// kFoldLinearMaxTokens tokens, where it was measured to beat cuBLAS in the fold route (H200: llama3-8b T=32/32
+// +26.6 -> +24.1%; at 64 tokens a 128 x 64 cooperative tile lost to cuBLAS, +68.0 -> +75.1%).
 // With seg_indptr (int32 [num_slots + 1], build_segments'): w's last num_slots * slot_rows rows are the slots'
 // windows, and the kernel may skip those of slots no row uses (their columns of y are then left unwritten).
 struct FoldLinearParams {

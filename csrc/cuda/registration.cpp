@@ -332,7 +332,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
         cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                          device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
       // int32 as the kernel reads it, converted only here: at::linear computes every row
-      const at::Tensor slots_indptr = fold_linear_seg_indptr(weight, seg_indptr, slot_rows);
+      const at::Tensor slots_indptr = seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
       if (slots_indptr.defined()) {
         p.seg_indptr = slots_indptr.data_ptr<int32_t>();
         p.num_slots = slots_indptr.size(0) - 1;
