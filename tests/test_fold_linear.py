@@ -270,12 +270,15 @@ _CLUSTER_ROWS = 128
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 32])
-@pytest.mark.parametrize("base_rows,slot_rows", [(1024, 16), (1040, 48), (4096, 64)],
-                         ids=["r16", "qkv_r16_base_mid_cluster", "r64"])
-def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, monkeypatch):
+@pytest.mark.parametrize("base_rows,slot_rows,K",
+                         [(1024, 16, 256), (1040, 48, 256), (4096, 64, 256), (1024, 16384, 64)],
+                         ids=["r16", "qkv_r16_base_mid_cluster", "r64", "over_32_tiles_per_cta"])
+def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monkeypatch):
     """With the step's seg_indptr, the base rows and every used slot's window are the float64 product, and on the
     CUTLASS kernel the clusters of rows that only unused slots' windows touch are not computed: the output's
-    memory, poisoned with NaN before (the caching allocator hands the same block back), keeps its NaN there."""
+    memory, poisoned with NaN before (the caching allocator hands the same block back), keeps its NaN there.
+    The last case gives each CTA ~62 tiles (8208 over the H200's 132 SMs): the scheduler judges them 32 at a
+    time, so its second window is used."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     num_slots = 32
     gen = case_generator(f"fold_linear-skip-{T}-{slot_rows}")
@@ -284,7 +287,7 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, monkeypa
         used[-1] = num_slots - 1  # the last slot: its window ends W, in a cluster of its own
     token_lora, seg_indptr = _slot_windows(T, used, num_slots, f"skip-{T}-{slot_rows}")
     rows = base_rows + num_slots * slot_rows
-    x, w, _ = _inputs(T, 256, rows, torch.bfloat16, "cuda", key="skip")
+    x, w, _ = _inputs(T, K, rows, torch.bfloat16, "cuda", key="skip")
     seg_indptr = seg_indptr.cuda()  # before the poisoned block is freed: nothing else may take it
     poisoned = torch.full((T, rows), float("nan"), dtype=torch.bfloat16, device="cuda")
     poisoned_ptr = poisoned.data_ptr()

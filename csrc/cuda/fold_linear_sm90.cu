@@ -49,8 +49,15 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // CTA walks its linear tile indices as the base does (a grid's stride apart) and passes over those whose cluster's
 // W rows all lie in unused slots' windows. Every role of the ping-pong kernel (the producer, both consumers, which
 // take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; both
-// CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both). The check
-// reads two entries of seg_indptr (L2-resident; a W tile needs none). Every role reads them, the consumers before
+// CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both).
+//
+// Which tiles are needed is worked out 32 of the CTA's tiles at a time, off the tiles' critical path: lane j of
+// each warp loads the two seg_indptr entries of the window's j-th tile when the window opens (for the first, at
+// construction), and a ballot gathers them when a tile past the base weight is first looked at, by which time the
+// loads have landed behind the base tiles' work. (Reading them at each tile put two L2 round trips between a
+// tile's last load and the next one's first in every role, and into the consumers' is_last_tile walk before the
+// epilogue: a llama3-8b step at T=32 with every slot used +21.8 -> +25.7%; NOTES.md session 21.) The ballot
+// needs every lane of the warp: the kernel calls the scheduler in warp-uniform code only. The loads happen before
 // any griddepcontrol.wait: safe because the GEMM is launched without programmatic stream serialization
 // (run_cutlass), so whatever wrote seg_indptr has finished when it starts.
 template <class TileShape, class ClusterShape>
@@ -58,6 +65,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   static constexpr int kClusterTiles = cute::size<0>(ClusterShape{});
   static constexpr int kClusterRows = kClusterTiles * cute::size<0>(TileShape{});
+  static constexpr uint32_t kWindow = 32;  // a warp's lanes: one tile each
 
  public:
   struct Arguments : Base::Arguments {
@@ -80,6 +88,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   CUTLASS_DEVICE explicit SlotSkippingScheduler(Params const& params) : Base(params), slots_(params.slots) {
+    if (slots_.seg_indptr != nullptr) open_window();
     skip_unused();
   }
 
@@ -90,7 +99,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
   CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
     for (uint32_t i = 0; i < count; ++i) {
-      Base::advance_to_next_work();
+      step();
       skip_unused();
     }
   }
@@ -112,28 +121,64 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
  private:
-  // Whether some row uses a W row of this tile's cluster: a base-weight row, or a row of a used slot's window.
-  // seg_indptr ascends, so slots s0..s1 hold rows iff seg_indptr[s1 + 1] > seg_indptr[s0].
-  CUTLASS_DEVICE bool needed(WorkTileInfo const& work) const {
-    const int64_t first = int64_t(work.M_idx / kClusterTiles) * kClusterRows;
-    if (slots_.seg_indptr == nullptr || first < slots_.base_rows) return true;
-    if (first - slots_.base_rows >= int64_t(slots_.num_slots) * slots_.slot_rows) {
-      return false;  // rows past W's (the tile grid rounded up to whole clusters)
+  CUTLASS_DEVICE void step() {
+    Base::advance_to_next_work();
+    ++position_;
+  }
+
+  // The first W row of the work tile's cluster.
+  CUTLASS_DEVICE static int64_t cluster_first_row(WorkTileInfo const& work) {
+    return int64_t(work.M_idx / kClusterTiles) * kClusterRows;
+  }
+
+  // Lane j: the seg_indptr entries (lo_, hi_) of the CTA's tile at position_ + j, hi_ > lo_ iff some row needs it
+  // (a base-weight row, or a row of a used slot's window: seg_indptr ascends, so slots s0..s1 hold rows iff
+  // seg_indptr[s1 + 1] > seg_indptr[s0]). Issues the loads; needed() waits for them.
+  CUTLASS_DEVICE void open_window() {
+    Base ahead = *this;
+    ahead.advance_to_next_work(threadIdx.x % kWindow);
+    const WorkTileInfo work = ahead.get_current_work();
+    const int64_t first = cluster_first_row(work);
+    lo_ = 0;
+    hi_ = work.is_valid() ? 1 : 0;
+    if (work.is_valid() && first >= slots_.base_rows) {
+      if (first - slots_.base_rows >= int64_t(slots_.num_slots) * slots_.slot_rows) {
+        hi_ = 0;  // rows past W's (the tile grid rounded up to whole clusters)
+      } else {
+        // first - base_rows < num_slots * slot_rows <= n: int32 from here
+        const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
+        const int32_t s0 = offset / slots_.slot_rows;
+        const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
+        lo_ = __ldg(slots_.seg_indptr + s0);
+        hi_ = __ldg(slots_.seg_indptr + s1 + 1);
+      }
     }
-    // first - base_rows < num_slots * slot_rows <= n: int32 from here
-    const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
-    const int32_t s0 = offset / slots_.slot_rows;
-    const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-    return __ldg(slots_.seg_indptr + s1 + 1) > __ldg(slots_.seg_indptr + s0);
+    window_start_ = position_;
+    gathered_ = false;
+  }
+
+  CUTLASS_DEVICE bool needed(WorkTileInfo const& work) {
+    if (slots_.seg_indptr == nullptr || cluster_first_row(work) < slots_.base_rows) return true;
+    if (position_ - window_start_ >= kWindow) open_window();
+    if (!gathered_) {
+      needed_ = __ballot_sync(0xffffffffu, hi_ > lo_);
+      gathered_ = true;
+    }
+    return (needed_ >> (position_ - window_start_)) & 1u;
   }
 
   CUTLASS_DEVICE void skip_unused() {
     for (WorkTileInfo work = get_current_work(); work.is_valid() && !needed(work); work = get_current_work()) {
-      Base::advance_to_next_work();
+      step();
     }
   }
 
   SlotWindows slots_;
+  uint32_t position_ = 0;      // of the current tile in the CTA's sequence
+  uint32_t window_start_ = 0;  // the position of the tile lane 0 judged
+  int32_t lo_ = 0, hi_ = 1;
+  uint32_t needed_ = 0;  // bit j: the tile at window_start_ + j
+  bool gathered_ = false;
 };
 
 }  // namespace lora_ops::cuda::fold
