@@ -51,21 +51,24 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; both
 // CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both).
 //
-// Which tiles are needed is worked out 32 of the CTA's tiles at a time, off the tiles' critical path: lane j of
-// each warp loads the two seg_indptr entries of the window's j-th tile when the window opens (for the first, at
-// construction), and a ballot gathers them when a tile past the base weight is first looked at, by which time the
-// loads have landed behind the base tiles' work. (Reading them at each tile put two L2 round trips between a
-// tile's last load and the next one's first in every role, and into the consumers' is_last_tile walk before the
-// epilogue: a llama3-8b step at T=32 with every slot used +21.8 -> +25.7%; NOTES.md session 21.) The ballot
-// needs every lane of the warp: the kernel calls the scheduler in warp-uniform code only. The loads happen before
-// any griddepcontrol.wait: safe because the GEMM is launched without programmatic stream serialization
-// (run_cutlass), so whatever wrote seg_indptr has finished when it starts.
+// Which tiles are needed is worked out once, at construction, for the CTA's first 32 tiles (a decode step's GEMMs
+// give a CTA at most ~4; later ones are all computed): lane j of each warp works out the j-th tile and loads its
+// two seg_indptr entries; a ballot marks at once the tiles that stop the walk without those loads (a base-weight
+// tile, or the end), and a second ballot gathers the loads only when the walk first reaches a slot-window tile, by
+// which time they have landed behind the base tiles' work. Advancing is then bit arithmetic, as cheap as the base
+// scheduler's add. (Judging each tile as it came cost a tile-index decomposition per step in every role, five per
+// tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
+// llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
+// slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
+// warp-uniform code only. The loads happen before any griddepcontrol.wait: safe because the GEMM is launched
+// without programmatic stream serialization (run_cutlass), so whatever wrote seg_indptr has finished when it
+// starts.
 template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   static constexpr int kClusterTiles = cute::size<0>(ClusterShape{});
   static constexpr int kClusterRows = kClusterTiles * cute::size<0>(TileShape{});
-  static constexpr uint32_t kWindow = 32;  // a warp's lanes: one tile each
+  static constexpr uint32_t kJudged = 32;  // the tiles judged: a warp's lanes, one tile each
 
  public:
   struct Arguments : Base::Arguments {
@@ -88,7 +91,8 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   CUTLASS_DEVICE explicit SlotSkippingScheduler(Params const& params) : Base(params), slots_(params.slots) {
-    if (slots_.seg_indptr != nullptr) open_window();
+    if (slots_.seg_indptr == nullptr) return;
+    judge_tiles();
     skip_unused();
   }
 
@@ -99,7 +103,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
   CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
     for (uint32_t i = 0; i < count; ++i) {
-      step();
+      step(1);
       skip_unused();
     }
   }
@@ -121,63 +125,48 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
  private:
-  CUTLASS_DEVICE void step() {
-    Base::advance_to_next_work();
-    ++position_;
+  CUTLASS_DEVICE void step(uint32_t tiles) {
+    Base::advance_to_next_work(tiles);
+    position_ += tiles;
   }
 
-  // The first W row of the work tile's cluster.
-  CUTLASS_DEVICE static int64_t cluster_first_row(WorkTileInfo const& work) {
-    return int64_t(work.M_idx / kClusterTiles) * kClusterRows;
-  }
-
-  // Lane j: the seg_indptr entries (lo_, hi_) of the CTA's tile at position_ + j, hi_ > lo_ iff some row needs it
-  // (a base-weight row, or a row of a used slot's window: seg_indptr ascends, so slots s0..s1 hold rows iff
-  // seg_indptr[s1 + 1] > seg_indptr[s0]). Issues the loads; needed() waits for them.
-  CUTLASS_DEVICE void open_window() {
+  // Lane j judges the CTA's j-th tile: stops_ gets the tiles where the walk stops whatever the slots (a
+  // base-weight row in the tile's cluster, or no tile: the end), and (lo_, hi_) are the seg_indptr entries of a
+  // slot-window tile, hi_ > lo_ iff some row uses one of its slots (seg_indptr ascends, so slots s0..s1 hold rows
+  // iff seg_indptr[s1 + 1] > seg_indptr[s0]). The loads are issued here and waited for in skip_unused.
+  CUTLASS_DEVICE void judge_tiles() {
     Base ahead = *this;
-    ahead.advance_to_next_work(threadIdx.x % kWindow);
+    ahead.advance_to_next_work(threadIdx.x % kJudged);
     const WorkTileInfo work = ahead.get_current_work();
-    const int64_t first = cluster_first_row(work);
-    lo_ = 0;
-    hi_ = work.is_valid() ? 1 : 0;
-    if (work.is_valid() && first >= slots_.base_rows) {
-      if (first - slots_.base_rows >= int64_t(slots_.num_slots) * slots_.slot_rows) {
-        hi_ = 0;  // rows past W's (the tile grid rounded up to whole clusters)
-      } else {
-        // first - base_rows < num_slots * slot_rows <= n: int32 from here
-        const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
-        const int32_t s0 = offset / slots_.slot_rows;
-        const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-        lo_ = __ldg(slots_.seg_indptr + s0);
-        hi_ = __ldg(slots_.seg_indptr + s1 + 1);
-      }
+    const int64_t first = int64_t(work.M_idx / kClusterTiles) * kClusterRows;  // the cluster's first W row
+    if (work.is_valid() && first >= slots_.base_rows &&
+        first - slots_.base_rows < int64_t(slots_.num_slots) * slots_.slot_rows) {  // else rows past W's
+      // first - base_rows < num_slots * slot_rows <= n: int32 from here
+      const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
+      const int32_t s0 = offset / slots_.slot_rows;
+      const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
+      lo_ = __ldg(slots_.seg_indptr + s0);
+      hi_ = __ldg(slots_.seg_indptr + s1 + 1);
     }
-    window_start_ = position_;
-    gathered_ = false;
+    stops_ = __ballot_sync(0xffffffffu, !work.is_valid() || first < slots_.base_rows);
   }
 
-  CUTLASS_DEVICE bool needed(WorkTileInfo const& work) {
-    if (slots_.seg_indptr == nullptr || cluster_first_row(work) < slots_.base_rows) return true;
-    if (position_ - window_start_ >= kWindow) open_window();
-    if (!gathered_) {
-      needed_ = __ballot_sync(0xffffffffu, hi_ > lo_);
+  // Moves to the first tile at or after the current one where the walk stops: one some row needs, the end, or
+  // any past the judged ones.
+  CUTLASS_DEVICE void skip_unused() {
+    if (slots_.seg_indptr == nullptr || position_ >= kJudged || ((stops_ >> position_) & 1u)) return;
+    if (!gathered_) {  // the first slot-window tile: wait for the loads
+      stops_ |= __ballot_sync(0xffffffffu, hi_ > lo_);
       gathered_ = true;
     }
-    return (needed_ >> (position_ - window_start_)) & 1u;
-  }
-
-  CUTLASS_DEVICE void skip_unused() {
-    for (WorkTileInfo work = get_current_work(); work.is_valid() && !needed(work); work = get_current_work()) {
-      step();
-    }
+    const uint32_t ahead = stops_ >> position_;
+    step(ahead != 0 ? __ffs(ahead) - 1 : kJudged - position_);
   }
 
   SlotWindows slots_;
-  uint32_t position_ = 0;      // of the current tile in the CTA's sequence
-  uint32_t window_start_ = 0;  // the position of the tile lane 0 judged
-  int32_t lo_ = 0, hi_ = 1;
-  uint32_t needed_ = 0;  // bit j: the tile at window_start_ + j
+  uint32_t position_ = 0;  // of the current tile in the CTA's sequence
+  uint32_t stops_ = 0;     // bit j: the walk stops at the CTA's j-th tile
+  int32_t lo_ = 0, hi_ = 0;
   bool gathered_ = false;
 };
 
