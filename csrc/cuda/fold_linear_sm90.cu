@@ -52,12 +52,11 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both).
 //
 // Which tiles are needed is worked out once, at construction, for the CTA's first 32 tiles (a decode step's GEMMs
-// give a CTA at most ~4; later ones are all computed): lane j of each warp works out the j-th tile and which two
-// seg_indptr entries judge it; a ballot marks at once the tiles that stop the walk without those entries (a
-// base-weight tile, or the end). The entries are loaded at the first advance, or at construction where the first
-// tile needs them (not before: the producer's setmaxnreg, which comes first, waits for every load in flight), and
-// a second ballot gathers them when the walk first reaches a slot-window tile, by which time they have landed
-// behind the base tiles' work. Advancing is then bit arithmetic, as cheap as the base scheduler's add. (Judging each tile as it came cost a tile-index decomposition per step in every role, five per
+// give a CTA at most ~4; later ones are all computed): lane j of each warp works out the j-th tile and loads its
+// two seg_indptr entries; a ballot marks at once the tiles that stop the walk without those loads (a base-weight
+// tile, or the end), and a second ballot gathers the loads only when the walk first reaches a slot-window tile, by
+// which time they have landed behind the base tiles' work. Advancing is then bit arithmetic, as cheap as the base
+// scheduler's add. (Judging each tile as it came cost a tile-index decomposition per step in every role, five per
 // tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
 // llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
 // slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
@@ -104,7 +103,6 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
   CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
     for (uint32_t i = 0; i < count; ++i) {
-      load_entries();
       step(1);
       skip_unused();
     }
@@ -133,9 +131,9 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   // Lane j judges the CTA's j-th tile: stops_ gets the tiles where the walk stops whatever the slots (a
-  // base-weight row in the tile's cluster, or no tile: the end), and (lo_, hi_) the indices into seg_indptr whose
-  // entries judge a slot-window tile: seg_indptr ascends, so slots s0..s1 hold rows iff seg_indptr[s1 + 1] >
-  // seg_indptr[s0] (other lanes: 0 and 0, equal entries).
+  // base-weight row in the tile's cluster, or no tile: the end), and (lo_, hi_) are the seg_indptr entries of a
+  // slot-window tile, hi_ > lo_ iff some row uses one of its slots (seg_indptr ascends, so slots s0..s1 hold rows
+  // iff seg_indptr[s1 + 1] > seg_indptr[s0]). The loads are issued here and waited for in skip_unused.
   CUTLASS_DEVICE void judge_tiles() {
     Base ahead = *this;
     ahead.advance_to_next_work(threadIdx.x % kJudged);
@@ -147,27 +145,19 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
       const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
       const int32_t s0 = offset / slots_.slot_rows;
       const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-      lo_ = s0;
-      hi_ = s1 + 1;
+      lo_ = __ldg(slots_.seg_indptr + s0);
+      hi_ = __ldg(slots_.seg_indptr + s1 + 1);
     }
     stops_ = __ballot_sync(0xffffffffu, !work.is_valid() || first < slots_.base_rows);
-  }
-
-  CUTLASS_DEVICE void load_entries() {
-    if (slots_.seg_indptr == nullptr || stage_ != Stage::Indices) return;
-    lo_ = __ldg(slots_.seg_indptr + lo_);
-    hi_ = __ldg(slots_.seg_indptr + hi_);
-    stage_ = Stage::Loading;
   }
 
   // Moves to the first tile at or after the current one where the walk stops: one some row needs, the end, or
   // any past the judged ones.
   CUTLASS_DEVICE void skip_unused() {
     if (slots_.seg_indptr == nullptr || position_ >= kJudged || ((stops_ >> position_) & 1u)) return;
-    if (stage_ != Stage::Gathered) {  // the first slot-window tile: wait for the entries
-      load_entries();
+    if (!gathered_) {  // the first slot-window tile: wait for the loads
       stops_ |= __ballot_sync(0xffffffffu, hi_ > lo_);
-      stage_ = Stage::Gathered;
+      gathered_ = true;
     }
     const uint32_t ahead = stops_ >> position_;
     step(ahead != 0 ? __ffs(ahead) - 1 : kJudged - position_);
@@ -176,8 +166,8 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   SlotWindows slots_;
   uint32_t position_ = 0;  // of the current tile in the CTA's sequence
   uint32_t stops_ = 0;     // bit j: the walk stops at the CTA's j-th tile
-  int32_t lo_ = 0, hi_ = 0;  // indices into seg_indptr, then its entries
-  enum class Stage : uint8_t { Indices, Loading, Gathered } stage_ = Stage::Indices;
+  int32_t lo_ = 0, hi_ = 0;
+  bool gathered_ = false;
 };
 
 }  // namespace lora_ops::cuda::fold
