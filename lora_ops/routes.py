@@ -101,15 +101,6 @@ def sorted_slots(token_lora: torch.Tensor, token_indices: torch.Tensor, out: Opt
     return torch.index_select(token_lora, 0, token_indices, out=out)
 
 
-def fold_gemm(x: torch.Tensor, w_cat: torch.Tensor, bias: Optional[torch.Tensor], seg_indptr: torch.Tensor,
-              slot_rows: int) -> torch.Tensor:
-    """The fold route's GEMM against [W; A of every slot], before either backend's expand: lora_ops' fold_linear
-    with the step's seg_indptr, so that on sm_90 at decode sizes it reads the A of the slots present only (and lets
-    the CUDA expand, PDL-launched, start before it ends); torch's linear elsewhere. The columns of h of the slots
-    no row uses are left unspecified: no expand reads them."""
-    return torch.ops.lora_ops.fold_linear.default(x, w_cat, bias, seg_indptr, slot_rows)
-
-
 def fold_expand_rows(backend: str, sorted_slots, segments: tuple) -> tuple:
     """What the fold route's lora_expand reads (seg_indptr, seg_lora, token_indices). On CUDA its rows form in
     build_segments' order: each position's row through token_indices and its slot in `sorted_slots`

@@ -23,26 +23,6 @@ def test_committed_table_covers_every_regime():
             assert routes.pick(tokens, "cuda", max_rank) in {(r, b) for r in routes.ROUTES for b in routes.BACKENDS}
 
 
-def test_fold_gemm_hands_fold_linear_the_steps_segments():
-    """The fold route's GEMM passes fold_linear the step's seg_indptr and the rows of one slot's window, so that
-    the CUDA kernel skips the unused slots' A (on CPU every row is computed: F.linear's product)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    calls = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append((func, args))
-            return func(*args, **(kwargs or {}))
-
-    x, w = torch.randn(3, 8), torch.randn(16 + 4 * 2, 8)
-    seg_indptr = lora_ops.build_segments(torch.tensor([1, 3, 1], dtype=torch.int32), 4).seg_indptr
-    with Record():
-        out = routes.fold_gemm(x, w, None, seg_indptr, 2)
-    assert torch.equal(out, torch.nn.functional.linear(x, w))
-    (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
-    assert args[3].data_ptr() == seg_indptr.data_ptr() and args[4] == 2
-
-
 @pytest.mark.parametrize("regimes,msg", [
     ([], "no regimes"),
     ([{"max_tokens": 16, "route": "fold", "backend": "cuda"}], "only the last regime may be open-ended"),

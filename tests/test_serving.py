@@ -462,6 +462,30 @@ def test_a_second_pool_takes_over_a_patched_model(adapters):
         torch.testing.assert_close(model(ids).logits, base(ids).logits)
 
 
+@pytest.mark.parametrize("route", ["fold-cuda", "fold-triton"])
+def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkeypatch):
+    """The layer's fold route passes fold_linear the step's seg_indptr and the rows of one slot's window, so that
+    on sm_90 the GEMM skips the unused slots' A (on CPU every row is computed: F.linear's product)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setenv("LORA_OPS_ROUTE", route)
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    lin = model.get_submodule("model.layers.0.self_attn.q_proj")
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), pool.batch(["b", None, "a"]) as batch, Record():
+        lin(torch.randn(3, 64))
+    (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
+    assert args[1].data_ptr() == lin._slots.w_cat.data_ptr()
+    assert args[3] is not None and args[3].data_ptr() == batch.seg_indptr.data_ptr()
+    assert args[4] == lin._slots.lora_b.shape[2]  # one slice: S * R rows per slot
+
+
 @pytest.mark.parametrize("route", ["sgmv-cuda", "fold-cuda"])
 def test_layer_edges_no_tokens_backward_autocast(adapters, route, monkeypatch):
     """No tokens give an empty output on both routes; a forward with grad mode on and a forward under autocast raise

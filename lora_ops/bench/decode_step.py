@@ -10,8 +10,8 @@ adapter of a 32-slot pool. Routes:
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every used slot's h (bf16) at once,
                then the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
                rows form (each row's slot as given, no segments), on Triton over the segments. The GEMM is
-               lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (routes.fold_gemm:
-               up to 32 tokens on sm_90 it skips the A of the slots no row uses).
+               lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (up to 32 tokens on
+               sm_90 it skips the A of the slots no row uses).
 
 The sgmv and fold routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the
 serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
@@ -171,8 +171,8 @@ class Setup:
 
     def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
         def one(m, n):
-            out = self.fold_out.setdefault(route, {})[n] = route_table.fold_gemm(self.x[n], m.w_cat, None,
-                                                                                  self.seg.seg_indptr, m.S * m.R)
+            out = self.fold_out.setdefault(route, {})[n] = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None,
+                                                                                    self.seg.seg_indptr, m.S * m.R)
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers

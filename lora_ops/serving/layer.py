@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import routes
+from .. import ops, routes
 
 if TYPE_CHECKING:  # the pool imports this module
     from .pool import AdapterPool, ModuleSlots
@@ -67,7 +67,8 @@ class MultiLoRALinear(nn.Module):
         per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":
             slot_rows = len(m.slice_names) * m.lora_b.shape[2]
-            out = routes.fold_gemm(x, m.w_cat, m.bias_cat, batch.seg_indptr, slot_rows)
+            # with the step's segments: on sm_90 at decode sizes the GEMM skips the A of the slots no row uses
+            out = ops.fold_linear(x, m.w_cat, m.bias_cat, batch.seg_indptr, slot_rows)
             N, out2d = m.out_features, out.view(tokens, out.shape[-1])
             h = out2d[:, N:].view(tokens, m.lora_b.shape[0], slot_rows)
             rows = routes.fold_expand_rows(backend, batch.sorted_slots,
