@@ -1,8 +1,10 @@
-"""Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h) a few times, for a profiler
-or a tracing build:
+"""Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h; with --fold, the fold route's
+GEMM) a few times, for a profiler or a tracing build:
 `ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
-[--expand [--rows]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one slice; --rows:
-lora_expand's rows form as the fold route passes it, each position's slot in build_segments' order).
+[--expand [--rows] | --fold [--skip]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one
+slice; --rows: lora_expand's rows form as the fold route passes it, each position's slot in build_segments' order;
+--fold: fold_linear against [W; A of every slot], which on sm_90 up to 32 tokens is the CUTLASS kernel, ncu's
+-k regex:device_kernel; --skip: with the case's seg_indptr, skipping the unused slots' A).
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import argparse
 
@@ -20,6 +22,8 @@ def main():
     parser.add_argument("pool_rank", type=int, nargs="?")
     parser.add_argument("--expand", action="store_true")
     parser.add_argument("--rows", action="store_true")
+    parser.add_argument("--fold", action="store_true")
+    parser.add_argument("--skip", action="store_true")
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--slices", type=int, default=1)
@@ -31,6 +35,9 @@ def main():
     p = pb.p
     h = torch.randn(T, *p.lora_a.shape[:2], dtype=torch.bfloat16, device="cuda")
     sorted_slots = routes.sorted_slots(pb.token_lora, p.token_indices)  # the fold route's rows form
+    slot_rows = p.lora_a.shape[1]
+    w_cat = torch.cat([torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda"),
+                       p.lora_a.reshape(-1, case.K)]) if args.fold else None
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()
@@ -39,7 +46,9 @@ def main():
                 meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
-        if expand and args.rows:
+        if args.fold:
+            lora_ops.fold_linear(p.x, w_cat, None, *((p.seg_indptr, slot_rows) if args.skip else ()))
+        elif expand and args.rows:
             lora_ops.lora_expand(p.y, h, p.lora_b, None, sorted_slots, p.token_indices, p.lora_ranks,
                                  p.lora_scales, p.slice_offsets, p.scale)
         elif expand:
