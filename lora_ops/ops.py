@@ -107,6 +107,7 @@ def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     weight per slot), weight's last num_slots·slot_rows rows are the slots' windows, and the output columns of a
     slot no row uses (``seg_indptr[s + 1] <= seg_indptr[s]``) are unspecified: the CUTLASS kernel skips the tiles
     that hold only such rows, so that a step reads the A of the adapters present, not of every slot (at::linear
-    computes them).
+    computes them). The other slots' columns are the product for an ascending seg_indptr (build_segments'); other
+    values are memory-safe and only choose which windows are computed.
     """
     return _fold_linear(x, weight, bias, seg_indptr, slot_rows)

@@ -28,6 +28,8 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
       err != cudaSuccess) {
     return err;
   }
+  // Launched without programmatic stream serialization (run's launch_with_pdl = false): fold_linear's scheduler
+  // reads seg_indptr before any griddepcontrol.wait, so the previous kernel must have finished.
   if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
