@@ -98,10 +98,11 @@ def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 seg_indptr: Optional[torch.Tensor] = None, slot_rows: int = 0) -> torch.Tensor:
     """``x · weightᵀ (+ bias)``, as ``torch.nn.functional.linear`` (its arguments, errors and gradient, and the
     slot windows' own errors below): the fold route's GEMM against a module's ``[W; A of every slot]``, whose extra
-    columns are the slots' h for :func:`lora_expand`. On CUDA sm_90 at decode sizes (up to 32 tokens, fp16/bf16, contiguous x, n and k
-    multiples of 8, 16-byte aligned rows, no bias, no gradient wanted) it runs a CUTLASS GEMM, equal to cuBLAS's up
-    to rounding, that lets the lora_expand launched after it start before it ends (programmatic dependent launch);
-    elsewhere, and on every other backend, ``at::linear`` (which also gives the gradient wherever one is wanted).
+    columns are the slots' h for :func:`lora_expand`. On CUDA sm_90 at decode sizes (up to 32 tokens, fp16/bf16,
+    contiguous x, n and k multiples of 8, 16-byte aligned rows, no bias, no gradient wanted) it runs a CUTLASS GEMM,
+    equal to cuBLAS's up to rounding, that lets the lora_expand launched after it start before it ends
+    (programmatic dependent launch); elsewhere, and on every other backend, ``at::linear`` (which also gives the
+    gradient wherever one is wanted).
 
     With the step's ``seg_indptr`` (:func:`build_segments`', [num_slots + 1]) and ``slot_rows`` (S·R, the rows of
     weight per slot), weight's last num_slots·slot_rows rows are the slots' windows, and the output columns of a

@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 
-import lora_ops
 from lora_ops import routes
 
 from test_serving import _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a module fixture)
