@@ -3,7 +3,7 @@ GEMM) a few times, for a profiler or a tracing build:
 `ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
 [--expand [--rows] | --fold [--skip]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one
 slice; --rows: lora_expand's rows form as the fold route passes it, each position's slot in build_segments' order;
---fold: fold_linear against [W; A of every slot], which on sm_90 up to 32 tokens is the CUTLASS kernel, ncu's
+--fold: fold_linear against [W; A of every slot], which on sm_90 up to 64 tokens is the CUTLASS kernel, ncu's
 -k regex:device_kernel; --skip: with the case's seg_indptr, skipping the unused slots' A).
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import argparse

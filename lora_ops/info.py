@@ -28,7 +28,7 @@ def report() -> str:
         lines.append(f"{'cuda':<8} {op:<16} {where}")
     sm90 = cuda_build.get("grouped_gemm_sm90", {})
     cutlass = "built" if sm90.get("built") else f"not built: {sm90.get('reason') or cuda_build.get('reason')}"
-    lines.append(f"{'any':<8} {'fold_linear':<16} at::linear; on CUDA 9.0 up to 32 tokens the CUTLASS GEMM that lets "
+    lines.append(f"{'any':<8} {'fold_linear':<16} at::linear; on CUDA 9.0 up to 64 tokens the CUTLASS GEMM that lets "
                  f"the expand start early and skips unused slots: {cutlass}")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()

@@ -98,7 +98,7 @@ def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 seg_indptr: Optional[torch.Tensor] = None, slot_rows: int = 0) -> torch.Tensor:
     """``x · weightᵀ (+ bias)``, as ``torch.nn.functional.linear`` (its arguments, errors and gradient, and the
     slot windows' own errors below): the fold route's GEMM against a module's ``[W; A of every slot]``, whose extra
-    columns are the slots' h for :func:`lora_expand`. On CUDA sm_90 at decode sizes (up to 32 tokens, fp16/bf16,
+    columns are the slots' h for :func:`lora_expand`. On CUDA sm_90 at decode sizes (up to 64 tokens, fp16/bf16,
     contiguous x, n and k multiples of 8, 16-byte aligned rows, no bias, no gradient wanted) it runs a CUTLASS GEMM,
     equal to cuBLAS's up to rounding, that lets the lora_expand launched after it start before it ends
     (programmatic dependent launch); elsewhere, and on every other backend, ``at::linear`` (which also gives the

@@ -10,7 +10,7 @@ adapter of a 32-slot pool. Routes:
 - fold-<b>:    one GEMM per layer against [W; A of every slot] gives y and every used slot's h (bf16) at once,
                then the lora_expand op adds each row's own window of h times its B (backend <b>), on CUDA in its
                rows form (each row's slot as given, no segments), on Triton over the segments. The GEMM is
-               lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (up to 32 tokens on
+               lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (up to 64 tokens on
                sm_90 it skips the A of the slots no row uses).
 
 The sgmv and fold routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the

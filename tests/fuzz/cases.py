@@ -422,15 +422,15 @@ def make_grouped_gemm(d: _Draw, case: Case) -> None:
 
 
 def make_fold_linear(d: _Draw, case: Case) -> None:
-    """Mostly decode sizes (the CUDA CUTLASS kernel serves up to 32 tokens with n and k multiples of 8, 16-byte
-    aligned rows and no bias; at::linear elsewhere): tokens up to 40 in any leading dims, n and k usually in
+    """Mostly decode sizes (the CUDA CUTLASS kernel serves up to 64 tokens with n and k multiples of 8, 16-byte
+    aligned rows and no bias; at::linear elsewhere): tokens up to 80 in any leading dims, n and k usually in
     eights, the weight often a row range of a taller one (the fold route's [W; A...]) at any row offset, x
     sometimes a column slice (not contiguous), a bias now and then, and often slot windows (seg_indptr and
     slot_rows: weight's last rows, whose unused slots the CUDA kernel skips), with build_segments' ascending counts
     or garbage values. Every case is valid: fold_linear's errors are F.linear's and the windows' (whose checks
     tests/test_fold_linear.py covers)."""
     big = 4096 if d.large else 64
-    T, N, K = d.size(40, 300), d.size(96, big), d.size(96, big)
+    T, N, K = d.size(80, 300), d.size(96, big), d.size(96, big)
     if d.chance(0.7):
         N, K = _round_up(N, 8), _round_up(K, 8)
     dtype = _float_dtype(d)
