@@ -96,7 +96,7 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
 // (contiguous) = x [t, k] . w [n, k]^T, fp16 or bf16 throughout, rows 16-byte aligned, n and k multiples of 8,
 // a 9.0 device, a 64 x 16 ping-pong tile up to 16 tokens, 64 x 32 up to 32, 64 x 64 above. Automatic up to
 // kFoldLinearMaxTokens tokens, where it was measured to beat cuBLAS in the fold route (H200: llama3-8b T=32/32
-// +26.6 -> +24.1%; H100, one call per pair, 33-64 tokens with the 64 x 64 tile: ten steps -0.4 to -21.5 points,
+// +26.6 -> +24.1%; H100, one call per pair, 33-64 tokens with the 64 x 64 tile: ten steps -0.1 to -21.5 points,
 // e.g. T=64/16 rank 64 +66.8 -> +54.8%, T=40/32 rank 16 +26.4 -> +24.1%; NOTES.md session 22).
 // With seg_indptr (int32 [num_slots + 1], build_segments'): w's last num_slots * slot_rows rows are the slots'
 // windows, and the kernel may skip those of slots no row uses (their columns of y are then left unwritten).
