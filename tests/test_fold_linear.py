@@ -269,7 +269,7 @@ _CLUSTER_ROWS = 128
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5, 32])
+@pytest.mark.parametrize("T", [1, 5, 32, 48])  # one case per tile (16, 32 and 64 tokens)
 @pytest.mark.parametrize("base_rows,slot_rows,K",
                          [(1024, 16, 256), (1040, 48, 256), (4096, 64, 256), (1024, 16384, 64)],
                          ids=["r16", "qkv_r16_base_mid_cluster", "r64", "over_32_tiles_per_cta"])
