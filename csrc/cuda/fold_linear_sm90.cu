@@ -7,13 +7,13 @@
 //
 // Mapping, as cuBLAS's kernels for these shapes: W's rows are the GEMM's M (A = W [N, K], K-major), the tokens its
 // N (B = x [T, K], K-major), D = y^T (y [T, N] contiguous is D column-major). Tiles: 64 W rows x 32 tokens,
-// ping-pong (the probe's fastest at 32 tokens), 64 x 16 up to 16 tokens (the
-// 32-token tile made a llama3-8b step's fold GEMMs at rank 64, 4 tokens, 10% slower than cuBLAS's, the 16-token
-// one 2%; the step at rank 16, 4 tokens: +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19), and 64 x 64
-// past 32 (W read once per 64 tokens; automatic up to 64, beyond only where forced with
-// LORA_OPS_CUDA_LINEAR_KERNEL=cutlass: each 64-token column of tiles reads W again). Clusters of 2
-// along M (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so
-// the sum over K is one CTA's, in order: deterministic. fp16 and bf16, float accumulation.
+// ping-pong (the probe's fastest at 32 tokens), 64 x 16 up to 16 tokens (the 32-token tile made a llama3-8b step's
+// fold GEMMs at rank 64, 4 tokens, 10% slower than cuBLAS's, the 16-token one 2%; the step at rank 16, 4 tokens:
+// +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19), and 64 x 64 past 32 (W read once per 64 tokens;
+// automatic up to 64, beyond only where forced with LORA_OPS_CUDA_LINEAR_KERNEL=cutlass: each 64-token column of
+// tiles reads W again). Clusters of 2 along M (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K
+// scheduler does not compile with GDC), so the sum over K is one CTA's, in order: deterministic. fp16 and bf16,
+// float accumulation.
 //
 // Given the step's seg_indptr, the kernel skips the slots no row uses: their A rows are most of what the fold route
 // reads beyond the base weight when few adapters are present (llama3-8b, 1 adapter in a 32-slot pool: 9.5% of the
