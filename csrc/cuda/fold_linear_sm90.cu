@@ -11,9 +11,9 @@
 // fold GEMMs at rank 64, 4 tokens, 10% slower than cuBLAS's, the 16-token one 2%; the step at rank 16, 4 tokens:
 // +23.4% with cuBLAS, +21.4% with it; NOTES.md session 19), and 64 x 64 past 32 (W read once per 64 tokens;
 // automatic up to 64, beyond only where forced with LORA_OPS_CUDA_LINEAR_KERNEL=cutlass: each 64-token column of
-// tiles reads W again). Clusters of 2 along M (x multicast to both CTAs). No split-K (CUTLASS 4.2's stream-K
-// scheduler does not compile with GDC), so the sum over K is one CTA's, in order: deterministic. fp16 and bf16,
-// float accumulation.
+// tiles reads W again). Clusters of 2 along M (x multicast to both CTAs), or of one CTA (dispatch). No split-K
+// (CUTLASS 4.2's stream-K scheduler does not compile with GDC), so the sum over K is one CTA's, in order:
+// deterministic. fp16 and bf16, float accumulation.
 //
 // Given the step's seg_indptr, the kernel skips the slots no row uses: their A rows are most of what the fold route
 // reads beyond the base weight when few adapters are present (llama3-8b, 1 adapter in a 32-slot pool: 9.5% of the
@@ -194,11 +194,11 @@ using cute::_64;
 using cute::Int;
 using cute::Shape;
 
-template <class T, int kTokens>
+template <class T, int kTokens, int kClusterTiles = 2>
 struct FoldGemm {
   using Tile = Shape<_64, Int<kTokens>, _64>;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
-  using Cluster = Shape<_2, _1, _1>;
+  using Cluster = Shape<Int<kClusterTiles>, _1, _1>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
@@ -254,6 +254,12 @@ decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
     if (p.t <= 16) return f(FoldGemm<T, 16>{});
+    // Slot windows of 64 rows or more (rank >= 64 per slice): clusters of one CTA, so that an unused slot's
+    // window is skipped per 64-row tile, not only where a 128-row cluster holds no used slot. It costs x's
+    // multicast, so slot windows narrower than a tile keep clusters of 2 (NOTES.md session 23).
+    if (p.seg_indptr != nullptr && p.num_slots > 0 && p.slot_rows >= 64) {
+      return p.t <= 32 ? f(FoldGemm<T, 32, 1>{}) : f(FoldGemm<T, 64, 1>{});
+    }
     return p.t <= 32 ? f(FoldGemm<T, 32>{}) : f(FoldGemm<T, 64>{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
