@@ -445,3 +445,73 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
         token_lora = testing.random_token_slots(T, [0, 1, -1, 3], gen)
         torch.testing.assert_close(compiled(x, token_lora), folded_layer(x, token_lora), rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
+
+
+
+def _late_copy():
+    """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once
+    (griddepcontrol.launch_dependents), sleeps ~100-400 us, then copies src into dst: the worst predecessor for a
+    kernel that reads its inputs before griddepcontrol.wait (no kernel of the project is one)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def late_copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        delay = tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n mov.u32 $0, $1;", "=r,r", [offs * 0],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        for _ in range(200):
+            delay = tl.inline_asm_elementwise("nanosleep.u32 1000;\n mov.u32 $0, $1;", "=r,r", [delay],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+        offs = offs + delay  # the copy waits for the sleep
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    return lambda src, dst: late_copy[(1,)](src, dst, src.numel(), BLOCK=max(16, triton.next_power_of_2(src.numel())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("written", ["token_indices", "slots", "scales"])
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64)])
+def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
+    """The runs kernel guesses each position's row, slot, rank and scale before the programmatic-launch wait and
+    checks the guess after it (lora_expand_rows.cu; the rows kernel waits first, and is held to the same). Here the
+    kernel right before the op lets it launch at once and writes one metadata tensor ~100 us later, so the guesses
+    are stale (another order of the rows, other slots or none, other scales): y must be the product of the
+    metadata as written, bitwise the same call's without the race."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
+    gen = case_generator(f"late-metadata-{kernel}-{written}")
+    L, N, R = 6, 256, 16
+    h = torch.randn(T, L, R, generator=gen).to(torch.bfloat16).cuda()
+    lora_b = (torch.randn(L, N, R, generator=gen) / 4).to(torch.bfloat16).cuda()
+    y0 = torch.randn(T, N, generator=gen).to(torch.bfloat16).cuda()
+    token_lora = torch.randint(0, L, (T,), generator=gen, dtype=torch.int32)
+    order = reference.build_segments(token_lora, L)[0]
+    final = {"token_indices": order, "slots": token_lora[order.long()], "scales": torch.rand(L, generator=gen) + 0.5}
+    stale = {"token_indices": torch.randperm(T, generator=gen).int(),
+             "slots": torch.where(torch.arange(T) % 2 == 0, -1, (final["slots"] + 1) % L).int(),
+             "scales": -final["scales"]}
+
+    def args(meta, device="cuda"):
+        return (y0.clone().to(device), h.to(device), lora_b.to(device), None, meta["slots"].to(device),
+                meta["token_indices"].to(device), None, meta["scales"].to(device))
+
+    expected = args(final)
+    assert any(f"expand_{kernel}_kernel" in k for k in _cuda_kernels_run(expected))
+    expected = args(final)
+    with op_table.disabled():
+        lora_ops.ops.lora_expand(*expected)
+    ref = reference.lora_expand(*args(final, "cpu"))
+    assert ((expected[0].cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
+    late_copy = _late_copy()
+    written_final = final[written].cuda()
+    for _ in range(3):
+        call = args({k: (stale if k == written else final)[k] for k in final})
+        with op_table.disabled():
+            late_copy(written_final, call[4 if written == "slots" else 5 if written == "token_indices" else 7])
+            lora_ops.ops.lora_expand(*call)
+        assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"

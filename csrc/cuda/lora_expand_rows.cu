@@ -5,12 +5,13 @@
 //   mma's N (every column of the result is the row's), so a lane's C fragment holds two adjacent columns of y;
 // - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
-// No shared memory and no barrier: a warp's chain is its slot (and for the segments kernel the walk), then B, h and
-// y at once, then the mma and the store. Serves fp16/bf16 B with h of B's dtype, or float32 h (one split) with
-// bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else,
-// the decode sgmv's split partials among it, goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA
-// set-up and its FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on
-// gate_up at T=32 (csrc/cuda/NOTES.md).
+// No shared memory and no barrier. After the programmatic-launch wait a warp's chain is its slot (the segments
+// kernel: the walk), then B, h and y at once, then the mma and the store; the runs kernel reads its slots before
+// the wait and checks them in the trip of B, h and y (expand_runs_kernel). Serves fp16/bf16 B with h of B's dtype,
+// or float32 h (one split) with bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows
+// (mma_kernels_serve); anything else, the decode sgmv's split partials among it, goes to lora_expand.cu's kernels.
+// Why: the positions kernel's per-CTA set-up and its FFMA stream (bf16 -> float conversion and a select per
+// element) were ~1,000 instructions per warp on gate_up at T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
 #include <type_traits>
 
@@ -124,6 +125,50 @@ __device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TH* h, 
   }
 }
 
+// The rows form's metadata of one position: its row and slot (-1 where outside their ranges) and, where both are
+// in range, the slot's rank and coefficient (rank 0: nothing to add).
+struct RowMeta {
+  int64_t row = -1, slot = -1;
+  int rank = 0;
+  float coef = 0.f;
+};
+
+// The metadata is read through L2 only (ld.global.cg): the runs kernel guesses it before the programmatic-launch
+// wait, while the kernel before it may still write it, and reads it again after the wait; a stale line left in L1
+// by the guess would pass that check.
+__device__ __forceinline__ int64_t position_slot(const ExpandParams& p, int64_t pos) {
+  const int64_t l = __ldcg(p.seg.slot + pos);
+  return l >= 0 && l < p.num_slots ? l : -1;
+}
+
+// Position pos's metadata with the rank and coefficient of slot `at` (-1: none).
+__device__ __forceinline__ RowMeta row_meta_at(const ExpandParams& p, int64_t pos, int64_t at) {
+  RowMeta m;
+  const int64_t t = p.seg.token_indices ? __ldcg(p.seg.token_indices + pos) : pos;
+  m.row = t >= 0 && t < p.rows ? t : -1;
+  m.slot = position_slot(p, pos);
+  if (m.row >= 0 && m.slot >= 0 && at >= 0) {
+    m.rank = p.lora_ranks ? (int)clamp_index(__ldcg(p.lora_ranks + at), 0, p.max_rank) : (int)p.max_rank;
+    m.coef = m.rank > 0 ? p.scale * (p.lora_scales ? __ldcg(p.lora_scales + at) : 1.f) : 0.f;
+  }
+  return m;
+}
+
+// Position pos's metadata, in two dependent trips (the slot, then its rank and scale).
+__device__ __forceinline__ RowMeta read_row_meta(const ExpandParams& p, int64_t pos) {
+  return row_meta_at(p, pos, position_slot(p, pos));
+}
+
+// Whether a guess (read before the wait) is what `check` read after it: the same row and slot, and at that slot
+// the same rank and coefficient (bits: a NaN scale is the same NaN). Called after the trip's loads are issued:
+// `check` passes through an empty asm, so the compiler cannot hoist the compare (which waits for the check's
+// loads) above them, which the rows kernel's SASS showed.
+__device__ __forceinline__ bool confirmed(const RowMeta& guess, RowMeta check) {
+  asm volatile("" : "+l"(check.row), "+l"(check.slot), "+r"(check.rank), "+f"(check.coef));
+  return guess.row == check.row && guess.slot == check.slot && guess.rank == check.rank &&
+         __float_as_uint(guess.coef) == __float_as_uint(check.coef);
+}
+
 // Position pos over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each in trips of
 // 16 * kSteps ranks (all of a trip's loads issued before its mma).
 template <class TB, class TH, class TY, int kSteps>
@@ -172,14 +217,19 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 // holding N column i's row, slot, rank (0: nothing to add) and coefficient, and the warp loads a slot's B once for
 // the run of its rows among them. Lane (g, t) then reads h of N column g and adds to rows 2t, 2t + 1 (its C
 // fragment's columns). A run's product is added to its own rows only, so nothing of one slot's B (a NaN, an inf)
-// reaches the rows of another slot through their zero h.
+// reaches the rows of another slot through their zero h. `check`: this lane's m read again after the wait where
+// m is a guess (else m itself); where a lane's differs, the warp returns false before its first store, having
+// written nothing.
 template <class TB, class TH, class TY, int kSteps>
-__device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, int64_t slot, int rank, float coef,
+__device__ __forceinline__ bool expand_runs(const ExpandParams& p, const RowMeta& m, const RowMeta& check,
                                             int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t slot = m.slot;
+  const int rank = m.rank;
+  const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
-  if (live == 0) return;
-  row = rank > 0 ? row : 0;  // pointers below are formed from row 0 where nothing is read or written
+  if (live == 0) return __all_sync(kAll, confirmed(m, check));
+  const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
   const bool y_live[2] = {(live >> (2 * t) & 1) != 0, (live >> (2 * t + 1) & 1) != 0};
@@ -209,6 +259,7 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
                                 static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
                                     (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                                 p.b_stride1, run_rank, n1 - pass, g, t);
+      if (!__all_sync(kAll, confirmed(m, check))) return false;  // before this run's stores
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
       // run, so its y is written once. The coefficients are shuffled here, not before the loads: their load
       // (lora_scales) need not finish before the trip's are issued.
@@ -227,26 +278,7 @@ __device__ __forceinline__ void expand_runs(const ExpandParams& p, int64_t row, 
       }
     }
   }
-}
-
-// Positions pos0 .. pos0 + 7 of the rows form (the runs kernel): each with its own row and slot, in runs of one
-// slot where token_indices orders them so.
-template <class TB, class TH, class TY, int kSteps>
-__device__ __forceinline__ void expand_run_positions(const ExpandParams& p, int64_t pos0, int slice, int n0,
-                                                     int n1) {
-  const int lane = threadIdx.x & 31;
-  int64_t row = -1, slot = -1;
-  int rank = 0;
-  float coef = 0.f;
-  if (lane < kRunPositions && pos0 + lane < p.seg.positions) {
-    row = segment_row(p.seg, pos0 + lane, p.rows);
-    slot = segment_slot(p.seg, pos0 + lane, p.num_slots);
-    if (row >= 0 && slot >= 0) {
-      rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
-      coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
-    }
-  }
-  expand_runs<TB, TH, TY, kSteps>(p, row, slot, rank, coef, slice, n0, n1);
+  return true;
 }
 
 // Tile `tile` of the walk over the segments (the segments kernel): up to 8 positions of one segment, so one run,
@@ -256,19 +288,21 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   const int lane = threadIdx.x & 31;
   TileRef ref;
   if (!warp_find_tile(p.seg, p.num_slots, kRunPositions, tile, &ref)) return false;
-  const int64_t row = ref.begin + lane < ref.end ? segment_row(p.seg, ref.begin + lane, p.rows) : -1;
-  const int rank = row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
-  const float coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TH, TY, kSteps>(p, row, ref.slot, rank, coef, slice, n0, n1);
+  RowMeta m;
+  m.row = ref.begin + lane < ref.end ? segment_row(p.seg, ref.begin + lane, p.rows) : -1;
+  m.slot = ref.slot;
+  m.rank = m.row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
+  m.coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
+  expand_runs<TB, TH, TY, kSteps>(p, m, m, slice, n0, n1);
   return true;
 }
 
 // The CTA's slice and columns [n0, n1): blockIdx.x names a block of `passes` passes of one slice (false: past
-// the last). Inputs may be read once it returns true.
+// the last). The kernel waits for the previous one (grid_dependency_wait) once it returns true: every thread
+// that goes on, so that the grid never ends before that kernel.
 __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, int* slice, int* n0, int* n1) {
   int64_t s, first;
   if (!find_slice_block(p, passes * kPassCols, blockIdx.x, &s, &first)) return false;
-  grid_dependency_wait();  // the op cannot know what wrote its inputs
   // Columns fit int here (mma_kernels_serve: N <= INT32_MAX / 2).
   *slice = (int)s;
   *n0 = (int)first;
@@ -279,20 +313,28 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // Grid: (column blocks of `passes` passes, groups of kWarps warps); CTAs loop over groups past the grid's limit.
 // A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
 // of one segment (segments kernel).
+//
+// The runs kernel guesses its first positions' metadata before the wait: launched programmatically after a
+// kernel that lets its dependents start early (fold_linear's GEMM), the guess's two dependent trips (slot, then
+// rank and scale) overlap that kernel's end instead of following it. The op cannot know what the previous kernel
+// writes, so the guess is read again after the wait, in the same trip as y, h and B, and a warp whose guess was
+// stale redoes its positions from the metadata read then (H200, a llama3-8b decode step at T=64, 32 adapters:
+// +38.0 -> +35.6%). The rows kernel, one position per warp, gained nothing from it (csrc/cuda/NOTES.md session 23).
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
+  grid_dependency_wait();  // the op cannot know what wrote its inputs
   for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
        pos += (int64_t)gridDim.y * kWarps) {
     expand_position<TB, TH, TY, kSteps>(p, pos, slice, n0, n1);
   }
 }
 
-// CTAs per SM of the runs and segments kernels: 4 at one rank step with a 16-bit y (128 registers; the runs kernel
-// spills 16 B), so that gate_up's 448 CTAs at T=128 run in one wave instead of 1.13 (H200, 9f31ff2 -> this: the
-// runs kernel at T=1024 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32
-// +28.6 -> +26.7%). The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94).
+// CTAs per SM of the runs and segments kernels: 4 at one rank step with a 16-bit y (128 registers), so that
+// gate_up's 448 CTAs at T=128 run in one wave instead of 1.13 (H200, 9f31ff2 -> this: the runs kernel at T=1024
+// 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32 +28.6 -> +26.7%).
+// The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94).
 template <class TY, int kSteps>
 constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
 
@@ -301,9 +343,20 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
-  for (int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions; pos0 < p.seg.positions;
-       pos0 += (int64_t)gridDim.y * kWarps * kRunPositions) {
-    expand_run_positions<TB, TH, TY, kSteps>(p, pos0, slice, n0, n1);
+  // Lane i < 8 holds position pos0 + i's metadata (none past the positions and on the other lanes).
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = (int64_t)gridDim.y * kWarps * kRunPositions;
+  int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions;
+  auto lane_meta = [&] {
+    return lane < kRunPositions && pos0 + lane < p.seg.positions ? read_row_meta(p, pos0 + lane) : RowMeta{};
+  };
+  RowMeta m = lane_meta();
+  grid_dependency_wait();
+  for (bool guess = true; pos0 < p.seg.positions; guess = false) {
+    const bool mine = lane < kRunPositions && pos0 + lane < p.seg.positions;
+    const RowMeta check = guess && mine ? row_meta_at(p, pos0 + lane, m.slot) : m;
+    if (expand_runs<TB, TH, TY, kSteps>(p, m, check, slice, n0, n1)) pos0 += stride;
+    m = lane_meta();
   }
 }
 
@@ -312,6 +365,7 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
+  grid_dependency_wait();  // the walk over the segments is too long a chain to guess
   const int64_t tiles = max_segment_tiles(p.seg, kRunPositions);
   for (int64_t tile = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); tile < tiles;
        tile += (int64_t)gridDim.y * kWarps) {
