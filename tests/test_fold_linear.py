@@ -272,8 +272,9 @@ def _cluster_rows(T, slot_rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 32, 48])  # one case per tile (16, 32 and 64 tokens)
 @pytest.mark.parametrize("base_rows,slot_rows,K",
-                         [(1024, 16, 256), (1040, 48, 256), (4096, 64, 256), (1024, 16384, 64)],
-                         ids=["r16", "qkv_r16_base_mid_cluster", "r64", "over_32_tiles_per_cta"])
+                         [(1024, 16, 256), (1040, 48, 256), (4096, 64, 256), (1040, 96, 256), (1024, 16384, 64)],
+                         ids=["r16", "qkv_r16_base_mid_cluster", "r64", "qkv_r32_tiles_across_windows",
+                              "over_32_tiles_per_cta"])
 def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monkeypatch):
     """With the step's seg_indptr, the base rows and every used slot's window are the float64 product, and on the
     CUTLASS kernel the clusters of rows that only unused slots' windows touch are not computed: the output's

@@ -2,6 +2,8 @@
 parity grid with a random h in place of the shrink (every slot's window, or one window per row broadcast over the
 slots), float32 or half h, NaN in h past each slot's rank, garbage metadata, determinism, opcheck, argument errors,
 and compile; each in the segment form and in the rows form (no seg_indptr: each position's slot)."""
+import functools
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -447,7 +449,7 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
     assert counter.frame_count == 1
 
 
-
+@functools.lru_cache(maxsize=None)
 def _late_copy():
     """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once
     (griddepcontrol.launch_dependents), sleeps ~100-400 us, then copies src into dst: the worst predecessor for a

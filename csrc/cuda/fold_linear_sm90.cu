@@ -49,8 +49,8 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // CUTLASS's persistent data-parallel scheduler (PersistentTileSchedulerSm90) over the tiles some row needs: each
 // CTA walks its linear tile indices as the base does (a grid's stride apart) and passes over those whose cluster's
 // W rows all lie in unused slots' windows. Every role of the ping-pong kernel (the producer, both consumers, which
-// take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; both
-// CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs both).
+// take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; the
+// CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs that).
 //
 // Which tiles are needed is worked out once, at construction, for the CTA's first 32 tiles (a decode step's GEMMs
 // give a CTA at most ~4; later ones are all computed): lane j of each warp works out the j-th tile and loads its
@@ -254,7 +254,7 @@ decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
     if (p.t <= 16) return f(FoldGemm<T, 16>{});
-    // Slot windows of 64 rows or more (rank >= 64 per slice): clusters of one CTA, so that an unused slot's
+    // Slot windows (S x R rows) of 64 or more: clusters of one CTA, so that an unused slot's
     // window is skipped per 64-row tile, not only where a 128-row cluster holds no used slot. It costs x's
     // multicast, so slot windows narrower than a tile keep clusters of 2 (NOTES.md session 23).
     if (p.seg_indptr != nullptr && p.num_slots > 0 && p.slot_rows >= 64) {

@@ -7,7 +7,7 @@
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier. After the programmatic-launch wait a warp's chain is its slot (the segments
 // kernel: the walk), then B, h and y at once, then the mma and the store; the runs kernel reads its slots before
-// the wait and checks them in the trip of B, h and y (expand_runs_kernel). Serves fp16/bf16 B with h of B's dtype,
+// the wait and checks them after it (expand_runs_kernel). Serves fp16/bf16 B with h of B's dtype,
 // or float32 h (one split) with bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows
 // (mma_kernels_serve); anything else, the decode sgmv's split partials among it, goes to lora_expand.cu's kernels.
 // Why: the positions kernel's per-CTA set-up and its FFMA stream (bf16 -> float conversion and a select per
@@ -154,7 +154,8 @@ __device__ __forceinline__ RowMeta row_meta_at(const ExpandParams& p, int64_t po
   return m;
 }
 
-// Position pos's metadata, in two dependent trips (the slot, then its rank and scale).
+// Position pos's metadata: the row and slot, then the rank and scale (loaded only where the row and slot are in
+// range, so the rank's load waits for theirs, and the scale's for the rank's: three dependent trips as compiled).
 __device__ __forceinline__ RowMeta read_row_meta(const ExpandParams& p, int64_t pos) {
   return row_meta_at(p, pos, position_slot(p, pos));
 }
@@ -315,11 +316,12 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // of one segment (segments kernel).
 //
 // The runs kernel guesses its first positions' metadata before the wait: launched programmatically after a
-// kernel that lets its dependents start early (fold_linear's GEMM), the guess's two dependent trips (slot, then
-// rank and scale) overlap that kernel's end instead of following it. The op cannot know what the previous kernel
-// writes, so the guess is read again after the wait, in the same trip as y, h and B, and a warp whose guess was
+// kernel that lets its dependents start early (fold_linear's GEMM), the guess's dependent trips overlap that
+// kernel's end instead of following it. The op cannot know what the previous kernel writes, so the guess is read
+// again after the wait (as compiled, the check's loads still come in dependent trips before y, h and B: one trip
+// is the next step, csrc/cuda/NOTES.md session 23) and compared before the first store; a warp whose guess was
 // stale redoes its positions from the metadata read then (H200, a llama3-8b decode step at T=64, 32 adapters:
-// +38.0 -> +35.6%). The rows kernel, one position per warp, gained nothing from it (csrc/cuda/NOTES.md session 23).
+// +38.0 -> +35.6%). The rows kernel, one position per warp, gained nothing from it as it stood.
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
