@@ -472,14 +472,14 @@ def _late_copy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("written", ["token_indices", "slots", "scales"])
+@pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
 @pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The runs kernel guesses each position's row, slot, rank and scale before the programmatic-launch wait and
     checks the guess after it (lora_expand_rows.cu; the rows kernel waits first, and is held to the same). Here the
     kernel right before the op lets it launch at once and writes one metadata tensor ~100 us later, so the guesses
-    are stale (another order of the rows, other slots or none, other scales): y must be the product of the
-    metadata as written, bitwise the same call's without the race."""
+    are stale (another order of the rows, other slots or none, ranks 0, other scales): y must be the product of
+    the metadata as written, bitwise the same call's without the race."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -493,14 +493,17 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     y0 = torch.randn(T, N, generator=gen).to(torch.bfloat16).cuda()
     token_lora = torch.randint(0, L, (T,), generator=gen, dtype=torch.int32)
     order = reference.build_segments(token_lora, L)[0]
-    final = {"token_indices": order, "slots": token_lora[order.long()], "scales": torch.rand(L, generator=gen) + 0.5}
+    final = {"token_indices": order, "slots": token_lora[order.long()],
+             "ranks": torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32),
+             "scales": torch.rand(L, generator=gen) + 0.5}
     stale = {"token_indices": torch.randperm(T, generator=gen).int(),
              "slots": torch.where(torch.arange(T) % 2 == 0, -1, (final["slots"] + 1) % L).int(),
-             "scales": -final["scales"]}
+             "ranks": torch.zeros(L, dtype=torch.int32), "scales": -final["scales"]}
+    argument = {"slots": 4, "token_indices": 5, "ranks": 6, "scales": 7}  # of lora_expand
 
     def args(meta, device="cuda"):
         return (y0.clone().to(device), h.to(device), lora_b.to(device), None, meta["slots"].to(device),
-                meta["token_indices"].to(device), None, meta["scales"].to(device))
+                meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
     assert any(f"expand_{kernel}_kernel" in k for k in _cuda_kernels_run(expected))
@@ -514,6 +517,6 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     for _ in range(3):
         call = args({k: (stale if k == written else final)[k] for k in final})
         with op_table.disabled():
-            late_copy(written_final, call[4 if written == "slots" else 5 if written == "token_indices" else 7])
+            late_copy(written_final, call[argument[written]])
             lora_ops.ops.lora_expand(*call)
         assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"
