@@ -10,10 +10,10 @@
 #              every regime, and the serving layer's route table from them (lora_ops/routes.json; ~5 minutes, not
 #              in the default)
 #   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
-#   ab         an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
+#   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
 #              "unset": the variable unset), AB_STEPS (--steps), AB_ROUNDS (default 2), AB_IMPLS (default
-#              fold-cuda); every arm's output to $OUT/ab.log (not in the default)
+#              fold-cuda); every arm's output to $OUT/envab.log (not in the default; revisions: scripts/ab.sh)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder).
 # Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [routes] [mutate]
@@ -124,14 +124,14 @@ if want mutate; then
     | grep -v "^not run" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if want ab; then
-  step "ab ${AB_VAR:?AB_VAR names the variable}"
+if want envab; then
+  step "envab ${AB_VAR:?AB_VAR names the variable}"
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in ${AB_VALUES:?AB_VALUES lists its values}; do
-      echo "=== $AB_VAR=$value, round $round" | tee -a "$OUT/ab.log"
+      echo "=== $AB_VAR=$value, round $round" | tee -a "$OUT/envab.log"
       arm=(env "$AB_VAR=$value"); [ "$value" = unset ] && arm=(env -u "$AB_VAR")
       "${arm[@]}" $PY -m lora_ops.bench --decode-step --impls "${AB_IMPLS:-fold-cuda}" \
-        --steps "${AB_STEPS:?AB_STEPS: T/ADAPTERS/RANK,...}" 2>&1 | tee -a "$OUT/ab.log" \
+        --steps "${AB_STEPS:?AB_STEPS: T/ADAPTERS/RANK,...}" 2>&1 | tee -a "$OUT/envab.log" \
         | grep -E "^[a-z0-9-]+ T=|  [a-z]+-|rror"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
