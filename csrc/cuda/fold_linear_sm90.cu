@@ -224,6 +224,9 @@ cutlass::KernelHardwareInfo hardware_info() {
   return info;
 }
 
+// Whether the scheduler is given the slots' windows to skip (the step's seg_indptr).
+bool skips_slots(const FoldLinearParams& p) { return p.seg_indptr != nullptr && p.num_slots > 0; }
+
 template <class G>
 typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   using K = typename G::Kernel;
@@ -242,7 +245,7 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   args.epilogue.ptr_D = static_cast<T*>(p.y);
   args.epilogue.dD = typename K::StrideD{Int<1>{}, p.n, int64_t{0}};
   args.hw_info = hardware_info<K>();
-  if (p.seg_indptr != nullptr && p.num_slots > 0) {  // then slot_rows <= n / num_slots fits int32
+  if (skips_slots(p)) {  // then slot_rows <= n / num_slots fits int32
     args.scheduler.slots = {p.seg_indptr, static_cast<int32_t>(p.n - p.num_slots * p.slot_rows),
                             static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots)};
   }
@@ -257,7 +260,7 @@ decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
     // Slot windows (S x R rows) of 64 or more: clusters of one CTA, so that an unused slot's
     // window is skipped per 64-row tile, not only where a 128-row cluster holds no used slot. It costs x's
     // multicast, so slot windows narrower than a tile keep clusters of 2 (NOTES.md session 23).
-    if (p.seg_indptr != nullptr && p.num_slots > 0 && p.slot_rows >= 64) {
+    if (skips_slots(p) && p.slot_rows >= 64) {
       return p.t <= 32 ? f(FoldGemm<T, 32, 1>{}) : f(FoldGemm<T, 64, 1>{});
     }
     return p.t <= 32 ? f(FoldGemm<T, 32>{}) : f(FoldGemm<T, 64>{});
