@@ -218,18 +218,18 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
 // holding N column i's row, slot, rank (0: nothing to add) and coefficient, and the warp loads a slot's B once for
 // the run of its rows among them. Lane (g, t) then reads h of N column g and adds to rows 2t, 2t + 1 (its C
 // fragment's columns). A run's product is added to its own rows only, so nothing of one slot's B (a NaN, an inf)
-// reaches the rows of another slot through their zero h. `check`: this lane's m read again after the wait where
-// m is a guess (else m itself); where a lane's differs, the warp returns false before its first store, having
-// written nothing.
+// reaches the rows of another slot through their zero h. `checking` (warp-uniform): m is a guess and `check` this
+// lane's m read again after the wait; where a lane's differs, the warp returns false before its first store,
+// having written nothing.
 template <class TB, class TH, class TY, int kSteps>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, const RowMeta& m, const RowMeta& check,
-                                            int slice, int n0, int n1) {
+                                            bool checking, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t slot = m.slot;
   const int rank = m.rank;
   const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
-  if (live == 0) return __all_sync(kAll, confirmed(m, check));
+  if (live == 0) return !checking || __all_sync(kAll, confirmed(m, check));
   const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
@@ -260,7 +260,7 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, const RowMeta
                                 static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
                                     (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                                 p.b_stride1, run_rank, n1 - pass, g, t);
-      if (!__all_sync(kAll, confirmed(m, check))) return false;  // before this run's stores
+      if (checking && !__all_sync(kAll, confirmed(m, check))) return false;  // before this run's stores
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
       // run, so its y is written once. The coefficients are shuffled here, not before the loads: their load
       // (lora_scales) need not finish before the trip's are issued.
@@ -294,7 +294,7 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   m.slot = ref.slot;
   m.rank = m.row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
   m.coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TH, TY, kSteps>(p, m, m, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps>(p, m, m, /*checking=*/false, slice, n0, n1);
   return true;
 }
 
@@ -315,8 +315,9 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
 // of one segment (segments kernel).
 //
-// The runs kernel guesses its first positions' metadata before the wait: launched programmatically after a
-// kernel that lets its dependents start early (fold_linear's GEMM), the guess's dependent trips overlap that
+// The runs kernel, where it is launched programmatically (one rank step, sm_90 on: launch_lora_expand_mma; elsewhere
+// the wait is empty and a guess would only add its check), guesses its first positions' metadata before the wait:
+// after a kernel that lets its dependents start early (fold_linear's GEMM), the guess's dependent trips overlap that
 // kernel's end instead of following it. The op cannot know what the previous kernel writes, so the guess is read
 // again after the wait (as compiled, the check's loads still come in dependent trips before y, h and B: one trip
 // is the next step, csrc/cuda/NOTES.md session 23) and compared before the first store; a warp whose guess was
@@ -349,15 +350,20 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
   const int lane = threadIdx.x & 31;
   const int64_t stride = (int64_t)gridDim.y * kWarps * kRunPositions;
   int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions;
-  auto lane_meta = [&] {
-    return lane < kRunPositions && pos0 + lane < p.seg.positions ? read_row_meta(p, pos0 + lane) : RowMeta{};
-  };
-  RowMeta m = lane_meta();
+  auto mine = [&] { return lane < kRunPositions && pos0 + lane < p.seg.positions; };
+  auto lane_meta = [&] { return mine() ? read_row_meta(p, pos0 + lane) : RowMeta{}; };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kGuess = kSteps == 1;  // launched programmatically (launch_lora_expand_mma)
+#else
+  constexpr bool kGuess = false;
+#endif
+  RowMeta m;
+  if constexpr (kGuess) m = lane_meta();
   grid_dependency_wait();
-  for (bool guess = true; pos0 < p.seg.positions; guess = false) {
-    const bool mine = lane < kRunPositions && pos0 + lane < p.seg.positions;
-    const RowMeta check = guess && mine ? row_meta_at(p, pos0 + lane, m.slot) : m;
-    if (expand_runs<TB, TH, TY, kSteps>(p, m, check, slice, n0, n1)) pos0 += stride;
+  if constexpr (!kGuess) m = lane_meta();
+  for (bool checking = kGuess; pos0 < p.seg.positions; checking = false) {
+    const RowMeta check = checking && mine() ? row_meta_at(p, pos0 + lane, m.slot) : m;
+    if (expand_runs<TB, TH, TY, kSteps>(p, m, check, checking, slice, n0, n1)) pos0 += stride;
     m = lane_meta();
   }
 }
@@ -454,7 +460,7 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
   // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
   // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
   // 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
-  const bool pdl = cc_major >= 9 && !two_rank_steps(p);
+  const bool pdl = cc_major >= 9 && !two_rank_steps(p);  // expand_runs_kernel's kGuess follows this rule
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
