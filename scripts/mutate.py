@@ -363,9 +363,9 @@ MUTATIONS: List[Mutation] = [
              "CUDA segments kernel: a tile takes 8 positions whatever its segment's end (the next segment's rows get "
              "this slot's product)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-guess-unchecked", "csrc/cuda/lora_expand_rows.cu",
-             "return guess.row == check.row && guess.slot == check.slot && guess.rank == check.rank &&",
-             "return true || guess.row == check.row && guess.slot == check.slot && guess.rank == check.rank &&",
-             "CUDA runs kernel: the metadata guessed before the programmatic-launch wait is used unchecked",
+             "return c.row == m.row && c.slot == m.slot && c.rank == m.rank &&",
+             "return true || c.row == m.row && c.slot == m.slot && c.rank == m.rank &&",
+             "CUDA rows and runs kernels: the metadata guessed before the programmatic-launch wait is used unchecked",
              needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-f32h-hi-only", "csrc/cuda/lora_expand_rows.cu",
              "if constexpr (kHiLo) mma16816<TB>(acc[i], a, trip.h_lo[u]);",

@@ -475,11 +475,11 @@ def _late_copy():
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
 @pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
-    """The runs kernel guesses each position's row, slot, rank and scale before the programmatic-launch wait and
-    checks the guess after it (lora_expand_rows.cu; the rows kernel waits first, and is held to the same). Here the
-    kernel right before the op lets it launch at once and writes one metadata tensor ~100 us later, so the guesses
-    are stale (another order of the rows, other slots or none, ranks 0, other scales): y must be the product of
-    the metadata as written, bitwise the same call's without the race."""
+    """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
+    wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
+    once and writes one metadata tensor ~100 us later, so the guesses are stale (another order of the rows, other
+    slots or none, ranks 0, other scales): y must be the product of the metadata as written, bitwise the same
+    call's without the race."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:

@@ -6,12 +6,13 @@
 // - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier. After the programmatic-launch wait a warp's chain is its slot (the segments
-// kernel: the walk), then B, h and y at once, then the mma and the store; the runs kernel reads its slots before
-// the wait and checks them after it (expand_runs_kernel). Serves fp16/bf16 B with h of B's dtype,
-// or float32 h (one split) with bf16 B (split into bf16 hi + lo, two mma: ~16 bits of h), and aligned rows
-// (mma_kernels_serve); anything else, the decode sgmv's split partials among it, goes to lora_expand.cu's kernels.
-// Why: the positions kernel's per-CTA set-up and its FFMA stream (bf16 -> float conversion and a select per
-// element) were ~1,000 instructions per warp on gate_up at T=32 (csrc/cuda/NOTES.md).
+// kernel: the walk), then B, h and y at once, then the mma and the store; the rows and runs kernels, launched
+// programmatically, load their metadata before the wait and check it in the trip of B, h and y
+// (kGuesses). Serves fp16/bf16 B with h of B's dtype, or float32 h (one split) with bf16 B (split into
+// bf16 hi + lo, two mma: ~16 bits of h), and aligned rows (mma_kernels_serve); anything else, the decode sgmv's
+// split partials among it, goes to lora_expand.cu's kernels. Why: the positions kernel's per-CTA set-up and its
+// FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
+// T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
 #include <type_traits>
 
@@ -108,82 +109,149 @@ __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[
   }
 }
 
+// What a caller of mma_ranks with nothing to do between the first trip's loads and its mma passes.
+struct NoHook {
+  __device__ void operator()() const {}
+};
+
 // acc += h[:rank] . B[the pass's columns, :rank]^T (b_lane: this lane's first B element of the pass), in trips
-// of 16 * kSteps ranks, all of a trip's loads issued before its mma.
-template <class TB, class TH, int kSteps>
+// of 16 * kSteps ranks, all of a trip's loads issued before its mma. loaded() runs between the first trip's loads
+// and its mma, that trip then apart from the loop (inside it, ptxas hoisted loop-invariant work of loaded() above
+// the loads); without a hook, one loop (the first trip apart cost the runs and segments kernels spills).
+template <class TB, class TH, int kSteps, class Loaded = NoHook>
 __device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TH* h, bool h_live, const TB* b_lane,
-                                          int64_t b_stride1, int rank, int pass_cols, int g, int t) {
+                                          int64_t b_stride1, int rank, int pass_cols, int g, int t,
+                                          Loaded&& loaded = {}) {
   constexpr int kTripRanks = 16 * kSteps;
-  for (int j = 0; j < rank; j += kTripRanks) {
+  constexpr bool kHooked = !std::is_same_v<std::decay_t<Loaded>, NoHook>;
+  auto trip_at = [&](int j) {
     Trip<kSteps> trip;
     if (pass_cols >= kPassCols && j + kTripRanks <= rank) {
       load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     } else {
       load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
     }
-    mma_trip<TB, std::is_same_v<TH, float>>(trip, acc);
+    return trip;
+  };
+  int j = 0;
+  if constexpr (kHooked) {
+    if (rank <= 0) {
+      loaded();
+      return;
+    }
+    const Trip<kSteps> first = trip_at(0);
+    loaded();
+    mma_trip<TB, std::is_same_v<TH, float>>(first, acc);
+    j = kTripRanks;
   }
+  for (; j < rank; j += kTripRanks) mma_trip<TB, std::is_same_v<TH, float>>(trip_at(j), acc);
 }
 
-// The rows form's metadata of one position: its row and slot (-1 where outside their ranges) and, where both are
-// in range, the slot's rank and coefficient (rank 0: nothing to add).
+// The rows form's metadata of one position as loaded: token_indices[pos] (pos without them), seg.slot[pos], and
+// the rank and scale of a slot (max_rank and 1 where not given or where the slot is out of range).
+struct RawMeta {
+  int32_t index = -1;  // token_indices[pos] (unused without them: the row is pos)
+  int32_t slot = -1, rank = 0;
+  float scale = 0.f;
+};
+
+// The slot of r, or -1 outside [0, num_slots).
+__device__ __forceinline__ int64_t valid_slot(const ExpandParams& p, const RawMeta& r) {
+  return r.slot >= 0 && r.slot < p.num_slots ? r.slot : -1;
+}
+
+// Loads through L2 only (ld.global.cg): the rows and runs kernels guess the metadata before the programmatic-launch
+// wait, while the kernel before them may still write it, and load it again after the wait; a stale line left in L1
+// by the guess would pass that check.
+__device__ __forceinline__ void load_slot_meta(const ExpandParams& p, int64_t slot, RawMeta* r) {
+  r->rank = (int32_t)p.max_rank;
+  r->scale = 1.f;
+  if (slot < 0) return;
+  if (p.lora_ranks) r->rank = __ldcg(p.lora_ranks + slot);
+  if (p.lora_scales) r->scale = __ldcg(p.lora_scales + slot);
+}
+
+// Position pos's metadata with the rank and scale of slot `at`: one trip (no load waits for another's value).
+__device__ __forceinline__ RawMeta load_meta_at(const ExpandParams& p, int64_t pos, int64_t at) {
+  RawMeta r;
+  if (p.seg.token_indices) r.index = __ldcg(p.seg.token_indices + pos);
+  r.slot = __ldcg(p.seg.slot + pos);
+  load_slot_meta(p, at, &r);
+  return r;
+}
+
+// Position pos's metadata: its slot, then that slot's rank and scale (two dependent trips).
+__device__ __forceinline__ RawMeta read_meta(const ExpandParams& p, int64_t pos) {
+  RawMeta r;
+  if (p.seg.token_indices) r.index = __ldcg(p.seg.token_indices + pos);
+  r.slot = __ldcg(p.seg.slot + pos);
+  load_slot_meta(p, valid_slot(p, r), &r);
+  return r;
+}
+
+// What the kernels use: the row and slot (-1 outside their ranges) and, where both are in range, the slot's rank
+// (clamped to max_rank) and coefficient (rank 0: nothing to add).
 struct RowMeta {
   int64_t row = -1, slot = -1;
   int rank = 0;
   float coef = 0.f;
 };
 
-// The metadata is read through L2 only (ld.global.cg): the runs kernel guesses it before the programmatic-launch
-// wait, while the kernel before it may still write it, and reads it again after the wait; a stale line left in L1
-// by the guess would pass that check.
-__device__ __forceinline__ int64_t position_slot(const ExpandParams& p, int64_t pos) {
-  const int64_t l = __ldcg(p.seg.slot + pos);
-  return l >= 0 && l < p.num_slots ? l : -1;
-}
-
-// Position pos's metadata with the rank and coefficient of slot `at` (-1: none).
-__device__ __forceinline__ RowMeta row_meta_at(const ExpandParams& p, int64_t pos, int64_t at) {
+// Position pos's RowMeta from its raw metadata. The kernels derive a guess before the wait: derived after it, the
+// derivation's wait for the guess's loads would also wait for the check's, issued since on the same scoreboard.
+__device__ __forceinline__ RowMeta derive(const ExpandParams& p, const RawMeta& r, int64_t pos) {
   RowMeta m;
-  const int64_t t = p.seg.token_indices ? __ldcg(p.seg.token_indices + pos) : pos;
+  const int64_t t = p.seg.token_indices ? (int64_t)r.index : pos;
   m.row = t >= 0 && t < p.rows ? t : -1;
-  m.slot = position_slot(p, pos);
-  if (m.row >= 0 && m.slot >= 0 && at >= 0) {
-    m.rank = p.lora_ranks ? (int)clamp_index(__ldcg(p.lora_ranks + at), 0, p.max_rank) : (int)p.max_rank;
-    m.coef = m.rank > 0 ? p.scale * (p.lora_scales ? __ldcg(p.lora_scales + at) : 1.f) : 0.f;
-  }
+  m.slot = valid_slot(p, r);
+  // Selects, not a branch: every path consumes the loads here (a path that skipped them left a later write of
+  // their registers waiting on a scoreboard that the check's loads share).
+  m.rank = m.row >= 0 && m.slot >= 0 ? (int)clamp_index(r.rank, 0, p.max_rank) : 0;
+  m.coef = m.rank > 0 ? p.scale * r.scale : 0.f;
   return m;
 }
 
-// Position pos's metadata: the row and slot, then the rank and scale (loaded only where the row and slot are in
-// range, so the rank's load waits for theirs, and the scale's for the rank's: three dependent trips as compiled).
-__device__ __forceinline__ RowMeta read_row_meta(const ExpandParams& p, int64_t pos) {
-  return row_meta_at(p, pos, position_slot(p, pos));
+// m in registers of its own before the wait: ptxas gives the guess's loads and the check's one scoreboard, so a
+// first use of a guessed value after the wait (e.g. the row in y's address) would wait for the check's loads too,
+// before y's are issued. A shuffle is a use that no copy elision removes (an empty asm is not: the loaded register
+// itself satisfies it). From lane `src`: the rows kernel's lanes all guess the same position, and take one guess.
+__device__ __forceinline__ void settle(RowMeta& m, int src) {
+  m.row = __shfl_sync(kAll, m.row, src);
+  m.slot = __shfl_sync(kAll, m.slot, src);
+  m.rank = __shfl_sync(kAll, m.rank, src);
+  m.coef = __shfl_sync(kAll, m.coef, src);
 }
 
-// Whether a guess (read before the wait) is what `check` read after it: the same row and slot, and at that slot
-// the same rank and coefficient (bits: a NaN scale is the same NaN). Called after the trip's loads are issued:
-// `check` passes through an empty asm, so the compiler cannot hoist the compare (which waits for the check's
-// loads) above them, which the rows kernel's SASS showed.
-__device__ __forceinline__ bool confirmed(const RowMeta& guess, RowMeta check) {
-  asm volatile("" : "+l"(check.row), "+l"(check.slot), "+r"(check.rank), "+f"(check.coef));
-  return guess.row == check.row && guess.slot == check.slot && guess.rank == check.rank &&
-         __float_as_uint(guess.coef) == __float_as_uint(check.coef);
+// Whether `check`, position pos's metadata loaded after the wait at the slot of the guess m, gives m again: then
+// m is the metadata (the same row and slot, so that slot's rank and scale); bit for bit (a NaN scale is the same
+// NaN). The empty asm keeps everything that consumes the check's loads where this is called: after the loads of
+// y, h and B are issued (hoisted above them, it cost the guess its gain).
+__device__ __forceinline__ bool confirmed(const ExpandParams& p, const RowMeta& m, RawMeta check, int64_t pos) {
+  asm volatile("" : "+r"(check.index), "+r"(check.slot), "+r"(check.rank), "+f"(check.scale) : : "memory");
+  const RowMeta c = derive(p, check, pos);
+  return c.row == m.row && c.slot == m.slot && c.rank == m.rank &&
+         __float_as_uint(c.coef) == __float_as_uint(m.coef);
 }
 
-// Position pos over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each in trips of
-// 16 * kSteps ranks (all of a trip's loads issued before its mma).
+// Position pos (metadata m) over the columns [n0, n1) of slice `slice`, by one warp: passes of 128 columns, each
+// in trips of 16 * kSteps ranks (all of a trip's loads issued before its mma). `checking`: m was guessed before
+// the wait and `check` loaded after it; they are compared once the first trip's loads are issued, and where they
+// differ the warp returns false before its first store, having written nothing.
 template <class TB, class TH, class TY, int kSteps>
-__device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t pos, int slice, int n0, int n1) {
+__device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t pos, const RowMeta& m,
+                                                const RawMeta& check, bool checking, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t row = segment_row(p.seg, pos, p.rows), slot = segment_slot(p.seg, pos, p.num_slots);
-  if (row < 0 || slot < 0) return;
-  const int rank = (int)slot_size(p.lora_ranks, slot, p.max_rank);
-  if (rank == 0) return;
-  const float coef = p.scale * (p.lora_scales ? p.lora_scales[slot] : 1.f);
+  if (m.rank == 0) return !checking || __all_sync(kAll, confirmed(p, m, check, pos));
+  const int64_t row = m.row, slot = m.slot;
+  const int rank = m.rank;
+  const float coef = m.coef;
   const TH* h = static_cast<const TH*>(p.h) + row * p.h_row_stride + slot * p.h_slot_stride + slice * p.max_rank;
   const TB* b = static_cast<const TB*>(p.lora_b) + slot * p.b_stride0;
   TY* y = static_cast<TY*>(p.y) + row * p.y_row_stride;
-  for (int pass = n0; pass < n1; pass += kPassCols) {
+#pragma unroll
+  for (int i = 0; i < kMaxPasses; ++i) {  // unrolled: the check of the first is then no loop's invariant
+    const int pass = n0 + i * kPassCols;
+    if (pass >= n1) break;
     // The y pairs this lane adds to (tile t, + 4k), loaded first: they do not wait for B. Even columns and
     // aligned rows (checked on the host): one access each.
     YCols<TY, 2, true> y_pairs[kTiles / 4];
@@ -193,8 +261,12 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       if (col < n1) y_pairs[quad].load(y + col, 2);
     }
     float acc[kTiles][4] = {};
+    bool stale = false;
     mma_ranks<TB, TH, kSteps>(acc, h, true, b + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t, p.b_stride1, rank,
-                              n1 - pass, g, t);
+                              n1 - pass, g, t, [&] {
+                                if (checking && i == 0) stale = !__all_sync(kAll, confirmed(p, m, check, pos));
+                              });
+    if (stale) return false;  // before the first store
     // Every lane holds columns 2g, 2g + 1 of every tile (the N copies are equal); lane t stores tile t (+ 4k).
 #pragma unroll
     for (int quad = 0; quad < kTiles / 4; ++quad) {
@@ -212,24 +284,25 @@ __device__ __forceinline__ void expand_position(const ExpandParams& p, int64_t p
       }
     }
   }
+  return true;
 }
 
 // Up to 8 rows over the columns [n0, n1) of slice `slice`, by one warp: the rows are the mma's N, lane i < 8
 // holding N column i's row, slot, rank (0: nothing to add) and coefficient, and the warp loads a slot's B once for
 // the run of its rows among them. Lane (g, t) then reads h of N column g and adds to rows 2t, 2t + 1 (its C
 // fragment's columns). A run's product is added to its own rows only, so nothing of one slot's B (a NaN, an inf)
-// reaches the rows of another slot through their zero h. `checking` (warp-uniform): m is a guess and `check` this
-// lane's m read again after the wait; where a lane's differs, the warp returns false before its first store,
+// reaches the rows of another slot through their zero h. `checking` (warp-uniform): each lane's guess was loaded
+// before the wait and its check after it; where a lane's differ, the warp returns false before its first store,
 // having written nothing.
 template <class TB, class TH, class TY, int kSteps>
-__device__ __forceinline__ bool expand_runs(const ExpandParams& p, const RowMeta& m, const RowMeta& check,
-                                            bool checking, int slice, int n0, int n1) {
+__device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
+                                            const RawMeta& check, bool checking, int slice, int n0, int n1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t slot = m.slot;
   const int rank = m.rank;
   const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
-  if (live == 0) return !checking || __all_sync(kAll, confirmed(m, check));
+  if (live == 0) return !checking || __all_sync(kAll, confirmed(p, m, check, pos));
   const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
@@ -260,7 +333,10 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, const RowMeta
                                 static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
                                     (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
                                 p.b_stride1, run_rank, n1 - pass, g, t);
-      if (checking && !__all_sync(kAll, confirmed(m, check))) return false;  // before this run's stores
+      if (checking) {  // the first run: before any store
+        if (!__all_sync(kAll, confirmed(p, m, check, pos))) return false;
+        checking = false;
+      }
       // C fragment: elements 0, 2 are row 2t's columns 2g, 2g + 1; elements 1, 3 row 2t + 1's. A row is in one
       // run, so its y is written once. The coefficients are shuffled here, not before the loads: their load
       // (lora_scales) need not finish before the trip's are issued.
@@ -294,7 +370,7 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   m.slot = ref.slot;
   m.rank = m.row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
   m.coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TH, TY, kSteps>(p, m, m, /*checking=*/false, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps>(p, 0, m, RawMeta{}, /*checking=*/false, slice, n0, n1);
   return true;
 }
 
@@ -315,22 +391,48 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
 // of one segment (segments kernel).
 //
-// The runs kernel, where it is launched programmatically (one rank step, sm_90 on: launch_lora_expand_mma; elsewhere
-// the wait is empty and a guess would only add its check), guesses its first positions' metadata before the wait:
-// after a kernel that lets its dependents start early (fold_linear's GEMM), the guess's dependent trips overlap that
-// kernel's end instead of following it. The op cannot know what the previous kernel writes, so the guess is read
-// again after the wait (as compiled, the check's loads still come in dependent trips before y, h and B: one trip
-// is the next step, csrc/cuda/NOTES.md session 23) and compared before the first store; a warp whose guess was
-// stale redoes its positions from the metadata read then (H200, a llama3-8b decode step at T=64, 32 adapters:
-// +38.0 -> +35.6%). The rows kernel, one position per warp, gained nothing from it as it stood.
+// The rows and runs kernels, where they are launched programmatically (kGuesses), load their first positions'
+// metadata before the wait: after a kernel that lets its dependents start early (fold_linear's GEMM), its two
+// dependent trips (slot, then rank and scale) overlap that kernel's end instead of following it. The op cannot know
+// what the previous kernel writes: after the wait the same metadata is loaded again at the guessed slot in one trip
+// and compared before the first store; a warp whose guess was stale redoes its positions from metadata loaded after
+// the wait. In the rows kernel's SASS that trip is issued with the loads of y, h and B; the runs kernel's loads of y
+// still wait for it (NOTES.md, session 24).
+//
+// kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the wait
+// is empty and a guess would only add its check.
+template <int kSteps>
+__device__ constexpr bool kGuesses =
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    kSteps == 1;
+#else
+    false;
+#endif
+
 template <class TB, class TH, class TY, int kSteps>
-__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3) expand_rows_kernel(ExpandParams p, int passes) {
+__global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
+    expand_rows_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
-  grid_dependency_wait();  // the op cannot know what wrote its inputs
-  for (int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5); pos < p.seg.positions;
-       pos += (int64_t)gridDim.y * kWarps) {
-    expand_position<TB, TH, TY, kSteps>(p, pos, slice, n0, n1);
+  const int64_t stride = (int64_t)gridDim.y * kWarps;
+  int64_t pos = (int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5);
+  auto meta = [&] { return pos < p.seg.positions ? derive(p, read_meta(p, pos), pos) : RowMeta{}; };
+  if constexpr (kGuesses<kSteps>) {
+    RowMeta m = meta();
+    settle(m, 0);
+    grid_dependency_wait();
+    if (pos >= p.seg.positions) return;
+    // The first position apart, so that no other path merges in before its check's loads (a merge made ptxas
+    // wait for them before the loads of y); the loop below is the rest, and a redo of a stale first.
+    if (expand_position<TB, TH, TY, kSteps>(p, pos, m, load_meta_at(p, pos, m.slot), /*checking=*/true, slice, n0,
+                                            n1)) {
+      pos += stride;
+    }
+  } else {
+    grid_dependency_wait();
+  }
+  for (; pos < p.seg.positions; pos += stride) {
+    expand_position<TB, TH, TY, kSteps>(p, pos, meta(), RawMeta{}, /*checking=*/false, slice, n0, n1);
   }
 }
 
@@ -351,19 +453,17 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
   const int64_t stride = (int64_t)gridDim.y * kWarps * kRunPositions;
   int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions;
   auto mine = [&] { return lane < kRunPositions && pos0 + lane < p.seg.positions; };
-  auto lane_meta = [&] { return mine() ? read_row_meta(p, pos0 + lane) : RowMeta{}; };
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kGuess = kSteps == 1;  // launched programmatically (launch_lora_expand_mma)
-#else
-  constexpr bool kGuess = false;
-#endif
+  auto lane_meta = [&] { return mine() ? derive(p, read_meta(p, pos0 + lane), pos0 + lane) : RowMeta{}; };
   RowMeta m;
-  if constexpr (kGuess) m = lane_meta();
+  if constexpr (kGuesses<kSteps>) m = lane_meta();
   grid_dependency_wait();
-  if constexpr (!kGuess) m = lane_meta();
-  for (bool checking = kGuess; pos0 < p.seg.positions; checking = false) {
-    const RowMeta check = checking && mine() ? row_meta_at(p, pos0 + lane, m.slot) : m;
-    if (expand_runs<TB, TH, TY, kSteps>(p, m, check, checking, slice, n0, n1)) pos0 += stride;
+  if constexpr (!kGuesses<kSteps>) m = lane_meta();
+  for (bool checking = kGuesses<kSteps>; pos0 < p.seg.positions; checking = false) {
+    // Lanes without a position check nothing: their default check at position -1 gives RowMeta{} again.
+    const RawMeta check = checking && mine() ? load_meta_at(p, pos0 + lane, m.slot) : RawMeta{};
+    if (expand_runs<TB, TH, TY, kSteps>(p, mine() ? pos0 + lane : -1, m, check, checking, slice, n0, n1)) {
+      pos0 += stride;
+    }
     m = lane_meta();
   }
 }
@@ -460,7 +560,7 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
   // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
   // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
   // 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
-  const bool pdl = cc_major >= 9 && !two_rank_steps(p);  // expand_runs_kernel's kGuess follows this rule
+  const bool pdl = cc_major >= 9 && !two_rank_steps(p);
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
