@@ -110,9 +110,7 @@ __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[
 }
 
 // What a caller of mma_ranks with nothing to do between the first trip's loads and its mma passes.
-struct NoHook {
-  __device__ void operator()() const {}
-};
+struct NoHook {};  // never called: mma_ranks tests for it by type
 
 // acc += h[:rank] . B[the pass's columns, :rank]^T (b_lane: this lane's first B element of the pass), in trips
 // of 16 * kSteps ranks, all of a trip's loads issued before its mma. loaded() runs between the first trip's loads
