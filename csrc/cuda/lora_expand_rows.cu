@@ -169,20 +169,24 @@ __device__ __forceinline__ void load_slot_meta(const ExpandParams& p, int64_t sl
   if (p.lora_scales) r->scale = __ldcg(p.lora_scales + slot);
 }
 
-// Position pos's metadata with the rank and scale of slot `at`: one trip (no load waits for another's value).
-__device__ __forceinline__ RawMeta load_meta_at(const ExpandParams& p, int64_t pos, int64_t at) {
+// Position pos's token index and slot (the rank and scale not yet loaded).
+__device__ __forceinline__ RawMeta load_position_meta(const ExpandParams& p, int64_t pos) {
   RawMeta r;
   if (p.seg.token_indices) r.index = __ldcg(p.seg.token_indices + pos);
   r.slot = __ldcg(p.seg.slot + pos);
+  return r;
+}
+
+// Position pos's metadata with the rank and scale of slot `at`: one trip (no load waits for another's value).
+__device__ __forceinline__ RawMeta load_meta_at(const ExpandParams& p, int64_t pos, int64_t at) {
+  RawMeta r = load_position_meta(p, pos);
   load_slot_meta(p, at, &r);
   return r;
 }
 
 // Position pos's metadata: its slot, then that slot's rank and scale (two dependent trips).
 __device__ __forceinline__ RawMeta read_meta(const ExpandParams& p, int64_t pos) {
-  RawMeta r;
-  if (p.seg.token_indices) r.index = __ldcg(p.seg.token_indices + pos);
-  r.slot = __ldcg(p.seg.slot + pos);
+  RawMeta r = load_position_meta(p, pos);
   load_slot_meta(p, valid_slot(p, r), &r);
   return r;
 }
