@@ -132,11 +132,7 @@ __device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TH* h, 
     return trip;
   };
   int j = 0;
-  if constexpr (kHooked) {
-    if (rank <= 0) {
-      loaded();
-      return;
-    }
+  if constexpr (kHooked) {  // its one caller (expand_position) has rank > 0
     const Trip<kSteps> first = trip_at(0);
     loaded();
     mma_trip<TB, std::is_same_v<TH, float>>(first, acc);
