@@ -516,7 +516,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
         lora_ops.ops.lora_expand(*expected)
     # The oracle on the first and last positions (the whole batch where it is small): those rows' y, h and
     # metadata as a batch of their own.
-    at = torch.cat([torch.arange(min(T, 64)), torch.arange(max(64, T - 64), T)])
+    at = torch.cat([torch.arange(min(T, 64)), torch.arange(max(min(T, 64), T - 64), T)])
     rows = order[at].long()
     ref = reference.lora_expand(y0[rows].cpu(), h[rows].cpu(), lora_b.cpu(), None, final["slots"][at],
                                 torch.arange(len(at), dtype=torch.int32), final["ranks"], final["scales"])
