@@ -1,5 +1,6 @@
 // sgmv, prefill regime (many rows per adapter), fp16/bf16 with 16-byte aligned rows: tensor cores.
-// One CTA (4 warps x 16 rows) per tile of 64 positions of one segment and group of slices:
+// One CTA (4 warps x 16 rows; at a 128-wide rank tile 8 warps, two per 16 rows, each with half the ranks in the
+// shrink and half the columns in the expand) per tile of 64 positions of one segment and group of slices:
 //   shrink: h[64, RT] += X[64, K] A[RT, K]^T with mma.sync m16n8k16 (fp32 accumulators), X rows gathered
 //           through token_indices, both tiles streamed by a 3-stage cp.async pipeline (x read once);
 //   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. For a float32
@@ -23,8 +24,8 @@
 namespace lora_ops::cuda {
 namespace {
 
-constexpr int kThreads = 128;
 constexpr int kTileRows = 64;
+constexpr int kRowWarps = kTileRows / 16;  // warps along the tile's rows, 16 rows each
 constexpr int kBK = 64;
 constexpr int kBN = 64;
 constexpr int kStages = 3;
@@ -45,6 +46,15 @@ struct MmaPlan {
   int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
 };
 
+// Warps across the rank in the shrink and across the columns in the expand. At rank tile 128 two: each warp then
+// accumulates half the ranks of its 16 rows (32 floats instead of 64), so the kernel fits 128 registers and 8 warps
+// per CTA. With 4 warps it took 184 registers, 2 CTAs per SM, 1.9 warps per scheduler: latency-bound (ncu, session
+// 25: 0.36 eligible warps per scheduler, 6.2 cycles per issued instruction, SM busy 21%).
+template <int RT>
+constexpr int kColWarps = RT == 128 ? 2 : 1;
+template <int RT>
+constexpr int kCtaThreads = 32 * kRowWarps * kColWarps<RT>;
+
 template <int RT, class TY>
 struct Smem {
   static constexpr int kYPad = 16 / sizeof(TY);
@@ -58,10 +68,11 @@ struct Smem {
   static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
 };
 
-// A thread's share of a tile copied in 16-byte chunks, kChunksPerRow per row: the chunk col() elements into rows
-// first_row() + i * row_step, the same for every stage, so that the pipelined loads add one offset to pointers
-// made once per tile (v3 redid 64-bit index arithmetic, divisions included, for every chunk of every stage).
-template <int kChunksPerRow>
+// A thread's share of a tile copied in 16-byte chunks by kThreads threads, kChunksPerRow per row: the chunk col()
+// elements into rows first_row() + i * row_step, the same for every stage, so that the pipelined loads add one
+// offset to pointers made once per tile (v3 redid 64-bit index arithmetic, divisions included, for every chunk of
+// every stage).
+template <int kChunksPerRow, int kThreads>
 struct ChunkRows {
   static constexpr int row_step = kThreads / kChunksPerRow;
   static_assert(kThreads % kChunksPerRow == 0, "every thread keeps one chunk column");
@@ -70,8 +81,11 @@ struct ChunkRows {
 };
 
 template <class T, class TY, int RT>
-__global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
+__global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
+    sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
   using L = Smem<RT, TY>;
+  constexpr int kThreads = kCtaThreads<RT>, kCols = kColWarps<RT>;
+  constexpr int RW = RT / kCols;  // ranks of a warp's shrink
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[kTileRows];
   const T* x = static_cast<const T*>(p.x);
@@ -79,6 +93,7 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
   const T* lora_b = static_cast<const T*>(p.lora_b);
   TY* y = static_cast<TY*>(p.y);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wr = warp % kRowWarps, wc = warp / kRowWarps;  // the warp's rows, and its rank / column share
   const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
   const int64_t tile_idx = unit / plan.groups, group = unit % plan.groups;
   TileRef tile;
@@ -94,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
   // ---------------- shrink: h = X A^T ----------------
   // X and A tiles share one chunk column (kc) per thread; a row outside the tile's rows or the slot's true rank
   // (or a slice past the group) has a null source and is zero-filled.
-  using KRows = ChunkRows<kBK / 8>;
+  using KRows = ChunkRows<kBK / 8, kThreads>;
   const int kc = KRows::col(8);
   const T* x_src[kTileRows / KRows::row_step];
 #pragma unroll
@@ -126,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
       cp_async16(A + i * KRows::row_step * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
     }
   };
-  float h[RT / 8][4] = {};
+  float h[RW / 8][4] = {};
   int64_t kt_begin, kt_end;
   split_range((p.k + kBK - 1) / kBK, plan.cluster, member, &kt_begin, &kt_end);
   const int k_tiles = (int)(kt_end - kt_begin);  // a member's tiles fit int: 2^31 tiles would be a 2^37-element row
@@ -146,11 +161,12 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t af[4];
-      ldmatrix_x4(af, X + (warp * 16 + (lane % 16)) * (kBK + kPad) + kk + (lane / 16) * 8);
+      ldmatrix_x4(af, X + (wr * 16 + (lane % 16)) * (kBK + kPad) + kk + (lane / 16) * 8);
 #pragma unroll
-      for (int np = 0; np < RT / 16; ++np) {
+      for (int np = 0; np < RW / 16; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4(bf, A + (np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk + ((lane / 8) % 2) * 8);
+        ldmatrix_x4(bf, A + (wc * RW + np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk +
+                            ((lane / 8) % 2) * 8);
         mma16816<T>(h[2 * np], af, &bf[0]);
         mma16816<T>(h[2 * np + 1], af, &bf[2]);
       }
@@ -168,10 +184,10 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     float4* part = reinterpret_cast<float4*>(smem);
-    constexpr int kFrags = kThreads * (RT / 8);  // float4s of one h tile: one per thread and n8 tile
+    constexpr int kFrags = kThreads * (RW / 8);  // float4s of one h tile: one per thread and n8 tile
     static_assert(kFrags * sizeof(float4) <= L::bytes && kFrags % kMaxCluster == 0);
 #pragma unroll
-    for (int nt = 0; nt < RT / 8; ++nt) part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
+    for (int nt = 0; nt < RW / 8; ++nt) part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
     cluster.sync();
     const int members = (int)plan.cluster, share = kFrags / members;
     for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {
@@ -189,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
     }
     cluster.sync();
 #pragma unroll
-    for (int nt = 0; nt < RT / 8; ++nt) {
+    for (int nt = 0; nt < RW / 8; ++nt) {
       const int f = nt * kThreads + tid;
       const float4 v = cluster.map_shared_rank(part, (unsigned)(f / share))[f];
       h[nt][0] = v.x, h[nt][1] = v.y, h[nt][2] = v.z, h[nt][3] = v.w;
@@ -202,9 +218,9 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
 
   // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y).
   constexpr bool kSplit = std::is_same_v<TY, float>;
-  uint32_t h_hi[RT / 16][4], h_lo[RT / 16][4];
+  uint32_t h_hi[RW / 16][4], h_lo[RW / 16][4];
 #pragma unroll
-  for (int ks = 0; ks < RT / 16; ++ks) {
+  for (int ks = 0; ks < RW / 16; ++ks) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* c = h[2 * ks + half];
@@ -212,13 +228,47 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
       split_pack<T>(make_float2(c[2] * coef, c[3] * coef), &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
     }
   }
+  // With rank shares, the warps of a row block swap theirs through shared memory (free: the shrink's buffers are
+  // drained and no peer reads them any more), so that each holds every rank of its 16 rows for the expand.
+  uint32_t a_hi[RT / 16][4], a_lo[RT / 16][4];
+  if constexpr (kCols == 1) {
+#pragma unroll
+    for (int ks = 0; ks < RT / 16; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a_hi[ks][j] = h_hi[ks][j], a_lo[ks][j] = h_lo[ks][j];
+    }
+  } else {
+    constexpr int kWords = kThreads * (RW / 16) * 4;  // one array of every warp's fragments
+    static_assert(2 * kWords * sizeof(uint32_t) <= L::bytes);
+    uint32_t* frags = reinterpret_cast<uint32_t*>(smem);
+    auto at = [&](int w, int ks, int j) { return ((w * (RW / 16) + ks) * 4 + j) * 32 + lane; };  // lane-contiguous
+#pragma unroll
+    for (int ks = 0; ks < RW / 16; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        frags[at(warp, ks, j)] = h_hi[ks][j];
+        if constexpr (kSplit) frags[kWords + at(warp, ks, j)] = h_lo[ks][j];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < RT / 16; ++ks) {
+      const int owner = ks / (RW / 16) * kRowWarps + wr;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        a_hi[ks][j] = frags[at(owner, ks % (RW / 16), j)];
+        if constexpr (kSplit) a_lo[ks][j] = frags[kWords + at(owner, ks % (RW / 16), j)];
+      }
+    }
+    __syncthreads();  // before the expand's loads reuse the buffer
+  }
 
   // ---------------- expand: y += h B^T over the group's columns ----------------
   const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
   // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
   // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
   // chunk is past the slot's rank or the group's slices).
-  using BRows = ChunkRows<RT / 8>;
+  using BRows = ChunkRows<RT / 8, kThreads>;
   const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
   const bool b_used = s0 + b_slice < s1 && b_j < rank;
   const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
@@ -227,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
   const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
   // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
   constexpr int kYVec = 16 / sizeof(TY);
-  using YRows = ChunkRows<kBN / kYVec>;
+  using YRows = ChunkRows<kBN / kYVec, kThreads>;
   const int yc = YRows::col(kYVec);
   // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
   auto y_row = [&](int i) -> TY* {
@@ -269,28 +319,31 @@ __global__ void __launch_bounds__(kThreads, (Smem<RT, TY>::ctas_per_sm)) sgmv_mm
     cp_async_commit();
     const T* B = bs(nt % kStages);
     TY* Y = ys(nt % kStages);
-    float acc[kBN / 8][4] = {};
+    // The warp's columns of the tile: kWC from wc * kWC.
+    constexpr int kWC = kBN / kCols;
+    float acc[kWC / 8][4] = {};
 #pragma unroll
     for (int ks = 0; ks < RT / 16; ++ks) {
 #pragma unroll
-      for (int np = 0; np < kBN / 16; ++np) {
+      for (int np = 0; np < kWC / 16; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4(bf, B + (np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 + ((lane / 8) % 2) * 8);
-        mma16816<T>(acc[2 * np], h_hi[ks], &bf[0]);
-        mma16816<T>(acc[2 * np + 1], h_hi[ks], &bf[2]);
+        ldmatrix_x4(bf, B + (wc * kWC + np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 +
+                            ((lane / 8) % 2) * 8);
+        mma16816<T>(acc[2 * np], a_hi[ks], &bf[0]);
+        mma16816<T>(acc[2 * np + 1], a_hi[ks], &bf[2]);
         if constexpr (kSplit) {
-          mma16816<T>(acc[2 * np], h_lo[ks], &bf[0]);
-          mma16816<T>(acc[2 * np + 1], h_lo[ks], &bf[2]);
+          mma16816<T>(acc[2 * np], a_lo[ks], &bf[0]);
+          mma16816<T>(acc[2 * np + 1], a_lo[ks], &bf[2]);
         }
       }
     }
     // y tile += acc in shared memory (each element has one owner; a fragment's two adjacent columns are one
     // access), then 16-byte stores of valid chunks.
 #pragma unroll
-    for (int t8 = 0; t8 < kBN / 8; ++t8) {
+    for (int t8 = 0; t8 < kWC / 8; ++t8) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = warp * 16 + lane / 4 + half * 8, c = t8 * 8 + (lane % 4) * 2;
+        const int r = wr * 16 + lane / 4 + half * 8, c = wc * kWC + t8 * 8 + (lane % 4) * 2;
         Pair<TY>* dst = reinterpret_cast<Pair<TY>*>(Y + r * (kBN + L::kYPad) + c);
         Pair<TY> v = *dst;
         v.e[0] = from_f32<TY>(to_f32(v.e[0]) + acc[t8][2 * half]);
@@ -351,7 +404,8 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(blocks, kThreads, plan.cluster, smem, stream, &attr);
+  const cudaLaunchConfig_t cfg =
+      cluster_launch_config(blocks, kCtaThreads<RT>, plan.cluster, smem, stream, &attr);
   return cudaLaunchKernelEx(&cfg, kernel, p, plan);
 }
 
