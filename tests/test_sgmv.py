@@ -110,20 +110,24 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     assert _run_and_check(cuda, problem) == ""
 
 
-# Prefill shapes that take each path of the tensor-core kernel (sgmv_mma.cu) on the H200 (132 SMs; K = 4096 gives
-# 8-CTA clusters): rank 128 (a 128-wide rank tile, ranks that end inside a 16-byte chunk, a K tail) with and without
-# clusters, two slices sharing a 128-wide rank tile (each warp's rank share one slice; a batch long enough, 264
-# tiles, to keep them grouped), a short fused QKV batch split into one group per slice, and a longer one whose 3
-# slices share one block-diagonal rank tile.
+# Prefill shapes that take each path of the tensor-core kernel (sgmv_mma.cu) on Hopper (up to 256 SMs; a K of 64 *
+# 4 * C elements or more gives clusters of C CTAs, at most 8): rank 128 (a 128-wide rank tile, ranks that end
+# inside a 16-byte chunk, a K tail) in clusters of 8, 4 and 2 and in none, two slices sharing a 128-wide rank tile
+# (each warp's rank share one slice; a batch long enough, 512 tiles, to keep them grouped), a short fused QKV batch
+# split into one group per slice, and a longer one whose 3 slices share one block-diagonal rank tile.
 MMA_PATH_CASES = {
     "rank128_clustered": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
                                     dict(K=4104, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0],
                                          y_col_pad=16)),
+    "rank128_cluster_of_4": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
+                                       dict(K=1024, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0])),
+    "rank128_cluster_of_2": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
+                                       dict(K=512, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0])),
     "rank128_one_cta": lambda g: (testing.random_token_slots(600, [0, 1, 2, 3, -1], g),
                                   dict(K=264, N=1000, max_rank=128, num_slots=4, ranks=[128, 71, 0, 16])),
-    "two_slices_rank_tile_128": lambda g: (testing.random_token_slots(264 * 64, [0, 1, 2], g),
-                                           dict(K=200, N=1040, max_rank=64, num_slots=3, ranks=[64, 40, 9],
-                                                slice_offsets=[0, 520, 1040])),
+    "two_slices_rank_tile_128": lambda g: (testing.random_token_slots(512 * 64, [0, 1, 2], g),
+                                           dict(K=200, N=528, max_rank=64, num_slots=3, ranks=[64, 40, 9],
+                                                slice_offsets=[0, 264, 528])),
     "qkv_short_batch_split": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3, -1], g),
                                         dict(K=4096, N=3072, max_rank=16, num_slots=4,
                                              slice_offsets=[0, 1024, 2048, 3072])),

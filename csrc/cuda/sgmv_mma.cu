@@ -3,7 +3,8 @@
 // shrink and half the columns in the expand) per tile of 64 positions of one segment and group of slices:
 //   shrink: h[64, RT] += X[64, K] A[RT, K]^T with mma.sync m16n8k16 (fp32 accumulators), X rows gathered
 //           through token_indices, both tiles streamed by a 3-stage cp.async pipeline (x read once);
-//   expand: h stays in registers: the accumulator fragments ARE the A fragments of the next mma. For a float32
+//   expand: h stays on chip: the accumulator fragments ARE the A fragments of the next mma (at a 128-wide rank
+//           tile the two warps of a row block swap their rank halves through shared memory). For a float32
 //           y, h is split hi + lo into two half-precision fragments, so the product keeps ~16 mantissa bits of
 //           the float32 intermediate; for a half-precision y one rounding of h (in registers) is below y's own
 //           rounding and halves the expand's tensor work. For each 64-column tile, B and the y tile stream in
@@ -48,8 +49,9 @@ struct MmaPlan {
 
 // Warps across the rank in the shrink and across the columns in the expand. At rank tile 128 two: each warp then
 // accumulates half the ranks of its 16 rows (32 floats instead of 64), so the kernel fits 128 registers and 8 warps
-// per CTA. With 4 warps it took 184 registers, 2 CTAs per SM, 1.9 warps per scheduler: latency-bound (ncu, session
-// 25: 0.36 eligible warps per scheduler, 6.2 cycles per issued instruction, SM busy 21%).
+// per CTA; with 4 it took 184 registers, 2 CTAs of 4 warps per SM (H200: 93.8 -> 88.1 us at T=4096, rank 128;
+// csrc/cuda/NOTES.md, session 25). The float32-y build sits at exactly 128 (its a_hi and a_lo hold 64 registers
+// through the expand): check -Xptxas -v after any change.
 template <int RT>
 constexpr int kColWarps = RT == 128 ? 2 : 1;
 template <int RT>
@@ -84,8 +86,9 @@ template <class T, class TY, int RT>
 __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
   using L = Smem<RT, TY>;
-  constexpr int kThreads = kCtaThreads<RT>, kCols = kColWarps<RT>;
-  constexpr int RW = RT / kCols;  // ranks of a warp's shrink
+  constexpr int kThreads = kCtaThreads<RT>;
+  constexpr int kWarpRanks = RT / kColWarps<RT>;  // of a warp's shrink
+  constexpr int kWarpCols = kBN / kColWarps<RT>;  // of a warp's expand, per 64-column tile
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[kTileRows];
   const T* x = static_cast<const T*>(p.x);
@@ -110,6 +113,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // X and A tiles share one chunk column (kc) per thread; a row outside the tile's rows or the slot's true rank
   // (or a slice past the group) has a null source and is zero-filled.
   using KRows = ChunkRows<kBK / 8, kThreads>;
+  static_assert(kTileRows % KRows::row_step == 0 && RT % KRows::row_step == 0, "X and A rows split evenly");
   const int kc = KRows::col(8);
   const T* x_src[kTileRows / KRows::row_step];
 #pragma unroll
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
       cp_async16(A + i * KRows::row_step * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
     }
   };
-  float h[RW / 8][4] = {};
+  float h[kWarpRanks / 8][4] = {};
   int64_t kt_begin, kt_end;
   split_range((p.k + kBK - 1) / kBK, plan.cluster, member, &kt_begin, &kt_end);
   const int k_tiles = (int)(kt_end - kt_begin);  // a member's tiles fit int: 2^31 tiles would be a 2^37-element row
@@ -163,9 +167,9 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
       uint32_t af[4];
       ldmatrix_x4(af, X + (wr * 16 + (lane % 16)) * (kBK + kPad) + kk + (lane / 16) * 8);
 #pragma unroll
-      for (int np = 0; np < RW / 16; ++np) {
+      for (int np = 0; np < kWarpRanks / 16; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4(bf, A + (wc * RW + np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk +
+        ldmatrix_x4(bf, A + (wc * kWarpRanks + np * 16 + (lane % 8) + (lane / 16) * 8) * (kBK + kPad) + kk +
                             ((lane / 8) % 2) * 8);
         mma16816<T>(h[2 * np], af, &bf[0]);
         mma16816<T>(h[2 * np + 1], af, &bf[2]);
@@ -184,10 +188,12 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     float4* part = reinterpret_cast<float4*>(smem);
-    constexpr int kFrags = kThreads * (RW / 8);  // float4s of one h tile: one per thread and n8 tile
+    constexpr int kFrags = kThreads * (kWarpRanks / 8);  // float4s of one h tile: a thread's per n8 tile of its ranks
     static_assert(kFrags * sizeof(float4) <= L::bytes && kFrags % kMaxCluster == 0);
 #pragma unroll
-    for (int nt = 0; nt < RW / 8; ++nt) part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
+    for (int nt = 0; nt < kWarpRanks / 8; ++nt) {
+      part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
+    }
     cluster.sync();
     const int members = (int)plan.cluster, share = kFrags / members;
     for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {
@@ -205,7 +211,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     }
     cluster.sync();
 #pragma unroll
-    for (int nt = 0; nt < RW / 8; ++nt) {
+    for (int nt = 0; nt < kWarpRanks / 8; ++nt) {
       const int f = nt * kThreads + tid;
       const float4 v = cluster.map_shared_rank(part, (unsigned)(f / share))[f];
       h[nt][0] = v.x, h[nt][1] = v.y, h[nt][2] = v.z, h[nt][3] = v.w;
@@ -218,9 +224,9 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
 
   // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y).
   constexpr bool kSplit = std::is_same_v<TY, float>;
-  uint32_t h_hi[RW / 16][4], h_lo[RW / 16][4];
+  uint32_t h_hi[kWarpRanks / 16][4], h_lo[kWarpRanks / 16][4];
 #pragma unroll
-  for (int ks = 0; ks < RW / 16; ++ks) {
+  for (int ks = 0; ks < kWarpRanks / 16; ++ks) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* c = h[2 * ks + half];
@@ -231,19 +237,23 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // With rank shares, the warps of a row block swap theirs through shared memory (free: the shrink's buffers are
   // drained and no peer reads them any more), so that each holds every rank of its 16 rows for the expand.
   uint32_t a_hi[RT / 16][4], a_lo[RT / 16][4];
-  if constexpr (kCols == 1) {
+  if constexpr (kColWarps<RT> == 1) {
 #pragma unroll
     for (int ks = 0; ks < RT / 16; ++ks) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) a_hi[ks][j] = h_hi[ks][j], a_lo[ks][j] = h_lo[ks][j];
+      for (int j = 0; j < 4; ++j) {
+        a_hi[ks][j] = h_hi[ks][j];
+        if constexpr (kSplit) a_lo[ks][j] = h_lo[ks][j];
+      }
     }
   } else {
-    constexpr int kWords = kThreads * (RW / 16) * 4;  // one array of every warp's fragments
+    constexpr int kWords = kThreads * (kWarpRanks / 16) * 4;  // one array of every warp's fragments
     static_assert(2 * kWords * sizeof(uint32_t) <= L::bytes);
     uint32_t* frags = reinterpret_cast<uint32_t*>(smem);
-    auto at = [&](int w, int ks, int j) { return ((w * (RW / 16) + ks) * 4 + j) * 32 + lane; };  // lane-contiguous
+    // Word j of fragment ks of warp w's lane: lane-contiguous (no bank conflicts).
+    auto at = [&](int w, int ks, int j) { return ((w * (kWarpRanks / 16) + ks) * 4 + j) * 32 + lane; };
 #pragma unroll
-    for (int ks = 0; ks < RW / 16; ++ks) {
+    for (int ks = 0; ks < kWarpRanks / 16; ++ks) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         frags[at(warp, ks, j)] = h_hi[ks][j];
@@ -253,11 +263,11 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     __syncthreads();
 #pragma unroll
     for (int ks = 0; ks < RT / 16; ++ks) {
-      const int owner = ks / (RW / 16) * kRowWarps + wr;
+      const int owner = ks / (kWarpRanks / 16) * kRowWarps + wr;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        a_hi[ks][j] = frags[at(owner, ks % (RW / 16), j)];
-        if constexpr (kSplit) a_lo[ks][j] = frags[kWords + at(owner, ks % (RW / 16), j)];
+        a_hi[ks][j] = frags[at(owner, ks % (kWarpRanks / 16), j)];
+        if constexpr (kSplit) a_lo[ks][j] = frags[kWords + at(owner, ks % (kWarpRanks / 16), j)];
       }
     }
     __syncthreads();  // before the expand's loads reuse the buffer
@@ -269,6 +279,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
   // chunk is past the slot's rank or the group's slices).
   using BRows = ChunkRows<RT / 8, kThreads>;
+  static_assert(kBN % BRows::row_step == 0, "B rows split evenly");
   const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
   const bool b_used = s0 + b_slice < s1 && b_j < rank;
   const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
@@ -278,6 +289,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
   constexpr int kYVec = 16 / sizeof(TY);
   using YRows = ChunkRows<kBN / kYVec, kThreads>;
+  static_assert(kTileRows % YRows::row_step == 0, "y rows split evenly");
   const int yc = YRows::col(kYVec);
   // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
   auto y_row = [&](int i) -> TY* {
@@ -319,15 +331,13 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     cp_async_commit();
     const T* B = bs(nt % kStages);
     TY* Y = ys(nt % kStages);
-    // The warp's columns of the tile: kWC from wc * kWC.
-    constexpr int kWC = kBN / kCols;
-    float acc[kWC / 8][4] = {};
+    float acc[kWarpCols / 8][4] = {};
 #pragma unroll
     for (int ks = 0; ks < RT / 16; ++ks) {
 #pragma unroll
-      for (int np = 0; np < kWC / 16; ++np) {
+      for (int np = 0; np < kWarpCols / 16; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4(bf, B + (wc * kWC + np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 +
+        ldmatrix_x4(bf, B + (wc * kWarpCols + np * 16 + (lane % 8) + (lane / 16) * 8) * (RT + kPad) + ks * 16 +
                             ((lane / 8) % 2) * 8);
         mma16816<T>(acc[2 * np], a_hi[ks], &bf[0]);
         mma16816<T>(acc[2 * np + 1], a_hi[ks], &bf[2]);
@@ -340,10 +350,10 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     // y tile += acc in shared memory (each element has one owner; a fragment's two adjacent columns are one
     // access), then 16-byte stores of valid chunks.
 #pragma unroll
-    for (int t8 = 0; t8 < kWC / 8; ++t8) {
+    for (int t8 = 0; t8 < kWarpCols / 8; ++t8) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = wr * 16 + lane / 4 + half * 8, c = wc * kWC + t8 * 8 + (lane % 4) * 2;
+        const int r = wr * 16 + lane / 4 + half * 8, c = wc * kWarpCols + t8 * 8 + (lane % 4) * 2;
         Pair<TY>* dst = reinterpret_cast<Pair<TY>*>(Y + r * (kBN + L::kYPad) + c);
         Pair<TY> v = *dst;
         v.e[0] = from_f32<TY>(to_f32(v.e[0]) + acc[t8][2 * half]);
@@ -371,7 +381,7 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
   const int64_t P = p.seg.positions;
   plan.max_tiles = max_segment_tiles(p.seg, kTileRows);
-  // Clusters (Hopper) keep >= 4 K tiles of the shrink per member.
+  // Clusters (Hopper) keep >= 4 K tiles of the shrink per member on average.
   const int64_t k_tiles = (p.k + kBK - 1) / kBK;
   auto cluster_fits = [&](int64_t c) { return cc_major >= 9 && c <= kMaxCluster && k_tiles / c >= 4; };
   int64_t widest = 1;
