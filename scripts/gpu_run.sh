@@ -9,7 +9,7 @@
 #   routes     python -m lora_ops.bench --decode-step --routes: issue 12's rows of llama3-8b, then every route at
 #              every regime, and the serving layer's route table from them (lora_ops/routes.json; ~5 minutes, not
 #              in the default)
-#   mutate     scripts/mutate.py --gpu --fast: the GPU-only planted bugs (minutes; not in the default)
+#   mutate     scripts/mutate.py --gpu --fast --in-place: the GPU-only planted bugs (minutes; not in the default)
 #   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
 #              "unset": the variable unset), AB_STEPS (--steps), AB_ROUNDS (default 2), AB_IMPLS (default
@@ -118,8 +118,9 @@ if want routes; then
 fi
 if want mutate; then
   step mutate
-  # MUTATE_ONLY="id ..." runs only those planted bugs (each rebuilds the extension: about a minute apiece)
-  $PY scripts/mutate.py --gpu --fast --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" \
+  # MUTATE_ONLY="id ..." runs only those planted bugs. In place (this machine's tree is a copy): a C++ bug
+  # recompiles its one file with the build's objects, where a scratch copy would first compile the whole extension.
+  $PY scripts/mutate.py --gpu --fast --in-place --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" \
     ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
     | grep -v "^not run" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -9,7 +9,9 @@ tests, and report whether they caught it. On demand, not in CI (a full run takes
     python scripts/mutate.py --check          # only check that every snippet still applies; runs nothing
     python scripts/mutate.py --list           # the documented list of planted bugs
     options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ objects
-             across runs), --skip-stale (run the mutations that apply, report the others as stale),
+             across runs), --in-place (no copy: plant the bugs in this checkout and rebuild with its own build
+             directory, so a C++ mutation recompiles one file instead of the whole extension; for a throwaway tree
+             such as the GPU machine's), --skip-stale (run the mutations that apply, report the others as stale),
              --workers N (pytest-xdist processes per run; a GPU box has the cores)
 
 A mutation is (id, file, exact original snippet, replacement, description, needs_gpu, its test files).
@@ -19,7 +21,9 @@ built lora_ops/_C*.so, _ascend_model*.so and _build_info.json (build first: see 
 pass first (with --fast: the test files of the mutations that will run). Then, per mutation: replace the snippet (it must occur exactly once in its file, else the list is
 stale: the script stops with exit status 2 and says where else the snippet occurs), rebuild the extension in the
 copy when the file is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore
-the file.
+the file. With --in-place the same happens in this checkout: the original of a mutated file waits in
+<file>.mutate-orig until it is restored, and a run that was killed is undone by the next one, which restores any
+such file before it starts.
 
 The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
 with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
@@ -373,7 +377,7 @@ MUTATIONS: List[Mutation] = [
              "CUDA rows kernel: a warp takes at most one position after its guessed first (a redo, or the next one)",
              needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-sgmv-mma-own-rank-half", "csrc/cuda/sgmv_mma.cu",
-             "const int owner = ks / (RW / 16) * kRowWarps + wr;",
+             "const int owner = ks / (kWarpRanks / 16) * kRowWarps + wr;",
              "const int owner = wc * kRowWarps + wr;",
              "CUDA prefill sgmv at a 128-wide rank tile: each warp expands its own half of the ranks twice",
              needs_gpu=True, tests=SGMV_T),
@@ -599,6 +603,19 @@ def make_scratch(root: str, scratch: str, files: Sequence[str]) -> None:
         shutil.copyfile(path, os.path.join(scratch, os.path.relpath(path, root)))
 
 
+ORIGINAL_SUFFIX = ".mutate-orig"
+
+
+def restore_originals(tree: str) -> None:
+    """Put back every file that a killed run left mutated in tree (its original waits beside it)."""
+    for backup in {tree + os.sep + m.file + ORIGINAL_SUFFIX for m in MUTATIONS}:
+        if not os.path.exists(backup):
+            continue
+        path = backup[:-len(ORIGINAL_SUFFIX)]
+        print(f"mutate: restoring {os.path.relpath(path, tree)}, left mutated by a run that did not finish")
+        shutil.move(backup, path)
+
+
 def _env(seed: int, gpu: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONDONTWRITEBYTECODE="1", LORA_OPS_TEST_SEED=str(seed))
@@ -650,6 +667,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the mutation list")
     ap.add_argument("--skip-stale", action="store_true", help="report stale mutations and run the others")
     ap.add_argument("--scratch", help="scratch directory to (re)use; default: a new temporary one, removed after")
+    ap.add_argument("--in-place", action="store_true",
+                    help="mutate this checkout itself and rebuild with its build directory (a throwaway tree)")
     ap.add_argument("--log", help="also write the report to this file")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
     ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes per run (needs pytest-xdist; default: none)")
@@ -665,6 +684,10 @@ def main(argv=None) -> int:
         sys.exit(f"mutate: unknown mutation ids {unknown} (see --list)")
     chosen = [m for m in MUTATIONS if (not args.only or m.id in args.only)]
 
+    if args.in_place and args.scratch:
+        sys.exit("mutate: --in-place and --scratch exclude each other")
+    if args.in_place:
+        restore_originals(ROOT)  # before the snippets are looked for
     files = worktree_files(ROOT)
     stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}
     for mid, why in stale.items():
@@ -678,11 +701,14 @@ def main(argv=None) -> int:
 
     seed = int(os.environ.get("LORA_OPS_TEST_SEED") or secrets.randbelow(1 << 32))
     env = _env(seed, args.gpu)
-    scratch = args.scratch or tempfile.mkdtemp(prefix="lora_ops_mutate_")
-    os.makedirs(scratch, exist_ok=True)
-    logs = os.path.join(scratch, "mutation_logs")
-    os.makedirs(logs, exist_ok=True)
-    make_scratch(ROOT, scratch, files)
+    if args.in_place:
+        scratch, logs = ROOT, tempfile.mkdtemp(prefix="lora_ops_mutate_logs_")
+    else:
+        scratch = args.scratch or tempfile.mkdtemp(prefix="lora_ops_mutate_")
+        os.makedirs(scratch, exist_ok=True)
+        logs = os.path.join(scratch, "mutation_logs")
+        os.makedirs(logs, exist_ok=True)
+        make_scratch(ROOT, scratch, files)
     pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}
     lines = [f"mutate: {ROOT} -> {scratch}; LORA_OPS_TEST_SEED={seed}; "
              f"{'--fast (own test files)' if args.fast else 'every test file, -q -x'}; {'GPU' if args.gpu else 'CPU'}"]
@@ -720,7 +746,7 @@ def main(argv=None) -> int:
     print("\n".join(lines[3:]))
     if args.log:
         _write(args.log, "\n".join(lines) + "\n")
-    if not args.scratch:
+    if not args.scratch and not args.in_place:
         shutil.rmtree(scratch, ignore_errors=True)
     return 1 if count("survived") or count("no build") else 0
 
@@ -730,7 +756,9 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
     original = _read(path)
     t0 = time.time()
     cpp = m.file.endswith(CPP_SUFFIXES)
+    backup = path + ORIGINAL_SUFFIX
     try:
+        _write(backup, original)  # what restore_originals puts back if this run is killed
         _write(path, original.replace(m.original, m.replacement, 1))
         if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
             return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
@@ -738,6 +766,7 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
                                os.path.join(logs, f"{m.id}.log"), args.timeout, args.workers)
     finally:
         _write(path, original)
+        os.remove(backup)
         if cpp:  # back to this checkout's build; the next C++ build recompiles the restored file as well
             for p, data in pristine.items():
                 with open(p, "wb") as f:
