@@ -65,6 +65,13 @@ struct Smem {
   static constexpr size_t expand_y = (size_t)kTileRows * (kBN + kYPad) * sizeof(TY);
   static constexpr size_t expand_stage = expand_b + expand_y;
   static constexpr size_t bytes = std::max(kStages * shrink_stage, kStages * expand_stage);
+  // The cluster's h partials (one float4 per thread and n8 tile of its ranks) lie past the expand's first
+  // kStages - 1 stages where they fit, so that those stages load while the cluster sums h; at a 128-wide rank tile
+  // they do not (and the warps' swap of rank halves needs the buffer too): there the expand loads after the sum.
+  static constexpr size_t h_partials = (size_t)kCtaThreads<RT> * (RT / kColWarps<RT> / 8) * sizeof(float4);
+  static constexpr bool early_expand = kColWarps<RT> == 1 && (kStages - 1) * expand_stage + h_partials <= bytes;
+  static constexpr size_t h_partials_at = early_expand ? (kStages - 1) * expand_stage : 0;
+  static_assert(h_partials_at % 16 == 0, "float4 partials");
   // CTAs that fit an SM's shared memory on Hopper (228 KB, 1 KB reserved per CTA, ~0.6 KB static): the register
   // budget is set to allow as many, so registers never bound the occupancy more than shared memory does.
   static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
@@ -177,7 +184,65 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     }
   }
   cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // the shrink's buffers are drained: the expand's stages may take them
+
+  // ---------------- expand: y += h B^T over the group's columns ----------------
+  // Set up here, so that its first stages of B and y (which do not depend on h) can load during the cluster's sum
+  // (session 26's trace: the sum took 3.1 us of a CTA's 32.5 at T=4096, rank 16, and the expand then waited for
+  // its first loads).
+  const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
+  // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
+  // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
+  // chunk is past the slot's rank or the group's slices).
+  using BRows = ChunkRows<RT / 8, kThreads>;
+  static_assert(kBN % BRows::row_step == 0, "B rows split evenly");
+  const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
+  const bool b_used = s0 + b_slice < s1 && b_j < rank;
+  const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
+  const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
+  const T* b_src = lora_b + tile.slot * p.b_stride0 + b_j;
+  const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
+  // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
+  constexpr int kYVec = 16 / sizeof(TY);
+  using YRows = ChunkRows<kBN / kYVec, kThreads>;
+  static_assert(kTileRows % YRows::row_step == 0, "y rows split evenly");
+  const int yc = YRows::col(kYVec);
+  // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
+  auto y_row = [&](int i) -> TY* {
+    const int64_t row = s_rows[YRows::first_row() + i * YRows::row_step];
+    return row >= 0 ? y + row * p.y_row_stride + yc : nullptr;
+  };
+  auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
+  auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
+  auto load_expand = [&](int st, int64_t n0) {
+    T* B = bs(st) + BRows::first_row() * (RT + kPad) + j8;
+#pragma unroll
+    for (int i = 0; i < kBN / BRows::row_step; ++i) {
+      const int64_t n = n0 + BRows::first_row() + i * BRows::row_step;
+      const bool ok = n >= b_lo && n < b_hi;
+      cp_async16(B + i * BRows::row_step * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
+    }
+    TY* Y = ys(st) + YRows::first_row() * (kBN + L::kYPad) + yc;
+    const bool in = n0 + yc + kYVec <= c_end;  // see the write-back
+#pragma unroll
+    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
+      TY* row = in ? y_row(i) : nullptr;
+      cp_async16(Y + i * YRows::row_step * (kBN + L::kYPad), row ? row + n0 : y, row ? 16 : 0);
+    }
+  };
+  int64_t nt_begin, nt_end;
+  split_range((c_end - c_begin + kBN - 1) / kBN, plan.cluster, member, &nt_begin, &nt_end);
+  const int n_tiles = (int)(nt_end - nt_begin);
+  const int64_t n_first = c_begin + nt_begin * kBN;
+  auto expand_prologue = [&] {
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n_tiles) load_expand(st, n_first + st * kBN);
+      cp_async_commit();
+    }
+  };
+  if constexpr (L::early_expand) expand_prologue();
+
   if (plan.cluster > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Sum the cluster's K-partials of h in member order (bitwise what a plain loop over the members gives). Member m
@@ -187,9 +252,10 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     // RT floats apart were 8-way conflicted, C tiles per CTA).
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    float4* part = reinterpret_cast<float4*>(smem);
+    float4* part = reinterpret_cast<float4*>(smem + L::h_partials_at);
     constexpr int kFrags = kThreads * (kWarpRanks / 8);  // float4s of one h tile: a thread's per n8 tile of its ranks
-    static_assert(kFrags * sizeof(float4) <= L::bytes && kFrags % kMaxCluster == 0);
+    static_assert(kFrags * sizeof(float4) == L::h_partials && L::h_partials_at + L::h_partials <= L::bytes &&
+                  kFrags % kMaxCluster == 0);
 #pragma unroll
     for (int nt = 0; nt < kWarpRanks / 8; ++nt) {
       part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
@@ -273,56 +339,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     __syncthreads();  // before the expand's loads reuse the buffer
   }
 
-  // ---------------- expand: y += h B^T over the group's columns ----------------
-  const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
-  // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
-  // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
-  // chunk is past the slot's rank or the group's slices).
-  using BRows = ChunkRows<RT / 8, kThreads>;
-  static_assert(kBN % BRows::row_step == 0, "B rows split evenly");
-  const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
-  const bool b_used = s0 + b_slice < s1 && b_j < rank;
-  const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
-  const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
-  const T* b_src = lora_b + tile.slot * p.b_stride0 + b_j;
-  const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
-  // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
-  constexpr int kYVec = 16 / sizeof(TY);
-  using YRows = ChunkRows<kBN / kYVec, kThreads>;
-  static_assert(kTileRows % YRows::row_step == 0, "y rows split evenly");
-  const int yc = YRows::col(kYVec);
-  // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
-  auto y_row = [&](int i) -> TY* {
-    const int64_t row = s_rows[YRows::first_row() + i * YRows::row_step];
-    return row >= 0 ? y + row * p.y_row_stride + yc : nullptr;
-  };
-  auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
-  auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
-  auto load_expand = [&](int st, int64_t n0) {
-    T* B = bs(st) + BRows::first_row() * (RT + kPad) + j8;
-#pragma unroll
-    for (int i = 0; i < kBN / BRows::row_step; ++i) {
-      const int64_t n = n0 + BRows::first_row() + i * BRows::row_step;
-      const bool ok = n >= b_lo && n < b_hi;
-      cp_async16(B + i * BRows::row_step * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
-    }
-    TY* Y = ys(st) + YRows::first_row() * (kBN + L::kYPad) + yc;
-    const bool in = n0 + yc + kYVec <= c_end;  // see the write-back
-#pragma unroll
-    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
-      TY* row = in ? y_row(i) : nullptr;
-      cp_async16(Y + i * YRows::row_step * (kBN + L::kYPad), row ? row + n0 : y, row ? 16 : 0);
-    }
-  };
-  int64_t nt_begin, nt_end;
-  split_range((c_end - c_begin + kBN - 1) / kBN, plan.cluster, member, &nt_begin, &nt_end);
-  const int n_tiles = (int)(nt_end - nt_begin);
-  const int64_t n_first = c_begin + nt_begin * kBN;
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < n_tiles) load_expand(st, n_first + st * kBN);
-    cp_async_commit();
-  }
+  if constexpr (!L::early_expand) expand_prologue();
   for (int nt = 0; nt < n_tiles; ++nt) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
