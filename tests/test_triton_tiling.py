@@ -14,6 +14,9 @@ from conftest import HAS_CUDA, case_generator, triton_backend
 from grid import GG_CASES, SGMV_CASES
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# On a GPU machine these launch the compiled kernels with the GPU's configs: marked gpu there, so that the GPU runs
+# (`-m gpu`, scripts/gpu_run.sh) include them; without CUDA they run under the interpreter in CI.
+pytestmark = [pytest.mark.gpu] if HAS_CUDA else []
 
 
 class LaunchRecorder:
