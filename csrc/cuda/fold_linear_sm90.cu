@@ -21,6 +21,11 @@
 // SlotSkippingScheduler passes over the clusters of tiles whose rows all lie in unused slots' windows, so the CTAs
 // read nothing of them, and those columns of y are left unwritten (H200, that step at T=32: +22.4 -> +17.5%, with
 // every slot used unchanged; NOTES.md session 20).
+//
+// The GEMM is itself launched with programmatic stream serialization: its CTAs take each SM as the previous
+// kernel's CTAs leave it (the fold route's lora_expand lets its dependents launch at its start), and their set-up
+// overlaps that kernel's end. It reads nothing before griddepcontrol.wait: CUTLASS's producers wait before their
+// first load, and the scheduler waits before it reads seg_indptr.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -61,9 +66,9 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
 // llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
 // slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
-// warp-uniform code only. The loads happen before any griddepcontrol.wait: safe because the GEMM is launched
-// without programmatic stream serialization (run_cutlass), so whatever wrote seg_indptr has finished when it
-// starts.
+// warp-uniform code only. The GEMM is launched programmatically (run_cutlass), so the scheduler waits for the
+// previous kernel (griddepcontrol.wait) before it reads seg_indptr, which that kernel may write; through L2 only
+// (ld.global.cg), so that no line of seg_indptr left in L1 from before that kernel's writes is read.
 template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -93,6 +98,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
   CUTLASS_DEVICE explicit SlotSkippingScheduler(Params const& params) : Base(params), slots_(params.slots) {
     if (slots_.seg_indptr == nullptr) return;
+    grid_dependency_wait();
     judge_tiles();
     skip_unused();
   }
@@ -146,8 +152,8 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
       const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
       const int32_t s0 = offset / slots_.slot_rows;
       const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-      lo_ = __ldg(slots_.seg_indptr + s0);
-      hi_ = __ldg(slots_.seg_indptr + s1 + 1);
+      lo_ = __ldcg(slots_.seg_indptr + s0);
+      hi_ = __ldcg(slots_.seg_indptr + s1 + 1);
     }
     stops_ = __ballot_sync(0xffffffffu, !work.is_valid() || first < slots_.base_rows);
   }
@@ -286,7 +292,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
     const auto args = arguments<G>(p);
     // CUTLASS's own host checks, and no workspace (the persistent data-parallel schedule needs none)
     if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return cudaErrorNotSupported;
-    return run_cutlass<G>(args, nullptr, stream);
+    return run_cutlass<G>(args, nullptr, stream, /*pdl=*/true);
   });
 #else
   (void)p;

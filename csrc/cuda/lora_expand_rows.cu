@@ -397,6 +397,10 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // the wait. In the rows kernel's SASS that trip is issued with the loads of y, h and B; the runs kernel's loads of y
 // still wait for it (NOTES.md, session 24).
 //
+// All three kernels let their own dependents launch at their start (allow_dependents_to_launch): fold_linear's GEMM,
+// launched programmatically, then takes each SM as this grid's CTAs leave it, its set-up overlapping this grid's
+// end; it waits for this grid to finish before it reads anything.
+//
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
 // is not programmatic, the wait returns at once, and a guess would only add its check.
 template <int kSteps>
@@ -410,6 +414,7 @@ __device__ constexpr bool kGuesses =
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
     expand_rows_kernel(ExpandParams p, int passes) {
+  allow_dependents_to_launch();
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   const int64_t stride = (int64_t)gridDim.y * kWarps;
@@ -444,6 +449,7 @@ constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_runs_kernel(ExpandParams p, int passes) {
+  allow_dependents_to_launch();
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   // Lane i < 8 holds position pos0 + i's metadata (none past the positions and on the other lanes).
@@ -469,6 +475,7 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
+  allow_dependents_to_launch();
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   grid_dependency_wait();  // the walk over the segments is too long a chain to guess
