@@ -323,10 +323,12 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monke
 @pytest.mark.parametrize("written", ["x", "seg_indptr"])
 @pytest.mark.parametrize("T", [8, 32, 48])  # one case per tile (16, 32 and 64 tokens)
 def test_inputs_written_after_an_early_trigger_are_the_ones_used(T, written, monkeypatch):
-    """The CUTLASS kernel is launched to start while the kernel before it runs (programmatic stream serialization)
-    and must read nothing before griddepcontrol.wait. Here that kernel lets it launch at once and writes x or
-    seg_indptr ~100 us later (stale: zeros, so no slot used): y must be bitwise the race-free call's on the base
-    rows and every used slot's window (a seg_indptr read before the wait would skip the used slots' windows)."""
+    """With slot windows of 64 rows, past 16 tokens, the CUTLASS kernel (clusters of one CTA) is launched to start
+    while the kernel before it runs (programmatic stream serialization) and must read nothing before
+    griddepcontrol.wait; at 8 tokens (clusters of 2) it is launched in stream order. Here that kernel lets it launch
+    at once and writes x or seg_indptr ~100 us later (stale: zeros, so no slot used): y must be bitwise the
+    race-free call's on the base rows and every used slot's window (a seg_indptr read before the wait would skip
+    the used slots' windows, which then keep the output block's NaN)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     if not _sm90_built():
         pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")

@@ -398,8 +398,9 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // still wait for it (NOTES.md, session 24).
 //
 // All three kernels let their own dependents launch at their start (allow_dependents_to_launch): fold_linear's GEMM,
-// launched programmatically, then takes each SM as this grid's CTAs leave it, its set-up overlapping this grid's
-// end; it waits for this grid to finish before it reads anything.
+// where it is launched programmatically (clusters of one CTA: fold_linear_sm90.cu), then takes each SM as this
+// grid's CTAs leave it, its set-up overlapping this grid's end; it waits for this grid to finish before it reads
+// anything.
 //
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
 // is not programmatic, the wait returns at once, and a guess would only add its check.
