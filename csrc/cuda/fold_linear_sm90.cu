@@ -50,6 +50,7 @@ namespace lora_ops::cuda::fold {
 struct SlotWindows {
   const int32_t* seg_indptr = nullptr;
   int32_t base_rows = 0, slot_rows = 1, num_slots = 0;
+  bool launched_early = false;  // programmatic stream serialization: seg_indptr read only after the wait
 };
 
 struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
@@ -69,11 +70,12 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
 // llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
 // slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
-// warp-uniform code only. The GEMM may be launched programmatically (run_cutlass), so the scheduler waits for the
-// previous kernel (griddepcontrol.wait) before it reads seg_indptr, which that kernel may write: only there, so that
-// the CTAs whose first tiles are base-weight tiles start them without waiting (waiting at construction in every role
-// cost the rank-64 step 2.4 points); through L2 only (ld.global.cg), so that no line of seg_indptr left in L1 from
-// before that kernel's writes is read.
+// warp-uniform code only. Launched in stream order, the loads are issued at construction and land behind the base
+// tiles' work. Launched programmatically (run_cutlass), the scheduler waits for the previous kernel
+// (griddepcontrol.wait) before it reads seg_indptr, which that kernel may write, and only when its walk first
+// reaches a slot-window tile, so that the CTAs whose first tiles are base-weight tiles start them without waiting
+// (waiting at construction in every role cost the rank-64 step 2.4 points); through L2 only (ld.global.cg), so that
+// no line of seg_indptr left in L1 from before that kernel's writes is read.
 template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -104,6 +106,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   CUTLASS_DEVICE explicit SlotSkippingScheduler(Params const& params) : Base(params), slots_(params.slots) {
     if (slots_.seg_indptr == nullptr) return;
     judge_tiles();
+    if (!slots_.launched_early) load_entries();
     skip_unused();
   }
 
@@ -163,21 +166,30 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   // any past the judged ones.
   CUTLASS_DEVICE void skip_unused() {
     if (slots_.seg_indptr == nullptr || position_ >= kJudged || ((stops_ >> position_) & 1u)) return;
-    if (!gathered_) {  // the first slot-window tile: slots s0..s1 hold rows iff seg_indptr[s1 + 1] > seg_indptr[s0]
-      grid_dependency_wait();
-      const bool used =
-          s1_ >= s0_ && __ldcg(slots_.seg_indptr + s1_ + 1) > __ldcg(slots_.seg_indptr + s0_);  // it ascends
-      stops_ |= __ballot_sync(0xffffffffu, used);
+    if (!gathered_) {  // the first slot-window tile
+      if (slots_.launched_early) {
+        grid_dependency_wait();
+        load_entries();
+      }
+      stops_ |= __ballot_sync(0xffffffffu, hi_ > lo_);
       gathered_ = true;
     }
     const uint32_t ahead = stops_ >> position_;
     step(ahead != 0 ? __ffs(ahead) - 1 : kJudged - position_);
   }
 
+  // The seg_indptr entries of this lane's slot-window tile: slots s0..s1 hold rows iff seg_indptr[s1 + 1] >
+  // seg_indptr[s0] (it ascends).
+  CUTLASS_DEVICE void load_entries() {
+    if (s1_ < s0_) return;
+    lo_ = __ldcg(slots_.seg_indptr + s0_);
+    hi_ = __ldcg(slots_.seg_indptr + s1_ + 1);
+  }
+
   SlotWindows slots_;
   uint32_t position_ = 0;  // of the current tile in the CTA's sequence
   uint32_t stops_ = 0;     // bit j: the walk stops at the CTA's j-th tile
-  int32_t s0_ = 0, s1_ = -1;
+  int32_t s0_ = 0, s1_ = -1, lo_ = 0, hi_ = 0;
   bool gathered_ = false;
 };
 
@@ -258,7 +270,7 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   args.hw_info = hardware_info<K>();
   if (skips_slots(p)) {  // then slot_rows <= n / num_slots fits int32
     args.scheduler.slots = {p.seg_indptr, static_cast<int32_t>(p.n - p.num_slots * p.slot_rows),
-                            static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots)};
+                            static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots), G::kLaunchedEarly};
   }
   return args;
 }
