@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import case_generator, late_copy
+from conftest import case_generator
 
 
 
@@ -317,43 +317,6 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monke
         assert skipped.all(), f"{(~skipped).sum().item()} skippable values computed"
     else:
         assert skipped.any() and not skipped.all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("written", ["x", "seg_indptr"])
-@pytest.mark.parametrize("T", [8, 32, 48])  # one case per tile (16, 32 and 64 tokens)
-def test_inputs_written_after_an_early_trigger_are_the_ones_used(T, written, monkeypatch):
-    """With slot windows of 64 rows, past 16 tokens, the CUTLASS kernel (clusters of one CTA) is launched to start
-    while the kernel before it runs (programmatic stream serialization) and must read nothing before
-    griddepcontrol.wait; at 8 tokens (clusters of 2) it is launched in stream order. Here that kernel lets it launch
-    at once and writes x or seg_indptr ~100 us later (stale: zeros, so no slot used): y must be bitwise the
-    race-free call's on the base rows and every used slot's window (a seg_indptr read before the wait would skip
-    the used slots' windows, which then keep the output block's NaN)."""
-    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    if not _sm90_built():
-        pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")
-    pytest.importorskip("triton")
-    num_slots, slot_rows, base_rows = 32, 64, 1024
-    token_lora, seg_indptr = _slot_windows(T, [3, 17, 30], num_slots, f"late-{T}")
-    final = {"seg_indptr": seg_indptr.cuda(),
-             "x": _inputs(T, 256, base_rows + num_slots * slot_rows, torch.bfloat16, "cuda", key="late")[0]}
-    w = _inputs(T, 256, base_rows + num_slots * slot_rows, torch.bfloat16, "cuda", key="late")[1]
-    needed = torch.zeros(w.shape[0], dtype=torch.bool)
-    needed[:base_rows] = True
-    for slot in set(token_lora.tolist()) - {-1}:
-        needed[base_rows + slot * slot_rows:base_rows + (slot + 1) * slot_rows] = True
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(final["x"], w, None, final["seg_indptr"], slot_rows))
-    assert _ran_cutlass(ran), ran
-    _assert_product(y[:, needed], final["x"], w[needed])
-    for _ in range(3):
-        call = {k: torch.zeros_like(v) if k == written else v for k, v in final.items()}
-        poisoned = torch.full_like(y, float("nan"))  # the output's block: a window left unwritten stays NaN
-        poisoned_ptr = poisoned.data_ptr()
-        del poisoned
-        late_copy()(final[written], call[written])
-        late = lora_ops.fold_linear(call["x"], w, None, call["seg_indptr"], slot_rows)
-        assert late.data_ptr() == poisoned_ptr, "the caching allocator did not reuse the poisoned block"
-        assert torch.equal(late[:, needed], y[:, needed]), f"{written} was read before the previous kernel wrote it"
 
 
 @pytest.mark.gpu

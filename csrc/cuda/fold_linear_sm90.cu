@@ -21,14 +21,6 @@
 // SlotSkippingScheduler passes over the clusters of tiles whose rows all lie in unused slots' windows, so the CTAs
 // read nothing of them, and those columns of y are left unwritten (H200, that step at T=32: +22.4 -> +17.5%, with
 // every slot used unchanged; NOTES.md session 20).
-//
-// The kernels of clusters of one CTA are themselves launched with programmatic stream serialization: their CTAs
-// take each SM as the previous kernel's CTAs leave it (the fold route's lora_expand lets its dependents launch at
-// its start), and their set-up overlaps that kernel's end (H200, llama3-8b step at T=64, 16 adapters, rank 64:
-// +54.7 -> +53.4%). With clusters of 2 at rank 16 the same launch made the steps slower (T=32, 1 adapter: +13.0 ->
-// +17.8%; 32 adapters +22.6 -> +31.1%: NOTES.md session 28), so those launch as before. The kernel reads nothing
-// before griddepcontrol.wait: CUTLASS's producers wait before their first load, and the scheduler before it reads
-// seg_indptr.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -50,7 +42,6 @@ namespace lora_ops::cuda::fold {
 struct SlotWindows {
   const int32_t* seg_indptr = nullptr;
   int32_t base_rows = 0, slot_rows = 1, num_slots = 0;
-  bool launched_early = false;  // programmatic stream serialization: seg_indptr read only after the wait
 };
 
 struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
@@ -61,21 +52,18 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // take every other tile, and the epilogue) walks the same sequence, so their pipeline states stay in step; the
 // CTAs of a cluster judge a tile by the cluster's rows, so they agree (the multicast of x needs that).
 //
-// Which tiles are needed is worked out once for the CTA's first 32 tiles (a decode step's GEMMs give a CTA at most
-// ~4; later ones are all computed): at construction lane j of each warp works out the j-th tile, and a ballot marks
-// the tiles that stop the walk whatever the slots (a base-weight tile, or the end); when the walk first reaches a
-// slot-window tile, each lane loads its tile's two seg_indptr entries and a second ballot marks the tiles some row
-// needs. Advancing is then bit arithmetic, as cheap as the base
+// Which tiles are needed is worked out once, at construction, for the CTA's first 32 tiles (a decode step's GEMMs
+// give a CTA at most ~4; later ones are all computed): lane j of each warp works out the j-th tile and loads its
+// two seg_indptr entries; a ballot marks at once the tiles that stop the walk without those loads (a base-weight
+// tile, or the end), and a second ballot gathers the loads only when the walk first reaches a slot-window tile, by
+// which time they have landed behind the base tiles' work. Advancing is then bit arithmetic, as cheap as the base
 // scheduler's add. (Judging each tile as it came cost a tile-index decomposition per step in every role, five per
 // tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
 // llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
 // slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
-// warp-uniform code only. Launched in stream order, the loads are issued at construction and land behind the base
-// tiles' work. Launched programmatically (run_cutlass), the scheduler waits for the previous kernel
-// (griddepcontrol.wait) before it reads seg_indptr, which that kernel may write, and only when its walk first
-// reaches a slot-window tile, so that the CTAs whose first tiles are base-weight tiles start them without waiting
-// (waiting at construction in every role cost the rank-64 step 2.4 points); through L2 only (ld.global.cg), so that
-// no line of seg_indptr left in L1 from before that kernel's writes is read.
+// warp-uniform code only. The loads happen before any griddepcontrol.wait: safe because the GEMM is launched
+// without programmatic stream serialization (run_cutlass), so whatever wrote seg_indptr has finished when it
+// starts.
 template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -106,7 +94,6 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   CUTLASS_DEVICE explicit SlotSkippingScheduler(Params const& params) : Base(params), slots_(params.slots) {
     if (slots_.seg_indptr == nullptr) return;
     judge_tiles();
-    if (!slots_.launched_early) load_entries();
     skip_unused();
   }
 
@@ -145,8 +132,9 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
   // Lane j judges the CTA's j-th tile: stops_ gets the tiles where the walk stops whatever the slots (a
-  // base-weight row in the tile's cluster, or no tile: the end), and [s0_, s1_] are the slots whose windows a
-  // slot-window tile touches (empty elsewhere).
+  // base-weight row in the tile's cluster, or no tile: the end), and (lo_, hi_) are the seg_indptr entries of a
+  // slot-window tile, hi_ > lo_ iff some row uses one of its slots (seg_indptr ascends, so slots s0..s1 hold rows
+  // iff seg_indptr[s1 + 1] > seg_indptr[s0]). The loads are issued here and waited for in skip_unused.
   CUTLASS_DEVICE void judge_tiles() {
     Base ahead = *this;
     ahead.advance_to_next_work(threadIdx.x % kJudged);
@@ -156,8 +144,10 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
         first - slots_.base_rows < int64_t(slots_.num_slots) * slots_.slot_rows) {  // else rows past W's
       // first - base_rows < num_slots * slot_rows <= n: int32 from here
       const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
-      s0_ = offset / slots_.slot_rows;
-      s1_ = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
+      const int32_t s0 = offset / slots_.slot_rows;
+      const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
+      lo_ = __ldg(slots_.seg_indptr + s0);
+      hi_ = __ldg(slots_.seg_indptr + s1 + 1);
     }
     stops_ = __ballot_sync(0xffffffffu, !work.is_valid() || first < slots_.base_rows);
   }
@@ -166,11 +156,7 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   // any past the judged ones.
   CUTLASS_DEVICE void skip_unused() {
     if (slots_.seg_indptr == nullptr || position_ >= kJudged || ((stops_ >> position_) & 1u)) return;
-    if (!gathered_) {  // the first slot-window tile
-      if (slots_.launched_early) {
-        grid_dependency_wait();
-        load_entries();
-      }
+    if (!gathered_) {  // the first slot-window tile: wait for the loads
       stops_ |= __ballot_sync(0xffffffffu, hi_ > lo_);
       gathered_ = true;
     }
@@ -178,18 +164,10 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
     step(ahead != 0 ? __ffs(ahead) - 1 : kJudged - position_);
   }
 
-  // The seg_indptr entries of this lane's slot-window tile: slots s0..s1 hold rows iff seg_indptr[s1 + 1] >
-  // seg_indptr[s0] (it ascends).
-  CUTLASS_DEVICE void load_entries() {
-    if (s1_ < s0_) return;
-    lo_ = __ldcg(slots_.seg_indptr + s0_);
-    hi_ = __ldcg(slots_.seg_indptr + s1_ + 1);
-  }
-
   SlotWindows slots_;
   uint32_t position_ = 0;  // of the current tile in the CTA's sequence
   uint32_t stops_ = 0;     // bit j: the walk stops at the CTA's j-th tile
-  int32_t s0_ = 0, s1_ = -1, lo_ = 0, hi_ = 0;
+  int32_t lo_ = 0, hi_ = 0;
   bool gathered_ = false;
 };
 
@@ -218,7 +196,6 @@ using cute::Shape;
 
 template <class T, int kTokens, int kClusterTiles = 2>
 struct FoldGemm {
-  static constexpr bool kLaunchedEarly = kClusterTiles == 1;  // programmatic stream serialization (file comment)
   using Tile = Shape<_64, Int<kTokens>, _64>;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   using Cluster = Shape<Int<kClusterTiles>, _1, _1>;
@@ -270,7 +247,7 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   args.hw_info = hardware_info<K>();
   if (skips_slots(p)) {  // then slot_rows <= n / num_slots fits int32
     args.scheduler.slots = {p.seg_indptr, static_cast<int32_t>(p.n - p.num_slots * p.slot_rows),
-                            static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots), G::kLaunchedEarly};
+                            static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots)};
   }
   return args;
 }
@@ -309,7 +286,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
     const auto args = arguments<G>(p);
     // CUTLASS's own host checks, and no workspace (the persistent data-parallel schedule needs none)
     if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return cudaErrorNotSupported;
-    return run_cutlass<G>(args, nullptr, stream, /*pdl=*/G::kLaunchedEarly);
+    return run_cutlass<G>(args, nullptr, stream);
   });
 #else
   (void)p;

@@ -397,17 +397,6 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // the wait. In the rows kernel's SASS that trip is issued with the loads of y, h and B; the runs kernel's loads of y
 // still wait for it (NOTES.md, session 24).
 //
-// Where the fold route's next GEMM is launched programmatically (fold_linear_sm90.cu: clusters of one CTA, past 16
-// tokens with slot windows of 64 rows or more), the kernels let it launch at their start: it then takes each SM as
-// this grid's CTAs leave it, its set-up overlapping this grid's end, and waits for this grid to finish before it
-// reads anything. The rule mirrors fold_linear's for the pool ranks at which every module's windows are that wide
-// (rank 64 up); elsewhere the trigger is left out, because before a GEMM launched in stream order it made the
-// steps slower (H200, llama3-8b: T=32, 1 adapter, rank 16 +10.2 -> +17.4%; T=16, rank 64 +61.2 -> +64.6%;
-// NOTES.md session 28).
-__device__ __forceinline__ void let_fold_gemm_launch(const ExpandParams& p) {
-  if (p.max_rank >= 64 && p.seg.positions > 16) allow_dependents_to_launch();
-}
-//
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
 // is not programmatic, the wait returns at once, and a guess would only add its check.
 template <int kSteps>
@@ -421,7 +410,6 @@ __device__ constexpr bool kGuesses =
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
     expand_rows_kernel(ExpandParams p, int passes) {
-  let_fold_gemm_launch(p);
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   const int64_t stride = (int64_t)gridDim.y * kWarps;
@@ -456,7 +444,6 @@ constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_runs_kernel(ExpandParams p, int passes) {
-  let_fold_gemm_launch(p);
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   // Lane i < 8 holds position pos0 + i's metadata (none past the positions and on the other lanes).
@@ -482,7 +469,6 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
 template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_segments_kernel(ExpandParams p, int passes) {
-  let_fold_gemm_launch(p);
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   grid_dependency_wait();  // the walk over the segments is too long a chain to guess
