@@ -1,3 +1,4 @@
+import functools
 import glob
 import os
 import secrets
@@ -37,6 +38,30 @@ def case_seed(key) -> int:
 
 def case_generator(key) -> torch.Generator:
     return torch.Generator().manual_seed(case_seed(key))
+
+
+@functools.lru_cache(maxsize=None)
+def late_copy():
+    """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once
+    (griddepcontrol.launch_dependents), sleeps ~100-400 us, then copies src into dst: the worst predecessor for a
+    kernel that reads its inputs before griddepcontrol.wait (no kernel of the project may be one)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_after_sleep(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        delay = tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n mov.u32 $0, $1;", "=r,r", [offs * 0],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        for _ in range(200):
+            delay = tl.inline_asm_elementwise("nanosleep.u32 1000;\n mov.u32 $0, $1;", "=r,r", [delay],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+        offs = offs + delay  # the copy waits for the sleep
+        for start in range(0, n, BLOCK):
+            at = start + offs
+            tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)
+
+    return lambda src, dst: copy_after_sleep[(1,)](src, dst, src.numel(), BLOCK=1024)
 
 
 def _seed_line() -> str:

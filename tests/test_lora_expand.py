@@ -2,7 +2,6 @@
 parity grid with a random h in place of the shrink (every slot's window, or one window per row broadcast over the
 slots), float32 or half h, NaN in h past each slot's rank, garbage metadata, determinism, opcheck, argument errors,
 and compile; each in the segment form and in the rows form (no seg_indptr: each position's slot)."""
-import functools
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import backends, op_table, reference, testing
 
-from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, use_impl
+from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, late_copy, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -449,30 +448,6 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
     assert counter.frame_count == 1
 
 
-@functools.lru_cache(maxsize=None)
-def _late_copy():
-    """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once
-    (griddepcontrol.launch_dependents), sleeps ~100-400 us, then copies src into dst: the worst predecessor for a
-    kernel that reads its inputs before griddepcontrol.wait (no kernel of the project is one)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def late_copy(src, dst, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        delay = tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n mov.u32 $0, $1;", "=r,r", [offs * 0],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-        for _ in range(200):
-            delay = tl.inline_asm_elementwise("nanosleep.u32 1000;\n mov.u32 $0, $1;", "=r,r", [delay],
-                                              dtype=tl.int32, is_pure=False, pack=1)
-        offs = offs + delay  # the copy waits for the sleep
-        for start in range(0, n, BLOCK):
-            at = start + offs
-            tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)
-
-    return lambda src, dst: late_copy[(1,)](src, dst, src.numel(), BLOCK=1024)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
 @pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384)])
@@ -521,11 +496,10 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     ref = reference.lora_expand(y0[rows].cpu(), h[rows].cpu(), lora_b.cpu(), None, final["slots"][at],
                                 torch.arange(len(at), dtype=torch.int32), final["ranks"], final["scales"])
     assert ((expected[0][rows].cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
-    late_copy = _late_copy()
     written_final = final[written].cuda()
     for _ in range(3):
         call = args({k: (stale if k == written else final)[k] for k in final})
         with op_table.disabled():
-            late_copy(written_final, call[argument[written]])
+            late_copy()(written_final, call[argument[written]])
             lora_ops.ops.lora_expand(*call)
         assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"
