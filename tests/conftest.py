@@ -43,8 +43,10 @@ def case_generator(key) -> torch.Generator:
 @functools.lru_cache(maxsize=None)
 def late_copy():
     """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once
-    (griddepcontrol.launch_dependents), sleeps ~100-400 us, then copies src into dst: the worst predecessor for a
-    kernel that reads its inputs before griddepcontrol.wait (no kernel of the project may be one)."""
+    (griddepcontrol.launch_dependents), sleeps (200 nanosleeps of 1 us per element a thread holds, 8 here: up to
+    ~2 ms, nanosleep's duration being a bound, not a promise), then copies src into dst: the worst predecessor for a
+    kernel that reads its inputs before griddepcontrol.wait (no kernel of the project may be one). On the H200 the
+    sleep has been long enough for the planted bugs that read before the wait to fail these tests."""
     import triton
     import triton.language as tl
 

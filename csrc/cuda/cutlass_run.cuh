@@ -20,7 +20,8 @@ namespace lora_ops::cuda {
 // G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter). `pdl`: launched with
 // programmatic stream serialization, so that it may start while the previous kernel in the stream runs; only for a
 // kernel built with CUTLASS_ENABLE_GDC_FOR_SM90 that reads nothing before griddepcontrol.wait (without GDC,
-// CUTLASS's wait is empty and the kernel would read what that kernel is still writing).
+// CUTLASS's wait is empty and the kernel would read what that kernel is still writing). CUTLASS's epilogue loads
+// *alpha_ptr / *beta_ptr at its start, before any wait: such a GEMM must take alpha and beta as values.
 template <class G>
 cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
                         bool pdl = false) {

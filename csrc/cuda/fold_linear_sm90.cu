@@ -73,9 +73,11 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // warp-uniform code only. Launched in stream order (run_cutlass), the loads happen at construction: whatever wrote
 // seg_indptr has finished when the GEMM starts. kLaunchedEarly (launched programmatically): the previous kernel may
 // still write seg_indptr, so the loads wait for it (griddepcontrol.wait) and are issued when the walk first reaches
-// a slot-window tile, so that the CTAs whose first tiles are base-weight tiles start them without waiting (a wait
-// at construction in every role cost the rank-64 step 2.4 points); through L2 only (ld.global.cg), so that no line
-// of seg_indptr left in L1 from before that kernel's writes is read.
+// a slot-window tile, so that no role waits at construction where its first tile is a base-weight tile (a wait at
+// construction in every role cost the rank-64 step 2.4 points); as ld.global.cg, since ld.global.nc (__ldg) needs
+// the data read-only for the kernel's whole life, which the overlap with the previous kernel breaks. Such a late
+// load may come after this grid let its own dependents launch: it relies on them writing nothing before their
+// griddepcontrol.wait, as every programmatically launched kernel of the project does.
 template <class TileShape, class ClusterShape, bool kLaunchedEarly>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
