@@ -13,7 +13,8 @@
 #   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
 #              "unset": the variable unset), AB_STEPS (--steps), AB_ROUNDS (default 2), AB_IMPLS (default
-#              fold-cuda); every arm's output to $OUT/envab.log (not in the default; revisions: scripts/ab.sh)
+#              fold-cuda), AB_ARGS (more bench arguments, e.g. --between-modules); every arm's output to
+#              $OUT/envab.log (not in the default; revisions: scripts/ab.sh)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder).
 # Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [routes] [mutate]
@@ -132,7 +133,7 @@ if want envab; then
       echo "=== $AB_VAR=$value, round $round" | tee -a "$OUT/envab.log"
       arm=(env "$AB_VAR=$value"); [ "$value" = unset ] && arm=(env -u "$AB_VAR")
       "${arm[@]}" $PY -m lora_ops.bench --decode-step --impls "${AB_IMPLS:-fold-cuda}" \
-        --steps "${AB_STEPS:?AB_STEPS: T/ADAPTERS/RANK,...}" 2>&1 | tee -a "$OUT/envab.log" \
+        --steps "${AB_STEPS:?AB_STEPS: T/ADAPTERS/RANK,...}" ${AB_ARGS:-} 2>&1 | tee -a "$OUT/envab.log" \
         | grep -E "^[a-z0-9-]+ T=|  [a-z]+-|rror"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done

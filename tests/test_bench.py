@@ -266,6 +266,42 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
 
 
+def test_decode_step_between_modules_writes_each_input_before_its_module(monkeypatch):
+    """--between-modules: in the base and in every route, a kernel writes each module's input just before the module
+    (x *= 1 in place: the outputs stay the oracle's), and the records say so; without it no input is written."""
+    from lora_ops.bench import decode_step
+
+    class Eager:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def replay(self):
+            for f in self.calls:
+                f()
+
+    setups = []
+    init = decode_step.Setup.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        setups.append(self)
+
+    monkeypatch.setattr(decode_step, "capture", Eager)
+    monkeypatch.setattr(decode_step.Setup, "__init__", kept)
+    monkeypatch.setattr(decode_step, "time_interleaved",
+                        lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
+    monkeypatch.setattr(decode_step, "routes", lambda: {"fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    for between in (False, True):
+        records, failures = [], []
+        decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print,
+                               between=between)
+        assert not failures and [r["backend"] for r in records] == ["base", "fold-cpu"]
+        assert all(r["err"] < 2e-2 and r.get("between_modules", False) == between for r in records)
+        # the in-place writes bump each input's version counter: once per module call, in every graph
+        assert all((x._version > 0) == between for x in setups[-1].x.values())
+
+
 def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(monkeypatch):
     """A route that raises while its graph is captured (e.g. a sync under capture) is a failure of that route
     alone: the base and the other routes are still timed, checked and recorded."""

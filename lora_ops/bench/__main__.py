@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="with --decode-step: time every route per regime and write the serving layer's table "
                          "(lora_ops/routes.json)")
+    ap.add_argument("--between-modules", action="store_true",
+                    help="with --decode-step: a kernel writes each module's input just before it, as a model's norms "
+                         "and activations do (see decode_step.py)")
     ap.add_argument("--parts", action="store_true",
                     help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv)")
     ap.add_argument("--steps", default=None, metavar="T/ADAPTERS/RANK,...",
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
         ap.error("--op-table needs --out: the table names the results file it was built from")
     if args.steps and not args.decode_step:
         ap.error("--steps needs --decode-step")
+    if args.between_modules and not args.decode_step:
+        ap.error("--between-modules needs --decode-step")
     try:
         steps = decode_step.parse_steps(args.steps) if args.steps else None
     except ValueError as e:
@@ -142,7 +147,7 @@ def main(argv=None) -> int:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)
         with op_table.disabled():
-            decode_step.run(models, device, records, failures, log, only, steps, args.parts)
+            decode_step.run(models, device, records, failures, log, only, steps, args.parts, args.between_modules)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if args.routes:
         if not args.decode_step:

@@ -13,6 +13,12 @@ adapter of a 32-slot pool. Routes:
                lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (up to 64 tokens on
                sm_90 it skips the A of the slots no row uses).
 
+With --between-modules, a kernel writes each module's input just before the module runs (x *= 1 in place: the
+values stay), in the base and every route, as a model's norms, attention and activation do: the next GEMM then
+follows a torch kernel instead of the previous module's LoRA kernel, and reads what that kernel wrote, which is
+what decides a programmatic (early) launch's gain in a model (csrc/cuda/NOTES.md, session 28). Off by default: the
+issue's step is the linear layers alone.
+
 The sgmv and fold routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the
 serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
 of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes of
@@ -122,8 +128,8 @@ class Module:
 class Setup:
     """The model's layers for one step shape, the step's activations and routing, and the output buffers."""
 
-    def __init__(self, model: ModelShape, step: Step, device, seed: int = 0):
-        self.model, self.step = model, step
+    def __init__(self, model: ModelShape, step: Step, device, seed: int = 0, between: bool = False):
+        self.model, self.step, self.between = model, step, between
         gen = torch.Generator().manual_seed(seed)
         slots = torch.randperm(POOL_SLOTS, generator=gen)[:step.adapters].tolist()
         self.token_lora = testing.random_token_slots(step.T, slots, gen).to(device)
@@ -156,13 +162,21 @@ class Setup:
         return route_table.fold_expand_rows(backend, self.sorted_slots,
                                             (self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices))
 
+    def write_input(self, n: str) -> None:
+        """--between-modules: module n's input written by a kernel of its own just before the module."""
+        if self.between:
+            self.x[n].mul_(1.0)
+
     # ---- the routes: each returns the calls of one step, and the first layer's outputs ----
     def base_calls(self) -> List[Callable[[], None]]:
-        return [lambda m=m, n=n: torch.mm(self.x[n], m.w.t(), out=self.y[n])
-                for layer in self.layers for n, m in zip(self.names, layer)]
+        def one(m, n):
+            self.write_input(n)
+            torch.mm(self.x[n], m.w.t(), out=self.y[n])
+        return [lambda m=m, n=n: one(m, n) for layer in self.layers for n, m in zip(self.names, layer)]
 
     def sgmv_calls(self, sgmv) -> List[Callable[[], None]]:
         def one(m, n):
+            self.write_input(n)
             torch.mm(self.x[n], m.w.t(), out=self.y[n])
             sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
                  self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
@@ -171,6 +185,7 @@ class Setup:
 
     def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
         def one(m, n):
+            self.write_input(n)
             out = self.fold_out.setdefault(route, {})[n] = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None,
                                                                                     self.seg.seg_indptr, m.S * m.R)
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
@@ -245,8 +260,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
-               only: Optional[Sequence[str]] = None, parts: bool = False) -> None:
-    s = Setup(model, step, device)
+               only: Optional[Sequence[str]] = None, parts: bool = False, between: bool = False) -> None:
+    s = Setup(model, step, device, between=between)
     # The first layer's outputs are checked after it ran eagerly, the last layer's after a replay of the timed graph
     # (each replay is a whole step: every layer's base GEMM overwrites the buffers its LoRA then adds to). The base
     # and the routes are timed in turn, round after round (time_interleaved), so that the overheads compare times
@@ -255,8 +270,11 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     floor, fold_floor = floors_pct(model, step)
     row = dict(op="decode_step", model=model.name, T=step.T, adapters=step.adapters, rank=step.rank,
                floor_pct=round(floor, 2), fold_floor_pct=round(fold_floor, 2))
+    if between:
+        row["between_modules"] = True
+    writer = ", an input writer before each module" if between else ""
     log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%, "
-        f"the fold route's +{fold_floor:.1f}% (every slot's A)")
+        f"the fold route's +{fold_floor:.1f}% (every slot's A){writer}")
     base_calls = s.base_calls()
     graphs = {"base": capture(base_calls)}
     checked, calls = {}, []
@@ -342,10 +360,10 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
 
 
 def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS,
-        parts: bool = False):
+        parts: bool = False, between: bool = False):
     for name in models:
         for step in steps:
-            bench_step(MODELS[name], step, device, records, failures, log, only, parts)
+            bench_step(MODELS[name], step, device, records, failures, log, only, parts, between)
 
 
 def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
