@@ -231,13 +231,14 @@ def _gg(backend, us, shape="8x512x4096x4096", w="bfloat16", K=4096, N=4096, T=40
     return r
 
 
-def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
-    """bench_step (CUDA graphs on the GPU; here each capture replays its calls eagerly) checks the first layer run
-    alone and the last layer as the timed replays leave it: a route right on its first layer only is caught."""
+def _replay_eagerly(monkeypatch, on_capture=lambda calls: None):
+    """decode_step with its CUDA graphs replaced: each capture keeps its calls (on_capture sees them first, and may
+    raise as a capture can) and replays them eagerly; time_interleaved runs each twice and reports 1 ms."""
     from lora_ops.bench import decode_step
 
     class Eager:
         def __init__(self, calls):
+            on_capture(calls)
             self.calls = calls
 
         def replay(self):
@@ -247,6 +248,13 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     monkeypatch.setattr(decode_step, "capture", Eager)
     monkeypatch.setattr(decode_step, "time_interleaved",
                         lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
+    return decode_step
+
+
+def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
+    """bench_step (CUDA graphs on the GPU; here each capture replays its calls eagerly) checks the first layer run
+    alone and the last layer as the timed replays leave it: a route right on its first layer only is caught."""
+    decode_step = _replay_eagerly(monkeypatch)
     sgmv = torch.ops.lora_ops.sgmv.default
     calls = []
 
@@ -269,16 +277,7 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
 def test_decode_step_between_modules_writes_each_input_before_its_module(monkeypatch):
     """--between-modules: in the base and in every route, a kernel writes each module's input just before the module
     (x *= 1 in place: the outputs stay the oracle's), and the records say so; without it no input is written."""
-    from lora_ops.bench import decode_step
-
-    class Eager:
-        def __init__(self, calls):
-            self.calls = calls
-
-        def replay(self):
-            for f in self.calls:
-                f()
-
+    decode_step = _replay_eagerly(monkeypatch)
     setups = []
     init = decode_step.Setup.__init__
 
@@ -286,10 +285,7 @@ def test_decode_step_between_modules_writes_each_input_before_its_module(monkeyp
         init(self, *args, **kwargs)
         setups.append(self)
 
-    monkeypatch.setattr(decode_step, "capture", Eager)
     monkeypatch.setattr(decode_step.Setup, "__init__", kept)
-    monkeypatch.setattr(decode_step, "time_interleaved",
-                        lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
     monkeypatch.setattr(decode_step, "routes", lambda: {"fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
     model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
     for between in (False, True):
@@ -305,25 +301,15 @@ def test_decode_step_between_modules_writes_each_input_before_its_module(monkeyp
 def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(monkeypatch):
     """A route that raises while its graph is captured (e.g. a sync under capture) is a failure of that route
     alone: the base and the other routes are still timed, checked and recorded."""
-    from lora_ops.bench import decode_step
-
     captures = []
 
-    class Eager:
-        def __init__(self, calls):
-            captures.append(calls)
-            if len(captures) == 2:  # the base's, then the first route's: sgmv-cpu
-                raise RuntimeError("operation not permitted when stream is capturing")
-            self.calls = calls
+    def capture(calls):
+        captures.append(calls)
+        if len(captures) == 2:  # the base's, then the first route's: sgmv-cpu
+            raise RuntimeError("operation not permitted when stream is capturing")
 
-        def replay(self):
-            for f in self.calls:
-                f()
-
+    decode_step = _replay_eagerly(monkeypatch, capture)
     sgmv = torch.ops.lora_ops.sgmv.default
-    monkeypatch.setattr(decode_step, "capture", Eager)
-    monkeypatch.setattr(decode_step, "time_interleaved",
-                        lambda runs, min_ms: {name: (run(), run(), 1.0)[-1] for name, run in runs.items()})
     monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", sgmv),
                                                         "fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
     model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
@@ -336,19 +322,8 @@ def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(m
 def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone(monkeypatch):
     """--parts: the fold GEMM (cuBLAS's and fold_linear's) over the whole step and over each module's layers alone,
     each route's LoRA kernels alone (a fold route's expand also per module), recorded as % of the base step."""
-    from lora_ops.bench import decode_step
     sizes = []
-
-    class Eager:
-        def __init__(self, calls):
-            sizes.append(len(calls))
-            self.calls = calls
-
-        def replay(self):
-            for f in self.calls:
-                f()
-
-    monkeypatch.setattr(decode_step, "capture", Eager)
+    decode_step = _replay_eagerly(monkeypatch, lambda calls: sizes.append(len(calls)))
     monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
     monkeypatch.setattr(decode_step, "time_interleaved",
                         lambda runs, min_ms: {name: (run(), 4.0)[-1] for name, run in runs.items()})
