@@ -517,11 +517,6 @@ MUTATIONS: List[Mutation] = [
              "step(ahead != 0 ? __ffs(ahead) : kJudged - position_);",
              "CUDA fold_linear: the walk passes the tile it should stop at, after a skipped one", needs_gpu=True,
              tests=("tests/test_fold_linear.py",)),
-    Mutation("cuda-fold-early-reads-before-wait", "csrc/cuda/fold_linear_sm90.cu",
-             "        grid_dependency_wait();\n        if (s1_ >= s0_) {",
-             "        if (s1_ >= s0_) {",
-             "CUDA fold_linear launched early (LORA_OPS_CUDA_FOLD_EARLY_LAUNCH): the scheduler reads seg_indptr "
-             "before the previous kernel has written it", needs_gpu=True, tests=("tests/test_fold_linear.py",)),
     Mutation("fold-route-without-segments", "lora_ops/serving/layer.py",
              "out = ops.fold_linear(x, m.w_cat, m.bias_cat, batch.seg_indptr, slot_rows)",
              "out = ops.fold_linear(x, m.w_cat, m.bias_cat)",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import case_generator, late_copy
+from conftest import case_generator
 
 
 
@@ -156,19 +156,6 @@ def _ran_cutlass(keys) -> bool:
     return any("cutlass" in k and "device_kernel" in k and "GemmUniversal" in k for k in keys)
 
 
-def _ran_early(keys) -> bool:
-    """A fold kernel launched early among them: its scheduler is SlotSkippingScheduler<..., true> (the tag
-    SlotSkipping<true>), mangled or not."""
-    return any("SlotSkippingILb1E" in k or "SlotSkipping<true>" in k for k in keys)
-
-
-def _ran_triggering_expand(keys) -> bool:
-    """lora_expand's rows or runs kernel that lets its dependents launch at its start (kTrigger = true, the last
-    template argument), mangled or not."""
-    return any(("expand_rows_kernel" in k or "expand_runs_kernel" in k) and ("ELb1EEEv" in k or ", true>" in k)
-               for k in keys)
-
-
 def _assert_product(y, x, w, b=None):
     ref = reference.fold_linear(x, w, b)
     assert y.dtype == x.dtype and y.shape == ref.shape
@@ -224,30 +211,22 @@ def test_forced_cutlass_serves_any_token_count(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variable,value", [("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlas"),
-                                            ("LORA_OPS_CUDA_FOLD_EARLY_LAUNCH", "yes")])
-def test_unknown_kernel_name_is_an_error(variable, value, monkeypatch):
-    monkeypatch.setenv(variable, value)
+def test_unknown_kernel_name_is_an_error(monkeypatch):
+    monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlas")
     x, w, _ = _inputs(4, 64, 48, torch.bfloat16, "cuda")
-    with pytest.raises(ValueError, match=f"{variable} = '{value}'"):
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_LINEAR_KERNEL = 'cutlas'"):
         lora_ops.fold_linear(x, w)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [8, 32, 48, 80])  # 80: at::linear's GEMM before the expand
-@pytest.mark.parametrize("early", [None, "1", "all"], ids=["in_order", "early_rank64", "early_all"])
-def test_deterministic_and_graph_replay(T, early, monkeypatch):
+def test_deterministic_and_graph_replay(T, monkeypatch):
     """Bitwise the same result on every call (no split-K); then the fold route's pair, fold_linear and the CUDA
     lora_expand launched to start before the GEMM ends, captured in a CUDA graph and replayed on new inputs: y
     equals the float64 base product plus the expand of the h the GEMM wrote (a read of y or h before the GEMM
-    finished would not), and an eager run of the pair on the new inputs bitwise. With
-    LORA_OPS_CUDA_FOLD_EARLY_LAUNCH (early_rank64: =1 at rank 64, where past 16 tokens the GEMM's clusters are of one
-    CTA; early_all: =all at rank 16) the GEMM is launched to start while the kernel before it runs, and the expand
-    lets the next pair's GEMM start at once."""
+    finished would not), and an eager run of the pair on the new inputs bitwise."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    if early:
-        monkeypatch.setenv("LORA_OPS_CUDA_FOLD_EARLY_LAUNCH", early)
-    L, R, N, K = 32, 64 if early == "1" else 16, 4096, 4096
+    L, R, N, K = 32, 16, 4096, 4096
     x, w, _ = _inputs(T, K, N + L * R, torch.bfloat16, "cuda", key="graph")
     w.div_(16)
     first = lora_ops.fold_linear(x, w)
@@ -264,19 +243,8 @@ def test_deterministic_and_graph_replay(T, early, monkeypatch):
         lora_ops.lora_expand(out[:, :N], out[:, N:].view(T, L, R), lora_b, None, slots, scale=0.5)
         return out
 
-    if early:  # pairs back to back: each GEMM follows an expand that let it launch early
-        first_pair = step
-
-        def step():
-            first_pair()
-            return first_pair()
-
     _, ran = _cuda_kernels(step)
     assert _ran_cutlass(ran) == (_sm90_built() and T <= 64), ran
-    # =1: clusters of one CTA (slot windows of 64 rows, past 16 tokens) and the expand's trigger at rank 64 past 16
-    # positions; =all: every kernel
-    assert _ran_early(ran) == (_sm90_built() and T <= 64 and (early == "all" or (early == "1" and T > 16))), ran
-    assert _ran_triggering_expand(ran) == (early == "all" or (early == "1" and T > 16)), ran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -352,56 +320,11 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("written", ["x", "seg_indptr"])
-@pytest.mark.parametrize("T", [8, 32, 48])  # one case per tile (16, 32 and 64 tokens)
-@pytest.mark.parametrize("mode,slot_rows", [("1", 64), ("1", 16), ("all", 64), ("all", 16)])
-def test_inputs_written_after_an_early_trigger_are_the_ones_used(T, written, mode, slot_rows, monkeypatch):
-    """With LORA_OPS_CUDA_FOLD_EARLY_LAUNCH=1 and slot windows of 64 rows, past 16 tokens, the CUTLASS kernel
-    (clusters of one CTA) is launched to start while the kernel before it runs (programmatic stream serialization)
-    and must read nothing before griddepcontrol.wait; with =all every kernel is (clusters of 2 too). Here that
-    kernel lets it launch at once and writes x or seg_indptr after a sleep (stale: zeros, so no slot used): y must
-    be bitwise the race-free call's on the base rows and every used slot's window (a seg_indptr read before the
-    wait would skip the used slots' windows, which then keep the output block's NaN). The cases launched in stream
-    order (=1 at 8 tokens or with 16-row windows) are controls that cannot fail; the x cases fail only without
-    CUTLASS's producer wait (a kernel built without GDC)."""
-    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    monkeypatch.setenv("LORA_OPS_CUDA_FOLD_EARLY_LAUNCH", mode)
-    if not _sm90_built():
-        pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")
-    pytest.importorskip("triton")
-    num_slots, base_rows = 32, 1024
-    token_lora, seg_indptr = _slot_windows(T, [3, 17, 30], num_slots, f"late-{T}-{slot_rows}")
-    x, w, _ = _inputs(T, 256, base_rows + num_slots * slot_rows, torch.bfloat16, "cuda", key="late")
-    final = {"seg_indptr": seg_indptr.cuda(), "x": x}
-    needed = torch.zeros(w.shape[0], dtype=torch.bool)
-    needed[:base_rows] = True
-    for slot in set(token_lora.tolist()) - {-1}:
-        needed[base_rows + slot * slot_rows:base_rows + (slot + 1) * slot_rows] = True
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, None, final["seg_indptr"], slot_rows))
-    assert _ran_cutlass(ran), ran
-    assert _ran_early(ran) == (mode == "all" or (T > 16 and slot_rows >= 64)), ran
-    _assert_product(y[:, needed], x, w[needed])
-    for _ in range(3):
-        call = {k: torch.zeros_like(v) if k == written else v for k, v in final.items()}
-        poisoned = torch.full_like(y, float("nan"))  # the output's block: a window left unwritten stays NaN
-        poisoned_ptr = poisoned.data_ptr()
-        del poisoned
-        late_copy()(final[written], call[written])
-        late = lora_ops.fold_linear(call["x"], w, None, call["seg_indptr"], slot_rows)
-        assert late.data_ptr() == poisoned_ptr, "the caching allocator did not reuse the poisoned block"
-        assert torch.equal(late[:, needed], y[:, needed]), f"{written} was read before the previous kernel wrote it"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("early", [None, "all"], ids=["in_order", "early_all"])
-def test_garbage_seg_indptr_reads_in_bounds_and_computes_the_base_rows(early, monkeypatch):
+def test_garbage_seg_indptr_reads_in_bounds_and_computes_the_base_rows(monkeypatch):
     """Any seg_indptr values (negative, huge, descending) only choose which slot windows are computed: the base rows
-    are the product, and compute-sanitizer (scripts/gpu_run.sh) sees every read in bounds, also where the scheduler
-    reads seg_indptr late (LORA_OPS_CUDA_FOLD_EARLY_LAUNCH=all). (Which kernel ran is not asserted here: under
-    compute-sanitizer the profiler cannot run; the skip and late-writer tests assert it.)"""
+    are the product, and compute-sanitizer (scripts/gpu_run.sh) sees every read in bounds. (Which kernel ran is not
+    asserted here: under compute-sanitizer the profiler cannot run; the skip test above asserts it.)"""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    if early:
-        monkeypatch.setenv("LORA_OPS_CUDA_FOLD_EARLY_LAUNCH", early)
     gen = case_generator("fold_linear-garbage")
     x, w, _ = _inputs(16, 256, 1024 + 16 * 48, torch.bfloat16, "cuda", key="garbage")
     for seg_indptr in (torch.randint(-2 ** 31, 2 ** 31 - 1, (17,), generator=gen, dtype=torch.int64),

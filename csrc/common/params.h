@@ -66,9 +66,6 @@ struct ExpandParams {
   int64_t rows, n, num_slots, max_rank, num_slices, h_splits;
   int64_t slice_offsets[kMaxSlices + 1];
   float scale;
-  // CUDA, read on the host: launch the rows and runs kernels that let the next kernel launch at their start (no change
-  // to what is computed: LORA_OPS_CUDA_FOLD_EARLY_LAUNCH, csrc/cuda/lora_expand_rows.cu).
-  bool let_dependents_launch = false;
 };
 
 struct BuildSegmentsParams {

@@ -17,14 +17,9 @@
 
 namespace lora_ops::cuda {
 
-// G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter). `pdl`: launched with
-// programmatic stream serialization, so that it may start while the previous kernel in the stream runs; only for a
-// kernel built with CUTLASS_ENABLE_GDC_FOR_SM90 that reads nothing before griddepcontrol.wait (without GDC,
-// CUTLASS's wait is empty and the kernel would read what that kernel is still writing). CUTLASS's epilogue loads
-// *alpha_ptr / *beta_ptr at its start, before any wait: such a GEMM must take alpha and beta as values.
+// G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
 template <class G>
-cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
-                        bool pdl = false) {
+cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
   auto params = Kernel::to_underlying_arguments(args, workspace);
@@ -33,7 +28,9 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
       err != cudaSuccess) {
     return err;
   }
-  if (G::Device::run(params, stream, /*cuda_adapter=*/nullptr, pdl) != cutlass::Status::kSuccess) {
+  // Launched without programmatic stream serialization (run's launch_with_pdl = false): fold_linear's scheduler
+  // reads seg_indptr before any griddepcontrol.wait, so the previous kernel must have finished.
+  if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }

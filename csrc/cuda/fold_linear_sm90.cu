@@ -21,14 +21,6 @@
 // SlotSkippingScheduler passes over the clusters of tiles whose rows all lie in unused slots' windows, so the CTAs
 // read nothing of them, and those columns of y are left unwritten (H200, that step at T=32: +22.4 -> +17.5%, with
 // every slot used unchanged; NOTES.md session 20).
-//
-// With LORA_OPS_CUDA_FOLD_EARLY_LAUNCH=1 (FoldLinearParams::early_launch; an experiment, off by default) the kernels
-// of clusters of one CTA, with =all every kernel, are launched with programmatic stream serialization: their CTAs
-// take each SM as the previous kernel's CTAs leave it (lora_expand lets its dependents launch at its start where it
-// is told to), and their set-up overlaps that kernel's end. They read nothing before griddepcontrol.wait: CUTLASS's
-// producers wait before their first load, and the scheduler before it reads seg_indptr. Those are separate
-// instantiations, so the default kernels are the ones measured before (NOTES.md session 28: a version that chose
-// at run time cost the rank-16 steps 3-7 points, likely through its scheduler's extra instructions).
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -52,7 +44,6 @@ struct SlotWindows {
   int32_t base_rows = 0, slot_rows = 1, num_slots = 0;
 };
 
-template <bool kLaunchedEarly>
 struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 
 // CUTLASS's persistent data-parallel scheduler (PersistentTileSchedulerSm90) over the tiles some row needs: each
@@ -70,15 +61,10 @@ struct SlotSkipping {};  // the scheduler's tag for GemmUniversal
 // tile in each consumer, most in the is_last_tile walk before its epilogue, and 2.3x the kernel's instructions:
 // llama3-8b's fold GEMMs at T=32 took 4326 us per step against 4152 with the base scheduler, with or without
 // slots; NOTES.md session 21.) The ballots need every lane of the warp: the kernel calls the scheduler in
-// warp-uniform code only. Launched in stream order (run_cutlass), the loads happen at construction: whatever wrote
-// seg_indptr has finished when the GEMM starts. kLaunchedEarly (launched programmatically): the previous kernel may
-// still write seg_indptr, so the loads wait for it (griddepcontrol.wait) and are issued when the walk first reaches
-// a slot-window tile, so that no role waits at construction where its first tile is a base-weight tile (a wait at
-// construction in every role cost the rank-64 step 2.4 points); as ld.global.cg, since ld.global.nc (__ldg) needs
-// the data read-only for the kernel's whole life, which the overlap with the previous kernel breaks. Such a late
-// load may come after this grid let its own dependents launch: it relies on them writing nothing before their
-// griddepcontrol.wait, as every programmatically launched kernel of the project does.
-template <class TileShape, class ClusterShape, bool kLaunchedEarly>
+// warp-uniform code only. The loads happen before any griddepcontrol.wait: safe because the GEMM is launched
+// without programmatic stream serialization (run_cutlass), so whatever wrote seg_indptr has finished when it
+// starts.
+template <class TileShape, class ClusterShape>
 class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   static constexpr int kClusterTiles = cute::size<0>(ClusterShape{});
@@ -160,13 +146,8 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
       const int32_t offset = static_cast<int32_t>(first - slots_.base_rows);
       const int32_t s0 = offset / slots_.slot_rows;
       const int32_t s1 = cute::min((offset + (kClusterRows - 1)) / slots_.slot_rows, slots_.num_slots - 1);
-      if constexpr (kLaunchedEarly) {  // loaded in skip_unused, after the wait
-        s0_ = s0;
-        s1_ = s1;
-      } else {
-        lo_ = __ldg(slots_.seg_indptr + s0);
-        hi_ = __ldg(slots_.seg_indptr + s1 + 1);
-      }
+      lo_ = __ldg(slots_.seg_indptr + s0);
+      hi_ = __ldg(slots_.seg_indptr + s1 + 1);
     }
     stops_ = __ballot_sync(0xffffffffu, !work.is_valid() || first < slots_.base_rows);
   }
@@ -176,13 +157,6 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   CUTLASS_DEVICE void skip_unused() {
     if (slots_.seg_indptr == nullptr || position_ >= kJudged || ((stops_ >> position_) & 1u)) return;
     if (!gathered_) {  // the first slot-window tile: wait for the loads
-      if constexpr (kLaunchedEarly) {
-        grid_dependency_wait();
-        if (s1_ >= s0_) {
-          lo_ = __ldcg(slots_.seg_indptr + s0_);
-          hi_ = __ldcg(slots_.seg_indptr + s1_ + 1);
-        }
-      }
       stops_ |= __ballot_sync(0xffffffffu, hi_ > lo_);
       gathered_ = true;
     }
@@ -194,18 +168,16 @@ class SlotSkippingScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   uint32_t position_ = 0;  // of the current tile in the CTA's sequence
   uint32_t stops_ = 0;     // bit j: the walk stops at the CTA's j-th tile
   int32_t lo_ = 0, hi_ = 0;
-  int32_t s0_ = 0, s1_ = -1;  // kLaunchedEarly: the slots of this lane's slot-window tile (none: s1_ < s0_)
   bool gathered_ = false;
 };
 
 }  // namespace lora_ops::cuda::fold
 
 namespace cutlass::gemm::kernel::detail {
-template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount,
-          bool kLaunchedEarly>
-struct TileSchedulerSelector<lora_ops::cuda::fold::SlotSkipping<kLaunchedEarly>, ArchTag, TileShape, ClusterShape,
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<lora_ops::cuda::fold::SlotSkipping, ArchTag, TileShape, ClusterShape,
                              SchedulerPipelineStageCount> {
-  using Scheduler = lora_ops::cuda::fold::SlotSkippingScheduler<TileShape, ClusterShape, kLaunchedEarly>;
+  using Scheduler = lora_ops::cuda::fold::SlotSkippingScheduler<TileShape, ClusterShape>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 #endif  // LORA_OPS_GG_SM90
@@ -222,10 +194,8 @@ using cute::_64;
 using cute::Int;
 using cute::Shape;
 
-// kEarly: launched with programmatic stream serialization (the file's comment).
-template <class T, int kTokens, int kClusterTiles = 2, bool kEarly = false>
+template <class T, int kTokens, int kClusterTiles = 2>
 struct FoldGemm {
-  static constexpr bool kLaunchedEarly = kEarly;
   using Tile = Shape<_64, Int<kTokens>, _64>;
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   using Cluster = Shape<Int<kClusterTiles>, _1, _1>;
@@ -239,7 +209,7 @@ struct FoldGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      fold::SlotSkipping<kEarly>>;
+                                                      fold::SlotSkipping>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -284,20 +254,15 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
 
 template <class F>
 decltype(auto) dispatch(const FoldLinearParams& p, F&& f) {
-  const bool all_early = p.early_launch == FoldEarlyLaunch::All;
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    if (p.t <= 16) return all_early ? f(FoldGemm<T, 16, 2, true>{}) : f(FoldGemm<T, 16>{});
+    if (p.t <= 16) return f(FoldGemm<T, 16>{});
     // Slot windows (S x R rows) of 64 or more: clusters of one CTA, so that an unused slot's
     // window is skipped per 64-row tile, not only where a 128-row cluster holds no used slot. It costs x's
     // multicast, so slot windows narrower than a tile keep clusters of 2 (NOTES.md session 23).
     if (skips_slots(p) && p.slot_rows >= 64) {
-      if (p.early_launch != FoldEarlyLaunch::None) {
-        return p.t <= 32 ? f(FoldGemm<T, 32, 1, true>{}) : f(FoldGemm<T, 64, 1, true>{});
-      }
       return p.t <= 32 ? f(FoldGemm<T, 32, 1>{}) : f(FoldGemm<T, 64, 1>{});
     }
-    if (all_early) return p.t <= 32 ? f(FoldGemm<T, 32, 2, true>{}) : f(FoldGemm<T, 64, 2, true>{});
     return p.t <= 32 ? f(FoldGemm<T, 32>{}) : f(FoldGemm<T, 64>{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
@@ -321,7 +286,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
     const auto args = arguments<G>(p);
     // CUTLASS's own host checks, and no workspace (the persistent data-parallel schedule needs none)
     if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return cudaErrorNotSupported;
-    return run_cutlass<G>(args, nullptr, stream, /*pdl=*/G::kLaunchedEarly);
+    return run_cutlass<G>(args, nullptr, stream);
   });
 #else
   (void)p;

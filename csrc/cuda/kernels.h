@@ -100,10 +100,6 @@ cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace
 // e.g. T=64/16 rank 64 +66.8 -> +54.8%, T=40/32 rank 16 +26.4 -> +24.1%; NOTES.md session 22).
 // With seg_indptr (int32 [num_slots + 1], build_segments'): w's last num_slots * slot_rows rows are the slots'
 // windows, and the kernel may skip those of slots no row uses (their columns of y are then left unwritten).
-// LORA_OPS_CUDA_FOLD_EARLY_LAUNCH=1|all (an experiment, off by default): which fold_linear kernels are launched
-// programmatically (fold_linear_sm90.cu): the kernels of clusters of one CTA (1), or every kernel (all).
-enum class FoldEarlyLaunch { None, ClustersOfOne, All };
-
 struct FoldLinearParams {
   const void* x;
   const void* w;
@@ -112,7 +108,6 @@ struct FoldLinearParams {
   DType dtype;
   const int32_t* seg_indptr = nullptr;
   int64_t num_slots = 0, slot_rows = 0;
-  FoldEarlyLaunch early_launch = FoldEarlyLaunch::None;
 };
 constexpr int64_t kFoldLinearMaxTokens = 64;
 // Supported: the checks above (y is not read). The launch returns cudaErrorNotSupported, launching nothing, where

@@ -397,12 +397,6 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // the wait. In the rows kernel's SASS that trip is issued with the loads of y, h and B; the runs kernel's loads of y
 // still wait for it (NOTES.md, session 24).
 //
-// kTrigger (p.let_dependents_launch: LORA_OPS_CUDA_FOLD_EARLY_LAUNCH, an experiment, registration.cpp): the rows
-// and runs kernels let the next kernel launch at their start. fold_linear's GEMM, launched programmatically there,
-// then takes each SM as this grid's CTAs leave it, its set-up overlapping this grid's end, and waits for this grid
-// to finish before it reads anything. Separate instantiations, so that the default kernels are the ones measured
-// before the experiment (NOTES.md session 28: a run-time choice in the fold GEMM's scheduler cost the rank-16 steps
-// 3-7 points).
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
 // is not programmatic, the wait returns at once, and a guess would only add its check.
 template <int kSteps>
@@ -413,10 +407,9 @@ __device__ constexpr bool kGuesses =
     false;
 #endif
 
-template <class TB, class TH, class TY, int kSteps, bool kTrigger>
+template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
     expand_rows_kernel(ExpandParams p, int passes) {
-  if constexpr (kTrigger) allow_dependents_to_launch();
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   const int64_t stride = (int64_t)gridDim.y * kWarps;
@@ -448,10 +441,9 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 template <class TY, int kSteps>
 constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
 
-template <class TB, class TH, class TY, int kSteps, bool kTrigger>
+template <class TB, class TH, class TY, int kSteps>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
     expand_runs_kernel(ExpandParams p, int passes) {
-  if constexpr (kTrigger) allow_dependents_to_launch();
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
   // Lane i < 8 holds position pos0 + i's metadata (none past the positions and on the other lanes).
@@ -510,7 +502,7 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
 bool two_rank_steps(const ExpandParams& p) { return p.max_rank >= 32; }
 
-template <class TB, class TH, class TY, bool kTrigger>
+template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = two_rank_steps(p);
   switch (kernel) {
@@ -521,29 +513,21 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
     }
     case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
-      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, kTrigger>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1, kTrigger>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
     default: {
       const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
-      return two ? launch_kernel<expand_rows_kernel<TB, TH, TY, 2, kTrigger>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_rows_kernel<TB, TH, TY, 1, kTrigger>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_rows_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_rows_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
   }
 }
 
-template <class TB, class TH, class TY>
-cudaError_t launch_triggering(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
-  // The segments kernel has no triggering twin: the fold route's expand is the rows form
-  return p.let_dependents_launch && kernel != ExpandKernel::Segments
-             ? launch_steps<TB, TH, TY, true>(p, kernel, pdl, stream)
-             : launch_steps<TB, TH, TY, false>(p, kernel, pdl, stream);
-}
-
 template <class TB, class TH>
 cudaError_t launch_typed(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
-  return p.y_dtype == DType::F32 ? launch_triggering<TB, TH, float>(p, kernel, pdl, stream)
-                                 : launch_triggering<TB, TH, TB>(p, kernel, pdl, stream);
+  return p.y_dtype == DType::F32 ? launch_steps<TB, TH, float>(p, kernel, pdl, stream)
+                                 : launch_steps<TB, TH, TB>(p, kernel, pdl, stream);
 }
 
 }  // namespace

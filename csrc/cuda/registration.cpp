@@ -75,13 +75,6 @@ Kernel preferred_kernel(const char* variable, std::initializer_list<const char*>
   TORCH_CHECK_VALUE(false, variable, " = '", v, "': expected ", expected);
 }
 
-// LORA_OPS_CUDA_FOLD_EARLY_LAUNCH=1|all (an experiment; unset or "auto": off): fold_linear's CUTLASS kernels of
-// clusters of one CTA (1) or all of them (all) are launched programmatically, and lora_expand's rows and runs kernels
-// let them launch at their start (fold_linear_sm90.cu; NOTES.md session 28).
-cuda::FoldEarlyLaunch fold_early_launch() {
-  return preferred_kernel<cuda::FoldEarlyLaunch>("LORA_OPS_CUDA_FOLD_EARLY_LAUNCH", {"1", "all"});
-}
-
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
 // cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
 enum class SgmvKernel { Auto, Mma, Split };
@@ -219,15 +212,9 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
     return;
   }
   SgmvIndexTensors keep;
-  auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
-                             slice_offsets, scale, keep);
+  const auto p = check_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
+                                   slice_offsets, scale, keep);
   if (p.rows == 0 || p.seg.num_segments == 0 || p.max_rank == 0 || p.n == 0 || p.seg.positions == 0) return;
-  // Where the fold route's next GEMM is launched early: with =1 the clusters of one CTA (fold_linear_cuda below: past
-  // 16 tokens with slot windows of 64 rows or more), for the pool ranks at which every module's windows are that wide.
-  const cuda::FoldEarlyLaunch early = fold_early_launch();
-  p.let_dependents_launch = early == cuda::FoldEarlyLaunch::All ||
-                            (early == cuda::FoldEarlyLaunch::ClustersOfOne && p.max_rank >= 64 &&
-                             p.seg.positions > 16);
   C10_CUDA_CHECK(cuda::launch_lora_expand(p, preferred, /*inputs_ready=*/false,
                                           device_attribute(cudaDevAttrComputeCapabilityMajor, y.get_device()),
                                           c10::cuda::getCurrentCUDAStream()));
@@ -331,7 +318,6 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   check_fold_linear_host(weight, seg_indptr, slot_rows);
   const auto preferred =
       preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
-  const cuda::FoldEarlyLaunch early_launch = fold_early_launch();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
   if (preferred != FoldLinearKernel::Cublas && !(bias.has_value() && bias->defined()) && half && x.dim() >= 1 &&
       weight.dim() == 2 && x.scalar_type() == weight.scalar_type() && x.device() == weight.device() &&
@@ -352,7 +338,6 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
         p.num_slots = slots_indptr.size(0) - 1;
         p.slot_rows = slot_rows;
       }
-      p.early_launch = early_launch;
       auto sizes = x.sizes().vec();
       sizes.back() = n;
       const at::Tensor y = at::empty(sizes, x.options());
