@@ -1,0 +1,314 @@
+// Issue 12's "expand as extra K blocks" design, as a probe (not part of lora_ops; benchmarks/kext_probe.py drives
+// it). Per module, two launches instead of the fold route's GEMM + expand:
+//   1. kext_shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every
+//      other slot (bf16, one warp per rank row). It lets its dependents launch at its start.
+//   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
+//      holds lora_b[s, n, r]) on CUTLASS's sm_90 ping-pong kernel, launched programmatically: its producer loads
+//      x's and W's K blocks at once (x was written before the shrink started) and calls griddepcontrol.wait only
+//      before the first h block. The B blocks of slots no row uses are not loaded (seg_indptr): their h block is
+//      loaded (zeros) and the stage's barrier is told the W bytes arrived, so the MMA multiplies h's zeros with the
+//      stage's previous W tile (finite weights: a probe's shortcut; a kernel for the library skips that MMA).
+// Session 27's bound for it (`kext` without a shrink, NOTES.md): llama3-8b T=32/1 +3.6%, the fold route +12.8%.
+// What the probe measures: whether the shrink runs under the GEMM's W stream. A GEMM CTA (168 registers x 384
+// threads) fits on no SM a shrink CTA holds, so the overlap comes from SMs without shrink CTAs: the probe says how
+// much survives.
+//
+// Build (sm_90a; CUTLASS headers from the nvidia-cutlass wheel, as setup.py finds them):
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC \
+//     -isystem $(python3 -c 'import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))')/source/include \
+//     benchmarks/kext_probe.cu -o build/kext_probe.so
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace kext {
+using namespace cute;
+
+constexpr int kMaxSlices = 4;
+constexpr int kMaxSlots = 64;
+
+// grid (T, S, R / 4), 128 threads: warp w dots row t of x with rank row 4 * blockIdx.z + w of slice blockIdx.y of
+// its slot's A, and writes that rank of every slot's window (its own the value, the others 0).
+__global__ void __launch_bounds__(128) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
+                                                     const __nv_bfloat16* lora_a, const int32_t* token_slot,
+                                                     const float* scales, __nv_bfloat16* h, int K, int S, int R,
+                                                     int L) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int t = blockIdx.x, j = blockIdx.y, lane = threadIdx.x % 32;
+  const int r = blockIdx.z * 4 + threadIdx.x / 32;
+  const int slot = token_slot[t];
+  const bool has_slot = slot >= 0 && slot < L;
+  float sum = 0.f;
+  if (has_slot) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride);
+    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K);
+#pragma unroll 8
+    for (int c = lane; c < K / 8; c += 32) {
+      const uint4 xv = __ldg(xr + c), av = __ldg(ar + c);
+      const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      const __nv_bfloat162* ap = reinterpret_cast<const __nv_bfloat162*>(&av);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 xf = __bfloat1622float2(xp[i]), af = __bfloat1622float2(ap[i]);
+        sum = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const __nv_bfloat16 value = __float2bfloat16(has_slot ? sum * scales[slot] : 0.f);
+  __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r;
+  for (int s = lane; s < L; s += 32) row[s * R] = s == slot ? value : __float2bfloat16(0.f);
+}
+
+// CUTLASS's TMA warp-specialized mainloop with a second B operand (h) for the K blocks past x's: see the top.
+template <class Base>
+struct KextMainloop : Base {
+  using typename Base::ElementA;
+  using typename Base::ElementB;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
+  using typename Base::TileShape;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::GmemTiledCopyA;
+  using typename Base::GmemTiledCopyB;
+  using typename Base::InternalElementA;
+  using typename Base::InternalElementB;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  static constexpr int kBlockM = cute::size<0>(TileShape{});
+  static constexpr int kBlockK = size<2>(TileShape{});
+  static_assert(size(ClusterShape{}) == 1, "the probe's loads are not multicast");
+
+  struct Arguments {
+    ElementA const* ptr_A;  // W_ext [M, K + L*R]
+    StrideA dA;
+    ElementB const* ptr_B;  // x [N, k_x]
+    StrideB dB;
+    uint32_t mma_promotion_interval = 4;
+    ElementB const* ptr_H;  // h [N, h_cols]: slice j's L*R columns at j * L * R
+    StrideB dH;
+    int k_x = 0, h_cols = 0, slice_h_cols = 0, num_slices = 1;
+    int slice_end[kMaxSlices] = {};  // W rows where each slice ends (multiples of kBlockM)
+    const int32_t* seg_indptr = nullptr;
+    int rank = 1, num_slots = 0;
+  };
+
+  struct Params : Base::Params {
+    typename Base::Params::TMA_B tma_load_h;
+    int h_cols = 0, k_x_tiles = 0, slice_h_tiles = 0, num_slices = 1;
+    int slice_end[kMaxSlices] = {};
+    const int32_t* seg_indptr = nullptr;
+    int rank = 1, num_slots = 0;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    Params p;
+    Tensor tensor_a = make_tensor(reinterpret_cast<InternalElementA const*>(args.ptr_A),
+                                  make_layout(make_shape(M, K, L), args.dA));
+    Tensor tensor_x = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_B),
+                                  make_layout(make_shape(N, args.k_x, L), args.dB));
+    Tensor tensor_h = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_H),
+                                  make_layout(make_shape(N, args.h_cols, L), args.dH));
+    p.tma_load_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor_a, SmemLayoutA{}(_, _, Int<0>{}), TileShape{},
+                                        ClusterShape{});
+    p.tma_load_b = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor_x, SmemLayoutB{}(_, _, Int<0>{}), TileShape{},
+                                        ClusterShape{});
+    p.tma_load_h = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor_h, SmemLayoutB{}(_, _, Int<0>{}), TileShape{},
+                                        ClusterShape{});
+    p.tma_transaction_bytes = Base::TmaTransactionBytes;
+    p.tma_transaction_bytes_mk = Base::TmaTransactionBytesMK;
+    p.tma_transaction_bytes_nk = Base::TmaTransactionBytesNK;
+    p.h_cols = args.h_cols;
+    p.k_x_tiles = args.k_x / kBlockK;
+    p.slice_h_tiles = args.slice_h_cols / kBlockK;
+    p.num_slices = args.num_slices;
+    for (int i = 0; i < kMaxSlices; ++i) p.slice_end[i] = args.slice_end[i];
+    p.seg_indptr = args.seg_indptr;
+    p.rank = args.rank;
+    p.num_slots = args.num_slots;
+    return p;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
+    return Base::can_implement(problem_shape, base) && args.k_x % kBlockK == 0 && args.slice_h_cols % kBlockK == 0 &&
+           K == args.k_x + args.slice_h_cols && args.num_slices >= 1 && args.num_slices <= kMaxSlices &&
+           args.h_cols == args.num_slices * args.slice_h_cols && args.num_slots <= kMaxSlots &&
+           args.seg_indptr != nullptr && args.rank >= 1;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    Base::prefetch_tma_descriptors(p);
+    cute::prefetch_tma_descriptor(p.tma_load_h.get_tma_descriptor());
+  }
+
+  // (W tiles, x tiles, h tiles); x's tensor spans the whole K for the kernel's count, its loads stop at k_x.
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
+    using X = Underscore;
+    auto [M, N, K, L] = problem_shape_MNKL;
+    Tensor mA = p.tma_load_a.get_tma_tensor(make_shape(M, K, L));
+    Tensor mB = p.tma_load_b.get_tma_tensor(make_shape(N, K, L));
+    Tensor mH = p.tma_load_h.get_tma_tensor(make_shape(N, p.h_cols, L));
+    return cute::make_tuple(local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}),
+                            local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}),
+                            local_tile(mH, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}));
+  }
+
+  template <class TensorA, class TensorB, class TensorH, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, TensorH> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator, int k_tile_count, int, uint32_t, TensorStorage& shared_tensors) {
+    if (!cute::elect_one_sync()) return;
+    // The slots some row uses (build_segments' seg_indptr, written before the shrink started: readable now)
+    uint64_t used = 0;
+#pragma unroll 8
+    for (int s = 0; s < p.num_slots; ++s) used |= uint64_t(__ldg(p.seg_indptr + s + 1) > __ldg(p.seg_indptr + s)) << s;
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    auto tma_a = p.tma_load_a.get_slice(0);
+    auto tma_b = p.tma_load_b.get_slice(0);
+    auto tma_h = p.tma_load_h.get_slice(0);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor tAgA = tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tAsA = tma_a.partition_D(sA);
+    Tensor tBgB = tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = tma_b.partition_D(sB);
+    Tensor tHgH = tma_h.partition_S(get<2>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tHsH = tma_h.partition_D(sB);
+
+    const int row0 = int(m_coord) * kBlockM;
+    int slice = 0;
+    while (slice + 1 < p.num_slices && row0 >= p.slice_end[slice]) ++slice;
+    const int h_tile0 = slice * p.slice_h_tiles;
+
+    for (int kt = 0; kt < k_tile_count; ++kt) {
+      const bool h_block = kt >= p.k_x_tiles;
+      bool w_needed = true;
+      if (h_block) {
+        if (kt == p.k_x_tiles) asm volatile("griddepcontrol.wait;" ::: "memory");
+        const int first = (kt - p.k_x_tiles) * kBlockK / p.rank, last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / p.rank;
+        const uint64_t window = (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
+        w_needed = (used & window) != 0;
+      }
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      if (w_needed) copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
+      else cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
+      if (!h_block) {
+        copy(p.tma_load_b.with(*barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, stage));
+      } else {
+        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsH(_, _, _, stage));
+      }
+      ++smem_pipe_write;
+    }
+  }
+};
+
+template <int kTokens>
+struct KextGemm {
+  using T = cutlass::bfloat16_t;
+  using Tile = Shape<_64, Int<kTokens>, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, 8, T,
+      cutlass::layout::ColumnMajor, 8, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, 8, T,
+      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Mainloop = KextMainloop<BaseMainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class G>
+int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int LR,
+             int S, const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  using E = typename G::T;
+  static cutlass::KernelHardwareInfo hw{};
+  if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = make_shape(N, T, K + LR, 1);
+  args.mainloop.ptr_A = static_cast<const E*>(w_ext);
+  args.mainloop.dA = typename Kernel::StrideA{int64_t(K + LR), Int<1>{}, int64_t(0)};
+  args.mainloop.ptr_B = static_cast<const E*>(x);
+  args.mainloop.dB = typename Kernel::StrideB{x_stride, Int<1>{}, int64_t(0)};
+  args.mainloop.ptr_H = static_cast<const E*>(h);
+  args.mainloop.dH = typename Kernel::StrideB{int64_t(S) * LR, Int<1>{}, int64_t(0)};
+  args.mainloop.k_x = K;
+  args.mainloop.h_cols = S * LR;
+  args.mainloop.slice_h_cols = LR;
+  args.mainloop.num_slices = S;
+  for (int i = 0; i < S && i < kMaxSlices; ++i) args.mainloop.slice_end[i] = slice_end[i];
+  args.mainloop.seg_indptr = seg_indptr;
+  args.mainloop.rank = R;
+  args.mainloop.num_slots = L;
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = typename Kernel::StrideC{Int<1>{}, int64_t(N), int64_t(0)};
+  args.epilogue.ptr_D = static_cast<E*>(y);
+  args.epilogue.dD = typename Kernel::StrideD{Int<1>{}, int64_t(N), int64_t(0)};
+  args.hw_info = hw;
+  for (int i = 0; i < S; ++i) {
+    if (slice_end[i] % 64 != 0) return 1;
+  }
+  if (!Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return 2;
+  auto params = Kernel::to_underlying_arguments(args, nullptr);
+  if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Kernel::SharedStorageSize) != cudaSuccess) {
+    return 3;
+  }
+  if (G::Device::run(params, stream, nullptr, pdl != 0) != cutlass::Status::kSuccess) return 4;
+  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
+
+}  // namespace kext
+
+extern "C" {
+
+int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
+                void* h, int T, int K, int S, int R, int L, cudaStream_t stream) {
+  if (K % 8 != 0 || R % 4 != 0 || T <= 0) return 1;
+  kext::shrink_kernel<<<dim3(T, S, R / 4), 128, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), x_stride,
+                                                       static_cast<const __nv_bfloat16*>(lora_a), token_slot, scales,
+                                                       static_cast<__nv_bfloat16*>(h), K, S, R, L);
+  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
+
+// y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h)
+int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int LR,
+              int S, const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+  if (T <= 16) return kext::run_gemm<kext::KextGemm<16>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
+  if (T <= 32) return kext::run_gemm<kext::KextGemm<32>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
+  if (T <= 64) return kext::run_gemm<kext::KextGemm<64>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
+  return 6;
+}
+
+}  // extern "C"

@@ -1,0 +1,126 @@
+"""Issue 12's "expand as extra K blocks" design, timed in whole decode steps beside the fold route (a probe: see
+benchmarks/kext_probe.cu, which this loads as a shared library built by the nvcc line at its top).
+
+Routes, each one CUDA graph per step as `python -m lora_ops.bench --decode-step` times them (its Setup: same weights,
+routing, rotation and oracle):
+- base, fold-cuda: as in the bench;
+- kext: per module the shrink, then the GEMM over [x | h] . [W | B]^T launched programmatically (it waits for the
+  shrink only before its h blocks);
+- kext-serial: the same two launches, the GEMM launched in stream order (what the overlap is worth);
+- kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked).
+Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
+oracle, as the bench checks its routes.
+
+Usage (on the GPU, after `bash scripts/install.sh`):
+  PYTHONPATH=. python3 benchmarks/kext_probe.py build/kext_probe.so [--steps 32/1/16,...] [--models llama3-8b]
+      [--between-modules]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+import torch
+
+from lora_ops.bench import decode_step as ds
+from lora_ops.bench.timing import capture, time_interleaved
+
+
+class Kext:
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, p]
+        lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, i, p, p, i, i, i, p]
+        self.lib = lib
+
+    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L):
+        rc = self.lib.kext_shrink(x.data_ptr(), x.stride(0), lora_a.data_ptr(), slots.data_ptr(), scales.data_ptr(),
+                                  h.data_ptr(), x.shape[0], K, S, R, L, torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kext_shrink returned {rc}")
+
+    def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, LR, S, R, L, pdl):
+        rc = self.lib.kext_gemm(x.data_ptr(), x.stride(0), h.data_ptr(), w_ext.data_ptr(), y.data_ptr(), x.shape[0],
+                                y.shape[1], K, LR, S, slice_end, seg_indptr.data_ptr(), R, L, int(pdl),
+                                torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kext_gemm returned {rc}")
+
+
+def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: bool, pdl: bool):
+    L = ds.POOL_SLOTS
+
+    def one(m, e, n):
+        s.write_input(n)
+        if shrink:
+            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L)
+        ends = (ctypes.c_int * 4)(*m.offsets[1:])
+        kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, L * m.R, m.S, m.R, L, pdl)
+    return [s.build_segments] + [lambda m=m, e=e, n=n: one(m, e, n) for layer, exts in zip(s.layers, w_ext)
+                                 for n, m, e in zip(s.names, layer, exts)]
+
+
+def run_step(model, step, kext: Kext, between: bool, log) -> None:
+    s = ds.Setup(model, step, "cuda", between=between)
+    L = ds.POOL_SLOTS
+    # W_ext = [W | B of every slot], B's column s*R + r = lora_b[s, n, r]
+    w_ext = [[torch.cat([m.w, m.lora_b.permute(1, 0, 2).reshape(m.N, L * m.R)], dim=1).contiguous() for m in layer]
+             for layer in s.layers]
+    h = {n: torch.zeros(step.T, m.S * L * m.R, dtype=torch.bfloat16, device="cuda")
+         for n, m in zip(s.names, s.layers[0])}
+    slots = s.token_lora.to(torch.int32)
+    scales = s.scales.float().contiguous()
+    ref, ref_last = s.reference(0), s.reference(-1)
+    floor, _ = ds.floors_pct(model, step)
+    log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%"
+        + (", an input writer before each module" if between else ""))
+    calls = {"base": s.base_calls(),
+             "fold-cuda": s.fold_calls("fold-cuda", torch.ops.lora_ops.lora_expand.default),
+             "kext": kext_calls(s, kext, w_ext, h, slots, scales, True, True),
+             "kext-serial": kext_calls(s, kext, w_ext, h, slots, scales, True, False),
+             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, False, False)}
+    errs = {}
+    for name in ("kext", "kext-serial"):
+        for f in calls[name][:1 + len(s.names)]:
+            f()
+        torch.cuda.synchronize()
+        errs[name] = max(ds._rel(s.y[n], ref[n][1]) for n in s.names)
+    graphs = {name: capture(c) for name, c in calls.items()}
+    ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
+    for name in ("kext", "kext-serial"):
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        errs[name] = max(errs[name], max(ds._rel(s.y[n], ref_last[n][1]) for n in s.names))
+    base = ms["base"]
+    for name, t in ms.items():
+        err = f"  err {errs[name]:.1e}" if name in errs else ""
+        bad = "  WRONG" if name in errs and not errs[name] < 1e-2 else ""
+        log(f"  {name:<12} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
+    del graphs, calls, s, w_ext
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("lib")
+    ap.add_argument("--models", default="llama3-8b")
+    ap.add_argument("--steps", default="32/1/16,32/32/16,64/16/64,32/16/64,16/16/64,32/4/16,48/4/16,64/32/16")
+    ap.add_argument("--between-modules", action="store_true")
+    args = ap.parse_args(argv)
+    kext = Kext(args.lib)
+    log = lambda text: print(text, flush=True)
+    failed = False
+    for name in args.models.split(","):
+        for step in ds.parse_steps(args.steps):
+            try:
+                run_step(ds.MODELS[name], step, kext, args.between_modules, log)
+            except Exception as exc:  # a failing step is reported; the others still run
+                failed = True
+                log(f"{name} {step}: FAILED: {type(exc).__name__}: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
