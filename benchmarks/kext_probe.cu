@@ -1,7 +1,7 @@
 // Issue 12's "expand as extra K blocks" design, as a probe (not part of lora_ops; benchmarks/kext_probe.py drives
 // it). Per module, two launches instead of the fold route's GEMM + expand:
 //   1. kext_shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every
-//      other slot (bf16, one warp per rank row). It lets its dependents launch at its start.
+//      other slot (bf16, one or 4 warps per rank row). It lets its dependents launch at its start.
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
 //      holds lora_b[s, n, r]) on CUTLASS's sm_90 ping-pong kernel, launched programmatically: its producer loads
 //      x's and W's K blocks at once (x was written before the shrink started) and calls griddepcontrol.wait only
@@ -38,29 +38,34 @@ using namespace cute;
 constexpr int kMaxSlices = 4;
 constexpr int kMaxSlots = 64;
 
-// grid (T, S, R / 4), 128 threads: warp w dots row t of x with rank row 4 * blockIdx.z + w of slice blockIdx.y of
-// its slot's A, and writes that rank of every slot's window (its own the value, the others 0).
+// grid (T, S, R * kSplit / 4), 128 threads: kSplit warps dot row t of x with one rank row of slice blockIdx.y of
+// its slot's A, each over a 1/kSplit of K, and the first of them sums their parts in order (deterministic) and
+// writes that rank of every slot's window (its own the value, the others 0). kSplit = 1 needs K / 256 trips of 8
+// loads per lane in a row (16 KB per warp at K = 4096, 56 KB for down_proj); 4 cuts them by 4 for 4x the CTAs.
+template <int kSplit>
 __global__ void __launch_bounds__(128) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
                                                      const __nv_bfloat16* lora_a, const int32_t* token_slot,
                                                      const float* scales, __nv_bfloat16* h, int K, int S, int R,
                                                      int L) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int t = blockIdx.x, j = blockIdx.y, lane = threadIdx.x % 32;
-  const int r = blockIdx.z * 4 + threadIdx.x / 32;
+  __shared__ float parts[4];
+  const int t = blockIdx.x, j = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = blockIdx.z * (4 / kSplit) + warp / kSplit, part = warp % kSplit;
   const int slot = token_slot[t];
   const bool has_slot = slot >= 0 && slot < L;
+  const int chunks = K / 8 / kSplit;  // 16-byte chunks of this warp's part
   float sum = 0.f;
   if (has_slot) {
-    const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride);
-    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K);
+    const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride) + part * chunks;
+    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K) + part * chunks;
     // 8 chunks of 16 bytes of x and of A in flight per lane before any is used
-    for (int c0 = lane; c0 < K / 8; c0 += 32 * 8) {
+    for (int c0 = lane; c0 < chunks; c0 += 32 * 8) {
       uint4 xv[8], av[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int c = c0 + 32 * i;
-        xv[i] = c < K / 8 ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-        av[i] = c < K / 8 ? __ldg(ar + c) : make_uint4(0, 0, 0, 0);
+        xv[i] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+        av[i] = c < chunks ? __ldg(ar + c) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -76,6 +81,14 @@ __global__ void __launch_bounds__(128) shrink_kernel(const __nv_bfloat16* x, int
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if constexpr (kSplit > 1) {
+    if (lane == 0) parts[warp] = sum;
+    __syncthreads();
+    if (part != 0) return;
+    sum = parts[warp];
+#pragma unroll
+    for (int i = 1; i < kSplit; ++i) sum += parts[warp + i];
+  }
   const __nv_bfloat16 value = __float2bfloat16(has_slot ? sum * scales[slot] : 0.f);
   __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r;
   for (int s = lane; s < L; s += 32) row[s * R] = s == slot ? value : __float2bfloat16(0.f);
@@ -320,11 +333,15 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
 extern "C" {
 
 int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
-                void* h, int T, int K, int S, int R, int L, cudaStream_t stream) {
-  if (K % 8 != 0 || R % 4 != 0 || T <= 0) return 1;
-  kext::shrink_kernel<<<dim3(T, S, R / 4), 128, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), x_stride,
-                                                       static_cast<const __nv_bfloat16*>(lora_a), token_slot, scales,
-                                                       static_cast<__nv_bfloat16*>(h), K, S, R, L);
+                void* h, int T, int K, int S, int R, int L, int k_split, cudaStream_t stream) {
+  if (K % (8 * k_split) != 0 || (R * k_split) % 4 != 0 || T <= 0) return 1;
+  const dim3 grid(T, S, R * k_split / 4);
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  const auto* ab = static_cast<const __nv_bfloat16*>(lora_a);
+  auto* hb = static_cast<__nv_bfloat16*>(h);
+  if (k_split == 1) kext::shrink_kernel<1><<<grid, 128, 0, stream>>>(xb, x_stride, ab, token_slot, scales, hb, K, S, R, L);
+  else if (k_split == 4) kext::shrink_kernel<4><<<grid, 128, 0, stream>>>(xb, x_stride, ab, token_slot, scales, hb, K, S, R, L);
+  else return 1;
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }
 

@@ -7,7 +7,9 @@ routing, rotation and oracle):
 - kext: per module the shrink, then the GEMM over [x | h] . [W | B]^T launched programmatically (it waits for the
   shrink only before its h blocks);
 - kext-serial: the same two launches, the GEMM launched in stream order (what the overlap is worth);
-- kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked).
+- kext-ksplit: kext with a shrink of 4 warps per rank row, each over a quarter of K (a quarter of the trips);
+- kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked);
+- shrink-only, shrink-ksplit-only: the shrinks alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
 
@@ -31,13 +33,13 @@ class Kext:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, p]
+        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, p]
         lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, i, p, p, i, i, i, p]
         self.lib = lib
 
-    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L):
+    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split):
         rc = self.lib.kext_shrink(x.data_ptr(), x.stride(0), lora_a.data_ptr(), slots.data_ptr(), scales.data_ptr(),
-                                  h.data_ptr(), x.shape[0], K, S, R, L, torch.cuda.current_stream().cuda_stream)
+                                  h.data_ptr(), x.shape[0], K, S, R, L, k_split, torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
 
@@ -49,13 +51,17 @@ class Kext:
             raise RuntimeError(f"kext_gemm returned {rc}")
 
 
-def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: bool, pdl: bool):
+def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, k_split: int, pdl: bool, gemm: bool = True):
+    """k_split: the shrink's warps per rank row (0: no shrink, the GEMM alone on the h left by the last one);
+    gemm=False: the shrinks alone."""
     L = ds.POOL_SLOTS
 
     def one(m, e, n):
         s.write_input(n)
-        if shrink:
-            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L)
+        if k_split:
+            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, k_split)
+        if not gemm:
+            return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
         kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, L * m.R, m.S, m.R, L, pdl)
     return [s.build_segments] + [lambda m=m, e=e, n=n: one(m, e, n) for layer, exts in zip(s.layers, w_ext)
@@ -78,18 +84,21 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
         + (", an input writer before each module" if between else ""))
     calls = {"base": s.base_calls(),
              "fold-cuda": s.fold_calls("fold-cuda", torch.ops.lora_ops.lora_expand.default),
-             "kext": kext_calls(s, kext, w_ext, h, slots, scales, True, True),
-             "kext-serial": kext_calls(s, kext, w_ext, h, slots, scales, True, False),
-             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, False, False)}
+             "kext": kext_calls(s, kext, w_ext, h, slots, scales, 1, True),
+             "kext-serial": kext_calls(s, kext, w_ext, h, slots, scales, 1, False),
+             "kext-ksplit": kext_calls(s, kext, w_ext, h, slots, scales, 4, True),
+             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, 0, False),
+             "shrink-only": kext_calls(s, kext, w_ext, h, slots, scales, 1, False, gemm=False),
+             "shrink-ksplit-only": kext_calls(s, kext, w_ext, h, slots, scales, 4, False, gemm=False)}
     errs = {}
-    for name in ("kext", "kext-serial"):
+    for name in ("kext", "kext-serial", "kext-ksplit"):
         for f in calls[name][:1 + len(s.names)]:
             f()
         torch.cuda.synchronize()
         errs[name] = max(ds._rel(s.y[n], ref[n][1]) for n in s.names)
     graphs = {name: capture(c) for name, c in calls.items()}
     ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
-    for name in ("kext", "kext-serial"):
+    for name in ("kext", "kext-serial", "kext-ksplit"):
         graphs[name].replay()
         torch.cuda.synchronize()
         errs[name] = max(errs[name], max(ds._rel(s.y[n], ref_last[n][1]) for n in s.names))
@@ -97,7 +106,10 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
     for name, t in ms.items():
         err = f"  err {errs[name]:.1e}" if name in errs else ""
         bad = "  WRONG" if name in errs and not errs[name] < 1e-2 else ""
-        log(f"  {name:<12} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
+        if name.endswith("-only"):  # no base GEMMs in these: their time as a share of the base step
+            log(f"  {name:<18} {t * 1e3:9.1f} us  = {100 * t / base:5.1f}% of base")
+        else:
+            log(f"  {name:<18} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
     del graphs, calls, s, w_ext
     torch.cuda.empty_cache()
 
