@@ -5,9 +5,8 @@
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
 //      holds lora_b[s, n, r]) on CUTLASS's sm_90 ping-pong kernel, launched programmatically: its producer loads
 //      x's and W's K blocks at once (x was written before the shrink started) and calls griddepcontrol.wait only
-//      before the first h block. The B blocks of slots no row uses are not loaded (seg_indptr): their h block is
-//      loaded (zeros) and the stage's barrier is told the W bytes arrived, so the MMA multiplies h's zeros with the
-//      stage's previous W tile (finite weights: a probe's shortcut; a kernel for the library skips that MMA).
+//      before the first h block. The h and B blocks of slots no row uses (seg_indptr) are neither loaded nor
+//      multiplied: the stage's barrier is told their bytes arrived, and the consumers release it without an MMA.
 // Session 27's bound for it (`kext` without a shrink, NOTES.md): llama3-8b T=32/1 +3.6%, the fold route +12.8%.
 // What the probe measures: whether the shrink runs under the GEMM's W stream. A GEMM CTA (168 registers x 384
 // threads) fits on no SM a shrink CTA holds, so the overlap comes from SMs without shrink CTAs: the probe says how
@@ -196,20 +195,41 @@ struct KextMainloop : Base {
                             local_tile(mH, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}));
   }
 
+  // The slots some row uses, from build_segments' seg_indptr (written before the shrink started, so readable before
+  // the wait): lane i of a warp loads slots i's and i + 32's bounds, a ballot makes the mask. Every warp that needs
+  // it (the producer, each consumer warp) issues the loads once per CTA, early, and ballots them at first use (a
+  // first version had one thread load all 33 entries before every tile's first TMA: five dependent trips per tile,
+  // +28% for the GEMM alone at T=32).
+  struct SlotBounds {
+    int32_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
+  };
+  CUTLASS_DEVICE SlotBounds load_slot_bounds(Params const& p) const {
+    SlotBounds b;
+    if (have_used_) return b;
+    const int lane = threadIdx.x % 32;
+    if (lane < p.num_slots) b.lo0 = __ldg(p.seg_indptr + lane), b.hi0 = __ldg(p.seg_indptr + lane + 1);
+    if (lane + 32 < p.num_slots) b.lo1 = __ldg(p.seg_indptr + lane + 32), b.hi1 = __ldg(p.seg_indptr + lane + 33);
+    return b;
+  }
+  CUTLASS_DEVICE void settle_used(SlotBounds const& b) {  // warp-wide
+    if (have_used_) return;
+    used_ = uint64_t(__ballot_sync(0xffffffffu, b.hi0 > b.lo0)) |
+            uint64_t(__ballot_sync(0xffffffffu, b.hi1 > b.lo1)) << 32;
+    have_used_ = true;
+  }
+  // An h block whose slots no row uses: neither loaded nor multiplied (h is zero there for every row).
+  CUTLASS_DEVICE bool skipped(Params const& p, int kt) const {
+    if (kt < p.k_x_tiles) return false;
+    const int first = (kt - p.k_x_tiles) * kBlockK / p.rank, last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / p.rank;
+    const uint64_t window = (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
+    return (used_ & window) == 0;
+  }
+
   template <class TensorA, class TensorB, class TensorH, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<TensorA, TensorB, TensorH> const& load_inputs, BlockCoord const& blk_coord,
                            KTileIterator, int k_tile_count, int, uint32_t, TensorStorage& shared_tensors) {
-    // The slots some row uses (build_segments' seg_indptr, written before the shrink started: readable before the
-    // wait): each lane of the producer warp loads its two slots' bounds now, once per CTA, and the warp's ballot
-    // after the x blocks makes the mask (a first version had one thread load them all before every tile's first
-    // TMA: five dependent trips per tile, +28% for the GEMM alone at T=32).
-    const int lane = threadIdx.x % 32;
-    int32_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
-    if (!have_used_) {
-      if (lane < p.num_slots) lo0 = __ldg(p.seg_indptr + lane), hi0 = __ldg(p.seg_indptr + lane + 1);
-      if (lane + 32 < p.num_slots) lo1 = __ldg(p.seg_indptr + lane + 32), hi1 = __ldg(p.seg_indptr + lane + 33);
-    }
+    const SlotBounds bounds = load_slot_bounds(p);
     const bool elected = cute::elect_one_sync();
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -229,36 +249,81 @@ struct KextMainloop : Base {
     while (slice + 1 < p.num_slices && row0 >= p.slice_end[slice]) ++slice;
     const int h_tile0 = slice * p.slice_h_tiles;
 
-    auto issue = [&](int kt, bool h_block, bool w_needed) {
+    auto issue = [&](int kt) {
       pipeline.producer_acquire(smem_pipe_write);
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      if (w_needed) copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
-      else cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
-      if (!h_block) {
+      if (kt < p.k_x_tiles) {
+        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
         copy(p.tma_load_b.with(*barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, stage));
-      } else {
+      } else if (!skipped(p, kt)) {
+        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
         copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsH(_, _, _, stage));
+      } else {  // nothing to load: the stage's bytes are counted as arrived, and the consumers skip its MMA
+        cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytes);
       }
       ++smem_pipe_write;
     };
     const int x_tiles = k_tile_count < p.k_x_tiles ? k_tile_count : p.k_x_tiles;
     if (elected) {
-      for (int kt = 0; kt < x_tiles; ++kt) issue(kt, false, true);
+      for (int kt = 0; kt < x_tiles; ++kt) issue(kt);
     }
     __syncwarp();
-    if (!have_used_) {
-      used_ = uint64_t(__ballot_sync(0xffffffffu, hi0 > lo0)) | uint64_t(__ballot_sync(0xffffffffu, hi1 > lo1)) << 32;
-      have_used_ = true;
-    }
+    settle_used(bounds);
     if (!elected) return;
     if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (int kt = x_tiles; kt < k_tile_count; ++kt) {
-      const int first = (kt - p.k_x_tiles) * kBlockK / p.rank, last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / p.rank;
-      const uint64_t window = (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
-      issue(kt, true, (used_ & window) != 0);
-    }
+    for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt);
   }
+
+  // The consumers' loop: CUTLASS's (one stage's MMAs in flight, the stage before released), except that a skipped
+  // stage is waited for and released without an MMA (then the MMAs before it are waited for first, since no newer
+  // batch stands between them and the release). The first stage is an x block, never skipped: it zeroes accum.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const& p) {
+    const SlotBounds bounds = load_slot_bounds(p);
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    typename Base::TiledMma tiled_mma;
+    // the warp group's slice, as CUTLASS's loop takes it (the descriptors are the same for its 128 threads)
+    constexpr int kWarpGroups = size(typename Base::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    const int warp_group = __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    auto thread_mma = tiled_mma.get_slice(
+        make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    settle_used(bounds);
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    for (int kt = 0; kt < k_tile_count; ++kt) {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      if (!skipped(p, kt)) {
+        warpgroup_fence_operand(accum);
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+          cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), accum);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(accum);
+      if (kt > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+      ++smem_pipe_read;
+    }
+    warpgroup_fence_operand(accum);
+  }
+  // Base::mma_tail releases the last stage, as after CUTLASS's own loop (one stage's MMAs in flight at its end).
 
  private:
   uint64_t used_ = 0;  // the slots some row uses, once per CTA
