@@ -19,6 +19,11 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
+// CUTLASS's GDC waits stay empty: with them the kernel's producer would wait for the shrink before its x blocks,
+// and the overlap this probe measures would silently disappear (KextMainloop::load waits where it should).
+#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
+#error "kext_probe.cu must be built without CUTLASS_ENABLE_GDC_FOR_SM90"
+#endif
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -171,7 +176,8 @@ struct KextMainloop : Base {
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
-    return Base::can_implement(problem_shape, base) && args.k_x % kBlockK == 0 && args.slice_h_cols % kBlockK == 0 &&
+    return Base::can_implement(problem_shape, base) && args.k_x > 0 && args.k_x % kBlockK == 0 &&
+           args.slice_h_cols % kBlockK == 0 && args.slice_h_cols == args.num_slots * args.rank &&
            K == args.k_x + args.slice_h_cols && args.num_slices >= 1 && args.num_slices <= kMaxSlices &&
            args.h_cols == args.num_slices * args.slice_h_cols && args.num_slots <= kMaxSlots &&
            args.seg_indptr != nullptr && args.rank >= 1;
@@ -369,7 +375,8 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   args.mainloop.h_cols = S * LR;
   args.mainloop.slice_h_cols = LR;
   args.mainloop.num_slices = S;
-  for (int i = 0; i < S && i < kMaxSlices; ++i) args.mainloop.slice_end[i] = slice_end[i];
+  if (S < 1 || S > kMaxSlices || x_stride % 8 != 0) return 1;  // 16-byte rows for TMA and the shrink's loads
+  for (int i = 0; i < S; ++i) args.mainloop.slice_end[i] = slice_end[i];
   args.mainloop.seg_indptr = seg_indptr;
   args.mainloop.rank = R;
   args.mainloop.num_slots = L;
@@ -399,7 +406,7 @@ extern "C" {
 
 int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
                 void* h, int T, int K, int S, int R, int L, int k_split, cudaStream_t stream) {
-  if (K % (8 * k_split) != 0 || (R * k_split) % 4 != 0 || T <= 0) return 1;
+  if (K % (8 * k_split) != 0 || (R * k_split) % 4 != 0 || T <= 0 || x_stride % 8 != 0) return 1;
   const dim3 grid(T, S, R * k_split / 4);
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* ab = static_cast<const __nv_bfloat16*>(lora_a);
