@@ -1,7 +1,8 @@
 // Issue 12's "expand as extra K blocks" design, as a probe (not part of lora_ops; benchmarks/kext_probe.py drives
 // it). Per module, two launches instead of the fold route's GEMM + expand:
 //   1. kext_shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every
-//      other slot (bf16, one or 4 warps per rank row). It lets its dependents launch at its start.
+//      other slot (bf16, one or 4 warps per rank row, CTAs of 4 or 32 warps). It lets its dependents launch at its
+//      start.
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
 //      holds lora_b[s, n, r]) on CUTLASS's sm_90 ping-pong kernel, launched programmatically: its producer loads
 //      x's and W's K blocks at once (x was written before the shrink started) and calls griddepcontrol.wait only
@@ -42,37 +43,65 @@ using namespace cute;
 constexpr int kMaxSlices = 4;
 constexpr int kMaxSlots = 64;
 
-// grid (T, S, R * kSplit / 4), 128 threads: kSplit warps dot row t of x with one rank row of slice blockIdx.y of
-// its slot's A, each over a 1/kSplit of K, and the first of them sums their parts in order (deterministic) and
-// writes that rank of every slot's window (its own the value, the others 0). kSplit = 1 needs K / 256 trips of 8
-// loads per lane in a row (16 KB per warp at K = 4096, 56 KB for down_proj); 4 cuts them by 4 for 4x the CTAs.
-template <int kSplit>
-__global__ void __launch_bounds__(128) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
-                                                     const __nv_bfloat16* lora_a, const int32_t* token_slot,
-                                                     const float* scales, __nv_bfloat16* h, int K, int S, int R,
-                                                     int L) {
+// One warp per task (t, j, r, part), part fastest: kSplit warps dot row t of x with rank row r of slice j of its
+// slot's A, each over a 1/kSplit of K, and the first of them sums their parts in order (deterministic) and writes
+// that rank of every slot's window (its own the value, the others 0). kSplit = 1 needs K / 256 trips of 8 loads per
+// lane in a row (2 at K = 4096, 7 for down_proj); 4 cuts them by 4 for 4x the warps. kWarps per CTA: 4 spreads the
+// shrink over every SM, where no GEMM CTA (the whole register file) can start beside it, so the GEMM launched
+// early waits for the shrink anyway (measured: PDL gains 2 points); 32 packs it into few SMs (16 CTAs for o at
+// T = 32) and leaves the others to the GEMM's x blocks.
+// A 16-byte load through the non-coherent path that ptxas keeps in program order with the other ones.
+__device__ __forceinline__ uint4 load_nc(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+template <int kSplit, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
+                                                            const __nv_bfloat16* lora_a, const int32_t* token_slot,
+                                                            const float* scales, __nv_bfloat16* h, int T, int K,
+                                                            int S, int R, int L) {
+  static_assert(kWarps % kSplit == 0, "a rank row's parts in one CTA");
+  constexpr int kBatch = kWarps >= 32 ? 4 : 8;  // chunks in flight per lane: 1024-thread CTAs have 64 registers
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  __shared__ float parts[4];
-  const int t = blockIdx.x, j = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = blockIdx.z * (4 / kSplit) + warp / kSplit, part = warp % kSplit;
-  const int slot = token_slot[t];
+  __shared__ float parts[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int task = blockIdx.x * kWarps + warp, part = task % kSplit, row_task = task / kSplit;
+  const int r = row_task % R, j = row_task / R % S, t = row_task / (R * S);
+  const bool active = t < T;
+  const int slot = active ? token_slot[t] : -1;
   const bool has_slot = slot >= 0 && slot < L;
   const int chunks = K / 8 / kSplit;  // 16-byte chunks of this warp's part
   float sum = 0.f;
   if (has_slot) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride) + part * chunks;
     const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K) + part * chunks;
-    // 8 chunks of 16 bytes of x and of A in flight per lane before any is used
-    for (int c0 = lane; c0 < chunks; c0 += 32 * 8) {
-      uint4 xv[8], av[8];
+    // kBatch chunks of 16 bytes of x and of A in flight per lane before any is used: the loads are not predicated (a
+    // chunk past the part reads its last one again, then counts as zero), and the FMAs depend on all of them (below).
+    // Without that, with __ldg, volatile asm loads or empty asm fences alike, ptxas issued each pair of loads just
+    // before its FMAs, ~2 chunks in flight (the SASS of the kernel of the first two runs: ~16 trips per warp at
+    // K = 4096, ~56 for down_proj).
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
+      uint4 xv[kBatch], av[kBatch];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int c = c0 + 32 * i;
-        xv[i] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-        av[i] = c < chunks ? __ldg(ar + c) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = min(c0 + 32 * i, chunks - 1);
+        xv[i] = load_nc(xr + c);
+        av[i] = load_nc(ar + c);
+      }
+      // A data dependency of the first FMA on every load of the batch (L is never negative; nvcc cannot know), so
+      // ptxas cannot sink a load between the FMAs.
+      uint32_t joined = 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) joined ^= xv[i].x ^ av[i].x;
+      if (L < 0 && joined == 1u) sum = -sum;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < kBatch; ++i) {
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv[i]);
         const __nv_bfloat162* ap = reinterpret_cast<const __nv_bfloat162*>(&av[i]);
 #pragma unroll
@@ -93,6 +122,7 @@ __global__ void __launch_bounds__(128) shrink_kernel(const __nv_bfloat16* x, int
 #pragma unroll
     for (int i = 1; i < kSplit; ++i) sum += parts[warp + i];
   }
+  if (!active) return;
   const __nv_bfloat16 value = __float2bfloat16(has_slot ? sum * scales[slot] : 0.f);
   __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r;
   for (int s = lane; s < L; s += 32) row[s * R] = s == slot ? value : __float2bfloat16(0.f);
@@ -405,14 +435,20 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
 extern "C" {
 
 int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
-                void* h, int T, int K, int S, int R, int L, int k_split, cudaStream_t stream) {
-  if (K % (8 * k_split) != 0 || (R * k_split) % 4 != 0 || T <= 0 || x_stride % 8 != 0) return 1;
-  const dim3 grid(T, S, R * k_split / 4);
+                void* h, int T, int K, int S, int R, int L, int k_split, int warps, cudaStream_t stream) {
+  if (K % (8 * k_split) != 0 || T <= 0 || x_stride % 8 != 0) return 1;
+  const int64_t tasks = int64_t(T) * S * R * k_split;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* ab = static_cast<const __nv_bfloat16*>(lora_a);
   auto* hb = static_cast<__nv_bfloat16*>(h);
-  if (k_split == 1) kext::shrink_kernel<1><<<grid, 128, 0, stream>>>(xb, x_stride, ab, token_slot, scales, hb, K, S, R, L);
-  else if (k_split == 4) kext::shrink_kernel<4><<<grid, 128, 0, stream>>>(xb, x_stride, ab, token_slot, scales, hb, K, S, R, L);
+  auto launch = [&](auto kernel, int kernel_warps) {
+    kernel<<<unsigned((tasks + kernel_warps - 1) / kernel_warps), kernel_warps * 32, 0, stream>>>(
+        xb, x_stride, ab, token_slot, scales, hb, T, K, S, R, L);
+  };
+  if (k_split == 1 && warps == 4) launch(kext::shrink_kernel<1, 4>, 4);
+  else if (k_split == 4 && warps == 4) launch(kext::shrink_kernel<4, 4>, 4);
+  else if (k_split == 1 && warps == 32) launch(kext::shrink_kernel<1, 32>, 32);
+  else if (k_split == 4 && warps == 32) launch(kext::shrink_kernel<4, 32>, 32);
   else return 1;
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }

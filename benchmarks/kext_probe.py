@@ -7,9 +7,11 @@ routing, rotation and oracle):
 - kext: per module the shrink, then the GEMM over [x | h] . [W | B]^T launched programmatically (it waits for the
   shrink only before its h blocks);
 - kext-serial: the same two launches, the GEMM launched in stream order (what the overlap is worth);
-- kext-ksplit: kext with a shrink of 4 warps per rank row, each over a quarter of K (a quarter of the trips);
+- kext-ksplit, kext-narrow, kext-narrow-ksplit: kext with other shrinks: 4 warps per rank row, each over a quarter
+  of K (a quarter of the trips), and CTAs of 32 warps instead of 4 (the shrink on few SMs, the GEMM's x blocks on
+  the others);
 - kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked);
-- shrink-only, shrink-ksplit-only: the shrinks alone, as a share of the base step.
+- shrink-only, shrink-ksplit-only, ...: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
 
@@ -22,24 +24,29 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from lora_ops.bench import decode_step as ds
 from lora_ops.bench.timing import capture, time_interleaved
 
+# the shrinks timed: route suffix -> (warps per rank row, warps per CTA)
+SHRINKS: Dict[str, Tuple[int, int]] = {"": (1, 4), "-ksplit": (4, 4), "-narrow": (1, 32), "-narrow-ksplit": (4, 32)}
+
 
 class Kext:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, p]
+        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, i, p]
         lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, i, p, p, i, i, i, p]
         self.lib = lib
 
-    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split):
+    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split, warps):
         rc = self.lib.kext_shrink(x.data_ptr(), x.stride(0), lora_a.data_ptr(), slots.data_ptr(), scales.data_ptr(),
-                                  h.data_ptr(), x.shape[0], K, S, R, L, k_split, torch.cuda.current_stream().cuda_stream)
+                                  h.data_ptr(), x.shape[0], K, S, R, L, k_split, warps,
+                                  torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
 
@@ -51,15 +58,16 @@ class Kext:
             raise RuntimeError(f"kext_gemm returned {rc}")
 
 
-def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, k_split: int, pdl: bool, gemm: bool = True):
-    """k_split: the shrink's warps per rank row (0: no shrink, the GEMM alone on the h left by the last one);
-    gemm=False: the shrinks alone."""
+def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: Optional[Tuple[int, int]], pdl: bool,
+               gemm: bool = True):
+    """shrink: the shrink's (warps per rank row, warps per CTA), or None: no shrink, the GEMM alone on the h left by
+    the last one; gemm=False: the shrinks alone."""
     L = ds.POOL_SLOTS
 
     def one(m, e, n):
         s.write_input(n)
-        if k_split:
-            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, k_split)
+        if shrink:
+            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, *shrink)
         if not gemm:
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
@@ -84,21 +92,21 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
         + (", an input writer before each module" if between else ""))
     calls = {"base": s.base_calls(),
              "fold-cuda": s.fold_calls("fold-cuda", torch.ops.lora_ops.lora_expand.default),
-             "kext": kext_calls(s, kext, w_ext, h, slots, scales, 1, True),
-             "kext-serial": kext_calls(s, kext, w_ext, h, slots, scales, 1, False),
-             "kext-ksplit": kext_calls(s, kext, w_ext, h, slots, scales, 4, True),
-             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, 0, False),
-             "shrink-only": kext_calls(s, kext, w_ext, h, slots, scales, 1, False, gemm=False),
-             "shrink-ksplit-only": kext_calls(s, kext, w_ext, h, slots, scales, 4, False, gemm=False)}
+             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, None, False)}
+    for name, shrink in SHRINKS.items():
+        calls[f"kext{name}"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, True)
+        calls[f"shrink{name}-only"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, False, gemm=False)
+    calls["kext-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, SHRINKS[""], False)
+    checked = [name for name in calls if name.startswith("kext") and name != "kext-gemm"]
     errs = {}
-    for name in ("kext", "kext-serial", "kext-ksplit"):
+    for name in checked:
         for f in calls[name][:1 + len(s.names)]:
             f()
         torch.cuda.synchronize()
         errs[name] = max(ds._rel(s.y[n], ref[n][1]) for n in s.names)
     graphs = {name: capture(c) for name, c in calls.items()}
     ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
-    for name in ("kext", "kext-serial", "kext-ksplit"):
+    for name in checked:
         graphs[name].replay()
         torch.cuda.synchronize()
         errs[name] = max(errs[name], max(ds._rel(s.y[n], ref_last[n][1]) for n in s.names))
