@@ -15,7 +15,7 @@ routing, rotation and oracle):
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
 
-Usage (on the GPU, after `bash scripts/install.sh`):
+Usage (on the GPU, after lora_ops is built, e.g. by `scripts/gpu_run.sh build`):
   PYTHONPATH=. python3 benchmarks/kext_probe.py build/kext_probe.so [--steps 32/1/16,...] [--models llama3-8b]
       [--between-modules]
 """
@@ -71,7 +71,8 @@ def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: Optiona
         if not gemm:
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
-        kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, L * m.R, m.S, m.R, L, pdl)
+        kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, L * m.R, m.S,
+                  m.R, L, pdl)
     return [s.build_segments] + [lambda m=m, e=e, n=n: one(m, e, n) for layer, exts in zip(s.layers, w_ext)
                                  for n, m, e in zip(s.names, layer, exts)]
 
