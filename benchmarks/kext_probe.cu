@@ -456,9 +456,13 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
 // y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h)
 int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int LR,
               int S, const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
-  if (T <= 16) return kext::run_gemm<kext::KextGemm<16>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
-  if (T <= 32) return kext::run_gemm<kext::KextGemm<32>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
-  if (T <= 64) return kext::run_gemm<kext::KextGemm<64>>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl, stream);
+  auto run = [&](auto gemm) {
+    return kext::run_gemm<decltype(gemm)>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl,
+                                          stream);
+  };
+  if (T <= 16) return run(kext::KextGemm<16>{});
+  if (T <= 32) return run(kext::KextGemm<32>{});
+  if (T <= 64) return run(kext::KextGemm<64>{});
   return 6;
 }
 
