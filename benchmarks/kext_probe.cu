@@ -463,6 +463,7 @@ int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext,
   if (T <= 16) return run(kext::KextGemm<16>{});
   if (T <= 32) return run(kext::KextGemm<32>{});
   if (T <= 64) return run(kext::KextGemm<64>{});
+  if (T <= 128) return run(kext::KextGemm<128>{});  // fold_linear's 64 x 128 tile lost to cuBLAS (NOTES, session 22)
   return 6;
 }
 

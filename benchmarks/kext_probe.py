@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("lib")
     ap.add_argument("--models", default="llama3-8b")
-    ap.add_argument("--steps", default="32/1/16,32/32/16,64/16/64,32/16/64,16/16/64,32/4/16,48/4/16,64/32/16")
+    ap.add_argument("--steps",
+                    default="32/1/16,32/32/16,64/16/64,32/16/64,16/16/64,32/4/16,48/4/16,64/32/16,128/32/16")
     ap.add_argument("--between-modules", action="store_true")
     args = ap.parse_args(argv)
     kext = Kext(args.lib)
