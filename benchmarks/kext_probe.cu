@@ -156,9 +156,9 @@ struct KextMainloop : Base {
     ElementB const* ptr_B;  // x [N, k_x]
     StrideB dB;
     uint32_t mma_promotion_interval = 4;
-    ElementB const* ptr_H;  // h [N, h_cols]: slice j's L*R columns at j * L * R
+    ElementB const* ptr_H;  // h [N, num_slices * L*R]: slice j's L*R columns (L = num_slots, R = rank) at j * L*R
     StrideB dH;
-    int k_x = 0, h_cols = 0, slice_h_cols = 0, num_slices = 1;
+    int k_x = 0, num_slices = 1;
     int slice_end[kMaxSlices] = {};  // W rows where each slice ends (multiples of kBlockM)
     const int32_t* seg_indptr = nullptr;
     int rank = 1, num_slots = 0;
@@ -172,6 +172,9 @@ struct KextMainloop : Base {
     int rank = 1, num_slots = 0;
   };
 
+  // One slice's columns of h, and of W_ext past K: a window of R per slot.
+  static int slice_h_cols(Arguments const& args) { return args.num_slots * args.rank; }
+
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
@@ -181,7 +184,7 @@ struct KextMainloop : Base {
     Tensor tensor_x = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_B),
                                   make_layout(make_shape(N, args.k_x, L), args.dB));
     Tensor tensor_h = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_H),
-                                  make_layout(make_shape(N, args.h_cols, L), args.dH));
+                                  make_layout(make_shape(N, slice_h_cols(args) * args.num_slices, L), args.dH));
     p.tma_load_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor_a, SmemLayoutA{}(_, _, Int<0>{}), TileShape{},
                                         ClusterShape{});
     p.tma_load_b = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor_x, SmemLayoutB{}(_, _, Int<0>{}), TileShape{},
@@ -191,9 +194,9 @@ struct KextMainloop : Base {
     p.tma_transaction_bytes = Base::TmaTransactionBytes;
     p.tma_transaction_bytes_mk = Base::TmaTransactionBytesMK;
     p.tma_transaction_bytes_nk = Base::TmaTransactionBytesNK;
-    p.h_cols = args.h_cols;
+    p.h_cols = slice_h_cols(args) * args.num_slices;
     p.k_x_tiles = args.k_x / kBlockK;
-    p.slice_h_tiles = args.slice_h_cols / kBlockK;
+    p.slice_h_tiles = slice_h_cols(args) / kBlockK;
     p.num_slices = args.num_slices;
     for (int i = 0; i < kMaxSlices; ++i) p.slice_end[i] = args.slice_end[i];
     p.seg_indptr = args.seg_indptr;
@@ -207,9 +210,8 @@ struct KextMainloop : Base {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
     return Base::can_implement(problem_shape, base) && args.k_x > 0 && args.k_x % kBlockK == 0 &&
-           args.slice_h_cols % kBlockK == 0 && args.slice_h_cols == args.num_slots * args.rank &&
-           K == args.k_x + args.slice_h_cols && args.num_slices >= 1 && args.num_slices <= kMaxSlices &&
-           args.h_cols == args.num_slices * args.slice_h_cols && args.num_slots <= kMaxSlots &&
+           slice_h_cols(args) % kBlockK == 0 && K == args.k_x + slice_h_cols(args) && args.num_slices >= 1 &&
+           args.num_slices <= kMaxSlices && args.num_slots <= kMaxSlots &&
            args.seg_indptr != nullptr && args.rank >= 1;
   }
 
@@ -386,9 +388,10 @@ struct KextGemm {
 };
 
 template <class G>
-int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int LR,
-             int S, const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int S,
+             const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
   using Kernel = typename G::Kernel;
+  const int LR = L * R;  // W_ext's columns past K, and one slice's of h
   using E = typename G::T;
   static cutlass::KernelHardwareInfo hw{};
   if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
@@ -402,8 +405,6 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   args.mainloop.ptr_H = static_cast<const E*>(h);
   args.mainloop.dH = typename Kernel::StrideB{int64_t(S) * LR, Int<1>{}, int64_t(0)};
   args.mainloop.k_x = K;
-  args.mainloop.h_cols = S * LR;
-  args.mainloop.slice_h_cols = LR;
   args.mainloop.num_slices = S;
   if (S < 1 || S > kMaxSlices || x_stride % 8 != 0) return 1;  // 16-byte rows for TMA and the shrink's loads
   for (int i = 0; i < S; ++i) args.mainloop.slice_end[i] = slice_end[i];
@@ -454,10 +455,10 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
 }
 
 // y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h)
-int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int LR,
-              int S, const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int S,
+              const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
   auto run = [&](auto gemm) {
-    return kext::run_gemm<decltype(gemm)>(x, x_stride, h, w_ext, y, T, N, K, LR, S, slice_end, seg_indptr, R, L, pdl,
+    return kext::run_gemm<decltype(gemm)>(x, x_stride, h, w_ext, y, T, N, K, S, slice_end, seg_indptr, R, L, pdl,
                                           stream);
   };
   if (T <= 16) return run(kext::KextGemm<16>{});

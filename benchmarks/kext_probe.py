@@ -40,7 +40,7 @@ class Kext:
         lib = ctypes.CDLL(path)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, i, p]
-        lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, i, p, p, i, i, i, p]
+        lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, p, p, i, i, i, p]
         self.lib = lib
 
     def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split, warps):
@@ -50,9 +50,9 @@ class Kext:
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
 
-    def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, LR, S, R, L, pdl):
+    def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, S, R, L, pdl):
         rc = self.lib.kext_gemm(x.data_ptr(), x.stride(0), h.data_ptr(), w_ext.data_ptr(), y.data_ptr(), x.shape[0],
-                                y.shape[1], K, LR, S, slice_end, seg_indptr.data_ptr(), R, L, int(pdl),
+                                y.shape[1], K, S, slice_end, seg_indptr.data_ptr(), R, L, int(pdl),
                                 torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_gemm returned {rc}")
@@ -71,8 +71,8 @@ def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: Optiona
         if not gemm:
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
-        kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, L * m.R, m.S,
-                  m.R, L, pdl)
+        kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, m.S, m.R, L,
+                  pdl)
     return [s.build_segments] + [lambda m=m, e=e, n=n: one(m, e, n) for layer, exts in zip(s.layers, w_ext)
                                  for n, m, e in zip(s.names, layer, exts)]
 
