@@ -33,6 +33,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
@@ -166,7 +167,7 @@ struct KextMainloop : Base {
 
   struct Params : Base::Params {
     typename Base::Params::TMA_B tma_load_h;
-    int h_cols = 0, k_x_tiles = 0, slice_h_tiles = 0, num_slices = 1;
+    int h_cols = 0, k_tiles = 0, k_x_tiles = 0, slice_h_tiles = 0, num_slices = 1;
     int slice_end[kMaxSlices] = {};
     const int32_t* seg_indptr = nullptr;
     int rank = 1, num_slots = 0;
@@ -195,6 +196,7 @@ struct KextMainloop : Base {
     p.tma_transaction_bytes_mk = Base::TmaTransactionBytesMK;
     p.tma_transaction_bytes_nk = Base::TmaTransactionBytesNK;
     p.h_cols = slice_h_cols(args) * args.num_slices;
+    p.k_tiles = int(K) / kBlockK;
     p.k_x_tiles = args.k_x / kBlockK;
     p.slice_h_tiles = slice_h_cols(args) / kBlockK;
     p.num_slices = args.num_slices;
@@ -234,10 +236,9 @@ struct KextMainloop : Base {
   }
 
   // The slots some row uses, from build_segments' seg_indptr (written before the shrink started, so readable before
-  // the wait): lane i of a warp loads slots i's and i + 32's bounds, a ballot makes the mask. Every warp that needs
-  // it (the producer, each consumer warp) issues the loads once per CTA, early, and ballots them at first use (a
-  // first version had one thread load all 33 entries before every tile's first TMA: five dependent trips per tile,
-  // +28% for the GEMM alone at T=32).
+  // the wait): lane i of the producer warp loads slots i's and i + 32's bounds, a ballot makes the mask. The loads
+  // are issued once per CTA, before the x blocks, and balloted after them (a first version had one thread load all
+  // 33 entries before every tile's first TMA: five dependent trips per tile, +28% for the GEMM alone at T=32).
   struct SlotBounds {
     int32_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
   };
@@ -255,7 +256,10 @@ struct KextMainloop : Base {
             uint64_t(__ballot_sync(0xffffffffu, b.hi1 > b.lo1)) << 32;
     have_used_ = true;
   }
-  // An h block whose slots no row uses: neither loaded nor multiplied (h is zero there for every row).
+  // An h block whose slots no row uses: its W_ext and h boxes are not read (h is zero there for every row). The
+  // consumers keep CUTLASS's loop and multiply the zeros TMA fills in: a loop of our own that released such stages
+  // without an MMA (session 29) cost the GEMM alone 7 points at T=32 with every slot used, where it skipped nothing
+  // (NOTES.md, session 30).
   CUTLASS_DEVICE bool skipped(Params const& p, int kt) const {
     if (kt < p.k_x_tiles) return false;
     const int first = (kt - p.k_x_tiles) * kBlockK / p.rank, last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / p.rank;
@@ -297,8 +301,9 @@ struct KextMainloop : Base {
       } else if (!skipped(p, kt)) {
         copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
         copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsH(_, _, _, stage));
-      } else {  // nothing to load: the stage's bytes are counted as arrived, and the consumers skip its MMA
-        cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytes);
+      } else {  // both boxes past their tensors' ends: TMA fills the stage with zeros and reads no memory
+        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, p.k_tiles), tAsA(_, _, _, stage));
+        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, p.h_cols / kBlockK), tHsH(_, _, _, stage));
       }
       ++smem_pipe_write;
     };
@@ -313,55 +318,6 @@ struct KextMainloop : Base {
     for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt);
   }
 
-  // The consumers' loop: CUTLASS's (one stage's MMAs in flight, the stage before released), except that a skipped
-  // stage is waited for and released without an MMA (then the MMAs before it are waited for first, since no newer
-  // batch stands between them and the release). The first stage is an x block, never skipped: it zeroes accum.
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
-                          int thread_idx, TensorStorage& shared_tensors, Params const& p) {
-    const SlotBounds bounds = load_slot_bounds(p);
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    typename Base::TiledMma tiled_mma;
-    // the warp group's slice, as CUTLASS's loop takes it (the descriptors are the same for its 128 threads)
-    constexpr int kWarpGroups = size(typename Base::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    const int warp_group = __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    auto thread_mma = tiled_mma.get_slice(
-        make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(warp_group));
-    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    settle_used(bounds);
-
-    PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
-    for (int kt = 0; kt < k_tile_count; ++kt) {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      const int stage = smem_pipe_read.index();
-      if (!skipped(p, kt)) {
-        warpgroup_fence_operand(accum);
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-          cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), accum);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-      } else {
-        warpgroup_wait<0>();
-      }
-      warpgroup_fence_operand(accum);
-      if (kt > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
-    }
-    warpgroup_fence_operand(accum);
-  }
-  // Base::mma_tail releases the last stage, as after CUTLASS's own loop (one stage's MMAs in flight at its end).
 
  private:
   uint64_t used_ = 0;  // the slots some row uses, once per CTA
@@ -386,6 +342,20 @@ struct KextGemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
+
+// CUTLASS's host checks, then the launch (programmatic where pdl): 0, or where it failed.
+template <class G>
+int launch(typename G::Device::Arguments const& args, int pdl, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  if (!Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return 2;
+  auto params = Kernel::to_underlying_arguments(args, nullptr);
+  if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Kernel::SharedStorageSize) != cudaSuccess) {
+    return 3;
+  }
+  if (G::Device::run(params, stream, nullptr, pdl != 0) != cutlass::Status::kSuccess) return 4;
+  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
 
 template <class G>
 int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int S,
@@ -421,14 +391,92 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   for (int i = 0; i < S; ++i) {
     if (slice_end[i] % 64 != 0) return 1;
   }
-  if (!Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return 2;
-  auto params = Kernel::to_underlying_arguments(args, nullptr);
-  if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Kernel::SharedStorageSize) != cudaSuccess) {
-    return 3;
+  return launch<G>(args, pdl, stream);
+}
+
+// h = x . A_h^T on tensor cores, masked and scaled in the epilogue (the shrink of `kext-tc`). A_h holds every
+// slot's A rows in h's column order (slice-major: row j*L*R + s*R + r is A[s][j*R + r]), so h [T, S*L*R] is the
+// GEMM's D, column-major: M = A_h's rows, N = tokens. Its epilogue keeps an element only where the token's slot is
+// the row's and scales it there: h[t, m] = row_slot[m] == token_slot[t] ? scale[m] * acc : 0.
+template <class T>
+struct MaskScale {
+  CUTLASS_HOST_DEVICE T operator()(T acc, T row_slot, T token_slot, T scale) const {
+    return row_slot == token_slot ? acc * scale : T(0);
   }
-  if (G::Device::run(params, stream, nullptr, pdl != 0) != cutlass::Status::kSuccess) return 4;
-  return cudaGetLastError() == cudaSuccess ? 0 : 5;
+};
+template <class T, int N>
+struct MaskScale<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& acc,
+                                                      cutlass::Array<T, N> const& row_slot,
+                                                      cutlass::Array<T, N> const& token_slot,
+                                                      cutlass::Array<T, N> const& scale) const {
+    cutlass::Array<T, N> out;
+    MaskScale<T> op;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) out[i] = op(acc[i], row_slot[i], token_slot[i], scale[i]);
+    return out;
+  }
+};
+
+// CUTLASS's mainloop, with the launch of the dependent GEMM allowed from the first load: the kext GEMM's CTAs then
+// start on the SMs the h tiles leave free and stream x . W while h is computed.
+template <class Base>
+struct TriggeringMainloop : Base {
+  template <class... Args>
+  CUTLASS_DEVICE void load(Args&&... args) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    Base::load(static_cast<Args&&>(args)...);
+  }
+};
+
+template <int kTokens>
+struct HGemm {
+  using T = cutlass::bfloat16_t;
+  using Tile = Shape<_64, Int<kTokens>, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using RoundStyle = cutlass::FloatRoundStyle;
+  static constexpr RoundStyle kRound = RoundStyle::round_to_nearest;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<MaskScale, T, float, kRound>,
+      cutlass::epilogue::fusion::Sm90AccFetch,
+      cutlass::epilogue::fusion::Sm90ColBroadcast<0, Tile, float>,     // row_slot[m]
+      cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, int32_t, float>,  // token_slot[t]
+      cutlass::epilogue::fusion::Sm90ColBroadcast<0, Tile, float>>;    // scale[m]
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, 8, T,
+      cutlass::layout::ColumnMajor, 8, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, 8, T,
+      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, TriggeringMainloop<BaseMainloop>,
+                                                      Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class G>
+int run_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row_slot, const float* row_scale,
+              const int32_t* token_slot, void* h, int T, int K, int M, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  using E = typename G::T;
+  static cutlass::KernelHardwareInfo hw{};
+  if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
+  typename G::Device::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = make_shape(M, T, K, 1);
+  args.mainloop.ptr_A = static_cast<const E*>(a_h);
+  args.mainloop.dA = typename Kernel::StrideA{int64_t(K), Int<1>{}, int64_t(0)};
+  args.mainloop.ptr_B = static_cast<const E*>(x);
+  args.mainloop.dB = typename Kernel::StrideB{x_stride, Int<1>{}, int64_t(0)};
+  args.epilogue.thread = {{}, {row_slot}, {token_slot}, {row_scale}, {}};
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = typename Kernel::StrideC{Int<1>{}, int64_t(M), int64_t(0)};
+  args.epilogue.ptr_D = static_cast<E*>(h);
+  args.epilogue.dD = typename Kernel::StrideD{Int<1>{}, int64_t(M), int64_t(0)};
+  args.hw_info = hw;
+  return launch<G>(args, 0, stream);
 }
 
 }  // namespace kext
@@ -452,6 +500,20 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
   else if (k_split == 4 && warps == 32) launch(kext::shrink_kernel<4, 32>, 32);
   else return 1;
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
+}
+
+// h [T, M] = the masked, scaled x [T, K] . a_h [M, K]^T (run_hgemm), launched in stream order.
+int kext_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row_slot, const float* row_scale,
+               const int32_t* token_slot, void* h, int T, int K, int M, cudaStream_t stream) {
+  if (x_stride % 8 != 0 || K % 64 != 0 || M % 64 != 0) return 1;
+  auto run = [&](auto gemm) {
+    return kext::run_hgemm<decltype(gemm)>(x, x_stride, a_h, row_slot, row_scale, token_slot, h, T, K, M, stream);
+  };
+  if (T <= 16) return run(kext::HGemm<16>{});
+  if (T <= 32) return run(kext::HGemm<32>{});
+  if (T <= 64) return run(kext::HGemm<64>{});
+  if (T <= 128) return run(kext::HGemm<128>{});
+  return 6;
 }
 
 // y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h)

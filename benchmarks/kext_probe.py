@@ -10,8 +10,12 @@ routing, rotation and oracle):
 - kext-ksplit, kext-narrow, kext-narrow-ksplit: kext with other shrinks: 4 warps per rank row, each over a quarter
   of K (a quarter of the trips), and CTAs of 32 warps instead of 4 (the shrink on few SMs, the GEMM's x blocks on
   the others);
+- kext-tc, kext-tc-serial: kext with the shrink on tensor cores (a CUTLASS GEMM over every slot's A rows whose
+  epilogue masks and scales h; one CTA per 64 of those rows, so it holds few SMs and lets the GEMM start on the
+  others);
 - kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked);
-- shrink-only, shrink-ksplit-only, ...: each shrink alone, as a share of the base step.
+- fold-gemm: fold_linear alone, as the fold route calls it (what the fold route's expand costs);
+- shrink-only, shrink-ksplit-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
 
@@ -41,6 +45,7 @@ class Kext:
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, i, p]
         lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, p, p, i, i, i, p]
+        lib.kext_hgemm.argtypes = [p, i64, p, p, p, p, p, i, i, i, p]
         self.lib = lib
 
     def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split, warps):
@@ -50,6 +55,13 @@ class Kext:
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
 
+    def hgemm(self, x, a_h, row_slot, row_scale, slots, h):
+        rc = self.lib.kext_hgemm(x.data_ptr(), x.stride(0), a_h.data_ptr(), row_slot.data_ptr(), row_scale.data_ptr(),
+                                 slots.data_ptr(), h.data_ptr(), x.shape[0], x.shape[1], a_h.shape[0],
+                                 torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"kext_hgemm returned {rc}")
+
     def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, S, R, L, pdl):
         rc = self.lib.kext_gemm(x.data_ptr(), x.stride(0), h.data_ptr(), w_ext.data_ptr(), y.data_ptr(), x.shape[0],
                                 y.shape[1], K, S, slice_end, seg_indptr.data_ptr(), R, L, int(pdl),
@@ -58,22 +70,39 @@ class Kext:
             raise RuntimeError(f"kext_gemm returned {rc}")
 
 
-def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink: Optional[Tuple[int, int]], pdl: bool,
-               gemm: bool = True):
-    """shrink: the shrink's (warps per rank row, warps per CTA), or None: no shrink, the GEMM alone on the h left by
-    the last one; gemm=False: the shrinks alone."""
+class TcShrink:
+    """The tensor-core shrink's operands for one step: per module A_h (every slot's A rows in h's column order,
+    slice-major) and per row its slot and that slot's scale."""
+
+    def __init__(self, s: ds.Setup, scales):
+        L = ds.POOL_SLOTS
+        self.a_h = [[m.lora_a.view(L, m.S, m.R, m.K).permute(1, 0, 2, 3).reshape(m.S * L * m.R, m.K).contiguous()
+                     for m in layer] for layer in s.layers]
+        self.row_slot, self.row_scale = {}, {}
+        for n, m in zip(s.names, s.layers[0]):
+            slot = (torch.arange(m.S * L * m.R, device="cuda") % (L * m.R)) // m.R
+            self.row_slot[n] = slot.float().contiguous()
+            self.row_scale[n] = scales[slot].float().contiguous()
+
+
+def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bool, gemm: bool = True):
+    """shrink: the SIMT shrink's (warps per rank row, warps per CTA), a TcShrink (the tensor-core one), or None: no
+    shrink, the GEMM alone on the h left by the last one; gemm=False: the shrinks alone."""
     L = ds.POOL_SLOTS
 
-    def one(m, e, n):
+    def one(i, m, e, n):
         s.write_input(n)
-        if shrink:
+        if isinstance(shrink, TcShrink):
+            kext.hgemm(s.x[n], shrink.a_h[i][s.names.index(n)], shrink.row_slot[n], shrink.row_scale[n], slots, h[n])
+        elif shrink:
             kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, *shrink)
         if not gemm:
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
         kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, m.S, m.R, L,
                   pdl)
-    return [s.build_segments] + [lambda m=m, e=e, n=n: one(m, e, n) for layer, exts in zip(s.layers, w_ext)
+    return [s.build_segments] + [lambda i=i, m=m, e=e, n=n: one(i, m, e, n)
+                                 for i, (layer, exts) in enumerate(zip(s.layers, w_ext))
                                  for n, m, e in zip(s.names, layer, exts)]
 
 
@@ -98,6 +127,12 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
         calls[f"kext{name}"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, True)
         calls[f"shrink{name}-only"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, False, gemm=False)
     calls["kext-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, SHRINKS[""], False)
+    tc = TcShrink(s, scales)
+    calls["kext-tc"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, True)
+    calls["kext-tc-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False)
+    calls["shrink-tc-only"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False, gemm=False)
+    s.build_segments()
+    calls["fold-gemm"] = [s.build_segments] + s.fold_linear_calls()
     checked = [name for name in calls if name.startswith("kext") and name != "kext-gemm"]
     errs = {}
     for name in checked:
@@ -119,7 +154,7 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
             log(f"  {name:<18} {t * 1e3:9.1f} us  = {100 * t / base:5.1f}% of base")
         else:
             log(f"  {name:<18} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
-    del graphs, calls, s, w_ext
+    del graphs, calls, s, w_ext, tc
     torch.cuda.empty_cache()
 
 
