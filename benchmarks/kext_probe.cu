@@ -1,13 +1,14 @@
 // Issue 12's "expand as extra K blocks" design, as a probe (not part of lora_ops; benchmarks/kext_probe.py drives
 // it). Per module, two launches instead of the fold route's GEMM + expand:
-//   1. kext_shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every
-//      other slot (bf16, one or 4 warps per rank row, CTAs of 4 or 32 warps). It lets its dependents launch at its
-//      start.
+//   1. a shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every other
+//      slot (bf16), letting its dependents launch at its start. Two kinds:
+//      - kext_shrink, on CUDA cores: a warp (or 4) per rank row, CTAs of 4 or 32 warps;
+//      - kext_hgemm, on tensor cores: a CUTLASS GEMM over A_h (every slot's A rows in h's column order) whose
+//        epilogue masks and scales, one CTA per 64 of those rows.
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
 //      holds lora_b[s, n, r]) on CUTLASS's sm_90 ping-pong kernel, launched programmatically: its producer loads
 //      x's and W's K blocks at once (x was written before the shrink started) and calls griddepcontrol.wait only
-//      before the first h block. The h and B blocks of slots no row uses (seg_indptr) are neither loaded nor
-//      multiplied: the stage's barrier is told their bytes arrived, and the consumers release it without an MMA.
+//      before the first h block. The B blocks of slots no row uses (seg_indptr) are not read (see `skipped`).
 // Session 27's bound for it (`kext` without a shrink, NOTES.md): llama3-8b T=32/1 +3.6%, the fold route +12.8%.
 // What the probe measures: whether the shrink runs under the GEMM's W stream. A GEMM CTA (168 registers x 384
 // threads) fits on no SM a shrink CTA holds, so the overlap comes from SMs without shrink CTAs: the probe says how
@@ -167,7 +168,7 @@ struct KextMainloop : Base {
 
   struct Params : Base::Params {
     typename Base::Params::TMA_B tma_load_h;
-    int h_cols = 0, k_tiles = 0, k_x_tiles = 0, slice_h_tiles = 0, num_slices = 1;
+    int h_cols = 0, k_x_tiles = 0, slice_h_tiles = 0, num_slices = 1;
     int slice_end[kMaxSlices] = {};
     const int32_t* seg_indptr = nullptr;
     int rank = 1, num_slots = 0;
@@ -196,7 +197,6 @@ struct KextMainloop : Base {
     p.tma_transaction_bytes_mk = Base::TmaTransactionBytesMK;
     p.tma_transaction_bytes_nk = Base::TmaTransactionBytesNK;
     p.h_cols = slice_h_cols(args) * args.num_slices;
-    p.k_tiles = int(K) / kBlockK;
     p.k_x_tiles = args.k_x / kBlockK;
     p.slice_h_tiles = slice_h_cols(args) / kBlockK;
     p.num_slices = args.num_slices;
@@ -256,12 +256,12 @@ struct KextMainloop : Base {
             uint64_t(__ballot_sync(0xffffffffu, b.hi1 > b.lo1)) << 32;
     have_used_ = true;
   }
-  // An h block whose slots no row uses: its W_ext and h boxes are not read (h is zero there for every row). The
-  // consumers keep CUTLASS's loop and multiply the zeros TMA fills in: a loop of our own that released such stages
-  // without an MMA (session 29) cost the GEMM alone 7 points at T=32 with every slot used, where it skipped nothing
-  // (NOTES.md, session 30).
+  // An h block whose slots no row uses: its W_ext box is not read (the stage's barrier is told those bytes arrived),
+  // its h box is (zero there for every row: both shrinks write every slot's window), and CUTLASS's consumer loop
+  // multiplies it with whatever W tile the stage held before (weights: finite). Two variants that read neither box
+  // measured slower, even with every slot used (NOTES.md, session 30): a consumer loop of our own that released such
+  // stages without an MMA, and both boxes placed past the tensors' ends for TMA to zero-fill.
   CUTLASS_DEVICE bool skipped(Params const& p, int kt) const {
-    if (kt < p.k_x_tiles) return false;
     const int first = (kt - p.k_x_tiles) * kBlockK / p.rank, last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / p.rank;
     const uint64_t window = (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
     return (used_ & window) == 0;
@@ -291,31 +291,28 @@ struct KextMainloop : Base {
     while (slice + 1 < p.num_slices && row0 >= p.slice_end[slice]) ++slice;
     const int h_tile0 = slice * p.slice_h_tiles;
 
-    auto issue = [&](int kt) {
+    auto issue = [&](int kt, bool h_block, bool w_needed) {
       pipeline.producer_acquire(smem_pipe_write);
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      if (kt < p.k_x_tiles) {
-        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
+      if (w_needed) copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
+      else cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
+      if (!h_block) {
         copy(p.tma_load_b.with(*barrier, 0), tBgB(_, _, _, kt), tBsB(_, _, _, stage));
-      } else if (!skipped(p, kt)) {
-        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
+      } else {
         copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsH(_, _, _, stage));
-      } else {  // both boxes past their tensors' ends: TMA fills the stage with zeros and reads no memory
-        copy(p.tma_load_a.with(*barrier, 0), tAgA(_, _, _, p.k_tiles), tAsA(_, _, _, stage));
-        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, p.h_cols / kBlockK), tHsH(_, _, _, stage));
       }
       ++smem_pipe_write;
     };
     const int x_tiles = k_tile_count < p.k_x_tiles ? k_tile_count : p.k_x_tiles;
     if (elected) {
-      for (int kt = 0; kt < x_tiles; ++kt) issue(kt);
+      for (int kt = 0; kt < x_tiles; ++kt) issue(kt, false, true);
     }
     __syncwarp();
     settle_used(bounds);
     if (!elected) return;
     if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt);
+    for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
   }
 
 
