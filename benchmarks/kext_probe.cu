@@ -2,7 +2,7 @@
 // it). Per module, two launches instead of the fold route's GEMM + expand:
 //   1. a shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every other
 //      slot (bf16), letting its dependents launch at its start. Two kinds:
-//      - kext_shrink, on CUDA cores: a warp (or 4) per rank row, CTAs of 4 or 32 warps;
+//      - kext_shrink, on CUDA cores: a warp per 1 or 4 rank rows of a row of x, CTAs of 4 to 32 warps;
 //      - kext_hgemm, on tensor cores: a CUTLASS GEMM over A_h (every slot's A rows in h's column order) whose
 //        epilogue masks and scales, one CTA per 64 of those rows.
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
@@ -45,13 +45,6 @@ using namespace cute;
 constexpr int kMaxSlices = 4;
 constexpr int kMaxSlots = 64;
 
-// One warp per task (t, j, r, part), part fastest: kSplit warps dot row t of x with rank row r of slice j of its
-// slot's A, each over a 1/kSplit of K, and the first of them sums their parts in order (deterministic) and writes
-// that rank of every slot's window (its own the value, the others 0). kSplit = 1 needs K / 256 trips of 8 loads per
-// lane in a row (2 at K = 4096, 7 for down_proj); 4 cuts them by 4 for 4x the warps. kWarps per CTA: 4 spreads the
-// shrink over every SM, where no GEMM CTA (the whole register file) can start beside it, so the GEMM launched
-// early waits for the shrink anyway (measured: PDL gains 2 points); 32 packs it into few SMs (16 CTAs for o at
-// T = 32) and leaves the others to the GEMM's x blocks.
 // A 16-byte load through the non-coherent path that ptxas keeps in program order with the other ones.
 __device__ __forceinline__ uint4 load_nc(const uint4* p) {
   uint4 v;
@@ -59,75 +52,87 @@ __device__ __forceinline__ uint4 load_nc(const uint4* p) {
   return v;
 }
 
-template <int kSplit, int kWarps>
+// One warp per task (t, j, r0): it dots row t of x with kRows rank rows r0.. of slice j of its slot's A, over all of
+// K, and writes those ranks of every slot's window (its own the values, the others 0). Each lane keeps kBatch
+// 16-byte chunks of x and kRows x kBatch of A in flight, then does their FMAs: the loads are not predicated (a
+// chunk past the row reads its last one again, then counts as zero), and the FMAs depend on all of them (below).
+// Without that, with __ldg, volatile asm loads or empty asm fences alike, ptxas issued each pair of loads just
+// before its FMAs, ~2 chunks in flight (the SASS of session 29's first two runs).
+// kRows > 1 reads x once for kRows rank rows: at one adapter x is most of what the shrink reads (A: one slot's rows)
+// and kRows = 4 cuts the shrink's bytes ~3.5x, and its warps (and SMs) 4x. kWarps per CTA: 4 spreads the shrink
+// over every SM, where no GEMM CTA (the whole register file) can start beside it (PDL gained 2 points); 16-32 pack
+// it into few SMs and leave the others to the GEMM's x blocks (session 30: the narrow shrink, 32 warps, beat the
+// fold route at T <= 64). Session 29's K split over 4 warps lost on every step and was removed.
+template <int kRows, int kWarps, int kBatch>
 __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
                                                             const __nv_bfloat16* lora_a, const int32_t* token_slot,
                                                             const float* scales, __nv_bfloat16* h, int T, int K,
                                                             int S, int R, int L) {
-  static_assert(kWarps % kSplit == 0, "a rank row's parts in one CTA");
-  constexpr int kBatch = kWarps >= 32 ? 4 : 8;  // chunks in flight per lane: 1024-thread CTAs have 64 registers
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  __shared__ float parts[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * kWarps + warp, part = task % kSplit, row_task = task / kSplit;
-  const int r = row_task % R, j = row_task / R % S, t = row_task / (R * S);
-  const bool active = t < T;
-  const int slot = active ? token_slot[t] : -1;
+  const int task = blockIdx.x * kWarps + warp, groups = R / kRows;
+  const int r0 = task % groups * kRows, j = task / groups % S, t = task / (groups * S);
+  if (t >= T) return;
+  const int slot = token_slot[t];
   const bool has_slot = slot >= 0 && slot < L;
-  const int chunks = K / 8 / kSplit;  // 16-byte chunks of this warp's part
-  float sum = 0.f;
+  const int chunks = K / 8;  // 16-byte chunks of a row
+  const uint32_t opaque_zero = L < 0 ? ~0u : 0u;  // L is never negative; the compiler cannot know
+  float sum[kRows] = {};
   if (has_slot) {
-    const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride) + part * chunks;
-    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K) + part * chunks;
-    // kBatch chunks of 16 bytes of x and of A in flight per lane before any is used: the loads are not predicated (a
-    // chunk past the part reads its last one again, then counts as zero), and the FMAs depend on all of them (below).
-    // Without that, with __ldg, volatile asm loads or empty asm fences alike, ptxas issued each pair of loads just
-    // before its FMAs, ~2 chunks in flight (the SASS of the kernel of the first two runs: ~16 trips per warp at
-    // K = 4096, ~56 for down_proj).
+    const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride);
+    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r0) * K);
     for (int c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
-      uint4 xv[kBatch], av[kBatch];
+      uint4 xv[kBatch], av[kRows][kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int c = min(c0 + 32 * i, chunks - 1);
         xv[i] = load_nc(xr + c);
-        av[i] = load_nc(ar + c);
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) av[q][i] = load_nc(ar + (int64_t)q * chunks + c);
       }
-      // A data dependency of the first FMA on every load of the batch (L is never negative; nvcc cannot know), so
-      // ptxas cannot sink a load between the FMAs.
+      // Every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`, 0 at run time, which
+      // the compilers cannot know), so ptxas cannot sink a load between the FMAs. (Session 29's `if (L < 0 &&
+      // joined == 1)` let it in the 4-row kernel, which then waited for its first chunk before loading the next;
+      // a zero from an asm `mov` is folded by ptxas.)
       uint32_t joined = 0;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) joined ^= xv[i].x ^ av[i].x;
-      if (L < 0 && joined == 1u) sum = -sum;
+      for (int i = 0; i < kBatch; ++i) {
+        joined ^= xv[i].x;
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) joined ^= av[q][i].x;
+      }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
+        xv[i].x ^= joined & opaque_zero;
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv[i]);
-        const __nv_bfloat162* ap = reinterpret_cast<const __nv_bfloat162*>(&av[i]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float2 xf = __bfloat1622float2(xp[e]), af = __bfloat1622float2(ap[e]);
-          sum = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum));
+          const float2 xf = __bfloat1622float2(xp[e]);
+#pragma unroll
+          for (int q = 0; q < kRows; ++q) {
+            const float2 af = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&av[q][i])[e]);
+            sum[q] = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum[q]));
+          }
         }
       }
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if constexpr (kSplit > 1) {
-    if (lane == 0) parts[warp] = sum;
-    __syncthreads();
-    if (part != 0) return;
-    sum = parts[warp];
+  for (int q = 0; q < kRows; ++q) {
 #pragma unroll
-    for (int i = 1; i < kSplit; ++i) sum += parts[warp + i];
+    for (int o = 16; o > 0; o /= 2) sum[q] += __shfl_xor_sync(0xffffffffu, sum[q], o);
   }
-  if (!active) return;
-  const __nv_bfloat16 value = __float2bfloat16(has_slot ? sum * scales[slot] : 0.f);
-  __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r;
-  for (int s = lane; s < L; s += 32) row[s * R] = s == slot ? value : __float2bfloat16(0.f);
+  __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r0;
+  for (int s = lane; s < L; s += 32) {
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      row[s * R + q] = __float2bfloat16(s == slot ? sum[q] * scales[slot] : 0.f);
+    }
+  }
 }
 
 // CUTLASS's TMA warp-specialized mainloop with a second B operand (h) for the K blocks past x's: see the top.
@@ -481,9 +486,9 @@ int run_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row
 extern "C" {
 
 int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
-                void* h, int T, int K, int S, int R, int L, int k_split, int warps, cudaStream_t stream) {
-  if (K % (8 * k_split) != 0 || T <= 0 || x_stride % 8 != 0) return 1;
-  const int64_t tasks = int64_t(T) * S * R * k_split;
+                void* h, int T, int K, int S, int R, int L, int rows, int warps, cudaStream_t stream) {
+  if (K % 8 != 0 || T <= 0 || x_stride % 8 != 0 || rows < 1 || R % rows != 0) return 1;
+  const int64_t tasks = int64_t(T) * S * (R / rows);
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* ab = static_cast<const __nv_bfloat16*>(lora_a);
   auto* hb = static_cast<__nv_bfloat16*>(h);
@@ -491,10 +496,11 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
     kernel<<<unsigned((tasks + kernel_warps - 1) / kernel_warps), kernel_warps * 32, 0, stream>>>(
         xb, x_stride, ab, token_slot, scales, hb, T, K, S, R, L);
   };
-  if (k_split == 1 && warps == 4) launch(kext::shrink_kernel<1, 4>, 4);
-  else if (k_split == 4 && warps == 4) launch(kext::shrink_kernel<4, 4>, 4);
-  else if (k_split == 1 && warps == 32) launch(kext::shrink_kernel<1, 32>, 32);
-  else if (k_split == 4 && warps == 32) launch(kext::shrink_kernel<4, 32>, 32);
+  // chunks in flight per lane (kBatch) as the registers allow: 64 per thread in CTAs of 32 warps, 85 in 24, 128 in 16
+  if (rows == 1 && warps == 4) launch(kext::shrink_kernel<1, 4, 8>, 4);
+  else if (rows == 1 && warps == 32) launch(kext::shrink_kernel<1, 32, 4>, 32);
+  else if (rows == 4 && warps == 24) launch(kext::shrink_kernel<4, 24, 2>, 24);  // at 32 warps: spills
+  else if (rows == 4 && warps == 16) launch(kext::shrink_kernel<4, 16, 4>, 16);
   else return 1;
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }

@@ -7,15 +7,15 @@ routing, rotation and oracle):
 - kext: per module the shrink, then the GEMM over [x | h] . [W | B]^T launched programmatically (it waits for the
   shrink only before its h blocks);
 - kext-serial: the same two launches, the GEMM launched in stream order (what the overlap is worth);
-- kext-ksplit, kext-narrow, kext-narrow-ksplit: kext with other shrinks: 4 warps per rank row, each over a quarter
-  of K (a quarter of the trips), and CTAs of 32 warps instead of 4 (the shrink on few SMs, the GEMM's x blocks on
-  the others);
+- kext-narrow, kext-narrow-r4, kext-r4: kext with other SIMT shrinks: CTAs of 16 to 32 warps instead of 4 (the
+  shrink on few SMs, the GEMM's x blocks on the others), a warp per 4 rank rows sharing its loads of x (a quarter
+  of the warps, and at one adapter ~3.5x fewer bytes);
 - kext-tc, kext-tc-serial: kext with the shrink on tensor cores (a CUTLASS GEMM over every slot's A rows whose
   epilogue masks and scales h; one CTA per 64 of those rows, so it holds few SMs and lets the GEMM start on the
   others);
 - kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked);
 - fold-gemm: fold_linear alone, as the fold route calls it (what the fold route's expand costs);
-- shrink-only, shrink-ksplit-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
+- shrink-only, shrink-narrow-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
 
@@ -35,8 +35,8 @@ import torch
 from lora_ops.bench import decode_step as ds
 from lora_ops.bench.timing import capture, time_interleaved
 
-# the shrinks timed: route suffix -> (warps per rank row, warps per CTA)
-SHRINKS: Dict[str, Tuple[int, int]] = {"": (1, 4), "-ksplit": (4, 4), "-narrow": (1, 32), "-narrow-ksplit": (4, 32)}
+# the SIMT shrinks timed: route suffix -> (rank rows per warp, warps per CTA)
+SHRINKS: Dict[str, Tuple[int, int]] = {"": (1, 4), "-narrow": (1, 32), "-narrow-r4": (4, 24), "-r4": (4, 16)}
 
 
 class Kext:
@@ -48,9 +48,9 @@ class Kext:
         lib.kext_hgemm.argtypes = [p, i64, p, p, p, p, p, i, i, i, p]
         self.lib = lib
 
-    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, k_split, warps):
+    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, rows, warps):
         rc = self.lib.kext_shrink(x.data_ptr(), x.stride(0), lora_a.data_ptr(), slots.data_ptr(), scales.data_ptr(),
-                                  h.data_ptr(), x.shape[0], K, S, R, L, k_split, warps,
+                                  h.data_ptr(), x.shape[0], K, S, R, L, rows, warps,
                                   torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
@@ -86,7 +86,7 @@ class TcShrink:
 
 
 def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bool, gemm: bool = True):
-    """shrink: the SIMT shrink's (warps per rank row, warps per CTA), a TcShrink (the tensor-core one), or None: no
+    """shrink: the SIMT shrink's (rank rows per warp, warps per CTA), a TcShrink (the tensor-core one), or None: no
     shrink, the GEMM alone on the h left by the last one; gemm=False: the shrinks alone."""
     L = ds.POOL_SLOTS
 
