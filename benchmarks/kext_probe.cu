@@ -67,7 +67,7 @@ template <int kRows, int kWarps, int kBatch>
 __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
                                                             const __nv_bfloat16* lora_a, const int32_t* token_slot,
                                                             const float* scales, __nv_bfloat16* h, int T, int K,
-                                                            int S, int R, int L) {
+                                                            int S, int R, int L, uint32_t opaque_zero) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int task = blockIdx.x * kWarps + warp, groups = R / kRows;
@@ -76,7 +76,6 @@ __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16
   const int slot = token_slot[t];
   const bool has_slot = slot >= 0 && slot < L;
   const int chunks = K / 8;  // 16-byte chunks of a row
-  const uint32_t opaque_zero = L < 0 ? ~0u : 0u;  // L is never negative; the compiler cannot know
   float sum[kRows] = {};
   if (has_slot) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride);
@@ -90,8 +89,8 @@ __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16
 #pragma unroll
         for (int q = 0; q < kRows; ++q) av[q][i] = load_nc(ar + (int64_t)q * chunks + c);
       }
-      // Every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`, 0 at run time, which
-      // the compilers cannot know), so ptxas cannot sink a load between the FMAs. (Session 29's `if (L < 0 &&
+      // Every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`: an argument, always 0,
+      // that the compilers cannot know), so ptxas cannot sink a load between the FMAs. (Session 29's `if (L < 0 &&
       // joined == 1)` let it in the 4-row kernel, which then waited for its first chunk before loading the next;
       // a zero from an asm `mov` is folded by ptxas.)
       uint32_t joined = 0;
@@ -219,6 +218,7 @@ struct KextMainloop : Base {
     return Base::can_implement(problem_shape, base) && args.k_x > 0 && args.k_x % kBlockK == 0 &&
            slice_h_cols(args) % kBlockK == 0 && K == args.k_x + slice_h_cols(args) && args.num_slices >= 1 &&
            args.num_slices <= kMaxSlices && args.num_slots <= kMaxSlots &&
+           args.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
            args.seg_indptr != nullptr && args.rank >= 1;
   }
 
@@ -263,7 +263,8 @@ struct KextMainloop : Base {
   }
   // An h block whose slots no row uses: its W_ext box is not read (the stage's barrier is told those bytes arrived),
   // its h box is (zero there for every row: both shrinks write every slot's window), and CUTLASS's consumer loop
-  // multiplies it with whatever W tile the stage held before (weights: finite). Two variants that read neither box
+  // multiplies it with whatever W tile the stage held before (weights: finite; can_implement asks for at least as
+  // many x blocks as stages, so no stage is read before a W tile was written to it). Two variants that read neither box
   // measured slower, even with every slot used (NOTES.md, session 30): a consumer loop of our own that released such
   // stages without an MMA, and both boxes placed past the tensors' ends for TMA to zero-fill.
   CUTLASS_DEVICE bool skipped(Params const& p, int kt) const {
@@ -494,9 +495,9 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
   auto* hb = static_cast<__nv_bfloat16*>(h);
   auto launch = [&](auto kernel, int kernel_warps) {
     kernel<<<unsigned((tasks + kernel_warps - 1) / kernel_warps), kernel_warps * 32, 0, stream>>>(
-        xb, x_stride, ab, token_slot, scales, hb, T, K, S, R, L);
+        xb, x_stride, ab, token_slot, scales, hb, T, K, S, R, L, 0u);
   };
-  // chunks in flight per lane (kBatch) as the registers allow: 64 per thread in CTAs of 32 warps, 85 in 24, 128 in 16
+  // chunks in flight per lane (kBatch) as the registers allow: 64 per thread in CTAs of 32 warps, 80 in 24, 128 in 16
   if (rows == 1 && warps == 4) launch(kext::shrink_kernel<1, 4, 8>, 4);
   else if (rows == 1 && warps == 32) launch(kext::shrink_kernel<1, 32, 4>, 32);
   else if (rows == 4 && warps == 24) launch(kext::shrink_kernel<4, 24, 2>, 24);  // at 32 warps: spills

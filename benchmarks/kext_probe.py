@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
