@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -135,7 +136,12 @@ __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16
 }
 
 // CUTLASS's TMA warp-specialized mainloop with a second B operand (h) for the K blocks past x's: see the top.
-template <class Base>
+// kMaskFromTokens: the slot mask from the rows' slots (token_slot, as the shrink reads them) instead of build_segments'
+// seg_indptr, so that no seg_indptr that disagrees with token_slot can make the GEMM skip a block h needs (what a
+// library op must guarantee); up to kMaxMaskTokens rows.
+constexpr int kMaxMaskTokens = 128;
+
+template <class Base, bool kMaskFromTokens = false>
 struct KextMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -168,6 +174,8 @@ struct KextMainloop : Base {
     int slice_end[kMaxSlices] = {};  // W rows where each slice ends (multiples of kBlockM)
     const int32_t* seg_indptr = nullptr;
     int rank = 1, num_slots = 0;
+    const int32_t* token_slot = nullptr;  // kMaskFromTokens: [num_tokens]
+    int num_tokens = 0;
   };
 
   struct Params : Base::Params {
@@ -176,6 +184,8 @@ struct KextMainloop : Base {
     int slice_end[kMaxSlices] = {};
     const int32_t* seg_indptr = nullptr;
     int rank = 1, num_slots = 0;
+    const int32_t* token_slot = nullptr;
+    int num_tokens = 0;
   };
 
   // One slice's columns of h, and of W_ext past K: a window of R per slot.
@@ -208,6 +218,8 @@ struct KextMainloop : Base {
     p.seg_indptr = args.seg_indptr;
     p.rank = args.rank;
     p.num_slots = args.num_slots;
+    p.token_slot = args.token_slot;
+    p.num_tokens = args.num_tokens;
     return p;
   }
 
@@ -219,7 +231,9 @@ struct KextMainloop : Base {
            slice_h_cols(args) % kBlockK == 0 && K == args.k_x + slice_h_cols(args) && args.num_slices >= 1 &&
            args.num_slices <= kMaxSlices && args.num_slots <= kMaxSlots &&
            args.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
-           args.seg_indptr != nullptr && args.rank >= 1;
+           (kMaskFromTokens ? args.token_slot != nullptr && args.num_tokens <= kMaxMaskTokens
+                            : args.seg_indptr != nullptr) &&
+           args.rank >= 1;
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -244,21 +258,44 @@ struct KextMainloop : Base {
   // the wait): lane i of the producer warp loads slots i's and i + 32's bounds, a ballot makes the mask. The loads
   // are issued once per CTA, before the x blocks, and balloted after them (a first version had one thread load all
   // 33 entries before every tile's first TMA: five dependent trips per tile, +28% for the GEMM alone at T=32).
+  // With kMaskFromTokens, lane i loads rows i, i + 32, ... of token_slot instead, and the warp ORs their slot bits
+  // (a slot outside [0, num_slots) marks nothing: the shrink writes such a row's h as zeros).
   struct SlotBounds {
     int32_t lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
   };
-  CUTLASS_DEVICE SlotBounds load_slot_bounds(Params const& p) const {
-    SlotBounds b;
+  struct TokenSlots {
+    int32_t slot[kMaxMaskTokens / 32] = {-1, -1, -1, -1};
+  };
+  using MaskLoads = cute::conditional_t<kMaskFromTokens, TokenSlots, SlotBounds>;
+  CUTLASS_DEVICE MaskLoads load_slot_bounds(Params const& p) const {
+    MaskLoads b;
     if (have_used_) return b;
     const int lane = threadIdx.x % 32;
-    if (lane < p.num_slots) b.lo0 = __ldg(p.seg_indptr + lane), b.hi0 = __ldg(p.seg_indptr + lane + 1);
-    if (lane + 32 < p.num_slots) b.lo1 = __ldg(p.seg_indptr + lane + 32), b.hi1 = __ldg(p.seg_indptr + lane + 33);
+    if constexpr (kMaskFromTokens) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kMaxMaskTokens / 32; ++i) {
+        if (lane + 32 * i < p.num_tokens) b.slot[i] = __ldg(p.token_slot + lane + 32 * i);
+      }
+    } else {
+      if (lane < p.num_slots) b.lo0 = __ldg(p.seg_indptr + lane), b.hi0 = __ldg(p.seg_indptr + lane + 1);
+      if (lane + 32 < p.num_slots) b.lo1 = __ldg(p.seg_indptr + lane + 32), b.hi1 = __ldg(p.seg_indptr + lane + 33);
+    }
     return b;
   }
-  CUTLASS_DEVICE void settle_used(SlotBounds const& b) {  // warp-wide
+  CUTLASS_DEVICE void settle_used(Params const& p, MaskLoads const& b) {  // warp-wide
     if (have_used_) return;
-    used_ = uint64_t(__ballot_sync(0xffffffffu, b.hi0 > b.lo0)) |
-            uint64_t(__ballot_sync(0xffffffffu, b.hi1 > b.lo1)) << 32;
+    if constexpr (kMaskFromTokens) {
+      uint64_t bits = 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kMaxMaskTokens / 32; ++i) {
+        if (b.slot[i] >= 0 && b.slot[i] < p.num_slots) bits |= uint64_t(1) << b.slot[i];
+      }
+      used_ = uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits))) |
+              uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits >> 32))) << 32;
+    } else {
+      used_ = uint64_t(__ballot_sync(0xffffffffu, b.hi0 > b.lo0)) |
+              uint64_t(__ballot_sync(0xffffffffu, b.hi1 > b.lo1)) << 32;
+    }
     have_used_ = true;
   }
   // An h block whose slots no row uses: its W_ext box is not read (the stage's barrier is told those bytes arrived),
@@ -277,7 +314,7 @@ struct KextMainloop : Base {
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
                            cute::tuple<TensorA, TensorB, TensorH> const& load_inputs, BlockCoord const& blk_coord,
                            KTileIterator, int k_tile_count, int, uint32_t, TensorStorage& shared_tensors) {
-    const SlotBounds bounds = load_slot_bounds(p);
+    const MaskLoads bounds = load_slot_bounds(p);
     const bool elected = cute::elect_one_sync();
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -315,7 +352,7 @@ struct KextMainloop : Base {
       for (int kt = 0; kt < x_tiles; ++kt) issue(kt, false, true);
     }
     __syncwarp();
-    settle_used(bounds);
+    settle_used(p, bounds);
     if (!elected) return;
     if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
     for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
@@ -327,7 +364,7 @@ struct KextMainloop : Base {
   bool have_used_ = false;
 };
 
-template <int kTokens>
+template <int kTokens, bool kMaskFromTokens = false>
 struct KextGemm {
   using T = cutlass::bfloat16_t;
   using Tile = Shape<_64, Int<kTokens>, _64>;
@@ -341,7 +378,7 @@ struct KextGemm {
       cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using Mainloop = KextMainloop<BaseMainloop>;
+  using Mainloop = KextMainloop<BaseMainloop, kMaskFromTokens>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -362,7 +399,8 @@ int launch(typename G::Device::Arguments const& args, int pdl, cudaStream_t stre
 
 template <class G>
 int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int S,
-             const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+             const int* slice_end, const int32_t* seg_indptr, const int32_t* token_slot, int R, int L, int pdl,
+             cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   const int LR = L * R;  // W_ext's columns past K, and one slice's of h
   using E = typename G::T;
@@ -384,6 +422,8 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   args.mainloop.seg_indptr = seg_indptr;
   args.mainloop.rank = R;
   args.mainloop.num_slots = L;
+  args.mainloop.token_slot = token_slot;
+  args.mainloop.num_tokens = T;
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.ptr_C = nullptr;
@@ -520,18 +560,25 @@ int kext_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* ro
   return 6;
 }
 
-// y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h)
+// y [T, N] = x [T, K] . W_ext[:, :K]^T + h_j . W_ext[:, K:]^T (h_j: the L*R columns of each row's slice j of h).
+// The slot mask from token_slot where it is given (KextMainloop's kMaskFromTokens), else from seg_indptr.
 int kext_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, void* y, int T, int N, int K, int S,
-              const int* slice_end, const int32_t* seg_indptr, int R, int L, int pdl, cudaStream_t stream) {
+              const int* slice_end, const int32_t* seg_indptr, const int32_t* token_slot, int R, int L, int pdl,
+              cudaStream_t stream) {
   auto run = [&](auto gemm) {
-    return kext::run_gemm<decltype(gemm)>(x, x_stride, h, w_ext, y, T, N, K, S, slice_end, seg_indptr, R, L, pdl,
-                                          stream);
+    return kext::run_gemm<decltype(gemm)>(x, x_stride, h, w_ext, y, T, N, K, S, slice_end, seg_indptr, token_slot,
+                                          R, L, pdl, stream);
   };
-  if (T <= 16) return run(kext::KextGemm<16>{});
-  if (T <= 32) return run(kext::KextGemm<32>{});
-  if (T <= 64) return run(kext::KextGemm<64>{});
-  if (T <= 128) return run(kext::KextGemm<128>{});  // fold_linear's 64 x 128 tile lost to cuBLAS (NOTES, session 22)
-  return 6;
+  auto by_tokens = [&](auto from_tokens) {
+    constexpr bool kFromTokens = decltype(from_tokens)::value;
+    if (T <= 16) return run(kext::KextGemm<16, kFromTokens>{});
+    if (T <= 32) return run(kext::KextGemm<32, kFromTokens>{});
+    if (T <= 64) return run(kext::KextGemm<64, kFromTokens>{});
+    // fold_linear's 64 x 128 tile lost to cuBLAS (NOTES, session 22)
+    if (T <= 128) return run(kext::KextGemm<128, kFromTokens>{});
+    return 6;
+  };
+  return token_slot ? by_tokens(std::true_type{}) : by_tokens(std::false_type{});
 }
 
 }  // extern "C"

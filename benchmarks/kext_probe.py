@@ -14,6 +14,8 @@ routing, rotation and oracle):
   epilogue masks and scales h; one CTA per 64 of those rows, so it holds few SMs and lets the GEMM start on the
   others);
 - kext-gemm: the GEMM alone on the h the last shrink left (what the shrink costs; its output is not checked);
+- kext-gemm-tokmask, kext-narrow-tokmask: kext-gemm and kext-narrow with the GEMM's slot mask taken from the rows'
+  slots (as a library op would, so that no seg_indptr can disagree with h) instead of seg_indptr;
 - fold-gemm: fold_linear alone, as the fold route calls it (what the fold route's expand costs);
 - shrink-only, shrink-narrow-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
@@ -44,7 +46,7 @@ class Kext:
         lib = ctypes.CDLL(path)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, i, p]
-        lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, p, p, i, i, i, p]
+        lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, p, p, p, i, i, i, p]
         lib.kext_hgemm.argtypes = [p, i64, p, p, p, p, p, i, i, i, p]
         self.lib = lib
 
@@ -62,9 +64,11 @@ class Kext:
         if rc:
             raise RuntimeError(f"kext_hgemm returned {rc}")
 
-    def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, S, R, L, pdl):
+    def gemm(self, x, h, w_ext, y, slice_end, seg_indptr, K, S, R, L, pdl, token_slot=None):
+        """token_slot: the GEMM's slot mask from the rows' slots instead of seg_indptr."""
         rc = self.lib.kext_gemm(x.data_ptr(), x.stride(0), h.data_ptr(), w_ext.data_ptr(), y.data_ptr(), x.shape[0],
-                                y.shape[1], K, S, slice_end, seg_indptr.data_ptr(), R, L, int(pdl),
+                                y.shape[1], K, S, slice_end, seg_indptr.data_ptr(),
+                                None if token_slot is None else token_slot.data_ptr(), R, L, int(pdl),
                                 torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_gemm returned {rc}")
@@ -85,9 +89,11 @@ class TcShrink:
             self.row_scale[n] = scales[slot].float().contiguous()
 
 
-def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bool, gemm: bool = True):
+def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bool, gemm: bool = True,
+               token_mask: bool = False):
     """shrink: the SIMT shrink's (rank rows per warp, warps per CTA), a TcShrink (the tensor-core one), or None: no
-    shrink, the GEMM alone on the h left by the last one; gemm=False: the shrinks alone."""
+    shrink, the GEMM alone on the h left by the last one; gemm=False: the shrinks alone; token_mask: the GEMM's slot
+    mask from the rows' slots, not seg_indptr."""
     L = ds.POOL_SLOTS
 
     def one(i, m, e, n):
@@ -100,7 +106,7 @@ def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bo
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
         kext.gemm(s.x[n], h[n], e, s.y[n], ctypes.cast(ends, ctypes.c_void_p), s.seg.seg_indptr, m.K, m.S, m.R, L,
-                  pdl)
+                  pdl, slots if token_mask else None)
     return [s.build_segments] + [lambda i=i, m=m, e=e, n=n: one(i, m, e, n)
                                  for i, (layer, exts) in enumerate(zip(s.layers, w_ext))
                                  for n, m, e in zip(s.names, layer, exts)]
@@ -122,10 +128,13 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
         + (", an input writer before each module" if between else ""))
     calls = {"base": s.base_calls(),
              "fold-cuda": s.fold_calls("fold-cuda", torch.ops.lora_ops.lora_expand.default),
-             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, None, False)}
+             "kext-gemm": kext_calls(s, kext, w_ext, h, slots, scales, None, False),
+             "kext-gemm-tokmask": kext_calls(s, kext, w_ext, h, slots, scales, None, False, token_mask=True)}
     for name, shrink in SHRINKS.items():
         calls[f"kext{name}"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, True)
         calls[f"shrink{name}-only"] = kext_calls(s, kext, w_ext, h, slots, scales, shrink, False, gemm=False)
+    calls["kext-narrow-tokmask"] = kext_calls(s, kext, w_ext, h, slots, scales, SHRINKS["-narrow"], True,
+                                              token_mask=True)
     calls["kext-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, SHRINKS[""], False)
     tc = TcShrink(s, scales)
     calls["kext-tc"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, True)
@@ -133,7 +142,7 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
     calls["shrink-tc-only"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False, gemm=False)
     s.build_segments()
     calls["fold-gemm"] = [s.build_segments] + s.fold_linear_calls()
-    checked = [name for name in calls if name.startswith("kext") and name != "kext-gemm"]
+    checked = [name for name in calls if name.startswith("kext") and not name.startswith("kext-gemm")]
     errs = {}
     for name in checked:
         for f in calls[name][:1 + len(s.names)]:
