@@ -385,8 +385,11 @@ struct KextGemm {
 
 // CUTLASS's host checks, then the launch (programmatic where pdl): 0, or where it failed.
 template <class G>
-int launch(typename G::Device::Arguments const& args, int pdl, cudaStream_t stream) {
+int launch(typename G::Device::Arguments args, int pdl, cudaStream_t stream) {
   using Kernel = typename G::Kernel;
+  static cutlass::KernelHardwareInfo hw{};  // device 0's SMs: the probe runs on one GPU
+  if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
+  args.hw_info = hw;
   if (!Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return 2;
   auto params = Kernel::to_underlying_arguments(args, nullptr);
   if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -404,8 +407,6 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   using Kernel = typename G::Kernel;
   const int LR = L * R;  // W_ext's columns past K, and one slice's of h
   using E = typename G::T;
-  static cutlass::KernelHardwareInfo hw{};
-  if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
   typename G::Device::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = make_shape(N, T, K + LR, 1);
@@ -430,7 +431,6 @@ int run_gemm(const void* x, int64_t x_stride, const void* h, const void* w_ext, 
   args.epilogue.dC = typename Kernel::StrideC{Int<1>{}, int64_t(N), int64_t(0)};
   args.epilogue.ptr_D = static_cast<E*>(y);
   args.epilogue.dD = typename Kernel::StrideD{Int<1>{}, int64_t(N), int64_t(0)};
-  args.hw_info = hw;
   for (int i = 0; i < S; ++i) {
     if (slice_end[i] % 64 != 0) return 1;
   }
@@ -504,8 +504,6 @@ int run_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row
               const int32_t* token_slot, void* h, int T, int K, int M, cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   using E = typename G::T;
-  static cutlass::KernelHardwareInfo hw{};
-  if (hw.sm_count == 0) hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
   typename G::Device::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = make_shape(M, T, K, 1);
@@ -518,7 +516,6 @@ int run_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row
   args.epilogue.dC = typename Kernel::StrideC{Int<1>{}, int64_t(M), int64_t(0)};
   args.epilogue.ptr_D = static_cast<E*>(h);
   args.epilogue.dD = typename Kernel::StrideD{Int<1>{}, int64_t(M), int64_t(0)};
-  args.hw_info = hw;
   return launch<G>(args, 0, stream);
 }
 
