@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/checks.h"
+#include "common/lora_linear.h"
 #include "common/op_table.h"
 #include "common/schemas.h"
 
@@ -45,6 +46,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_meta(const at::Ten
   const auto opts = token_lora.options().dtype(at::kInt);
   return {at::empty_symint({token_lora.sym_size(0)}, opts), at::empty({num_slots + 1}, opts),
           at::empty({num_slots}, opts)};
+}
+
+// lora_linear on fake tensors: the checks, and y [..., N] of x's dtype.
+at::Tensor lora_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
+                            const at::Tensor& lora_b, const at::Tensor& token_slot,
+                            const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                            const std::optional<at::Tensor>& bias) {
+  lora_ops::check_lora_linear_host(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
+  auto sizes = x.sym_sizes().vec();
+  sizes.back() = weight.sym_size(0);
+  return at::empty_symint(sizes, x.options());
 }
 
 std::optional<at::Tensor> if_defined(const at::Tensor& t) {
@@ -127,6 +139,9 @@ TORCH_LIBRARY(lora_ops, m) {
   // sm_90 at decode sizes a GEMM that lets the lora_expand launched after it start before it ends (PDL). Unlike
   // the ops above it has a backward: linear's, wherever a gradient is wanted.
   m.def((std::string("fold_linear") + lora_ops::schema::kFoldLinear).c_str());
+  // A whole multi-LoRA linear layer, y = x·weightᵀ (+ bias) + each row's delta with h rounded to x's dtype, from
+  // the rows' own slots (no segments): on sm_90 at decode sizes a shrink and one K-extended GEMM (the kext route).
+  m.def((std::string("lora_linear") + lora_ops::schema::kLoraLinear).c_str());
   // The Triton kernels of sgmv, lora_expand and grouped_gemm under names of their own (registered for CUDA from
   // Python), so that a caller choosing the backend per regime (lora_ops/routes.py, the CUDA kernels' op table)
   // reaches either one through the dispatcher.
@@ -156,16 +171,17 @@ TORCH_LIBRARY(lora_ops, m) {
 
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
   m.impl("fold_linear", &fold_linear_default);
+  m.impl("lora_linear", &lora_ops::lora_linear_composite);
   m.impl("_check_build_segments", &check_build_segments_op);
   m.impl("_check_sgmv", &check_sgmv_op);
   m.impl("_check_lora_expand", &check_lora_expand_op);
   m.impl("_check_grouped_gemm", &check_grouped_gemm_op);
 }
 
-// The ops that write y have no backward: with grad mode on, an input that requires grad is refused (a backward
-// would otherwise silently miss the LoRA delta, y's autograd history being left as it was). y's version moves as
-// after a native in-place op, so that autograd refuses a backward that saved y before. One pass over the
-// arguments, no allocation: every op here writes exactly one argument (y).
+// The ops that write y, and lora_linear, have no backward: with grad mode on, an input that requires grad is
+// refused (a backward would otherwise silently miss the LoRA delta, y's autograd history being left as it was).
+// A written y's version moves as after a native in-place op, so that autograd refuses a backward that saved y
+// before. One pass over the arguments, no allocation: every op here writes at most one argument (y).
 namespace {
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
@@ -181,20 +197,21 @@ void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
     if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written = v.toTensor();
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-  torch::autograd::impl::bump_version(written);
+  if (written.defined()) torch::autograd::impl::bump_version(written);
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lora_ops, Autograd, m) {
   m.impl("fold_linear", &fold_linear_autograd);
-  for (const char* op : {"sgmv", "lora_expand", "grouped_gemm", "_triton_sgmv", "_triton_lora_expand",
-                         "_triton_grouped_gemm"}) {
+  for (const char* op : {"sgmv", "lora_expand", "grouped_gemm", "lora_linear", "_triton_sgmv",
+                         "_triton_lora_expand", "_triton_grouped_gemm"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
   }
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {
   m.impl("sgmv", &sgmv_meta);
+  m.impl("lora_linear", &lora_linear_meta);
   m.impl("lora_expand", &lora_expand_meta);
   m.impl("_triton_sgmv", &sgmv_meta);
   m.impl("_triton_lora_expand", &lora_expand_meta);

@@ -1,4 +1,5 @@
-"""lora_ops: multi-LoRA custom ops for PyTorch (sgmv, lora_expand, grouped_gemm, build_segments, fold_linear).
+"""lora_ops: multi-LoRA custom ops for PyTorch (sgmv, lora_expand, grouped_gemm, build_segments, fold_linear,
+lora_linear).
 
 Importing the package loads the compiled op library `_C` (schemas, CPU/CUDA kernels, Meta kernels) and
 registers the Triton backend for CUDA where the C++ CUDA kernels are absent or LORA_OPS_BACKEND=triton.
@@ -16,10 +17,10 @@ if not _libs:
 LIBRARY_PATH = _libs[0]
 _torch.ops.load_library(LIBRARY_PATH)
 
-from .ops import Segments, build_segments, fold_linear, grouped_gemm, lora_expand, sgmv  # noqa: E402
+from .ops import Segments, build_segments, fold_linear, grouped_gemm, lora_expand, lora_linear, sgmv  # noqa: E402
 from . import backends as _backends  # noqa: E402
 
 _backends.register_triton_where_needed()
 
-__all__ = ["sgmv", "lora_expand", "grouped_gemm", "build_segments", "fold_linear", "Segments", "LIBRARY_PATH"]
+__all__ = ["sgmv", "lora_expand", "grouped_gemm", "build_segments", "fold_linear", "lora_linear", "Segments", "LIBRARY_PATH"]
 __version__ = "0.1.0"

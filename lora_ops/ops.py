@@ -14,6 +14,7 @@ _lora_expand = torch.ops.lora_ops.lora_expand.default
 _grouped_gemm = torch.ops.lora_ops.grouped_gemm.default
 _build_segments = torch.ops.lora_ops.build_segments.default
 _fold_linear = torch.ops.lora_ops.fold_linear.default
+_lora_linear = torch.ops.lora_ops.lora_linear.default
 
 
 class Segments(NamedTuple):
@@ -112,3 +113,28 @@ def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     values are memory-safe and only choose which windows are computed.
     """
     return _fold_linear(x, weight, bias, seg_indptr, slot_rows)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_slot: torch.Tensor, lora_scales: Optional[torch.Tensor] = None,
+                slice_offsets: Optional[Sequence[int]] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A whole multi-LoRA linear layer: ``x · weightᵀ (+ bias)`` plus each row's LoRA delta, with the rank vector h
+    rounded to x's dtype (the kext route). For row t of x with slot l = token_slot[t] and each slice s:
+    ``y[t, off_s:off_s+1] += h[t, s] · lora_b[l, off_s:off_s+1, :]ᵀ`` with
+    ``h[t, s] = round(lora_scales[l] · x[t] · lora_a[l, s·R : (s+1)·R]ᵀ)`` (float32 sums, rounded once). A row whose
+    slot is outside [0, L) gets the base product only.
+
+    x [..., K] (fp16/bf16/fp32; T rows), weight [N, K], lora_a [L, S·R, K], lora_b [L, N, R] (x's dtype, unit last
+    stride), token_slot [T] int32/int64, lora_scales [L] float32 (default ones), slice_offsets S+1 ints from 0 to N
+    (default [0, N]), bias [N] (x's dtype). Returns y [..., N] in x's dtype. Every slot's window is R wide: a
+    smaller rank is zeros in lora_a's rows and lora_b's columns past it, as the adapter pool stores them (there is
+    no ranks argument: unlike sgmv, the cost is R's, not the true rank's).
+
+    On CUDA sm_90 at decode sizes (T ≤ 64, fp16/bf16, contiguous x, K a multiple of 64 of at least 64 × the GEMM's
+    pipeline stages, L·R and the slice bounds multiples of 64, S ≤ 4, L ≤ 64, and lora_b a view of an [N, L·R]
+    matrix: ``lora_b.stride(0) == R``, each row's slots side by side) it is two launches: a shrink that writes h, and
+    one GEMM ``[x | h] · [weight | B]ᵀ`` that reads x and weight while the shrink runs (programmatic dependent launch)
+    and skips the B of slots no row uses. Elsewhere the same computation composed of torch ops (with h rounded the
+    same way). Deterministic; no host sync; any token_slot values are memory-safe.
+    """
+    return _lora_linear(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias)

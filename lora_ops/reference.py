@@ -111,3 +111,26 @@ def fold_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """x · weightᵀ (+ bias) in float64, any leading dims of x (F.linear's semantics)."""
     out = x.detach().to(torch.float64) @ weight.detach().to(torch.float64).t()
     return out + bias.detach().to(torch.float64) if bias is not None else out
+
+
+def lora_linear(x, weight, lora_a, lora_b, token_slot, lora_scales=None, slice_offsets: Optional[Sequence[int]] = None,
+                bias=None) -> torch.Tensor:
+    """x · weightᵀ (+ bias) + each row's LoRA delta in float64, x [..., K]: for row t with slot l in [0, L) and
+    slice s, ``y[t, off_s:off_s+1] += lora_scales[l] · (x[t] · A[l, s·R:(s+1)·R]ᵀ) · B[l, off_s:off_s+1]ᵀ``
+    (h exact: the op rounds it to x's dtype)."""
+    x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    out = fold_linear(x2, weight, bias)
+    num_slots, sr, _ = lora_a.shape
+    n = lora_b.shape[1]
+    offsets = list(slice_offsets) if slice_offsets is not None else [0, n]
+    rank = sr // (len(offsets) - 1)
+    a64, b64 = lora_a.double(), lora_b.double()
+    for t, slot in enumerate(token_slot.tolist()):
+        if not 0 <= slot < num_slots:
+            continue
+        coef = 1.0 if lora_scales is None else float(lora_scales[slot])
+        for s in range(len(offsets) - 1):
+            lo, hi = offsets[s], offsets[s + 1]
+            h = coef * (x2[t] @ a64[slot, s * rank:(s + 1) * rank].T)
+            out[t, lo:hi] += b64[slot, lo:hi] @ h
+    return out.reshape(*x.shape[:-1], n)

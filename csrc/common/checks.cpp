@@ -70,9 +70,11 @@ void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t di
                     shape_str(t));
 }
 
-void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& y) {
-  TORCH_CHECK_VALUE(t.device() == y.device(), op, ": ", name, " is on ", t.device().str(),
-                    " but y is on ", y.device().str(), "; all tensors must be on one device");
+// `ref` (named ref_name) is the op's reference tensor: y for the ops that write one.
+void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                  const char* ref_name = "y") {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device().str(), " but ", ref_name,
+                    " is on ", ref.device().str(), "; all tensors must be on one device");
 }
 
 // Unit stride in the last dimension (a size-1 dimension has no meaningful stride).
@@ -100,8 +102,9 @@ void check_int32_extent(const char* op, const char* what, const c10::SymInt& siz
 
 // 1-D index tensor of an int type and a given length (nullopt: any).
 void check_index_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& y,
-                        const std::optional<c10::SymInt>& expected_len, const char* len_what) {
-  check_device(op, name, t, y);
+                        const std::optional<c10::SymInt>& expected_len, const char* len_what,
+                        const char* y_name = "y") {
+  check_device(op, name, t, y, y_name);
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": ", name,
                    " must be int32 or int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", shape_str(t));
@@ -572,6 +575,67 @@ void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Te
   TORCH_CHECK_VALUE(holds((seg_indptr->sym_size(0) - 1).sym_le(weight.sym_size(0) / slot_rows)), op,
                     ": seg_indptr's ", num(seg_indptr->sym_size(0) - 1), " slots of slot_rows = ", num(slot_rows),
                     " rows each do not fit weight's ", num(weight.sym_size(0)), " rows");
+}
+
+int64_t check_lora_linear_host(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
+                               const at::Tensor& lora_b, const at::Tensor& token_slot,
+                               const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                               const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "lora_ops.lora_linear";
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must be [..., K], got a 0-D tensor");
+  check_dim(op, "weight", weight, 2, "[N, K]");
+  check_dim(op, "lora_a", lora_a, 3, "[L, S*R, K]");
+  check_dim(op, "lora_b", lora_b, 3, "[L, N, R]");
+  check_float(op, "x", x);
+  for (auto [name, t] : {std::pair{"weight", &weight}, {"lora_a", &lora_a}, {"lora_b", &lora_b}}) {
+    check_device(op, name, *t, x, "x");
+    TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype ", x.scalar_type(),
+                     ", got ", t->scalar_type());
+    check_unit_last_stride(op, name, *t);
+  }
+  check_unit_last_stride(op, "x", x);
+  const c10::SymInt K = x.sym_size(-1), N = weight.sym_size(0), L = lora_a.sym_size(0);
+  TORCH_CHECK_VALUE(holds(weight.sym_size(1).sym_eq(K)), op, ": weight must be [N, K] with K = x.size(-1) = ",
+                    num(K), ", got shape ", shape_str(weight));
+  TORCH_CHECK_VALUE(holds(lora_a.sym_size(2).sym_eq(K)), op, ": lora_a must be [L, S*R, K] with K = x.size(-1) = ",
+                    num(K), ", got shape ", shape_str(lora_a));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(0).sym_eq(L)), op, ": lora_b must have L = lora_a.size(0) = ", num(L),
+                    " slots, got shape ", shape_str(lora_b));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = weight.size(0) = ",
+                    num(N), ", got shape ", shape_str(lora_b));
+  const int64_t S = check_slices_host(op, slice_offsets, N);
+  TORCH_CHECK_VALUE(holds((lora_a.sym_size(1) % S).sym_eq(0)), op, ": lora_a.size(1) = ", num(lora_a.sym_size(1)),
+                    " must be S*R for S = ", num(S), " slices");
+  const c10::SymInt R = lora_a.sym_size(1) / S;
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(2).sym_eq(R)), op,
+                    ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R), ", got shape ",
+                    shape_str(lora_b));
+  c10::SymInt T = 1;  // x's rows
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) T = T * x.sym_size(d);
+  check_index_tensor(op, "token_slot", token_slot, x, T, "one per row of x", "x");
+  check_int32_extent(op, "lora_a.size(0)", L);  // the slots, compared with int32 token_slot values
+  if (lora_scales.has_value()) {
+    check_device(op, "lora_scales", *lora_scales, x, "x");
+    TORCH_CHECK_TYPE(lora_scales->scalar_type() == at::kFloat, op, ": lora_scales must be float32, got ",
+                     lora_scales->scalar_type());
+    TORCH_CHECK_VALUE(lora_scales->dim() == 1 && holds(lora_scales->sym_size(0).sym_eq(L)), op,
+                      ": lora_scales must be 1-D with L = ", num(L), " entries, got shape ", shape_str(*lora_scales));
+  }
+  if (bias.has_value()) {
+    check_device(op, "bias", *bias, x, "x");
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ", x.scalar_type(),
+                     ", got ", bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && holds(bias->sym_size(0).sym_eq(N)), op, ": bias must be 1-D with N = ",
+                      num(N), " entries, got shape ", shape_str(*bias));
+  }
+  if (debug_checks_apply(x)) {
+    const auto slots = values_on_host(token_slot);
+    for (size_t t = 0; t < slots.size(); ++t) {
+      TORCH_CHECK_VALUE(slots[t] < L.expect_int(), "LORA_OPS_DEBUG: token_slot[", num(t), "] = ", num(slots[t]),
+                        " is not below the number of slots ", num(L), " (use -1 for no LoRA)");
+    }
+  }
+  return S;
 }
 
 BuildSegmentsParams check_build_segments(const at::Tensor& token_lora, int64_t num_slots,

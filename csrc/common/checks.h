@@ -64,6 +64,14 @@ void check_build_segments_host(const at::Tensor& token_lora, int64_t num_slots);
 void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
                             int64_t slot_rows);
 
+// lora_linear: x [..., K] (T rows), weight [N, K], lora_a [L, S*R, K], lora_b [L, N, R] (x's dtype, unit last
+// stride), token_slot [T] int32/int64, lora_scales [L] float32, slice_offsets of N, bias [N] (x's dtype). Returns
+// the number of slices S. With LORA_OPS_DEBUG=1 (and real tensors), a slot >= L raises (negative ones mean no LoRA).
+int64_t check_lora_linear_host(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
+                               const at::Tensor& lora_b, const at::Tensor& token_slot,
+                               const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                               const std::optional<at::Tensor>& bias);
+
 // lora_scales is not converted (left undefined in the result): the Triton kernel reads it through its stride.
 SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                                     const at::Tensor& lora_b, const at::Tensor& seg_indptr,

@@ -18,6 +18,9 @@ constexpr const char* kGroupedGemm =
     "bool accumulate=True) -> ()";
 constexpr const char* kFoldLinear =
     "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? seg_indptr=None, int slot_rows=0) -> Tensor";
+constexpr const char* kLoraLinear =
+    "(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor token_slot, Tensor? lora_scales=None, "
+    "int[]? slice_offsets=None, Tensor? bias=None) -> Tensor";
 constexpr const char* kBuildSegments =
     "(Tensor token_lora, int num_slots) -> (Tensor token_indices, Tensor seg_indptr, Tensor seg_lora)";
 

@@ -18,8 +18,11 @@
 namespace lora_ops::cuda {
 
 // G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
+// programmatic: launched with programmatic stream serialization, so that it may start before the kernel before it
+// ends; the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's GEMM).
 template <class G>
-cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream) {
+cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
+                        bool programmatic = false) {
   using Kernel = typename G::Kernel;
   if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
   auto params = Kernel::to_underlying_arguments(args, workspace);
@@ -28,9 +31,9 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
       err != cudaSuccess) {
     return err;
   }
-  // Launched without programmatic stream serialization (run's launch_with_pdl = false): fold_linear's scheduler
-  // reads seg_indptr before any griddepcontrol.wait, so the previous kernel must have finished.
-  if (G::Device::run(params, stream) != cutlass::Status::kSuccess) {
+  // fold_linear's GEMM is launched without programmatic stream serialization: its scheduler reads seg_indptr
+  // before any griddepcontrol.wait, so the previous kernel must have finished.
+  if (G::Device::run(params, stream, nullptr, programmatic) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }

@@ -115,6 +115,33 @@ constexpr int64_t kFoldLinearMaxTokens = 64;
 bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream);
 
+// lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
+// shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
+// programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
+// slots side by side (b_row_stride = lora_b.stride(1), lora_b.stride(0) == rank). y contiguous. Up to
+// kLoraLinearMaxTokens rows: the slot mask is read from token_slot by one warp, and the decode-step bench measured
+// the route up to 64 tokens (NOTES.md, session 31).
+struct LoraLinearParams {
+  const void* x;
+  const void* w;
+  const void* lora_a;
+  const void* b_cols;
+  const int32_t* token_slot;
+  const float* scales;
+  void* h;
+  void* y;
+  int64_t t, n, k, x_row_stride, w_row_stride, a_slot_stride, a_row_stride, b_row_stride;
+  int64_t num_slots, rank, num_slices;
+  int64_t slice_offsets[kMaxSlices + 1];
+  DType dtype;
+};
+constexpr int64_t kLoraLinearMaxTokens = 64;
+// Supported: fp16/bf16 on sm_90a, K and num_slots * rank multiples of 64 (K >= 64), slice bounds multiples of 64,
+// at most 4 slices and 64 slots, 16-byte aligned rows. The launch returns cudaErrorNotSupported, launching nothing,
+// where CUTLASS's host checks refuse the GEMM (e.g. fewer K blocks of x than pipeline stages).
+bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_minor);
+cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream);
+
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();
 cudaError_t launch_build_segments(const BuildSegmentsParams& p, cudaStream_t stream);

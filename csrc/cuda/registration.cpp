@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/lora_linear.h"
 #include "../common/op_table.h"
 #include "kernels.h"
 
@@ -352,6 +353,59 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   return at::linear(x, weight, bias);
 }
 
+// lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
+// up to kLoraLinearMaxTokens rows, contiguous x, lora_b with each row's slots side by side (the adapter pool's
+// layout); a bias is added after the GEMM. Elsewhere the ATen composition. LORA_OPS_CUDA_LINEAR_KERNEL=cublas forces
+// the composition (its GEMMs are cuBLAS's), as it does fold_linear's.
+at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
+                            const at::Tensor& lora_b, const at::Tensor& token_slot,
+                            const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                            const std::optional<at::Tensor>& bias) {
+  const int64_t S = check_lora_linear_host(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
+  const auto preferred =
+      preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
+  const int64_t K = x.size(-1), N = weight.size(0), L = lora_a.size(0), R = lora_a.size(1) / S;
+  const int64_t T = token_slot.size(0);
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  if (preferred != FoldLinearKernel::Cublas && half && x.is_contiguous() && L > 0 &&
+      (L == 1 || lora_b.stride(0) == R)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int device = x.get_device();
+    cuda::LoraLinearParams p{};
+    p.x = x.data_ptr();
+    p.w = weight.data_ptr();
+    p.lora_a = lora_a.data_ptr();
+    p.b_cols = lora_b.data_ptr();
+    p.t = T, p.n = N, p.k = K, p.x_row_stride = K, p.w_row_stride = weight.stride(0);
+    p.a_slot_stride = lora_a.stride(0), p.a_row_stride = lora_a.stride(1), p.b_row_stride = lora_b.stride(1);
+    p.num_slots = L, p.rank = R, p.num_slices = S;
+    p.slice_offsets[0] = 0;
+    for (int64_t s = 1; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : N;
+    p.dtype = x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16;
+    if (cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+      const at::Tensor slots = kernel_index(token_slot);
+      const at::Tensor scales = lora_scales.has_value() ? lora_scales->contiguous()
+                                                        : at::ones({L}, x.options().dtype(at::kFloat));
+      const at::Tensor h = at::empty({T, S * L * R}, x.options());
+      auto sizes = x.sizes().vec();
+      sizes.back() = N;
+      const at::Tensor y = at::empty(sizes, x.options());
+      p.token_slot = slots.data_ptr<int32_t>();
+      p.scales = scales.data_ptr<float>();
+      p.h = h.data_ptr();
+      p.y = y.data_ptr();
+      const cudaError_t err = cuda::launch_lora_linear_sm90(p, c10::cuda::getCurrentCUDAStream());
+      if (err != cudaErrorNotSupported) {
+        C10_CUDA_CHECK(err);
+        if (bias.has_value()) y.add_(*bias);
+        return y;
+      }
+    }
+  }
+  return lora_linear_composite(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
+}
+
 // The kernels and their Triton twins share one signature (the op's schema).
 static_assert(std::is_same_v<decltype(sgmv_cuda), op_table::SgmvSignature>);
 static_assert(std::is_same_v<decltype(lora_expand_cuda), op_table::LoraExpandSignature>);
@@ -377,4 +431,5 @@ TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("grouped_gemm", &lora_ops::grouped_gemm_cuda);
   m.impl("build_segments", &lora_ops::build_segments_cuda);
   m.impl("fold_linear", &lora_ops::fold_linear_cuda);
+  m.impl("lora_linear", &lora_ops::lora_linear_cuda);
 }

@@ -1,0 +1,339 @@
+"""lora_linear (the kext route: a whole multi-LoRA linear layer from each row's own slot, h rounded to x's dtype):
+the ATen composition on CPU against the float64 oracle, its errors, fake kernel, opcheck and torch.compile; on
+CUDA the sm_90a kernels (csrc/cuda/lora_linear_sm90.cu: a shrink, then the K-extended GEMM launched
+programmatically) where they serve, named through the profiler, against the oracle and the composition, bitwise
+deterministic, under CUDA-graph replay, memory-safe for any slot values, and the composition wherever they do not
+serve."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora_ops
+from lora_ops import backends, reference
+
+from conftest import case_generator
+
+# Relative error bounds against the float64 oracle (max |err| / max |ref|): float32 sums; half types add h's
+# rounding to x's dtype and the output's.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
+
+
+def _inputs(T, K, N, L, R, offsets, dtype, device, key, slots=None, layout="pool", leading=()):
+    """x [*leading, T', K] with T rows in all, weight, lora_a, lora_b (layout "pool": a view of [N, L·R], each
+    row's slots side by side, as the adapter pool keeps it; "contiguous": [L, N, R]), token_slot (given, or
+    random over the slots, the first two -1 and L: no slot), scales, bias."""
+    gen = case_generator(f"lora_linear-{key}")
+    S = len(offsets) - 1
+    x = torch.randn(T, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K ** 0.5
+    a = torch.randn(L, S * R, K, generator=gen) / K ** 0.5
+    b_cols = torch.randn(N, L * R, generator=gen) / R ** 0.5
+    if slots is None:
+        slots = torch.randint(-1, L + 1, (T,), generator=gen, dtype=torch.int32)
+        slots[:2] = torch.tensor([-1, L])[:T]
+    scales = torch.rand(L, generator=gen) + 0.5
+    bias = torch.randn(N, generator=gen)
+    x, w, a, b_cols, bias = (t.to(dtype).to(device) for t in (x, w, a, b_cols, bias))
+    lora_b = b_cols.view(N, L, R).permute(1, 0, 2)
+    if layout == "contiguous":
+        lora_b = lora_b.contiguous()
+    if leading:
+        x = x.view(*leading, T // leading[0], K)
+    return x, w, a, lora_b, torch.as_tensor(slots, dtype=torch.int32).to(device), scales.to(device), bias
+
+
+def _rel_err(y, ref) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_oracle(y, args, offsets, bias=None):
+    x, w, a, b, slots, scales = args[:6]
+    ref = reference.lora_linear(x, w, a, b, slots, scales, offsets, bias)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert _rel_err(y, ref) < TOLERANCE[x.dtype]
+
+
+SLICES = {"one": lambda N: [0, N], "qkv": lambda N: [0, N // 2, 3 * N // 4, N], "empty_slice": lambda N: [0, 0, N]}
+
+
+@pytest.mark.parametrize("slices", list(SLICES))
+@pytest.mark.parametrize("layout", ["pool", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cpu_matches_the_oracle(slices, layout, dtype):
+    offsets = SLICES[slices](48)
+    args = _inputs(10, 40, 48, 4, 8, offsets, dtype, "cpu", f"cpu-{slices}-{layout}", layout=layout, leading=(2,))
+    x, w, a, b, slots, scales, bias = args
+    for with_bias in (None, bias):
+        _assert_oracle(lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias), args, offsets, with_bias)
+    assert slots.eq(-1).any() and slots.eq(4).any()  # rows without a slot, on both sides of [0, L)
+
+
+def test_cpu_rows_without_a_slot_get_the_base_product_exactly():
+    offsets = [0, 32]
+    x, w, a, b, _, scales, bias = _inputs(6, 24, 32, 3, 4, offsets, torch.float32, "cpu", "noslot")
+    slots = torch.tensor([-1, 3, -2 ** 31, 2 ** 31 - 1, -7, 100], dtype=torch.int32)
+    assert torch.equal(lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, bias), F.linear(x, w, bias))
+    # int64 slots beyond int32 are no slot either, not wrapped into [0, L)
+    wide = torch.tensor([2 ** 32, 2 ** 32 + 1, -2 ** 40, 2 ** 62, 5, 3], dtype=torch.int64)
+    assert torch.equal(lora_ops.lora_linear(x, w, a, b, wide, scales, offsets), F.linear(x, w))
+
+
+def test_cpu_default_scales_are_ones_and_h_is_rounded_to_x_dtype():
+    """Without lora_scales every slot's scale is 1; h is rounded to x's dtype before its product with B (the
+    kernels' precision): equal to the oracle applied to the rounded h."""
+    offsets = [0, 16]
+    x, w, a, b, slots, _, _ = _inputs(5, 32, 16, 2, 4, offsets, torch.bfloat16, "cpu", "ones",
+                                      slots=[0, 1, 1, 0, -1])
+    y = lora_ops.lora_linear(x, w, a, b, slots)
+    ones = torch.ones(2)
+    _assert_oracle(y, (x, w, a, b, slots, ones), offsets)
+    base = F.linear(x, w).float()
+    h = torch.stack([(x[t].float() @ a[s].float().T).to(torch.bfloat16) if s >= 0 else torch.zeros(4)
+                     for t, s in enumerate(slots.tolist())])
+    delta = torch.stack([h[t].float() @ b[s].float().T if s >= 0 else torch.zeros(16)
+                         for t, s in enumerate(slots.tolist())])
+    assert torch.equal(y, (base + delta).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", ["no_rows", "no_k"])
+def test_cpu_empty_inputs(case):
+    T, K = (0, 16) if case == "no_rows" else (3, 0)
+    x, w, a, b, slots, scales, bias = _inputs(T, K, 8, 2, 4, [0, 8], torch.float32, "cpu", case)
+    y = lora_ops.lora_linear(x, w, a, b, slots, scales, None, bias)
+    assert torch.equal(y, F.linear(x, w, bias)) and y.shape == (T, 8)
+
+
+ERRORS = {
+    "x_0d": (ValueError, "x must be \\[..., K\\]"),
+    "int_x": (TypeError, "x must be float16, bfloat16 or float32"),
+    "weight_dtype": (TypeError, "weight must have x's dtype"),
+    "weight_k": (ValueError, "weight must be \\[N, K\\] with K = x.size\\(-1\\) = 16"),
+    "lora_a_2d": (ValueError, "lora_a must be 3-D"),
+    "lora_b_slots": (ValueError, "lora_b must have L = lora_a.size\\(0\\) = 2 slots"),
+    "lora_b_rank": (ValueError, "lora_b must be \\[L, N, R\\] with R = lora_a.size\\(1\\) / S = 2"),
+    "slot_length": (ValueError, "token_slot must have 3 entries \\(one per row of x\\), got 2"),
+    "slot_float": (TypeError, "token_slot must be int32 or int64"),
+    "scales_dtype": (TypeError, "lora_scales must be float32"),
+    "scales_length": (ValueError, "lora_scales must be 1-D with L = 2 entries"),
+    "bias_length": (ValueError, "bias must be 1-D with N = 8 entries"),
+    "slices": (ValueError, "slice_offsets must start at 0 and end at N = 8"),
+    "slot_device": (ValueError, "token_slot is on meta but x is on cpu"),
+    "strided_weight": (ValueError, "weight must have unit stride in its last dimension"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors_name_the_argument(case):
+    x, w, a, b, slots = torch.randn(3, 16), torch.randn(8, 16), torch.randn(2, 4, 16), torch.randn(2, 8, 4), \
+        torch.zeros(3, dtype=torch.int32)
+    scales, bias, offsets = torch.ones(2), torch.zeros(8), None
+    if case == "x_0d":
+        x = torch.tensor(1.0)
+    elif case == "int_x":
+        x = x.int()
+    elif case == "weight_dtype":
+        w = w.double()
+    elif case == "weight_k":
+        w = torch.randn(8, 15)
+    elif case == "lora_a_2d":
+        a = a[0]
+    elif case == "lora_b_slots":
+        b = torch.randn(3, 8, 4)
+    elif case == "lora_b_rank":
+        offsets = [0, 4, 8]
+    elif case == "slot_length":
+        slots = slots[:2]
+    elif case == "slot_float":
+        slots = slots.float()
+    elif case == "scales_dtype":
+        scales = scales.double()
+    elif case == "scales_length":
+        scales = torch.ones(3)
+    elif case == "bias_length":
+        bias = torch.zeros(9)
+    elif case == "slices":
+        offsets = [0, 4, 9]
+    elif case == "slot_device":
+        slots = slots.to("meta")
+    elif case == "strided_weight":
+        w = torch.randn(16, 8).t()
+    error, match = ERRORS[case]
+    with pytest.raises(error, match=match):
+        lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, bias)
+
+
+def test_debug_mode_raises_on_a_slot_past_the_pool():
+    """LORA_OPS_DEBUG=1 (read once per process: a subprocess) raises on a slot >= L; a negative one means no LoRA."""
+    script = """
+import torch, lora_ops
+x, w, a, b, scales = torch.randn(3, 16), torch.randn(8, 16), torch.randn(2, 4, 16), torch.randn(2, 8, 4), torch.ones(2)
+lora_ops.lora_linear(x, w, a, b, torch.tensor([-1, 0, 1], dtype=torch.int32), scales)
+try:
+    lora_ops.lora_linear(x, w, a, b, torch.tensor([-1, 0, 2], dtype=torch.int32), scales)
+except ValueError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "LORA_OPS_DEBUG": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert "token_slot[2] = 2 is not below the number of slots 2" in out.stdout, out.stdout + out.stderr
+
+
+def test_refuses_inputs_that_want_a_gradient():
+    x, w, a, b, slots, scales, _ = _inputs(3, 16, 8, 2, 4, [0, 8], torch.float32, "cpu", "grad")
+    with pytest.raises(RuntimeError, match="lora_linear: x requires grad, and the op has no backward"):
+        lora_ops.lora_linear(x.requires_grad_(), w, a, b, slots, scales)
+    with torch.no_grad():
+        assert lora_ops.lora_linear(x, w, a, b, slots, scales).grad_fn is None
+
+
+def test_fake_kernel_gives_the_shape_and_runs_the_checks():
+    x, w, a, b, slots, scales, bias = (t.to("meta") for t in _inputs(
+        6, 16, 8, 2, 4, [0, 8], torch.bfloat16, "cpu", "meta", leading=(2,)))
+    y = lora_ops.lora_linear(x, w, a, b, slots, scales, None, bias)
+    assert y.shape == (2, 3, 8) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+    with pytest.raises(ValueError, match="token_slot must have 6 entries"):
+        lora_ops.lora_linear(x, w, a, b, slots[:5], scales)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_opcheck_lora_linear(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for offsets in ([0, 256, 320, 384], [0, 384]):
+        x, w, a, b, slots, scales, bias = _inputs(16, 1536, 384, 4, 16, offsets, dtype, device, "opcheck")
+        torch.library.opcheck(torch.ops.lora_ops.lora_linear.default, (x, w, a, b, slots, scales, offsets, bias))
+    torch.library.opcheck(torch.ops.lora_ops.lora_linear.default, (x, w, a, b, slots))  # one slice, no options
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiles_without_graph_breaks_or_recompiles_across_batch_mixes(device):
+    torch._dynamo.reset()
+    offsets = [0, 256, 384]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, w, a, b, _, scales, _ = _inputs(16, 1536, 384, 4, 16, offsets, dtype, device, "compile")
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+    f = torch.compile(lambda x, slots: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets) * 2,
+                      backend=counter, fullgraph=True)
+    gen = case_generator("lora_linear-compile-mixes")
+    for _ in range(3):  # a new mix of slots per step, same T
+        slots = torch.randint(-1, 4, (16,), generator=gen, dtype=torch.int32).to(device)
+        assert torch.equal(f(x, slots), lora_ops.lora_linear(x, w, a, b, slots, scales, offsets) * 2)
+    assert counter.frame_count == 1
+
+
+# ---- CUDA ----
+
+def _sm90_built():
+    info = backends.build_info().get("backends", {}).get("cuda", {})
+    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _kernels(f):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = f()
+        torch.cuda.synchronize()
+    return out, {e.key for e in prof.key_averages()}
+
+
+def _ran_kext(keys) -> bool:
+    """The shrink and the K-extended GEMM (mangled names: ...kext_shrink_kernel..., ...KextMainloop...)."""
+    return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
+
+
+# K = 1536: at least 64 x the GEMM's pipeline stages (22 at 16 tokens); L·R = 64 and slice bounds in 64s.
+CUDA_SHAPE = dict(K=1536, N=384, L=4, R=16)
+CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64])  # 16 | 17 | 33: the three tiles
+@pytest.mark.parametrize("slices", list(CUDA_SLICES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    offsets = CUDA_SLICES[slices]
+    args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"cuda-{T}-{slices}", **CUDA_SHAPE)
+    x, w, a, b, slots, scales, bias = args
+    for with_bias in (None, bias):
+        y, ran = _kernels(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
+        _assert_oracle(y, args, offsets, with_bias)
+        assert _ran_kext(ran) == _sm90_built(), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("used", [[], [2], [0, 3], [0, 1, 2, 3]], ids=["none", "one", "two", "all"])
+def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
+    """The GEMM skips the B blocks of slots no row uses (from token_slot itself): any mix gives the oracle's
+    product, and equals the composition to within one rounding."""
+    T, offsets = 24, CUDA_SLICES["qkv"]
+    slots = [used[t % len(used)] if used else -1 for t in range(T)]
+    args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"used-{used}", slots=slots,
+                   **CUDA_SHAPE)
+    y = lora_ops.lora_linear(*args[:6], offsets)
+    _assert_oracle(y, args, offsets)
+    composed = lora_ops.ops.lora_linear(*(t.cpu() for t in args[:6]), offsets)
+    assert _rel_err(y, composed.double().cuda()) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora():
+    T, offsets = 64, CUDA_SLICES["one"]
+    x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
+                                       **CUDA_SHAPE)
+    wild = torch.tensor([-2 ** 63, 2 ** 63 - 1, 2 ** 31, -2 ** 31 - 1, 4, 64, -1, 1000] * 8, dtype=torch.int64)
+    y = lora_ops.lora_linear(x, w, a, b, wild.cuda(), scales, offsets)
+    torch.cuda.synchronize()
+    _assert_oracle(y, (x, w, a, b, wild, scales), offsets)
+    assert _rel_err(y, F.linear(x, w).double()) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph():
+    T, offsets = 32, CUDA_SLICES["qkv"]
+    args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)
+    x, w, a, b, slots, scales, _ = args
+    first = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)
+    assert all(torch.equal(first, lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)) for _ in range(5))
+    static_slots = slots.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets)
+    gen = case_generator("lora_linear-graph-mix")
+    for _ in range(3):  # each replay reads the slots written before it
+        static_slots.copy_(torch.randint(-1, 4, (T,), generator=gen, dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(out, lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["65_tokens", "contiguous_lora_b", "k_not_in_64s", "float32", "slice_not_in_64s",
+                                  "strided_x", "few_k_blocks", "forced_cublas"])
+def test_cuda_composition_where_the_kernels_do_not_serve(case, monkeypatch):
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    shape = dict(CUDA_SHAPE)
+    T, offsets, dtype, layout = 16, CUDA_SLICES["qkv"], torch.bfloat16, "pool"
+    if case == "65_tokens":
+        T = 65
+    elif case == "contiguous_lora_b":
+        layout = "contiguous"
+    elif case == "k_not_in_64s":
+        shape["K"] = 1544
+    elif case == "float32":
+        dtype = torch.float32
+    elif case == "slice_not_in_64s":
+        offsets = [0, 200, 384]
+    elif case == "few_k_blocks":
+        shape["K"] = 256  # 4 blocks of x, fewer than the pipeline's stages
+    elif case == "forced_cublas":
+        monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cublas")
+    args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=case, layout=layout, **shape)
+    x = args[0]
+    if case == "strided_x":
+        x = torch.cat([x, x], dim=1)[:, ::2]
+    y, ran = _kernels(lambda: lora_ops.lora_linear(x, *args[1:6], offsets))
+    _assert_oracle(y, (x,) + args[1:6], offsets)
+    assert not _ran_kext(ran), ran
