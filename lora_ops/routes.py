@@ -5,6 +5,10 @@ regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes l
 
 - route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
 - route "fold": one GEMM against [W; A of every slot] gives y and every used slot's h, then the lora_expand op;
+- route "kext": one lora_linear op per layer: a shrink writes each row's h, then one GEMM [x | h]·[W | B]ᵀ (B: every
+  slot's, as extra columns of W's rows) that starts while the shrink runs (programmatic dependent launch); h is
+  rounded to the activation dtype, as on the fold route. Backend "cuda" only: the op has no Triton kernel (off
+  its CUDA kernels' regime, and off CUDA, it runs a composition of torch ops);
 - backend "cuda" (the public op: the C++ kernels, which hand the regimes lora_ops/op_table.json gives to Triton
   over to it) or "triton" (the Triton kernel by name).
 
@@ -23,8 +27,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
-ROUTES = ("sgmv", "fold")
 BACKENDS = ("cuda", "triton")
+# Every (route, backend) there is: kext is one op, lora_linear, which has no Triton kernel.
+PAIRS = (("sgmv", "cuda"), ("sgmv", "triton"), ("fold", "cuda"), ("fold", "triton"), ("kext", "cuda"))
+NAMES = tuple(f"{route}-{backend}" for route, backend in PAIRS)  # as LORA_OPS_ROUTE and the bench name them
 # The upper bounds of the regimes and the T at which the bench measures each one: a step of T tokens takes its
 # regime's route, chosen from the times at both ends (a factor of 2 to 4 apart), since the fastest route changes
 # within a factor of 4 of T (H200, 7f9cdc6: at rank 64 fold-triton led at 256 tokens by 45%, sgmv-cuda at 1024 by
@@ -71,20 +77,19 @@ def validate(table: dict) -> None:
             raise ValueError("routes table: no regimes")
         _check_bounds("regime", [r.get("max_tokens") for r in regimes])
         for r in regimes:
-            if r.get("route") not in ROUTES or r.get("backend") not in BACKENDS:
-                raise ValueError(f"routes table: unknown route/backend in {r}")
+            if (r.get("route"), r.get("backend")) not in PAIRS:
+                raise ValueError(f"routes table: unknown route/backend in {r} (known: {', '.join(NAMES)})")
 
 
 def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[str, str]:
     """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the
     table's choice on CUDA, the sgmv route elsewhere. LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton,
-    sgmv-cuda) forces one on any device, for tests and comparisons."""
+    kext-cuda) forces one on any device, for tests and comparisons."""
     forced = os.environ.get("LORA_OPS_ROUTE")
     if forced:
         route, _, backend = forced.partition("-")
-        if route not in ROUTES or backend not in BACKENDS:
-            raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend> with route in {ROUTES} and "
-                             f"backend in {BACKENDS}")
+        if (route, backend) not in PAIRS:
+            raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend>, one of {', '.join(NAMES)}")
     elif device_type == "cuda":
         regimes = next(c["regimes"] for c in _classes() if c["max_rank"] is None or max_rank <= c["max_rank"])
         route, backend = next((r["route"], r["backend"]) for r in regimes

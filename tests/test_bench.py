@@ -298,6 +298,44 @@ def test_decode_step_between_modules_writes_each_input_before_its_module(monkeyp
         assert all((x._version > 0) == between for x in setups[-1].x.values())
 
 
+def test_decode_step_checks_the_kext_routes_returned_outputs(monkeypatch):
+    """A kext route's y is what its op returns, one tensor per call: the bench checks that y, first layer and last,
+    against the float64 oracle (a stand-in adding no LoRA is caught), and --parts times no part of it (one op)."""
+    decode_step = _replay_eagerly(monkeypatch)
+    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
+    right = lambda *args: reference.lora_linear(*args).to(args[0].dtype)  # h unrounded: well within the tolerance
+    monkeypatch.setattr(decode_step, "routes", lambda: {"kext-oracle": ("kext", right),
+                                                        "kext-base-only": ("kext", lambda x, w, *rest: x @ w.t())})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print,
+                           parts=True)
+    assert [r["backend"] for r in records if r["op"] == "decode_step"] == ["base", "kext-oracle"]
+    assert len(failures) == 1 and "kext-base-only" in failures[0] and "relative error" in failures[0]
+    assert not any("kext" in r["backend"] for r in records if r["op"] == "decode_step_part")
+
+
+def test_decode_step_times_the_kext_route_on_the_serving_pools_layout(monkeypatch):
+    """kext-cuda (one lora_linear per module; on the CPU its composition of torch ops) is a route of the bench on
+    every build, checked against the float64 oracle with the fold route's tolerance (h rounded to bf16), and every
+    route reads B as the serving pool lays it out: lora_b [L, N, R] a view of b_cols [N, L·R]."""
+    decode_step = _replay_eagerly(monkeypatch)
+    m = decode_step.Module(64, (64, 32, 32), 4, "cpu", 0)
+    assert m.lora_b.shape == (decode_step.POOL_SLOTS, 128, 4) and m.b_cols.shape == (128, decode_step.POOL_SLOTS * 4)
+    assert m.lora_b.data_ptr() == m.b_cols.data_ptr() and m.lora_b.stride() == (4, decode_step.POOL_SLOTS * 4, 1)
+    kext = decode_step.routes()["kext-cuda"]
+    assert kext == ("kext", lora_ops.ops.lora_linear)
+    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", torch.ops.lora_ops.sgmv.default),
+                                                        "fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default),
+                                                        "kext-cuda": kext})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
+    assert not failures and [r["backend"] for r in records] == ["base", "sgmv-cpu", "fold-cpu", "kext-cuda"]
+    errs = {r["backend"]: r["err"] for r in records}
+    assert errs["kext-cuda"] < 2 * max(errs["base"], 1e-3) and errs["fold-cpu"] < 2 * max(errs["base"], 1e-3)
+
+
 def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(monkeypatch):
     """A route that raises while its graph is captured (e.g. a sync under capture) is a failure of that route
     alone: the base and the other routes are still timed, checked and recorded."""
@@ -384,10 +422,12 @@ def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every
     assert [round(v, 1) for v in decode_step.floors_pct(llama, decode_step.Step(16, 32, 16))] == [9.6, 14.2]
     rows = [dict(op="decode_step", model="llama3-8b", T=64, adapters=16, rank=64, backend=b, base_us=4000.0,
                  us=us, overhead_pct=pct, floor_pct=38.5) for b, us, pct in
-            (("base", 4000.0, 0.0), ("fold-cuda", 8000.0, 100.0), ("fold-triton", 7000.0, 75.0))]
+            (("base", 4000.0, 0.0), ("fold-cuda", 8000.0, 100.0), ("fold-triton", 7000.0, 75.0),
+             ("kext-cuda", 6000.0, 50.0))]
     table = report._decode_table(rows)
-    assert table[0].startswith("| model | T | adapters | rank | base step | floor | fold floor | fold-cuda |")
-    assert table[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | +100% | **+75%** |"
+    assert table[0] == "| model | T | adapters | rank | base step | floor | fold floor | fold-cuda | fold-triton | " \
+                       "kext-cuda |"
+    assert table[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | +100% | +75% | **+50%** |"
 
 
 def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
@@ -461,9 +501,11 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     from lora_ops.bench import decode_step
 
     def fake_step(model, step, device, records, failures, log, *rest):
-        # fold-cuda wins at rank 16, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
+        # kext-cuda wins at rank 16 up to 64 tokens, fold-cuda beyond, fold-triton at rank 64, sgmv-cuda from 1024
+        # tokens at both
         us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
-              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0, "sgmv-triton": 210.0}
+              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0, "sgmv-triton": 210.0,
+              "kext-cuda": 125.0 if step.rank == 16 and step.T <= 64 else 160.0}
         records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
                          rank=step.rank) for b, v in us.items()]
 
@@ -480,8 +522,11 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     want = {16: "fold-cuda", 64: "fold-triton"}
     for c in classes:
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
-        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends
-        assert got == [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda" for b in routes.REGIME_BOUNDS]
+        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends. At
+        # rank 16 kext-cuda up to 64 tokens; 65-128 fold-cuda (kext-cuda is 23% slower at 128, fold-cuda 4% at 64)
+        kext = 4 if c["rank"] == 16 else 0  # the regimes up to 4, 16, 32, 64 tokens
+        assert got == ["kext-cuda"] * kext + [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda"
+                                             for b in routes.REGIME_BOUNDS[kext:]]
         assert got[-2:] == ["sgmv-cuda"] * 2
     # The same table from the run's results file (python -m lora_ops.bench.report --routes), and none from a
     # file with failures or without the sweep.
@@ -497,8 +542,9 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     again = routes.load(str(tmp_path / "again.json"))
     assert again.pop("source") == "run.json" and again == dict(table, torch="t")
     some_routes = [r for r in records if r["backend"] in ("base", "fold-cuda")]  # a run with --impls fold-cuda
+    no_kext = [r for r in records if r["backend"] != "kext-cuda"]  # a run before the route
     for broken in (dict(results, failures=["decode_step fold-cuda: raised"]), dict(results, records=records[:-5]),
-                   dict(results, records=some_routes)):
+                   dict(results, records=some_routes), dict(results, records=no_kext)):
         (tmp_path / "run.json").write_text(json.dumps(broken))
         with pytest.raises(SystemExit):
             report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
@@ -510,7 +556,8 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     assert not (tmp_path / "routes.json").exists() and "not written" in failures[-1]
     monkeypatch.setattr(routes, "_table", classes)
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
-    assert routes.pick(64, "cuda", 16) == ("fold", "cuda")
+    assert routes.pick(64, "cuda", 16) == ("kext", "cuda")
+    assert routes.pick(65, "cuda", 16) == ("fold", "cuda")
     assert routes.pick(64, "cuda", 64) == ("fold", "triton")
 
 

@@ -1,5 +1,5 @@
 """The serving layer's route table (lora_ops/routes.json, written by the decode-step bench): it covers every
-regime, and both routes on every backend give PEFT's outputs."""
+regime with a route that exists, and every route on each of its backends gives PEFT's outputs."""
 import copy
 
 import pytest
@@ -7,7 +7,18 @@ import torch
 
 from lora_ops import routes
 
-from test_serving import _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a module fixture)
+from test_serving import _model_and_adapters, _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a fixture)
+
+
+@pytest.fixture(scope="module")
+def biased_adapters(tmp_path_factory):
+    """adapters' model with a bias in every linear layer, and its adapters."""
+    base, root = _model_and_adapters(tmp_path_factory, attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for module in base.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.1)  # transformers initialises them to zero
+    return base, root
 
 
 def test_committed_table_covers_every_regime():
@@ -19,7 +30,7 @@ def test_committed_table_covers_every_regime():
         assert table.get(key), f"the table does not say which measurement it came from ({key})"
     for tokens in (1, *[t for b in routes.REGIME_BOUNDS[:-1] for t in (b, b + 1)], 1 << 20):
         for max_rank in (1, 16, 32, 33, 64, 256):
-            assert routes.pick(tokens, "cuda", max_rank) in {(r, b) for r in routes.ROUTES for b in routes.BACKENDS}
+            assert routes.pick(tokens, "cuda", max_rank) in routes.PAIRS
 
 
 @pytest.mark.parametrize("regimes,msg", [
@@ -33,6 +44,7 @@ def test_committed_table_covers_every_regime():
      "bounds must increase from 1"),
     ([{"max_tokens": None, "route": "bgmv", "backend": "cuda"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
+    ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),
@@ -63,9 +75,14 @@ def test_pick_follows_the_bounds(monkeypatch):
     monkeypatch.setenv("LORA_OPS_ROUTE", "fold-triton")
     assert routes.pick(1 << 20, "cuda") == ("fold", "triton")
     assert routes.pick(3, "cpu") == ("fold", "cuda")
-    monkeypatch.setenv("LORA_OPS_ROUTE", "fold")
-    with pytest.raises(ValueError, match="LORA_OPS_ROUTE='fold': expected <route>-<backend>"):
-        routes.pick(3, "cuda")
+    monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")
+    assert routes.pick(3, "cuda") == routes.pick(3, "cpu") == ("kext", "cuda")  # off CUDA: the op's composition
+    for forced in ("fold", "kext-triton"):
+        monkeypatch.setenv("LORA_OPS_ROUTE", forced)
+        for device_type in ("cuda", "cpu"):
+            with pytest.raises(ValueError, match=f"LORA_OPS_ROUTE='{forced}': expected <route>-<backend>, one of "
+                                                 "sgmv-cuda, sgmv-triton, fold-cuda, fold-triton, kext-cuda$"):
+                routes.pick(3, device_type)
 
 
 def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypatch):  # noqa: F811
@@ -82,19 +99,23 @@ def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypa
     assert picked[0].item() in (2.0, 3.0)
 
 
-ROUTE_PARAMS = ["sgmv-cuda", "fold-cuda"] + [pytest.param(r, marks=pytest.mark.gpu)
-                                              for r in ("sgmv-triton", "fold-triton")]
+ROUTE_PARAMS = ["sgmv-cuda", "fold-cuda", "kext-cuda"] + [pytest.param(r, marks=pytest.mark.gpu)
+                                                           for r in ("sgmv-triton", "fold-triton")]
 
 
+@pytest.mark.parametrize("models", ["adapters", "biased_adapters"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("route", ROUTE_PARAMS)
-def test_every_route_matches_peft(adapters, device, route, monkeypatch):  # noqa: F811
-    """Prefill and decode of a mixed batch through each forced route, against PEFT's own mixed-adapter forward;
-    the fold route keeps the base weight a view of [W; A] and leaves the model exactly the base without a batch."""
+def test_every_route_matches_peft(models, device, route, monkeypatch, request):
+    """Prefill and decode of a mixed batch through each forced route, against PEFT's own mixed-adapter forward, on
+    base layers without and with a bias (the sgmv route's is the base layer's, the fold route's in bias_cat, the kext
+    route's passed to lora_linear); every route leaves the model exactly the base without a batch, and reads the
+    pool's one copy of the weights: the base weight and A as views of [W; A], B as a view of its columns [N, L·R]
+    (each row's slots side by side, the layout of the kext route's GEMM [W | B])."""
     if device == "cpu" and route.endswith("triton"):
         pytest.skip("Triton routes run on CUDA tensors")
     monkeypatch.setenv("LORA_OPS_ROUTE", route)
-    base, root = adapters
+    base, root = request.getfixturevalue(models)
     names = ["a", "b", "c"]
     ref_model = _peft_model(base, root, names).to(device)
     model, pool = _pool_model(base, root, names, device=device)
@@ -106,8 +127,10 @@ def test_every_route_matches_peft(adapters, device, route, monkeypatch):  # noqa
         want = ref_model(ids, adapter_names=[r or "__base__" for r in rows]).logits
         plain = model(ids).logits
         base_logits = copy.deepcopy(base).to(device)(ids).logits
-    tol = 1e-5 if route.startswith("sgmv") else 2e-5  # fold: h rounds to the activation dtype (fp32 here)
+    tol = 1e-5 if route.startswith("sgmv") else 2e-5  # fold, kext: h rounds to the activation dtype (fp32 here)
     assert ((got - want).norm() / want.norm()).item() < tol
     torch.testing.assert_close(plain, base_logits, rtol=1e-5, atol=1e-5)
     m = next(iter(pool.modules.values()))
     assert m.lora_a.data_ptr() == m.w_cat[m.out_features:].data_ptr()  # A lives inside [W; A]: not copied
+    L, N, R = m.lora_b.shape
+    assert m.lora_b.data_ptr() == m.b_cols.data_ptr() and m.lora_b.stride() == (R, L * R, 1)

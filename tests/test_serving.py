@@ -27,21 +27,26 @@ SPECS = {
 }
 
 
-def _llama():
+def _llama(**config):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **config)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    base = _llama()
+def _model_and_adapters(tmp_path_factory, **config):
+    """A tiny Llama (LlamaConfig fields: config) and the SPECS adapters saved for it: (model, their directory)."""
+    base = _llama(**config)
     root = tmp_path_factory.mktemp("adapters")
     for name, kw in SPECS.items():
         peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw)).save_pretrained(
             str(root / name))
     return base, root
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return _model_and_adapters(tmp_path_factory)
 
 
 def _peft_model(base, root, names):
@@ -327,7 +332,7 @@ def test_a_step_beyond_the_routing_buffers_warns_and_still_routes(adapters):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("route", ["fold-cuda", "sgmv-cuda", "fold-triton", "sgmv-triton"])
+@pytest.mark.parametrize("route", ["fold-cuda", "sgmv-cuda", "kext-cuda", "fold-triton", "sgmv-triton"])
 def test_a_captured_graph_replays_the_next_steps_routing(adapters, route, dtype, monkeypatch):
     """A vLLM-style server captures the forward once per batch size and replays it every step after set_batch:
     the replay must run the new step's adapters (here a decoder layer's MLP and q_proj, against them run eagerly).
@@ -486,9 +491,29 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
     assert args[4] == lin._slots.lora_b.shape[2]  # one slice: S * R rows per slot
 
 
-@pytest.mark.parametrize("route", ["sgmv-cuda", "fold-cuda"])
+def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adapters, monkeypatch):
+    """The layer's kext route passes lora_linear the pool's tensors themselves, nothing copied per step: the base
+    weight (w_cat's first rows), B as the view of b_cols whose rows hold every slot's R values side by side (the
+    layout its sm_90 GEMM reads as [W | B]), the slots' scales, and the step's token slots."""
+    monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    lin = model.get_submodule("model.layers.0.self_attn.q_proj")
+    m, calls, lora_linear = lin._slots, [], lora_ops.ops.lora_linear
+    monkeypatch.setattr(lora_ops.ops, "lora_linear", lambda *args: calls.append(args) or lora_linear(*args))
+    with torch.no_grad(), pool.batch(["b", None, "a"]) as batch:
+        lin(torch.randn(3, 64))
+    ((x, weight, lora_a, lora_b, token_slot, scales, offsets, bias),) = calls
+    assert weight.data_ptr() == m.w_cat.data_ptr() and weight.shape == (m.out_features, m.in_features)
+    assert lora_a is m.lora_a and lora_b is m.lora_b and scales is m.scales and offsets is m.offsets_arg
+    L, N, R = lora_b.shape
+    assert lora_b.data_ptr() == m.b_cols.data_ptr() and lora_b.stride() == (R, L * R, 1)
+    assert token_slot.data_ptr() == batch.token_slots.data_ptr() and bias is lin.base.bias
+
+
+@pytest.mark.parametrize("route", ["sgmv-cuda", "fold-cuda", "kext-cuda"])
 def test_layer_edges_no_tokens_backward_autocast(adapters, route, monkeypatch):
-    """No tokens give an empty output on both routes; a forward with grad mode on and a forward under autocast raise
+    """No tokens give an empty output on every route; a forward with grad mode on and a forward under autocast raise
     (the ops have no backward, and take no mixed dtypes) instead of a silently wrong or missing gradient or an
     error about the layer's internal tensors."""
     monkeypatch.setenv("LORA_OPS_ROUTE", route)

@@ -12,6 +12,12 @@ adapter of a 32-slot pool. Routes:
                rows form (each row's slot as given, no segments), on Triton over the segments. The GEMM is
                lora_ops.fold_linear with the step's seg_indptr, as the serving layer runs it (up to 64 tokens on
                sm_90 it skips the A of the slots no row uses).
+- kext-cuda:   one lora_ops.lora_linear per layer: a shrink writes each row's h (bf16), then one GEMM
+               [x | h]·[W | B of every slot]ᵀ that starts while the shrink runs (programmatic dependent launch), as
+               the serving layer's kext route runs it.
+
+Every route reads the adapter pool's layout of the serving layer (ModuleSlots): [W; A of every slot] as one
+matrix, and B of every slot as columns [N, L·R] (lora_b a view of them).
 
 With --between-modules, a kernel writes each module's input just before the module runs (x *= 1 in place: the
 values stay), in the base and every route, as a model's norms, attention and activation do: the next GEMM then
@@ -19,10 +25,10 @@ follows a torch kernel instead of the previous module's LoRA kernel, and reads w
 what decides a programmatic (early) launch's gain in a model (csrc/cuda/NOTES.md, session 28). Off by default: the
 issue's step is the linear layers alone.
 
-The sgmv and fold routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the
-serving layer's pool builds it every step). The base and the routes are timed in turn, five rounds, the median
-of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes of
-the adapters present over the bytes of the base weights: what must be read, at the same bandwidth), the fold
+The LoRA routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the serving
+layer's pool builds it every step, whatever the route). The base and the routes are timed in turn, five rounds, the
+median of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes
+of the adapters present over the bytes of the base weights: what must be read, at the same bandwidth), the fold
 route's own floor where its GEMM does not skip unused slots (at::linear reads every pool slot's A; fold_linear's
 sm_90 kernel, which skips them, can go below it), and the relative error against the float64 oracle of the first
 layer's outputs, run eagerly, and of the last layer's, left by a replay of the timed graph (the larger; `base`
@@ -107,8 +113,9 @@ def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
 
 
 class Module:
-    """One linear layer with its LoRA pool in the fold layout: w_cat = [W; A of every slot] (W and the pool's
-    lora_a are views of it, nothing duplicated), lora_b [L, N, R]."""
+    """One linear layer with its LoRA pool in the serving pool's layout (ModuleSlots), so that every route is timed
+    on the layout serving uses: w_cat = [W; A of every slot] (W and the pool's lora_a are views of it) and b_cols =
+    [B of every slot] as columns, [N, L·R] (lora_b [L, N, R] a view of it); nothing duplicated."""
 
     def __init__(self, K: int, widths: Sequence[int], rank: int, device, gen_seed: int):
         self.K, self.N, self.S, self.R = K, sum(widths), len(widths), rank
@@ -120,8 +127,9 @@ class Module:
         self.w_cat = (torch.randn(rows, K, generator=g, device=device) / K ** 0.5).to(torch.bfloat16)
         self.w = self.w_cat[:self.N]
         self.lora_a = self.w_cat[self.N:].view(POOL_SLOTS, self.S * rank, K)
-        self.lora_b = (torch.randn(POOL_SLOTS, self.N, rank, generator=g, device=device) / rank ** 0.5).to(
+        self.b_cols = (torch.randn(self.N, POOL_SLOTS * rank, generator=g, device=device) / rank ** 0.5).to(
             torch.bfloat16)
+        self.lora_b = self.b_cols.view(self.N, POOL_SLOTS, rank).permute(1, 0, 2)
         self.slice_offsets = self.offsets if self.S > 1 else None
 
 
@@ -146,8 +154,9 @@ class Setup:
                   for (name, _, _), m in zip(shapes, first)}
         self.out = {name: torch.empty(step.T, m.w_cat.shape[0], dtype=torch.bfloat16, device=device)
                     for (name, _, _), m in zip(shapes, first)}  # the fold GEMM parts' outputs
-        # Each fold route's last GEMM outputs: in its captured graph's memory, which its replays rewrite
-        self.fold_out: Dict[str, Dict[str, torch.Tensor]] = {}
+        # The y of each route whose op returns it (fold_linear's base columns, lora_linear's), as its last call left
+        # it: in its captured graph's memory, which its replays rewrite
+        self.route_y: Dict[str, Dict[str, torch.Tensor]] = {}
         self.names = [name for name, _, _ in shapes]
         self.seg: Optional[lora_ops.Segments] = None
 
@@ -186,10 +195,18 @@ class Setup:
     def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
         def one(m, n):
             self.write_input(n)
-            out = self.fold_out.setdefault(route, {})[n] = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None,
-                                                                                    self.seg.seg_indptr, m.S * m.R)
-            expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
-                   *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
+            out = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
+            y = self.route_y.setdefault(route, {})[n] = out[:, :m.N]
+            expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(expand),
+                   self.ranks, self.scales, m.slice_offsets, 1.0)
+        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+                                        for n, m in zip(self.names, layer)]
+
+    def kext_calls(self, route: str, lora_linear) -> List[Callable[[], None]]:
+        def one(m, n):
+            self.write_input(n)
+            self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.lora_b, self.token_lora,
+                                                                self.scales, m.slice_offsets)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
@@ -224,9 +241,7 @@ class Setup:
     def outputs(self, route: str) -> Dict[str, torch.Tensor]:
         """The outputs of the layer that ran last, as the route leaves them (every layer writes the same buffers):
         the first layer's after build_segments and its calls ran alone, the last layer's after a whole step."""
-        if route.startswith("fold"):
-            return {n: self.fold_out[route][n][:, :m.N] for n, m in zip(self.names, self.layers[0])}
-        return self.y
+        return self.route_y.get(route, self.y)
 
     def reference(self, layer: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         """float64 (base output, base + LoRA) of one layer, on the device."""
@@ -248,6 +263,7 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
         out["sgmv-cuda"] = ("sgmv", torch.ops.lora_ops.sgmv.default)
     if backends.cuda_served_by.get("lora_expand") == "cuda":
         out["fold-cuda"] = ("fold", torch.ops.lora_ops.lora_expand.default)
+    out["kext-cuda"] = ("kext", lora_ops.ops.lora_linear)  # every build: where its kernels do not apply, ATen ops
     if "triton" not in backends.unavailable:
         import lora_ops.triton as lt
         out["sgmv-triton"] = ("sgmv", lt.sgmv)
@@ -282,7 +298,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         if only and name not in only:
             continue
         try:
-            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op)
+            calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op) if kind == "fold" else \
+                s.kext_calls(name, op)
             for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
@@ -334,8 +351,8 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
     """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, reading every slot's A, and
     fold_linear's as the routes call it, skipping unused slots), of every module and of each module alone (which
     GEMM shape fold_linear's kernel wins or loses), the expand kernels on
-    their output, of every module and of each alone, the sgmv kernels without the base GEMM; µs per step and as %
-    of the base step."""
+    their output, of every module and of each alone, the sgmv kernels without the base GEMM (the kext route is one
+    op: no part of it runs alone); µs per step and as % of the base step."""
     s.build_segments()  # the step's segments, which fold_linear's parts read
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for module in s.names:
@@ -345,9 +362,10 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
         if only and name not in only:
             continue
         backend = name.split("-")[1]
-        parts[f"{'expand' if kind == 'fold' else 'sgmv'}-only-{backend}"] = \
-            s.expand_only_calls(op) if kind == "fold" else s.sgmv_only_calls(op)
-        if kind == "fold":  # each module's expands alone: which slice shapes the expand's time goes to
+        if kind == "sgmv":
+            parts[f"sgmv-only-{backend}"] = s.sgmv_only_calls(op)
+        elif kind == "fold":  # and each module's expands alone: which slice shapes the expand's time goes to
+            parts[f"expand-only-{backend}"] = s.expand_only_calls(op)
             for module in s.names:
                 parts[f"expand-only-{backend}-{module}"] = s.expand_only_calls(op, module)
     for name, calls in parts.items():
@@ -388,7 +406,7 @@ def routes_table(records: List[dict], meta: dict) -> dict:
     for r in records:
         if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
             timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
-    every = {f"{route}-{backend}" for route in route_table.ROUTES for backend in route_table.BACKENDS}
+    every = set(route_table.NAMES)
     classes = []
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
         timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]

@@ -72,7 +72,7 @@ def _decode_table(records: List[dict]) -> List[str]:
     rows = [r for r in records if r["op"] == "decode_step"]
     if not rows:
         return []
-    routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton")
+    routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton", "kext-cuda")
               if any(r["backend"] == b for r in rows)]
     out = ["| model | T | adapters | rank | base step | floor | fold floor | " + " | ".join(routes) + " |",
            "|---|---|---|---|---|---|---|" + "---|" * len(routes)]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the pool imports this module
 
 
 class MultiLoRALinear(nn.Module):
-    """A base nn.Linear plus the pool's per-row LoRA delta, by one of two routes (lora_ops/routes.py picks the
+    """A base nn.Linear plus the pool's per-row LoRA delta, by one of three routes (lora_ops/routes.py picks the
     route and backend per regime of tokens, from the decode-step bench's measurements):
 
     - "sgmv": y = base(x), then one sgmv over the step's segments (shrink and expand of the adapters present);
@@ -21,7 +21,10 @@ class MultiLoRALinear(nn.Module):
       which skips the A of the slots no row uses where it can), then lora_expand adds each row's own window of h
       times its B (its rows form: the rows' slots, no segments). h is rounded to the
       activation dtype there (the sgmv route keeps it in float32); y is returned as a view of the wider GEMM
-      output.
+      output;
+    - "kext": one lora_linear: a shrink writes each row's h, then one GEMM [x | h]·[W | B of every slot]ᵀ (the
+      pool keeps B as extra columns of W's rows) that starts while the shrink runs; h is rounded to the activation
+      dtype, as on the fold route.
 
     With no batch active (pool.current is None) it is exactly the base layer."""
 
@@ -64,6 +67,9 @@ class MultiLoRALinear(nn.Module):
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
         m = self._slots
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
+        if route == "kext":  # no ranks: A and B are zero past each slot's rank
+            return ops.lora_linear(x, self.base.weight, m.lora_a, m.lora_b, batch.token_slots, m.scales,
+                                   m.offsets_arg, self.base.bias)
         per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":
             slot_rows = len(m.slice_names) * m.lora_b.shape[2]

@@ -25,7 +25,10 @@ class ModuleSlots:
     The base weight and every slot's A share one tensor, w_cat = [W; A of slot 0; ...; A of slot L-1]
     ([N + L*S*R, K]): the base layer's weight (and bias, with zeros after it in bias_cat) become views of its first
     N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every used slot's h
-    at once, and nothing is stored twice. Create the pool after moving the model to its device and dtype."""
+    at once. Every slot's B is stored as extra columns of the base weight's rows, b_cols [N, L*R] (slot l's R
+    columns at l*R), and lora_b is its view [L, N, R] (strides R, L*R, 1): the kext route's GEMM reads [W | B] row
+    by row, and the sgmv and fold routes read the same memory. Nothing is stored twice. Create the pool after
+    moving the model to its device and dtype."""
 
     def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
                  num_slots: int, max_rank: int):
@@ -42,14 +45,15 @@ class ModuleSlots:
                 self.bias_cat[:N].copy_(base.bias)
                 base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
-        self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, **kw)
+        self.b_cols = torch.zeros(N, num_slots * max_rank, **kw)
+        self.lora_b = self.b_cols.view(N, num_slots, max_rank).permute(1, 0, 2)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
         self.ranks_arg: Optional[torch.Tensor] = None  # what the ops get: see AdapterPool.load
         # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
         # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
-        for t in (self.w_cat, self.bias_cat, self.lora_a, self.lora_b, self.ranks, self.scales):
+        for t in (self.w_cat, self.bias_cat, self.lora_a, self.b_cols, self.lora_b, self.ranks, self.scales):
             if t is not None:
                 torch._dynamo.mark_static(t)
 
