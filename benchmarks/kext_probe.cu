@@ -2,7 +2,7 @@
 // it). Per module, two launches instead of the fold route's GEMM + expand:
 //   1. a shrink: h[t, j*L*R + s*R + r] = scale[s] * x[t] . A[s][j*R + r] where s is row t's slot, 0 for every other
 //      slot (bf16), letting its dependents launch at its start. Two kinds:
-//      - kext_shrink, on CUDA cores: a warp per 1 or 4 rank rows of a row of x, CTAs of 4 to 32 warps;
+//      - kext_shrink, on CUDA cores: a warp per rank row of a row of x, CTAs of 4 or 32 warps;
 //      - kext_hgemm, on tensor cores: a CUTLASS GEMM over A_h (every slot's A rows in h's column order) whose
 //        epilogue masks and scales, one CTA per 64 of those rows.
 //   2. kext_gemm: y = [x | h_j] . [W | B]^T with W_ext = [W | B of every slot] ([N, K + L*R]; B's column s*R + r
@@ -53,42 +53,39 @@ __device__ __forceinline__ uint4 load_nc(const uint4* p) {
   return v;
 }
 
-// One warp per task (t, j, r0): it dots row t of x with kRows rank rows r0.. of slice j of its slot's A, over all of
-// K, and writes those ranks of every slot's window (its own the values, the others 0). Each lane keeps kBatch
-// 16-byte chunks of x and kRows x kBatch of A in flight, then does their FMAs: the loads are not predicated (a
-// chunk past the row reads its last one again, then counts as zero), and the FMAs depend on all of them (below).
-// Without that, with __ldg, volatile asm loads or empty asm fences alike, ptxas issued each pair of loads just
-// before its FMAs, ~2 chunks in flight (the SASS of session 29's first two runs).
-// kRows > 1 reads x once for kRows rank rows: at one adapter x is most of what the shrink reads (A: one slot's rows)
-// and kRows = 4 cuts the shrink's bytes ~3.5x, and its warps (and SMs) 4x. kWarps per CTA: 4 spreads the shrink
-// over every SM, where no GEMM CTA (the whole register file) can start beside it (PDL gained 2 points); 16-32 pack
-// it into few SMs and leave the others to the GEMM's x blocks (session 30: the narrow shrink, 32 warps, beat the
-// fold route at T <= 64). Session 29's K split over 4 warps lost on every step and was removed.
-template <int kRows, int kWarps, int kBatch>
+// One warp per task (t, j, r): it dots row t of x with rank row r of slice j of its slot's A, over all of K, and
+// writes that rank of every slot's window (its own the value, the others 0). Each lane keeps kBatch 16-byte chunks
+// of x and of A in flight, then does their FMAs: the loads are not predicated (a chunk past the row reads its last
+// one again, then counts as zero), and the FMAs depend on all of them (below). Without that, with __ldg, volatile
+// asm loads or empty asm fences alike, ptxas issued each pair of loads just before its FMAs, ~2 chunks in flight
+// (the SASS of session 29's first two runs). kWarps per CTA: 4 spreads the shrink over every SM, where no GEMM CTA
+// (the whole register file) can start beside it (PDL gained 2 points); 32 packs it into few SMs and leaves the
+// others to the GEMM's x blocks (session 30: the narrow shrink beat the fold route at T <= 64). Session 29's K split
+// over 4 warps and session 30's warp per 4 rank rows sharing x's loads lost on every step (sessions 30-31).
+template <int kWarps, int kBatch>
 __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16* x, int64_t x_stride,
                                                             const __nv_bfloat16* lora_a, const int32_t* token_slot,
                                                             const float* scales, __nv_bfloat16* h, int T, int K,
                                                             int S, int R, int L, uint32_t opaque_zero) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * kWarps + warp, groups = R / kRows;
-  const int r0 = task % groups * kRows, j = task / groups % S, t = task / (groups * S);
+  const int task = blockIdx.x * kWarps + warp;
+  const int r = task % R, j = task / R % S, t = task / (R * S);
   if (t >= T) return;
   const int slot = token_slot[t];
   const bool has_slot = slot >= 0 && slot < L;
   const int chunks = K / 8;  // 16-byte chunks of a row
-  float sum[kRows] = {};
+  float sum = 0.f;
   if (has_slot) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + t * x_stride);
-    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r0) * K);
+    const uint4* ar = reinterpret_cast<const uint4*>(lora_a + ((int64_t)slot * S * R + j * R + r) * K);
     for (int c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
-      uint4 xv[kBatch], av[kRows][kBatch];
+      uint4 xv[kBatch], av[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int c = min(c0 + 32 * i, chunks - 1);
         xv[i] = load_nc(xr + c);
-#pragma unroll
-        for (int q = 0; q < kRows; ++q) av[q][i] = load_nc(ar + (int64_t)q * chunks + c);
+        av[i] = load_nc(ar + c);
       }
       // Every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`: an argument, always 0,
       // that the compilers cannot know), so ptxas cannot sink a load between the FMAs. (Session 29's `if (L < 0 &&
@@ -96,11 +93,7 @@ __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16
       // a zero from an asm `mov` is folded by ptxas.)
       uint32_t joined = 0;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        joined ^= xv[i].x;
-#pragma unroll
-        for (int q = 0; q < kRows; ++q) joined ^= av[q][i].x;
-      }
+      for (int i = 0; i < kBatch; ++i) joined ^= xv[i].x ^ av[i].x;
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
@@ -109,30 +102,19 @@ __global__ void __launch_bounds__(kWarps * 32) shrink_kernel(const __nv_bfloat16
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv[i]);
+        const __nv_bfloat162* ap = reinterpret_cast<const __nv_bfloat162*>(&av[i]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float2 xf = __bfloat1622float2(xp[e]);
-#pragma unroll
-          for (int q = 0; q < kRows; ++q) {
-            const float2 af = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&av[q][i])[e]);
-            sum[q] = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum[q]));
-          }
+          const float2 xf = __bfloat1622float2(xp[e]), af = __bfloat1622float2(ap[e]);
+          sum = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum));
         }
       }
     }
   }
 #pragma unroll
-  for (int q = 0; q < kRows; ++q) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum[q] += __shfl_xor_sync(0xffffffffu, sum[q], o);
-  }
-  __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r0;
-  for (int s = lane; s < L; s += 32) {
-#pragma unroll
-    for (int q = 0; q < kRows; ++q) {
-      row[s * R + q] = __float2bfloat16(s == slot ? sum[q] * scales[slot] : 0.f);
-    }
-  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  __nv_bfloat16* row = h + (int64_t)t * S * L * R + (int64_t)j * L * R + r;
+  for (int s = lane; s < L; s += 32) row[s * R] = __float2bfloat16(s == slot ? sum * scales[slot] : 0.f);
 }
 
 // CUTLASS's TMA warp-specialized mainloop with a second B operand (h) for the K blocks past x's: see the top.
@@ -524,9 +506,9 @@ int run_hgemm(const void* x, int64_t x_stride, const void* a_h, const float* row
 extern "C" {
 
 int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32_t* token_slot, const float* scales,
-                void* h, int T, int K, int S, int R, int L, int rows, int warps, cudaStream_t stream) {
-  if (K % 8 != 0 || T <= 0 || x_stride % 8 != 0 || rows < 1 || R % rows != 0) return 1;
-  const int64_t tasks = int64_t(T) * S * (R / rows);
+                void* h, int T, int K, int S, int R, int L, int warps, cudaStream_t stream) {
+  if (K % 8 != 0 || T <= 0 || x_stride % 8 != 0) return 1;
+  const int64_t tasks = int64_t(T) * S * R;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   const auto* ab = static_cast<const __nv_bfloat16*>(lora_a);
   auto* hb = static_cast<__nv_bfloat16*>(h);
@@ -534,11 +516,9 @@ int kext_shrink(const void* x, int64_t x_stride, const void* lora_a, const int32
     kernel<<<unsigned((tasks + kernel_warps - 1) / kernel_warps), kernel_warps * 32, 0, stream>>>(
         xb, x_stride, ab, token_slot, scales, hb, T, K, S, R, L, 0u);
   };
-  // chunks in flight per lane (kBatch) as the registers allow: 64 per thread in CTAs of 32 warps, 80 in 24, 128 in 16
-  if (rows == 1 && warps == 4) launch(kext::shrink_kernel<1, 4, 8>, 4);
-  else if (rows == 1 && warps == 32) launch(kext::shrink_kernel<1, 32, 4>, 32);
-  else if (rows == 4 && warps == 24) launch(kext::shrink_kernel<4, 24, 2>, 24);  // at 32 warps: spills
-  else if (rows == 4 && warps == 16) launch(kext::shrink_kernel<4, 16, 4>, 16);
+  // chunks in flight per lane (kBatch) as the registers allow: 64 per thread in CTAs of 32 warps
+  if (warps == 4) launch(kext::shrink_kernel<4, 8>, 4);
+  else if (warps == 32) launch(kext::shrink_kernel<32, 4>, 32);
   else return 1;
   return cudaGetLastError() == cudaSuccess ? 0 : 5;
 }

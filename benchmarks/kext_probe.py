@@ -7,9 +7,9 @@ routing, rotation and oracle):
 - kext: per module the shrink, then the GEMM over [x | h] . [W | B]^T launched programmatically (it waits for the
   shrink only before its h blocks);
 - kext-serial: the same two launches, the GEMM launched in stream order (what the overlap is worth);
-- kext-narrow, kext-narrow-r4, kext-r4: kext with other SIMT shrinks: CTAs of 16 to 32 warps instead of 4 (the
-  shrink on few SMs, the GEMM's x blocks on the others), a warp per 4 rank rows sharing its loads of x (a quarter
-  of the warps, and at one adapter ~3.5x fewer bytes);
+- kext-narrow: kext with CTAs of 32 warps instead of 4 (the shrink on few SMs, the GEMM's x blocks on the others);
+- kext-lib: the library's lora_linear (csrc/cuda/lora_linear_sm90.cu: kext-narrow-tokmask with W and B as two
+  tensors, B the pool's b_cols), as the serving layer's kext route calls it;
 - kext-tc, kext-tc-serial: kext with the shrink on tensor cores (a CUTLASS GEMM over every slot's A rows whose
   epilogue masks and scales h; one CTA per 64 of those rows, so it holds few SMs and lets the GEMM start on the
   others);
@@ -17,6 +17,8 @@ routing, rotation and oracle):
 - kext-gemm-tokmask, kext-narrow-tokmask: kext-gemm and kext-narrow with the GEMM's slot mask taken from the rows'
   slots (as a library op would, so that no seg_indptr can disagree with h) instead of seg_indptr;
 - fold-gemm: fold_linear alone, as the fold route calls it (what the fold route's expand costs);
+- fold-cuda-contig-b: fold-cuda with lora_b contiguous [L, N, R] instead of the pool's view of b_cols [N, L·R]
+  (what that layout costs the fold route's expand);
 - shrink-only, shrink-narrow-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
@@ -28,31 +30,34 @@ Usage (on the GPU, after lora_ops is built, e.g. by `scripts/gpu_run.sh build`):
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import sys
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
+import lora_ops
 from lora_ops.bench import decode_step as ds
 from lora_ops.bench.timing import capture, time_interleaved
 
-# the SIMT shrinks timed: route suffix -> (rank rows per warp, warps per CTA)
-SHRINKS: Dict[str, Tuple[int, int]] = {"": (1, 4), "-narrow": (1, 32), "-narrow-r4": (4, 24), "-r4": (4, 16)}
+# the SIMT shrinks timed: route suffix -> warps per CTA (a warp per 4 rank rows sharing x's loads, "-r4" and
+# "-narrow-r4", lost everywhere: NOTES.md, session 31)
+SHRINKS: Dict[str, int] = {"": 4, "-narrow": 32}
 
 
 class Kext:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, i, p]
+        lib.kext_shrink.argtypes = [p, i64, p, p, p, p, i, i, i, i, i, i, p]
         lib.kext_gemm.argtypes = [p, i64, p, p, p, i, i, i, i, p, p, p, i, i, i, p]
         lib.kext_hgemm.argtypes = [p, i64, p, p, p, p, p, i, i, i, p]
         self.lib = lib
 
-    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, rows, warps):
+    def shrink(self, x, lora_a, slots, scales, h, K, S, R, L, warps):
         rc = self.lib.kext_shrink(x.data_ptr(), x.stride(0), lora_a.data_ptr(), slots.data_ptr(), scales.data_ptr(),
-                                  h.data_ptr(), x.shape[0], K, S, R, L, rows, warps,
+                                  h.data_ptr(), x.shape[0], K, S, R, L, warps,
                                   torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"kext_shrink returned {rc}")
@@ -91,7 +96,7 @@ class TcShrink:
 
 def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bool, gemm: bool = True,
                token_mask: bool = False):
-    """shrink: the SIMT shrink's (rank rows per warp, warps per CTA), a TcShrink (the tensor-core one), or None: no
+    """shrink: the SIMT shrink's warps per CTA, a TcShrink (the tensor-core one), or None: no
     shrink, the GEMM alone on the h left by the last one; gemm=False: the shrinks alone; token_mask: the GEMM's slot
     mask from the rows' slots, not seg_indptr."""
     L = ds.POOL_SLOTS
@@ -101,7 +106,7 @@ def kext_calls(s: ds.Setup, kext: Kext, w_ext, h, slots, scales, shrink, pdl: bo
         if isinstance(shrink, TcShrink):
             kext.hgemm(s.x[n], shrink.a_h[i][s.names.index(n)], shrink.row_slot[n], shrink.row_scale[n], slots, h[n])
         elif shrink:
-            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, *shrink)
+            kext.shrink(s.x[n], m.lora_a, slots, scales, h[n], m.K, m.S, m.R, L, shrink)
         if not gemm:
             return
         ends = (ctypes.c_int * 4)(*m.offsets[1:])
@@ -140,21 +145,29 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
     calls["kext-tc"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, True)
     calls["kext-tc-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False)
     calls["shrink-tc-only"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False, gemm=False)
+    calls["kext-lib"] = s.kext_calls("kext-lib", lora_ops.ops.lora_linear)
+    contig = copy.copy(s)
+    contig.layers = [[copy.copy(m) for m in layer] for layer in s.layers]
+    for layer in contig.layers:
+        for m in layer:
+            m.lora_b = m.lora_b.contiguous()
+    calls["fold-cuda-contig-b"] = contig.fold_calls("fold-cuda-contig-b", torch.ops.lora_ops.lora_expand.default)
+    s.route_y.update(contig.route_y)  # the same dict: its outputs are checked like every route's
     s.build_segments()
     calls["fold-gemm"] = [s.build_segments] + s.fold_linear_calls()
-    checked = [name for name in calls if name.startswith("kext") and not name.startswith("kext-gemm")]
+    checked = [name for name in calls if name.startswith(("kext", "fold-cuda")) and not name.startswith("kext-gemm")]
     errs = {}
     for name in checked:
         for f in calls[name][:1 + len(s.names)]:
             f()
         torch.cuda.synchronize()
-        errs[name] = max(ds._rel(s.y[n], ref[n][1]) for n in s.names)
+        errs[name] = max(ds._rel(s.outputs(name)[n], ref[n][1]) for n in s.names)
     graphs = {name: capture(c) for name, c in calls.items()}
     ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
     for name in checked:
         graphs[name].replay()
         torch.cuda.synchronize()
-        errs[name] = max(errs[name], max(ds._rel(s.y[n], ref_last[n][1]) for n in s.names))
+        errs[name] = max(errs[name], max(ds._rel(s.outputs(name)[n], ref_last[n][1]) for n in s.names))
     base = ms["base"]
     for name, t in ms.items():
         err = f"  err {errs[name]:.1e}" if name in errs else ""
@@ -163,7 +176,7 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
             log(f"  {name:<18} {t * 1e3:9.1f} us  = {100 * t / base:5.1f}% of base")
         else:
             log(f"  {name:<18} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
-    del graphs, calls, s, w_ext, tc
+    del graphs, calls, s, w_ext, tc, contig
     torch.cuda.empty_cache()
 
 
