@@ -243,13 +243,14 @@ struct KextMainloop : Base {
     prefetch_tma_descriptor(p.tma_load_h.get_tma_descriptor());
   }
 
-  // (W tiles, x tiles, h tiles, B tiles)
+  // (W tiles, x tiles, h tiles, B tiles). W's spans the whole K (x's and h's blocks), though its loads stop at x's
+  // end: CUTLASS's kernel counts the K blocks of every tile from it.
   template <class ProblemShape_MNKL>
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
     using X = Underscore;
     auto [M, N, K, L] = problem_shape_MNKL;
     const int h_cols = slice_h_cols(p.ext);
-    Tensor mW = p.tma_load_a.get_tma_tensor(make_shape(M, p.ext.k_x, L));
+    Tensor mW = p.tma_load_a.get_tma_tensor(make_shape(M, K, L));
     Tensor mX = p.tma_load_b.get_tma_tensor(make_shape(N, p.ext.k_x, L));
     Tensor mH = p.tma_load_h.get_tma_tensor(make_shape(N, h_cols * p.ext.num_slices, L));
     Tensor mB = p.tma_load_b_cols.get_tma_tensor(make_shape(M, h_cols, L));
