@@ -17,8 +17,6 @@ routing, rotation and oracle):
 - kext-gemm-tokmask, kext-narrow-tokmask: kext-gemm and kext-narrow with the GEMM's slot mask taken from the rows'
   slots (as a library op would, so that no seg_indptr can disagree with h) instead of seg_indptr;
 - fold-gemm: fold_linear alone, as the fold route calls it (what the fold route's expand costs);
-- fold-cuda-contig-b: fold-cuda with lora_b contiguous [L, N, R] instead of the pool's view of b_cols [N, L·R]
-  (what that layout costs the fold route's expand);
 - shrink-only, shrink-narrow-only, ..., shrink-tc-only: each shrink alone, as a share of the base step.
 Errors: the first layer's outputs after one eager run, and the last layer's after a replay, against the float64
 oracle, as the bench checks its routes.
@@ -30,7 +28,6 @@ Usage (on the GPU, after lora_ops is built, e.g. by `scripts/gpu_run.sh build`):
 from __future__ import annotations
 
 import argparse
-import copy
 import ctypes
 import sys
 from typing import Dict
@@ -121,7 +118,7 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
     s = ds.Setup(model, step, "cuda", between=between)
     L = ds.POOL_SLOTS
     # W_ext = [W | B of every slot], B's column s*R + r = lora_b[s, n, r]
-    w_ext = [[torch.cat([m.w, m.lora_b.permute(1, 0, 2).reshape(m.N, L * m.R)], dim=1).contiguous() for m in layer]
+    w_ext = [[torch.cat([m.w, m.b_cols], dim=1) for m in layer]
              for layer in s.layers]
     h = {n: torch.zeros(step.T, m.S * L * m.R, dtype=torch.bfloat16, device="cuda")
          for n, m in zip(s.names, s.layers[0])}
@@ -146,13 +143,6 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
     calls["kext-tc-serial"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False)
     calls["shrink-tc-only"] = kext_calls(s, kext, w_ext, h, slots, scales, tc, False, gemm=False)
     calls["kext-lib"] = s.kext_calls("kext-lib", lora_ops.ops.lora_linear)
-    contig = copy.copy(s)
-    contig.layers = [[copy.copy(m) for m in layer] for layer in s.layers]
-    for layer in contig.layers:
-        for m in layer:
-            m.lora_b = m.lora_b.contiguous()
-    calls["fold-cuda-contig-b"] = contig.fold_calls("fold-cuda-contig-b", torch.ops.lora_ops.lora_expand.default)
-    s.route_y.update(contig.route_y)  # the same dict: its outputs are checked like every route's
     s.build_segments()
     calls["fold-gemm"] = [s.build_segments] + s.fold_linear_calls()
     checked = [name for name in calls if name.startswith(("kext", "fold-cuda")) and not name.startswith("kext-gemm")]
@@ -176,7 +166,7 @@ def run_step(model, step, kext: Kext, between: bool, log) -> None:
             log(f"  {name:<18} {t * 1e3:9.1f} us  = {100 * t / base:5.1f}% of base")
         else:
             log(f"  {name:<18} {t * 1e3:9.1f} us  overhead {100 * (t - base) / base:+6.1f}%{err}{bad}")
-    del graphs, calls, s, w_ext, tc, contig
+    del graphs, calls, s, w_ext, tc
     torch.cuda.empty_cache()
 
 

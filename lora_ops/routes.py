@@ -31,6 +31,14 @@ BACKENDS = ("cuda", "triton")
 # Every (route, backend) there is: kext is one op, lora_linear, which has no Triton kernel.
 PAIRS = (("sgmv", "cuda"), ("sgmv", "triton"), ("fold", "cuda"), ("fold", "triton"), ("kext", "cuda"))
 NAMES = tuple(f"{route}-{backend}" for route, backend in PAIRS)  # as LORA_OPS_ROUTE and the bench name them
+# The kext route is a route up to the T lora_linear's sm_90 kernels serve (kLoraLinearMaxTokens in
+# csrc/cuda/kernels.h); past it the op is its composition of torch ops, a fallback (llama3-8b at T=128: +539%).
+KEXT_MAX_TOKENS = 64
+
+
+def timed_names(tokens: int) -> Tuple[str, ...]:
+    """The routes the bench times (and a table may choose) for a regime measured at `tokens` rows."""
+    return tuple(n for n in NAMES if not (n.startswith("kext-") and tokens > KEXT_MAX_TOKENS))
 # The upper bounds of the regimes and the T at which the bench measures each one: a step of T tokens takes its
 # regime's route, chosen from the times at both ends (a factor of 2 to 4 apart), since the fastest route changes
 # within a factor of 4 of T (H200, 7f9cdc6: at rank 64 fold-triton led at 256 tokens by 45%, sgmv-cuda at 1024 by
@@ -79,6 +87,8 @@ def validate(table: dict) -> None:
         for r in regimes:
             if (r.get("route"), r.get("backend")) not in PAIRS:
                 raise ValueError(f"routes table: unknown route/backend in {r} (known: {', '.join(NAMES)})")
+            if r["route"] == "kext" and (r["max_tokens"] is None or r["max_tokens"] > KEXT_MAX_TOKENS):
+                raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
 
 
 def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[str, str]:

@@ -45,6 +45,8 @@ def test_committed_table_covers_every_regime():
     ([{"max_tokens": None, "route": "bgmv", "backend": "cuda"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
+    ([{"max_tokens": 128, "route": "kext", "backend": "cuda"}, {"max_tokens": None, "route": "sgmv", "backend": "cuda"}],
+     "the kext route serves up to 64 tokens"),  # past them lora_linear is its torch-op composition
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),
@@ -110,8 +112,8 @@ def test_every_route_matches_peft(models, device, route, monkeypatch, request):
     """Prefill and decode of a mixed batch through each forced route, against PEFT's own mixed-adapter forward, on
     base layers without and with a bias (the sgmv route's is the base layer's, the fold route's in bias_cat, the kext
     route's passed to lora_linear); every route leaves the model exactly the base without a batch, and reads the
-    pool's one copy of the weights: the base weight and A as views of [W; A], B as a view of its columns [N, L·R]
-    (each row's slots side by side, the layout of the kext route's GEMM [W | B])."""
+    pool's weights: the base weight and A as views of [W; A], B contiguous, and for the kext route B's copy as
+    columns [N, L·R] (each row's slots side by side, the layout of the kext route's GEMM [W | B])."""
     if device == "cpu" and route.endswith("triton"):
         pytest.skip("Triton routes run on CUDA tensors")
     monkeypatch.setenv("LORA_OPS_ROUTE", route)
@@ -133,4 +135,6 @@ def test_every_route_matches_peft(models, device, route, monkeypatch, request):
     m = next(iter(pool.modules.values()))
     assert m.lora_a.data_ptr() == m.w_cat[m.out_features:].data_ptr()  # A lives inside [W; A]: not copied
     L, N, R = m.lora_b.shape
-    assert m.lora_b.data_ptr() == m.b_cols.data_ptr() and m.lora_b.stride() == (R, L * R, 1)
+    assert m.lora_b.is_contiguous()
+    assert m.kext_lora_b.data_ptr() == m.b_cols.data_ptr() and m.kext_lora_b.stride() == (R, L * R, 1)
+    assert torch.equal(m.kext_lora_b, m.lora_b)  # the kext route's copy of B is kept equal

@@ -66,7 +66,7 @@ def _pool_model(base, root, names, num_slots=4, max_rank=16, device="cpu", dtype
 
 
 def _pool_state(pool):
-    return {k: [t.clone() for t in (m.lora_a, m.lora_b, m.ranks, m.scales)] for k, m in pool.modules.items()}, \
+    return {k: [t.clone() for t in (m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales)] for k, m in pool.modules.items()}, \
         dict(pool._slot_of)
 
 
@@ -74,7 +74,7 @@ def _assert_same_state(pool, state):
     tensors, slots = state
     assert dict(pool._slot_of) == slots
     for k, m in pool.modules.items():
-        for got, want in zip((m.lora_a, m.lora_b, m.ranks, m.scales), tensors[k]):
+        for got, want in zip((m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales), tensors[k]):
             assert torch.equal(got, want), k
 
 
@@ -124,6 +124,8 @@ def test_lru_eviction_pin_unpin_unload(adapters):
     pool.unpin("c")
     pool.unload("c")
     assert pool.loaded == ["b"]
+    for m in pool.modules.values():  # the kext route's copy of B follows every load, eviction and unload
+        assert torch.equal(m.kext_lora_b, m.lora_b) and m.lora_b[slot_b].any() != m.lora_b[1 - slot_b].any()
     with pytest.raises(KeyError, match="'c' is not loaded"):
         pool.slot("c")
     with pytest.raises(ValueError, match="is not pinned"):
@@ -493,8 +495,8 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
 
 def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adapters, monkeypatch):
     """The layer's kext route passes lora_linear the pool's tensors themselves, nothing copied per step: the base
-    weight (w_cat's first rows), B as the view of b_cols whose rows hold every slot's R values side by side (the
-    layout its sm_90 GEMM reads as [W | B]), the slots' scales, and the step's token slots."""
+    weight (w_cat's first rows), B as the view of b_cols (the pool's copy of B) whose rows hold every slot's R values
+    side by side (the layout its sm_90 GEMM reads as [W | B]), the slots' scales, and the step's token slots."""
     monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")
     base, root = adapters
     model, pool = _pool_model(base, root, ["a", "b"])
@@ -505,7 +507,7 @@ def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adap
         lin(torch.randn(3, 64))
     ((x, weight, lora_a, lora_b, token_slot, scales, offsets, bias),) = calls
     assert weight.data_ptr() == m.w_cat.data_ptr() and weight.shape == (m.out_features, m.in_features)
-    assert lora_a is m.lora_a and lora_b is m.lora_b and scales is m.scales and offsets is m.offsets_arg
+    assert lora_a is m.lora_a and lora_b is m.kext_lora_b and scales is m.scales and offsets is m.offsets_arg
     L, N, R = lora_b.shape
     assert lora_b.data_ptr() == m.b_cols.data_ptr() and lora_b.stride() == (R, L * R, 1)
     assert token_slot.data_ptr() == batch.token_slots.data_ptr() and bias is lin.base.bias

@@ -17,7 +17,7 @@ adapter of a 32-slot pool. Routes:
                the serving layer's kext route runs it.
 
 Every route reads the adapter pool's layout of the serving layer (ModuleSlots): [W; A of every slot] as one
-matrix, and B of every slot as columns [N, L·R] (lora_b a view of them).
+matrix, lora_b [L, N, R], and for the kext route B of every slot as columns [N, L·R] (b_cols, a copy).
 
 With --between-modules, a kernel writes each module's input just before the module runs (x *= 1 in place: the
 values stay), in the base and every route, as a model's norms, attention and activation do: the next GEMM then
@@ -114,8 +114,8 @@ def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
 
 class Module:
     """One linear layer with its LoRA pool in the serving pool's layout (ModuleSlots), so that every route is timed
-    on the layout serving uses: w_cat = [W; A of every slot] (W and the pool's lora_a are views of it) and b_cols =
-    [B of every slot] as columns, [N, L·R] (lora_b [L, N, R] a view of it); nothing duplicated."""
+    on the layout serving uses: w_cat = [W; A of every slot] (W and the pool's lora_a are views of it), lora_b
+    [L, N, R], and its copy b_cols = [B of every slot] as columns, [N, L·R] (kext_lora_b [L, N, R] a view of it)."""
 
     def __init__(self, K: int, widths: Sequence[int], rank: int, device, gen_seed: int):
         self.K, self.N, self.S, self.R = K, sum(widths), len(widths), rank
@@ -127,9 +127,10 @@ class Module:
         self.w_cat = (torch.randn(rows, K, generator=g, device=device) / K ** 0.5).to(torch.bfloat16)
         self.w = self.w_cat[:self.N]
         self.lora_a = self.w_cat[self.N:].view(POOL_SLOTS, self.S * rank, K)
-        self.b_cols = (torch.randn(self.N, POOL_SLOTS * rank, generator=g, device=device) / rank ** 0.5).to(
+        self.lora_b = (torch.randn(POOL_SLOTS, self.N, rank, generator=g, device=device) / rank ** 0.5).to(
             torch.bfloat16)
-        self.lora_b = self.b_cols.view(self.N, POOL_SLOTS, rank).permute(1, 0, 2)
+        self.b_cols = self.lora_b.permute(1, 0, 2).reshape(self.N, POOL_SLOTS * rank)
+        self.kext_lora_b = self.b_cols.view(self.N, POOL_SLOTS, rank).permute(1, 0, 2)
         self.slice_offsets = self.offsets if self.S > 1 else None
 
 
@@ -205,8 +206,8 @@ class Setup:
     def kext_calls(self, route: str, lora_linear) -> List[Callable[[], None]]:
         def one(m, n):
             self.write_input(n)
-            self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.lora_b, self.token_lora,
-                                                                self.scales, m.slice_offsets)
+            self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.kext_lora_b,
+                                                                self.token_lora, self.scales, m.slice_offsets)
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
@@ -295,7 +296,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     graphs = {"base": capture(base_calls)}
     checked, calls = {}, []
     for name, (kind, op) in routes().items():
-        if only and name not in only:
+        if (only and name not in only) or (kind == "kext" and step.T > route_table.KEXT_MAX_TOKENS):
             continue
         try:
             calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op) if kind == "fold" else \
@@ -406,14 +407,15 @@ def routes_table(records: List[dict], meta: dict) -> dict:
     for r in records:
         if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
             timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
-    every = set(route_table.NAMES)
     classes = []
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
         timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
         samples = [{k: v for k, v in t.items() if k != "base"} for t in timings]
-        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples) if set(sample) != every]
+        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples)
+                   if set(sample) != set(route_table.timed_names(T))]
         if missing:
-            raise ValueError(f"not every route ({sorted(every)}) timed at rank {rank}, {adapters} adapters, "
+            raise ValueError(f"not every route ({', '.join(route_table.NAMES)}; kext up to "
+                             f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} adapters, "
                              f"T = {missing}")
         regimes = []
         for bound, T, choice, t in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,

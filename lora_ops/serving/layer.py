@@ -23,8 +23,8 @@ class MultiLoRALinear(nn.Module):
       activation dtype there (the sgmv route keeps it in float32); y is returned as a view of the wider GEMM
       output;
     - "kext": one lora_linear: a shrink writes each row's h, then one GEMM [x | h]·[W | B of every slot]ᵀ (the
-      pool keeps B as extra columns of W's rows) that starts while the shrink runs; h is rounded to the activation
-      dtype, as on the fold route.
+      pool keeps a copy of B as extra columns of W's rows, b_cols) that starts while the shrink runs; h is rounded
+      to the activation dtype, as on the fold route.
 
     With no batch active (pool.current is None) it is exactly the base layer."""
 
@@ -68,7 +68,7 @@ class MultiLoRALinear(nn.Module):
         m = self._slots
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2])
         if route == "kext":  # no ranks: A and B are zero past each slot's rank
-            return ops.lora_linear(x, self.base.weight, m.lora_a, m.lora_b, batch.token_slots, m.scales,
+            return ops.lora_linear(x, self.base.weight, m.lora_a, m.kext_lora_b, batch.token_slots, m.scales,
                                    m.offsets_arg, self.base.bias)
         per_slot = (m.ranks_arg, m.scales, m.offsets_arg)
         if route == "fold":

@@ -25,10 +25,14 @@ class ModuleSlots:
     The base weight and every slot's A share one tensor, w_cat = [W; A of slot 0; ...; A of slot L-1]
     ([N + L*S*R, K]): the base layer's weight (and bias, with zeros after it in bias_cat) become views of its first
     N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every used slot's h
-    at once. Every slot's B is stored as extra columns of the base weight's rows, b_cols [N, L*R] (slot l's R
-    columns at l*R), and lora_b is its view [L, N, R] (strides R, L*R, 1): the kext route's GEMM reads [W | B] row
-    by row, and the sgmv and fold routes read the same memory. Nothing is stored twice. Create the pool after
-    moving the model to its device and dtype."""
+    at once, and W and A are stored once.
+
+    B is stored twice: lora_b [L, N, R] (contiguous: the sgmv and fold routes) and b_cols [N, L*R] (slot l's R
+    columns at l*R, as extra columns of W's rows: the kext route's GEMM reads [W | B] row by row; kext_lora_b is
+    its view [L, N, R], strides (R, L*R, 1)). One layout for both cost the fold route 3-8 points of a llama3-8b
+    decode step (the strided B in its expand; H200, csrc/cuda/NOTES.md session 31), the copy costs B's bytes once
+    more (llama3-8b, 32 slots of rank 16: 1.4 GB). Create the pool after moving the model to its device and
+    dtype."""
 
     def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
                  num_slots: int, max_rank: int):
@@ -45,15 +49,17 @@ class ModuleSlots:
                 self.bias_cat[:N].copy_(base.bias)
                 base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
+        self.lora_b = torch.zeros(num_slots, N, max_rank, **kw)
         self.b_cols = torch.zeros(N, num_slots * max_rank, **kw)
-        self.lora_b = self.b_cols.view(N, num_slots, max_rank).permute(1, 0, 2)
+        self.kext_lora_b = self.b_cols.view(N, num_slots, max_rank).permute(1, 0, 2)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
         self.ranks_arg: Optional[torch.Tensor] = None  # what the ops get: see AdapterPool.load
         # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
         # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
-        for t in (self.w_cat, self.bias_cat, self.lora_a, self.b_cols, self.lora_b, self.ranks, self.scales):
+        for t in (self.w_cat, self.bias_cat, self.lora_a, self.lora_b, self.b_cols, self.kext_lora_b, self.ranks,
+                  self.scales):
             if t is not None:
                 torch._dynamo.mark_static(t)
 
@@ -62,7 +68,14 @@ class ModuleSlots:
         self.ranks[slot] = 0
         self.scales[slot] = 1.0
         self.lora_a[slot].zero_()
+        self.set_b(slot, None)
+
+    def set_b(self, slot: int, lora_b: Optional[torch.Tensor]) -> None:
+        """Slot `slot`'s B ([N, rank], rank <= R; None: zeros) in both of its layouts, zeros past its rank."""
         self.lora_b[slot].zero_()
+        if lora_b is not None:
+            self.lora_b[slot, :, :lora_b.shape[1]].copy_(lora_b)
+        self.kext_lora_b[slot].copy_(self.lora_b[slot])
 
 
 class LoRABatch:
@@ -253,8 +266,7 @@ class AdapterPool:
                 mod.clear(slot)
                 continue
             mod.lora_a[slot].copy_(entry.lora_a)  # A is staged at full [S*R, K], zeros included
-            mod.lora_b[slot].zero_()
-            mod.lora_b[slot, :, :entry.rank].copy_(entry.lora_b)
+            mod.set_b(slot, entry.lora_b)
             mod.ranks[slot] = entry.rank
             mod.scales[slot] = entry.scale
         self._slot_of[name] = slot
