@@ -22,5 +22,6 @@ from . import backends as _backends  # noqa: E402
 
 _backends.register_triton_where_needed()
 
-__all__ = ["sgmv", "lora_expand", "grouped_gemm", "build_segments", "fold_linear", "lora_linear", "Segments", "LIBRARY_PATH"]
+__all__ = ["sgmv", "lora_expand", "grouped_gemm", "build_segments", "fold_linear", "lora_linear", "Segments",
+           "LIBRARY_PATH"]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lora_ops
-from lora_ops import backends, op_table, reference, testing
+from lora_ops import backends, op_table, reference, routes, testing
 from lora_ops.bench import __main__ as bench, ops, report, timing
 
 
@@ -337,6 +337,11 @@ def test_decode_step_times_the_kext_route_on_the_serving_pools_layout(monkeypatc
     assert not failures and [r["backend"] for r in records] == ["base", "sgmv-cpu", "fold-cpu", "kext-cuda"]
     errs = {r["backend"]: r["err"] for r in records}
     assert errs["kext-cuda"] < 2 * max(errs["base"], 1e-3) and errs["fold-cpu"] < 2 * max(errs["base"], 1e-3)
+    # past the tokens lora_linear's kernels serve, kext is no route (its composition would be timed): not timed
+    records = []
+    T = routes.KEXT_MAX_TOKENS + 1
+    decode_step.bench_step(model, decode_step.Step(T=T, adapters=3, rank=4), "cpu", records, failures, print)
+    assert not failures and [r["backend"] for r in records] == ["base", "sgmv-cpu", "fold-cpu"]
 
 
 def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(monkeypatch):
@@ -500,7 +505,6 @@ def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime():
 def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regime(tmp_path, monkeypatch):
     """write_routes (GPU-only through the CLI) on stand-in timings: one class per rank bound, each regime's route
     by choose_routes, a table that routes.pick reads, and none written when a route fails."""
-    from lora_ops import routes
     from lora_ops.bench import decode_step
 
     def fake_step(model, step, device, records, failures, log, *rest):

@@ -45,8 +45,8 @@ def test_committed_table_covers_every_regime():
     ([{"max_tokens": None, "route": "bgmv", "backend": "cuda"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
-    ([{"max_tokens": 128, "route": "kext", "backend": "cuda"}, {"max_tokens": None, "route": "sgmv", "backend": "cuda"}],
-     "the kext route serves up to 64 tokens"),  # past them lora_linear is its torch-op composition
+    ([{"max_tokens": 128, "route": "kext", "backend": "cuda"},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 64 tokens"),  # past them lora_linear is its torch-op composition
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),

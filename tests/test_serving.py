@@ -65,16 +65,19 @@ def _pool_model(base, root, names, num_slots=4, max_rank=16, device="cpu", dtype
     return model, pool
 
 
+def _slot_tensors(m):
+    return m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales
+
+
 def _pool_state(pool):
-    return {k: [t.clone() for t in (m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales)] for k, m in pool.modules.items()}, \
-        dict(pool._slot_of)
+    return {k: [t.clone() for t in _slot_tensors(m)] for k, m in pool.modules.items()}, dict(pool._slot_of)
 
 
 def _assert_same_state(pool, state):
     tensors, slots = state
     assert dict(pool._slot_of) == slots
     for k, m in pool.modules.items():
-        for got, want in zip((m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales), tensors[k]):
+        for got, want in zip(_slot_tensors(m), tensors[k]):
             assert torch.equal(got, want), k
 
 
