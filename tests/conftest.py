@@ -40,6 +40,20 @@ def case_generator(key) -> torch.Generator:
     return torch.Generator().manual_seed(case_seed(key))
 
 
+def sm90_built() -> bool:
+    """The sm_90a CUTLASS kernels (fold_linear's, lora_linear's) are built and this GPU runs them (9.0)."""
+    info = backends.build_info().get("backends", {}).get("cuda", {})
+    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
+
+
+def cuda_kernel_names(f):
+    """(f(), the names of the CUDA kernels it ran), through the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = f()
+        torch.cuda.synchronize()
+    return out, {e.key for e in prof.key_averages()}
+
+
 @functools.lru_cache(maxsize=None)
 def late_copy():
     """copy(src, dst): a Triton kernel that lets its programmatic dependents launch at once

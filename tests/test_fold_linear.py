@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from lora_ops import backends, reference, testing
+from lora_ops import reference, testing
 
-from conftest import case_generator
+from conftest import case_generator, cuda_kernel_names, sm90_built
 
 
 
@@ -139,18 +139,6 @@ def test_fold_linear_compiles_without_graph_breaks(device):
 
 # ---- CUDA ----
 
-def _sm90_built():
-    info = backends.build_info().get("backends", {}).get("cuda", {})
-    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _cuda_kernels(f):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = f()
-        torch.cuda.synchronize()
-    return out, {e.key for e in prof.key_averages()}
-
-
 def _ran_cutlass(keys) -> bool:
     """CUTLASS's kernel among the profiler's names (mangled on the H200 image: _ZN7cutlass13device_kernel...)."""
     return any("cutlass" in k and "device_kernel" in k and "GemmUniversal" in k for k in keys)
@@ -169,9 +157,9 @@ def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
     """The automatic choice: the CUTLASS kernel up to 64 tokens, at::linear past them; the product within the output dtype's rounding of the float64 one."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     x, w, _ = _inputs(T, 520, 1040, dtype, "cuda")
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w))
+    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
     _assert_product(y, x, w)
-    assert _ran_cutlass(ran) == (_sm90_built() and T <= 64), ran
+    assert _ran_cutlass(ran) == (sm90_built() and T <= 64), ran
 
 
 @pytest.mark.gpu
@@ -191,7 +179,7 @@ def test_at_linear_where_the_kernel_does_not_serve(case, monkeypatch):
         w = torch.zeros(N * K + 1, dtype=dtype, device="cuda")[1:].view(N, K).copy_(w)  # 2 bytes off 16
     if case == "forced_cublas":
         monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cublas")
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, b))
+    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w, b))
     if dtype == torch.float32:
         torch.testing.assert_close(y, F.linear(x, w, b))
     else:
@@ -201,11 +189,11 @@ def test_at_linear_where_the_kernel_does_not_serve(case, monkeypatch):
 
 @pytest.mark.gpu
 def test_forced_cutlass_serves_any_token_count(monkeypatch):
-    if not _sm90_built():
+    if not sm90_built():
         pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")
     monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlass")
     x, w, _ = _inputs(300, 520, 1040, torch.bfloat16, "cuda")
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w))
+    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
     _assert_product(y, x, w)
     assert _ran_cutlass(ran), ran
 
@@ -243,8 +231,8 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
         lora_ops.lora_expand(out[:, :N], out[:, N:].view(T, L, R), lora_b, None, slots, scale=0.5)
         return out
 
-    _, ran = _cuda_kernels(step)
-    assert _ran_cutlass(ran) == (_sm90_built() and T <= 64), ran
+    _, ran = cuda_kernel_names(step)
+    assert _ran_cutlass(ran) == (sm90_built() and T <= 64), ran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -294,14 +282,14 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monke
     poisoned = torch.full((T, rows), float("nan"), dtype=torch.bfloat16, device="cuda")
     poisoned_ptr = poisoned.data_ptr()
     del poisoned
-    y, ran = _cuda_kernels(lambda: lora_ops.fold_linear(x, w, None, seg_indptr, slot_rows))
+    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w, None, seg_indptr, slot_rows))
     ref = reference.fold_linear(x, w)
     needed = torch.zeros(rows, dtype=torch.bool)
     needed[:base_rows] = True
     for slot in set(token_lora.tolist()) - {-1}:
         needed[base_rows + slot * slot_rows:base_rows + (slot + 1) * slot_rows] = True
     torch.testing.assert_close(y[:, needed].double(), ref[:, needed], rtol=2 ** -7, atol=1e-2)
-    if not _sm90_built():
+    if not sm90_built():
         assert not _ran_cutlass(ran) and not y.isnan().any()
         return
     assert _ran_cutlass(ran), ran

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from lora_ops import backends, reference
+from lora_ops import reference
 
-from conftest import case_generator
+from conftest import case_generator, cuda_kernel_names, sm90_built
 
 # Relative error bounds against the float64 oracle (max |err| / max |ref|): float32 sums; half types add h's
 # rounding to x's dtype and the output's.
@@ -227,18 +227,6 @@ def test_compiles_without_graph_breaks_or_recompiles_across_batch_mixes(device):
 
 # ---- CUDA ----
 
-def _sm90_built():
-    info = backends.build_info().get("backends", {}).get("cuda", {})
-    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _kernels(f):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = f()
-        torch.cuda.synchronize()
-    return out, {e.key for e in prof.key_averages()}
-
-
 def _ran_kext(keys) -> bool:
     """The shrink and the K-extended GEMM (mangled names: ...kext_shrink_kernel..., ...KextMainloop...)."""
     return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
@@ -259,9 +247,9 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
     args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"cuda-{T}-{slices}", **CUDA_SHAPE)
     x, w, a, b, slots, scales, bias = args
     for with_bias in (None, bias):
-        y, ran = _kernels(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
+        y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
-        assert _ran_kext(ran) == _sm90_built(), ran
+        assert _ran_kext(ran) == sm90_built(), ran
 
 
 @pytest.mark.gpu
@@ -334,6 +322,6 @@ def test_cuda_composition_where_the_kernels_do_not_serve(case, monkeypatch):
     x = args[0]
     if case == "strided_x":  # rows 2K apart
         x = torch.cat([x, x], dim=1)[:, :x.shape[1]]
-    y, ran = _kernels(lambda: lora_ops.lora_linear(x, *args[1:6], offsets))
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, *args[1:6], offsets))
     _assert_oracle(y, (x,) + args[1:6], offsets)
     assert not _ran_kext(ran), ran

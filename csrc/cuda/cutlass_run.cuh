@@ -17,6 +17,35 @@
 
 namespace lora_ops::cuda {
 
+// The collectives of the decode GEMMs (fold_linear's, lora_linear's): CUTLASS's ping-pong kernel for
+// y^T = W . x^T with W [M, K] row-major (K-major), x [N, K] (the tokens, K-major) and D = y^T column-major (y [N, M]
+// contiguous), T (fp16/bf16) in and out, float accumulation, TMA loads and stores, as many pipeline stages as the
+// shared memory left by the epilogue holds.
+template <class T, class Tile, class Cluster>
+struct PingpongDecodeCollectives {
+  static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
+      cutlass::layout::ColumnMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
+      cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+};
+
+// The current device's SMs and the clusters of kernel K that fit at once (an occupancy query: once per device).
+template <class K>
+cutlass::KernelHardwareInfo cached_hardware_info() {
+  static cutlass::KernelHardwareInfo cached[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  cutlass::KernelHardwareInfo& info = cached[device & 63];
+  if (info.sm_count == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(device);
+  return info;
+}
+
 // G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
 // programmatic: launched with programmatic stream serialization, so that it may start before the kernel before it
 // ends; the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's GEMM).

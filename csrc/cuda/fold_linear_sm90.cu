@@ -197,32 +197,12 @@ using cute::Shape;
 template <class T, int kTokens, int kClusterTiles = 2>
 struct FoldGemm {
   using Tile = Shape<_64, Int<kTokens>, _64>;
-  static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   using Cluster = Shape<Int<kClusterTiles>, _1, _1>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      fold::SlotSkipping>;
+  using Collectives = PingpongDecodeCollectives<T, Tile, Cluster>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename Collectives::Mainloop,
+                                                      typename Collectives::Epilogue, fold::SlotSkipping>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-
-// The device's SMs and the clusters of this kernel that fit at once (an occupancy query: once per device).
-template <class K>
-cutlass::KernelHardwareInfo hardware_info() {
-  static cutlass::KernelHardwareInfo cached[64] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  cutlass::KernelHardwareInfo& info = cached[device & 63];
-  if (info.sm_count == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(device);
-  return info;
-}
 
 // Whether the scheduler is given the slots' windows to skip (the step's seg_indptr).
 bool skips_slots(const FoldLinearParams& p) { return p.seg_indptr != nullptr && p.num_slots > 0; }
@@ -244,7 +224,7 @@ typename G::Device::Arguments arguments(const FoldLinearParams& p) {
   args.epilogue.dC = typename K::StrideC{Int<1>{}, p.n, int64_t{0}};
   args.epilogue.ptr_D = static_cast<T*>(p.y);
   args.epilogue.dD = typename K::StrideD{Int<1>{}, p.n, int64_t{0}};
-  args.hw_info = hardware_info<K>();
+  args.hw_info = cached_hardware_info<K>();
   if (skips_slots(p)) {  // then slot_rows <= n / num_slots fits int32
     args.scheduler.slots = {p.seg_indptr, static_cast<int32_t>(p.n - p.num_slots * p.slot_rows),
                             static_cast<int32_t>(p.slot_rows), static_cast<int32_t>(p.num_slots)};

@@ -9,7 +9,7 @@
 // Why this shape (csrc/cuda/NOTES.md, sessions 26-31): at decode the LoRA cost is the number of dependent launches
 // and the bytes read. The fold route's GEMM + expand read every used slot's A in the GEMM and B in a second kernel
 // that waits for the whole GEMM; here the expand is K blocks of the base GEMM, and the shrink runs under the GEMM's
-// W stream. H200, llama3-8b decode steps (benchmarks/kext_probe.cu, one call): T=32/1 adapter +9.8% against the
+// W stream. H200, llama3-8b decode steps (the probe it came from, one call): T=32/1 adapter +9.8% against the
 // fold route's +12.7%, T=32/32 +18.1 against +23.2, T=64/32 +20.8 against +34.8.
 //
 // The shrink: a warp per rank row of a row of x, CTAs of 32 warps (packed into few SMs, leaving the others to the
@@ -364,32 +364,12 @@ struct KextMainloop : Base {
 template <class T, int kTokens>
 struct KextGemm {
   using Tile = Shape<_64, Int<kTokens>, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  static constexpr int kAlign = 16 / sizeof(T);
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using Mainloop = KextMainloop<BaseMainloop>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Collectives = PingpongDecodeCollectives<T, Tile, Shape<_1, _1, _1>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
+                                                      KextMainloop<typename Collectives::Mainloop>,
+                                                      typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-
-// The device's SMs (an occupancy query: once per device and kernel).
-template <class K>
-cutlass::KernelHardwareInfo kext_hardware_info() {
-  static cutlass::KernelHardwareInfo cached[64] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  cutlass::KernelHardwareInfo& info = cached[device & 63];
-  if (info.sm_count == 0) info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(device);
-  return info;
-}
 
 template <class G>
 typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
@@ -421,7 +401,7 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   args.epilogue.dC = typename K::StrideC{Int<1>{}, p.n, int64_t{0}};
   args.epilogue.ptr_D = static_cast<T*>(p.y);
   args.epilogue.dD = typename K::StrideD{Int<1>{}, p.n, int64_t{0}};
-  args.hw_info = kext_hardware_info<K>();
+  args.hw_info = cached_hardware_info<K>();
   return args;
 }
 
