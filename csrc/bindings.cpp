@@ -142,6 +142,9 @@ TORCH_LIBRARY(lora_ops, m) {
   // A whole multi-LoRA linear layer, y = x·weightᵀ (+ bias) + each row's delta with h rounded to x's dtype, from
   // the rows' own slots (no segments): on sm_90 at decode sizes a shrink and one K-extended GEMM (the kext route).
   m.def((std::string("lora_linear") + lora_ops::schema::kLoraLinear).c_str());
+  // Whether lora_linear's own CUDA kernels serve a layer of these weights up to their token bound (false on every
+  // backend but CUDA): the serving layer's kext route is taken only where they do.
+  m.def("_lora_linear_kernels_serve(Tensor weight, Tensor lora_a, Tensor lora_b, int[]? slice_offsets=None) -> bool");
   // The Triton kernels of sgmv, lora_expand and grouped_gemm under names of their own (registered for CUDA from
   // Python), so that a caller choosing the backend per regime (lora_ops/routes.py, the CUDA kernels' op table)
   // reaches either one through the dispatcher.
@@ -172,6 +175,8 @@ TORCH_LIBRARY(lora_ops, m) {
 TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
   m.impl("fold_linear", &fold_linear_default);
   m.impl("lora_linear", &lora_ops::lora_linear_composite);
+  m.impl("_lora_linear_kernels_serve",
+         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, at::OptionalIntArrayRef) { return false; });
   m.impl("_check_build_segments", &check_build_segments_op);
   m.impl("_check_sgmv", &check_sgmv_op);
   m.impl("_check_lora_expand", &check_lora_expand_op);

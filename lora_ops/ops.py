@@ -128,13 +128,14 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     stride), token_slot [T] int32/int64, lora_scales [L] float32 (default ones), slice_offsets S+1 ints from 0 to N
     (default [0, N]), bias [N] (x's dtype). Returns y [..., N] in x's dtype. Every slot's window is R wide: a
     smaller rank is zeros in lora_a's rows and lora_b's columns past it, as the adapter pool stores them (there is
-    no ranks argument: unlike sgmv, the cost is R's, not the true rank's).
+    no ranks argument: unlike sgmv, the cost is R's, not the true rank's). A and B must be finite in every slot: the
+    GEMM multiplies each row's zeros by the B of every slot in a 64-column block it reads, and 0 · inf is NaN.
 
     On CUDA sm_90 at decode sizes (T ≤ 64, fp16/bf16, contiguous x, K a multiple of 64 of at least 64 × the GEMM's
     pipeline stages, L·R and the slice bounds multiples of 64, S ≤ 4, L ≤ 64, and lora_b a view of an [N, L·R]
     matrix: ``lora_b.stride(0) == R``, each row's slots side by side) it is two launches: a shrink that writes h, and
     one GEMM ``[x | h] · [weight | B]ᵀ`` that reads x and weight while the shrink runs (programmatic dependent launch)
-    and skips the B of slots no row uses. Elsewhere the same computation composed of torch ops (with h rounded the
-    same way). Deterministic; no host sync; any token_slot values are memory-safe.
+    and skips the 64-column blocks of B whose slots no row uses. Elsewhere the same computation composed of torch
+    ops (with h rounded the same way). Deterministic; no host sync; any token_slot values are memory-safe.
     """
     return _lora_linear(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias)

@@ -91,10 +91,13 @@ def validate(table: dict) -> None:
                 raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
 
 
-def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[str, str]:
+def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
+         kext_serves: bool = True) -> Tuple[str, str]:
     """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the
-    table's choice on CUDA, the sgmv route elsewhere. LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton,
-    kext-cuda) forces one on any device, for tests and comparisons."""
+    table's choice on CUDA, the sgmv route elsewhere. Where the table chooses kext but its kernels do not serve the
+    module (`kext_serves`: another GPU, dtype or shape), the fastest other route the table timed at that regime.
+    LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton, kext-cuda) forces one on any device, for tests and
+    comparisons."""
     forced = os.environ.get("LORA_OPS_ROUTE")
     if forced:
         route, _, backend = forced.partition("-")
@@ -102,8 +105,11 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16) -> Tuple[st
             raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend>, one of {', '.join(NAMES)}")
     elif device_type == "cuda":
         regimes = next(c["regimes"] for c in _classes() if c["max_rank"] is None or max_rank <= c["max_rank"])
-        route, backend = next((r["route"], r["backend"]) for r in regimes
-                              if r["max_tokens"] is None or tokens <= r["max_tokens"])
+        regime = next(r for r in regimes if r["max_tokens"] is None or tokens <= r["max_tokens"])
+        route, backend = regime["route"], regime["backend"]
+        if route == "kext" and not kext_serves:
+            timed = {name: us for name, us in regime["us"].items() if name in NAMES and not name.startswith("kext")}
+            route, _, backend = min(timed, key=timed.get).partition("-")
     else:
         route, backend = "sgmv", "cuda"
     # Off CUDA, "cuda" stands for the public op, whose dispatch serves the tensors' device.

@@ -31,6 +31,31 @@ def test_committed_table_covers_every_regime():
     for tokens in (1, *[t for b in routes.REGIME_BOUNDS[:-1] for t in (b, b + 1)], 1 << 20):
         for max_rank in (1, 16, 32, 33, 64, 256):
             assert routes.pick(tokens, "cuda", max_rank) in routes.PAIRS
+            assert routes.pick(tokens, "cuda", max_rank, kext_serves=False)[0] != "kext"
+
+
+def test_pick_takes_the_fastest_other_route_where_the_kext_kernels_do_not_serve(monkeypatch):
+    """A module whose shapes, dtype or GPU lora_linear's kernels do not serve (its composition of torch ops would
+    run) takes the fastest other route the table timed at that regime."""
+    monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
+    us = {"base": 100.0, "kext-cuda": 110.0, "fold-cuda": 130.0, "fold-triton": 125.0, "sgmv-cuda": 150.0,
+          "sgmv-triton": 160.0}
+    regimes = [{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": us},
+               {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
+    monkeypatch.setattr(routes, "_table", [{"max_rank": None, "regimes": regimes}])
+    assert routes.pick(64, "cuda", 16) == ("kext", "cuda")
+    assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "triton")
+    assert routes.pick(65, "cuda", 16, kext_serves=False) == ("sgmv", "cuda")
+    monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")  # forced: taken whatever the kernels serve
+    assert routes.pick(64, "cuda", 16, kext_serves=False) == ("kext", "cuda")
+
+
+def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noqa: F811
+    """_lora_linear_kernels_serve is false off CUDA (on a GPU, true only where the sm_90 kernels run: not for this
+    model's 64 features, below the GEMM's 64 x pipeline stages)."""
+    base, root = adapters
+    _, pool = _pool_model(base, root, ["a"])
+    assert pool.modules and not any(m.kext_serves for m in pool.modules.values())
 
 
 @pytest.mark.parametrize("regimes,msg", [
@@ -46,7 +71,7 @@ def test_committed_table_covers_every_regime():
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
     ([{"max_tokens": 128, "route": "kext", "backend": "cuda"},
-      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 64 tokens"),  # past them lora_linear is its torch-op composition
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 64 tokens"),
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),

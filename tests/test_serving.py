@@ -174,6 +174,9 @@ BAD = {
                   AdapterFormatError, "has lora_A only"),
     "extra_tensor": (dict(weights_change=lambda w: {**w, "base_model.model.lm_head.weight": torch.zeros(2, 2)}),
                      UnsupportedAdapterError, "not a LoRA A/B weight"),
+    "non_finite": (dict(weights_change=lambda w: {k: (v.index_fill(0, torch.tensor([0]), float("inf"))
+                                                      if k == _first_key(w, "lora_B") else v) for k, v in w.items()}),
+                   AdapterFormatError, "holds inf or NaN"),
 }
 
 

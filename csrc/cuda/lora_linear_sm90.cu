@@ -4,8 +4,8 @@
 //   2. one GEMM y = [x | h_j] . [W | B]^T on CUTLASS's sm_90 ping-pong kernel (TMA + wgmma), B = b_cols [N, L*R]
 //      (lora_b's [L, N, R] viewed with each row's slots side by side: column s*R + r holds lora_b[s, n, r]),
 //      launched programmatically: its producer loads x's and W's K blocks at once (x was written before the shrink
-//      started) and waits for the shrink (griddepcontrol.wait) only before its first h block. The B blocks of
-//      slots no row uses are not read.
+//      started) and waits for the shrink (griddepcontrol.wait) only before its first h block. The B blocks (64
+//      columns: 64 / R slots) of which no slot is used by a row are not read.
 // Why this shape (csrc/cuda/NOTES.md, sessions 26-31): at decode the LoRA cost is the number of dependent launches
 // and the bytes read. The fold route's GEMM + expand read every used slot's A in the GEMM and B in a second kernel
 // that waits for the whole GEMM; here the expand is K blocks of the base GEMM, and the shrink runs under the GEMM's
@@ -234,7 +234,7 @@ struct KextMainloop : Base {
            slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) && e.num_slices >= 1 &&
            e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots && e.rank >= 1 &&
            e.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
-           e.token_slot != nullptr && e.num_tokens == N && N <= kKextMaxTokens;
+           e.num_tokens == N && N <= kKextMaxTokens;
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -427,14 +427,26 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if (p.t < 1 || p.t > kLoraLinearMaxTokens || p.n < 1 || p.k < 64 || p.k % 64 != 0) return false;
   if (p.n > INT_MAX || p.k > INT_MAX / 2 || p.num_slots < 1 || p.num_slots > 64 || p.rank < 1) return false;
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
+  if (p.t * p.num_slices * p.rank > INT_MAX) return false;  // the shrink's warp index is an int
   if (p.num_slices < 1 || p.num_slices > 4) return false;
   for (int s = 1; s <= p.num_slices; ++s) {
     if (p.slice_offsets[s] % 64 != 0) return false;  // a W tile of 64 rows lies in one slice
   }
   const int64_t es = 2;
-  return aligned(p.x, {p.x_row_stride * es}) && aligned(p.w, {p.w_row_stride * es}) &&
-         aligned(p.lora_a, {p.a_slot_stride * es, p.a_row_stride * es}) && aligned(p.b_cols, {p.b_row_stride * es}) &&
-         aligned(p.y, {p.n * es});
+  if (!(aligned(p.x, {p.x_row_stride * es}) && aligned(p.w, {p.w_row_stride * es}) &&
+        aligned(p.lora_a, {p.a_slot_stride * es, p.a_row_stride * es}) && aligned(p.b_cols, {p.b_row_stride * es}) &&
+        aligned(p.y, {p.n * es}))) {
+    return false;
+  }
+#if defined(LORA_OPS_GG_SM90)
+  return kext_dispatch(p, [&](auto gemm, auto) {  // CUTLASS's own checks, and the stages rule, for T's tile
+    using G = decltype(gemm);
+    const auto args = kext_arguments<G>(p);
+    return G::Kernel::can_implement(args) && G::Device::get_workspace_size(args) == 0;
+  });
+#else
+  return false;
+#endif
 }
 
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream) {
@@ -443,8 +455,10 @@ cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stre
     using G = decltype(gemm);
     using E = decltype(element);
     const auto args = kext_arguments<G>(p);
-    // CUTLASS's own host checks (and the stages rule) before anything is launched; no workspace
-    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return cudaErrorNotSupported;
+    // CUTLASS's own host checks (and the stages rule: lora_linear_sm90_supported's too) before anything launches
+    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0 || p.token_slot == nullptr) {
+      return cudaErrorNotSupported;
+    }
     const ShrinkArgs shrink{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                             p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                             /*opaque_zero=*/0u};

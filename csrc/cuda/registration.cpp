@@ -353,10 +353,40 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   return at::linear(x, weight, bias);
 }
 
+// lora_linear's kernel parameters on the weights' side (W, A, B, the slices) for x's t contiguous rows at x_ptr,
+// when the sm_90a kernels serve them on x's device (cuda::lora_linear_sm90_supported: dtype, sizes, strides,
+// alignment, CUTLASS's own checks); nullopt elsewhere. S: the slices, as the checks counted them.
+std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr, int64_t t, const at::Tensor& weight,
+                                                              const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                                              at::OptionalIntArrayRef slice_offsets, int64_t S) {
+  const int64_t N = weight.size(0), K = weight.size(1), L = lora_a.size(0), R = S > 0 ? lora_a.size(1) / S : 0;
+  const auto dtype = weight.scalar_type();
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || L == 0 || R == 0 || (L != 1 && lora_b.stride(0) != R)) {
+    return std::nullopt;  // B's [N, L*R] view needs each row's slots side by side
+  }
+  cuda::LoraLinearParams p{};
+  p.x = x_ptr;
+  p.w = weight.data_ptr();
+  p.lora_a = lora_a.data_ptr();
+  p.b_cols = lora_b.data_ptr();
+  p.t = t, p.n = N, p.k = K, p.x_row_stride = K, p.w_row_stride = weight.stride(0);
+  p.a_slot_stride = lora_a.stride(0), p.a_row_stride = lora_a.stride(1), p.b_row_stride = lora_b.stride(1);
+  p.num_slots = L, p.rank = R, p.num_slices = S;
+  p.slice_offsets[0] = 0;
+  for (int64_t s = 1; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : N;
+  p.dtype = dtype == at::kHalf ? DType::F16 : DType::BF16;
+  const int device = weight.get_device();
+  if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                        device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+    return std::nullopt;
+  }
+  return p;
+}
+
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
 // up to kLoraLinearMaxTokens rows, contiguous x, lora_b with each row's slots side by side (the adapter pool's
-// layout); a bias is added after the GEMM. Elsewhere the ATen composition. LORA_OPS_CUDA_LINEAR_KERNEL=cublas forces
-// the composition (its GEMMs are cuBLAS's), as it does fold_linear's.
+// kext_lora_b); a bias is added after the GEMM. Elsewhere the ATen composition. LORA_OPS_CUDA_LINEAR_KERNEL=cublas
+// forces the composition (its GEMMs are cuBLAS's), as it does fold_linear's.
 at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
                             const at::Tensor& lora_b, const at::Tensor& token_slot,
                             const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
@@ -364,26 +394,10 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t S = check_lora_linear_host(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
   const auto preferred =
       preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
-  const int64_t K = x.size(-1), N = weight.size(0), L = lora_a.size(0), R = lora_a.size(1) / S;
-  const int64_t T = token_slot.size(0);
-  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  if (preferred != FoldLinearKernel::Cublas && half && x.is_contiguous() && L > 0 &&
-      (L == 1 || lora_b.stride(0) == R)) {
+  if (preferred != FoldLinearKernel::Cublas && x.scalar_type() == weight.scalar_type() && x.is_contiguous()) {
     const c10::cuda::CUDAGuard guard(x.device());
-    const int device = x.get_device();
-    cuda::LoraLinearParams p{};
-    p.x = x.data_ptr();
-    p.w = weight.data_ptr();
-    p.lora_a = lora_a.data_ptr();
-    p.b_cols = lora_b.data_ptr();
-    p.t = T, p.n = N, p.k = K, p.x_row_stride = K, p.w_row_stride = weight.stride(0);
-    p.a_slot_stride = lora_a.stride(0), p.a_row_stride = lora_a.stride(1), p.b_row_stride = lora_b.stride(1);
-    p.num_slots = L, p.rank = R, p.num_slices = S;
-    p.slice_offsets[0] = 0;
-    for (int64_t s = 1; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : N;
-    p.dtype = x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16;
-    if (cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+    const int64_t T = token_slot.size(0), N = weight.size(0), L = lora_a.size(0), R = lora_a.size(1) / S;
+    if (auto p = lora_linear_sm90_params(x.data_ptr(), T, weight, lora_a, lora_b, slice_offsets, S)) {
       const at::Tensor slots = kernel_index(token_slot);
       const at::Tensor scales = lora_scales.has_value() ? lora_scales->contiguous()
                                                         : at::ones({L}, x.options().dtype(at::kFloat));
@@ -391,11 +405,11 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       auto sizes = x.sizes().vec();
       sizes.back() = N;
       const at::Tensor y = at::empty(sizes, x.options());
-      p.token_slot = slots.data_ptr<int32_t>();
-      p.scales = scales.data_ptr<float>();
-      p.h = h.data_ptr();
-      p.y = y.data_ptr();
-      const cudaError_t err = cuda::launch_lora_linear_sm90(p, c10::cuda::getCurrentCUDAStream());
+      p->token_slot = slots.data_ptr<int32_t>();
+      p->scales = scales.data_ptr<float>();
+      p->h = h.data_ptr();
+      p->y = y.data_ptr();
+      const cudaError_t err = cuda::launch_lora_linear_sm90(*p, c10::cuda::getCurrentCUDAStream());
       if (err != cudaErrorNotSupported) {
         C10_CUDA_CHECK(err);
         if (bias.has_value()) y.add_(*bias);
@@ -404,6 +418,31 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     }
   }
   return lora_linear_composite(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
+}
+
+// Whether lora_linear's sm_90a kernels serve a layer of these weights at every T from 1 to kLoraLinearMaxTokens
+// (one T per GEMM tile; x contiguous and 16-byte aligned, as a fresh allocation is; weight's own address stands in
+// for it): the serving layer asks once per module, and takes its kext route only where they run. Tensors the op
+// would refuse answer false.
+bool lora_linear_kernels_serve_cuda(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                    at::OptionalIntArrayRef slice_offsets) {
+  if (weight.dim() != 2 || lora_a.dim() != 3 || lora_b.dim() != 3 || lora_a.scalar_type() != weight.scalar_type() ||
+      lora_b.scalar_type() != weight.scalar_type() || weight.stride(1) != 1 || lora_a.stride(2) != 1 ||
+      lora_b.stride(2) != 1) {
+    return false;
+  }
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t S = slice_offsets.has_value() ? static_cast<int64_t>(slice_offsets->size()) - 1 : 1;
+  if (S < 1 || S > kMaxSlices || lora_a.size(1) % S != 0 || lora_a.size(2) != K || lora_b.size(0) != lora_a.size(0) ||
+      lora_b.size(1) != N || lora_b.size(2) != lora_a.size(1) / S ||
+      (slice_offsets.has_value() && (slice_offsets->front() != 0 || slice_offsets->back() != N))) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(weight.device());
+  for (const int64_t t : {int64_t{16}, int64_t{32}, cuda::kLoraLinearMaxTokens}) {
+    if (!lora_linear_sm90_params(weight.data_ptr(), t, weight, lora_a, lora_b, slice_offsets, S)) return false;
+  }
+  return true;
 }
 
 // The kernels and their Triton twins share one signature (the op's schema).
@@ -432,4 +471,5 @@ TORCH_LIBRARY_IMPL(lora_ops, CUDA, m) {
   m.impl("build_segments", &lora_ops::build_segments_cuda);
   m.impl("fold_linear", &lora_ops::fold_linear_cuda);
   m.impl("lora_linear", &lora_ops::lora_linear_cuda);
+  m.impl("_lora_linear_kernels_serve", &lora_ops::lora_linear_kernels_serve_cuda);
 }

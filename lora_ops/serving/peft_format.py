@@ -246,10 +246,10 @@ def stage(config: dict, weights: Dict[str, torch.Tensor], modules: Mapping, max_
                                          f"{mod.slice_names[s]} of {mod.name}")
             s_lo, s_hi = mod.slice_offsets[s] - lo, mod.slice_offsets[s + 1] - lo
             slices[mod.name][s] = _Slice(a, b[s_lo:s_hi], rank, scale, module_path)
-    return {name: _assemble(modules[name], per_slice, max_rank) for name, per_slice in slices.items()}
+    return {name: _assemble(modules[name], per_slice, max_rank, path) for name, per_slice in slices.items()}
 
 
-def _assemble(mod, per_slice: Dict[int, _Slice], max_rank: int) -> StagedModule:
+def _assemble(mod, per_slice: Dict[int, _Slice], max_rank: int, path: str) -> StagedModule:
     rank = max(s.rank for s in per_slice.values())
     scale = next(iter(per_slice.values())).scale
     A = torch.zeros(len(mod.slice_names) * max_rank, mod.in_features, dtype=mod.lora_a.dtype)
@@ -259,6 +259,11 @@ def _assemble(mod, per_slice: Dict[int, _Slice], max_rank: int) -> StagedModule:
         A[s * max_rank: s * max_rank + sl.rank] = sl.a.to(A.dtype)
         # one scale per slot and module: a slice with another scale carries the ratio in its B
         B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale)).to(B.dtype)
+    # The kext route's GEMM multiplies every row's zeros by the B of every slot in a 64-column block it reads (and
+    # its composition by every slot's): an inf or NaN of one adapter would reach other adapters' rows.
+    if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+        raise AdapterFormatError(f"{path}: {mod.name}: lora_A or lora_B holds inf or NaN in the pool's dtype "
+                                 f"{A.dtype} (after the scale), which would reach other adapters' rows")
     return StagedModule(A, B, rank, scale)
 
 

@@ -55,6 +55,10 @@ class ModuleSlots:
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
+        # Whether lora_linear's CUDA kernels serve this module (device, dtype, sizes): the kext route is taken only
+        # where they do; elsewhere lora_linear is its composition of torch ops, no route.
+        self.kext_serves = bool(torch.ops.lora_ops._lora_linear_kernels_serve(base.weight, self.lora_a,
+                                                                              self.kext_lora_b, self.offsets_arg))
         self.ranks_arg: Optional[torch.Tensor] = None  # what the ops get: see AdapterPool.load
         # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
         # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
