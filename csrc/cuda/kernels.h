@@ -138,7 +138,7 @@ struct LoraLinearParams {
 constexpr int64_t kLoraLinearMaxTokens = 64;
 // Supported: fp16/bf16 on sm_90a, K and num_slots * rank multiples of 64 (K >= 64), slice bounds multiples of 64,
 // at most 4 slices and 64 slots, 16-byte aligned rows, and CUTLASS's host checks for T's tile (at least as many K
-// blocks of x as pipeline stages). The launch returns cudaErrorNotSupported, launching nothing, where they fail.
+// blocks of x as pipeline stages). The launch requires it (it does not check again: decode calls it per layer).
 bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream);
 

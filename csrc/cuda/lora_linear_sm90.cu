@@ -37,6 +37,9 @@
 
 namespace lora_ops::cuda {
 
+constexpr int kKextMaxSlices = 4;
+constexpr int kKextMaxSlots = 64;  // the slot mask's bits
+
 #if defined(LORA_OPS_GG_SM90)
 namespace {
 
@@ -140,9 +143,8 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
 }
 
 // What the K-extended GEMM adds to CUTLASS's mainloop arguments (once, in Arguments and Params alike).
-constexpr int kKextMaxSlices = 4;
-constexpr int kKextMaxSlots = 64;  // the slot mask's bits
-constexpr int kKextMaxTokens = 64;
+constexpr int kKextMaxTokens = static_cast<int>(kLoraLinearMaxTokens);  // the slot mask's rows: 2 per lane
+static_assert(kKextMaxTokens == 64, "TokenSlots below holds two rows per lane");
 template <class ElementA, class StrideA, class ElementB, class StrideB>
 struct KextExtension {
   ElementA const* b_cols;  // [M, L*R]: the W rows' B of every slot
@@ -425,10 +427,11 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if (!grouped_gemm_sm90_built() || cc_major != 9 || cc_minor != 0) return false;  // sm_90a code runs on 9.0 only
   if (p.dtype != DType::F16 && p.dtype != DType::BF16) return false;
   if (p.t < 1 || p.t > kLoraLinearMaxTokens || p.n < 1 || p.k < 64 || p.k % 64 != 0) return false;
-  if (p.n > INT_MAX || p.k > INT_MAX / 2 || p.num_slots < 1 || p.num_slots > 64 || p.rank < 1) return false;
+  if (p.n > INT_MAX || p.k > INT_MAX / 2 || p.rank < 1) return false;
+  if (p.num_slots < 1 || p.num_slots > kKextMaxSlots) return false;
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
   if (p.t * p.num_slices * p.rank > INT_MAX) return false;  // the shrink's warp index is an int
-  if (p.num_slices < 1 || p.num_slices > 4) return false;
+  if (p.num_slices < 1 || p.num_slices > kKextMaxSlices) return false;
   for (int s = 1; s <= p.num_slices; ++s) {
     if (p.slice_offsets[s] % 64 != 0) return false;  // a W tile of 64 rows lies in one slice
   }
@@ -454,11 +457,7 @@ cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stre
   return kext_dispatch(p, [&](auto gemm, auto element) -> cudaError_t {
     using G = decltype(gemm);
     using E = decltype(element);
-    const auto args = kext_arguments<G>(p);
-    // CUTLASS's own host checks (and the stages rule: lora_linear_sm90_supported's too) before anything launches
-    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0 || p.token_slot == nullptr) {
-      return cudaErrorNotSupported;
-    }
+    const auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
     const ShrinkArgs shrink{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                             p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                             /*opaque_zero=*/0u};

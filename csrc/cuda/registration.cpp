@@ -409,12 +409,9 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       p->scales = scales.data_ptr<float>();
       p->h = h.data_ptr();
       p->y = y.data_ptr();
-      const cudaError_t err = cuda::launch_lora_linear_sm90(*p, c10::cuda::getCurrentCUDAStream());
-      if (err != cudaErrorNotSupported) {
-        C10_CUDA_CHECK(err);
-        if (bias.has_value()) y.add_(*bias);
-        return y;
-      }
+      C10_CUDA_CHECK(cuda::launch_lora_linear_sm90(*p, c10::cuda::getCurrentCUDAStream()));
+      if (bias.has_value()) y.add_(*bias);
+      return y;
     }
   }
   return lora_linear_composite(x, weight, lora_a, lora_b, token_slot, lora_scales, slice_offsets, bias);
