@@ -16,14 +16,16 @@ _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def llama(seed=0):
+def llama(seed=0, **shape):
+    """A Llama of _SHAPE, with any of its fields replaced by `shape`'s."""
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SHAPE)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_SHAPE, **shape})).eval()
 
 
 def fused_twin(model):
     """The Phi-3 model whose qkv_proj / gate_up_proj are the Llama's q|k|v and gate|up weights stacked."""
-    fused = transformers.Phi3ForCausalLM(transformers.Phi3Config(pad_token_id=0, **_SHAPE)).eval()
+    shape = {k: getattr(model.config, k) for k in _SHAPE}
+    fused = transformers.Phi3ForCausalLM(transformers.Phi3Config(pad_token_id=0, **shape)).eval()
     state = model.state_dict()
     out = {}
     for key, w in state.items():

@@ -7,6 +7,8 @@ import torch
 
 from lora_ops import routes
 
+import serving_models
+from conftest import cuda_kernel_names, sm90_built
 from test_serving import _model_and_adapters, _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a fixture)
 
 
@@ -137,8 +139,9 @@ def test_every_route_matches_peft(models, device, route, monkeypatch, request):
     """Prefill and decode of a mixed batch through each forced route, against PEFT's own mixed-adapter forward, on
     base layers without and with a bias (the sgmv route's is the base layer's, the fold route's in bias_cat, the kext
     route's passed to lora_linear); every route leaves the model exactly the base without a batch, and reads the
-    pool's weights: the base weight and A as views of [W; A], B contiguous, and for the kext route B's copy as
-    columns [N, L·R] (each row's slots side by side, the layout of the kext route's GEMM [W | B])."""
+    pool's weights: the base weight and A as views of [W; A], B contiguous, and where lora_linear's CUDA kernels
+    serve the module B's copy as columns [N, L·R] (each row's slots side by side, the layout of the kext route's
+    GEMM [W | B]; these models' 64 features are below the kernels' sizes: no copy)."""
     if device == "cpu" and route.endswith("triton"):
         pytest.skip("Triton routes run on CUDA tensors")
     monkeypatch.setenv("LORA_OPS_ROUTE", route)
@@ -161,5 +164,47 @@ def test_every_route_matches_peft(models, device, route, monkeypatch, request):
     assert m.lora_a.data_ptr() == m.w_cat[m.out_features:].data_ptr()  # A lives inside [W; A]: not copied
     L, N, R = m.lora_b.shape
     assert m.lora_b.is_contiguous()
-    assert m.kext_lora_b.data_ptr() == m.b_cols.data_ptr() and m.kext_lora_b.stride() == (R, L * R, 1)
-    assert torch.equal(m.kext_lora_b, m.lora_b)  # the kext route's copy of B is kept equal
+    if m.kext_serves:  # lora_linear's CUDA kernels read B's copy, as columns of W's rows
+        assert m.kext_lora_b.data_ptr() == m.b_cols.data_ptr() and m.kext_lora_b.stride() == (R, L * R, 1)
+        assert torch.equal(m.kext_lora_b, m.lora_b)  # kept equal
+    else:  # elsewhere lora_linear's composition reads lora_b itself: no copy
+        assert m.kext_lora_b is m.lora_b and m.b_cols is None
+
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["llama", "fused-twin"])
+def test_kext_route_runs_its_kernels_in_a_model(tmp_path, fused, monkeypatch):
+    """At lora_linear's kernels' sizes (K of 1536 and 2048, every width a multiple of 64; the other serving tests'
+    64-feature models run its composition), the kext route runs its CUDA kernels in every patched layer, on B's copy
+    as columns of W's rows, with fused slices too, and gives PEFT's outputs to bf16's rounding, as the sgmv route
+    does."""
+    if not sm90_built():
+        pytest.skip("lora_linear's CUDA kernels are sm_90a: not built, or not this GPU")
+    base = serving_models.llama(hidden_size=1536, intermediate_size=2048, num_attention_heads=12,
+                                num_key_value_heads=4, num_hidden_layers=1)
+    adapters = {name: serving_models.save_adapter(base, tmp_path / name, r=rank, lora_alpha=2 * rank,
+                                                  target_modules=ALL_MODULES) for name, rank in (("a", 16), ("b", 8))}
+    model = serving_models.fused_twin(base) if fused else base
+    rows = ["a", None, "b", "a"]
+    ids = torch.randint(0, serving_models.VOCAB, (len(rows), 6), device="cuda")  # 24 tokens
+    want = serving_models.peft_logits(serving_models.peft_model(base, adapters).cuda(), ids, rows)
+    with torch.no_grad():
+        plain = copy.deepcopy(base).cuda()(ids).logits
+    model, got = model.to(torch.bfloat16), {}
+    for route in ("kext-cuda", "sgmv-cuda"):
+        monkeypatch.setenv("LORA_OPS_ROUTE", route)
+        lora_model, pool = serving_models.pool_model(model, adapters, device="cuda")
+        got[route], ran = cuda_kernel_names(lambda: serving_models.pool_logits(lora_model, pool, ids, rows))
+        if route == "kext-cuda":
+            assert all(m.kext_serves for m in pool.modules.values())
+            assert any("kext_shrink_kernel" in k for k in ran) and any("KextMainloop" in k for k in ran), ran
+            for m in pool.modules.values():
+                L, N, R = m.lora_b.shape
+                assert m.kext_lora_b.data_ptr() == m.b_cols.data_ptr() and m.kext_lora_b.stride() == (R, L * R, 1)
+                assert torch.equal(m.kext_lora_b, m.lora_b)
+    err = {route: serving_models.rel_err(logits, want) for route, logits in got.items()}
+    assert err["kext-cuda"] < 1.5 * err["sgmv-cuda"] + 2e-3, err
+    assert serving_models.rel_err(plain, want) > 10 * err["kext-cuda"], "the adapters must change the output"

@@ -66,7 +66,7 @@ def _pool_model(base, root, names, num_slots=4, max_rank=16, device="cpu", dtype
 
 
 def _slot_tensors(m):
-    return m.lora_a, m.lora_b, m.b_cols, m.ranks, m.scales
+    return m.lora_a, m.lora_b, m.kext_lora_b, m.ranks, m.scales
 
 
 def _pool_state(pool):
@@ -501,8 +501,8 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
 
 def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adapters, monkeypatch):
     """The layer's kext route passes lora_linear the pool's tensors themselves, nothing copied per step: the base
-    weight (w_cat's first rows), B as the view of b_cols (the pool's copy of B) whose rows hold every slot's R values
-    side by side (the layout its sm_90 GEMM reads as [W | B]), the slots' scales, and the step's token slots."""
+    weight (w_cat's first rows), B (here, off lora_linear's CUDA kernels, lora_b itself: no copy; where they serve the
+    module, test_kext_route_runs_its_kernels_in_a_model), the slots' scales, and the step's token slots."""
     monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")
     base, root = adapters
     model, pool = _pool_model(base, root, ["a", "b"])
@@ -514,8 +514,7 @@ def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adap
     ((x, weight, lora_a, lora_b, token_slot, scales, offsets, bias),) = calls
     assert weight.data_ptr() == m.w_cat.data_ptr() and weight.shape == (m.out_features, m.in_features)
     assert lora_a is m.lora_a and lora_b is m.kext_lora_b and scales is m.scales and offsets is m.offsets_arg
-    L, N, R = lora_b.shape
-    assert lora_b.data_ptr() == m.b_cols.data_ptr() and lora_b.stride() == (R, L * R, 1)
+    assert lora_b is m.lora_b and m.b_cols is None  # B is copied only for lora_linear's CUDA kernels
     assert token_slot.data_ptr() == batch.token_slots.data_ptr() and bias is lin.base.bias
 
 

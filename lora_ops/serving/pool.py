@@ -27,11 +27,13 @@ class ModuleSlots:
     N rows and lora_a a view of the rest. The fold route's one GEMM against w_cat gives y and every used slot's h
     at once, and W and A are stored once.
 
-    B is stored twice: lora_b [L, N, R] (contiguous: the sgmv and fold routes) and b_cols [N, L*R] (slot l's R
-    columns at l*R, as extra columns of W's rows: the kext route's GEMM reads [W | B] row by row; kext_lora_b is
-    its view [L, N, R], strides (R, L*R, 1)). One layout for both cost the fold route 3-8 points of a llama3-8b
-    decode step (the strided B in its expand; H200, csrc/cuda/NOTES.md session 31), the copy costs B's bytes once
-    more (llama3-8b, 32 slots of rank 16: 1.4 GB). Create the pool after moving the model to its device and
+    B is stored twice where lora_linear's CUDA kernels serve the module (kext_serves: sm_90, its dtypes and
+    sizes): lora_b [L, N, R] (contiguous: the sgmv and fold routes) and b_cols [N, L*R] (slot l's R columns at l*R,
+    as extra columns of W's rows: the kext route's GEMM reads [W | B] row by row; kext_lora_b is its view
+    [L, N, R], strides (R, L*R, 1)). One layout for both cost the fold route 3-8 points of a llama3-8b decode step
+    (the strided B in its expand; H200, csrc/cuda/NOTES.md session 31), the copy costs B's bytes once more
+    (llama3-8b, 32 slots of rank 16: 1.4 GB). Elsewhere there is no copy (b_cols None, kext_lora_b is lora_b: the
+    composition lora_linear runs there reads any layout). Create the pool after moving the model to its device and
     dtype."""
 
     def __init__(self, name: str, base: nn.Linear, slice_names: Tuple[str, ...], slice_offsets: List[int],
@@ -50,15 +52,18 @@ class ModuleSlots:
                 base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, N, max_rank, **kw)
-        self.b_cols = torch.zeros(N, num_slots * max_rank, **kw)
-        self.kext_lora_b = self.b_cols.view(N, num_slots, max_rank).permute(1, 0, 2)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
         self.scales = torch.ones(num_slots, dtype=torch.float32, device=base.weight.device)
         self.offsets_arg = slice_offsets if S > 1 else None
-        # Whether lora_linear's CUDA kernels serve this module (device, dtype, sizes): the kext route is taken only
-        # where they do; elsewhere lora_linear is its composition of torch ops, no route.
-        self.kext_serves = bool(torch.ops.lora_ops._lora_linear_kernels_serve(base.weight, self.lora_a,
-                                                                              self.kext_lora_b, self.offsets_arg))
+        # kext_serves: whether lora_linear's CUDA kernels serve this module (device, dtype, sizes, B's layout): the
+        # kext route is taken only where they do (elsewhere lora_linear is its composition of torch ops, no route),
+        # and only there is B copied. They run on CUDA only: asked there, with the copy they would read.
+        self.b_cols, self.kext_lora_b, self.kext_serves = None, self.lora_b, False
+        if self.lora_b.is_cuda:
+            b_cols = torch.zeros(N, num_slots * max_rank, **kw)
+            b_view = b_cols.view(N, num_slots, max_rank).permute(1, 0, 2)
+            if torch.ops.lora_ops._lora_linear_kernels_serve(base.weight, self.lora_a, b_view, self.offsets_arg):
+                self.b_cols, self.kext_lora_b, self.kext_serves = b_cols, b_view, True
         self.ranks_arg: Optional[torch.Tensor] = None  # what the ops get: see AdapterPool.load
         # Sizes fixed by the pool: static, so that torch.compile never ties them to a step's token count that
         # happens to be equal (e.g. T = max_rank), which would recompile at the next T.
@@ -75,11 +80,13 @@ class ModuleSlots:
         self.set_b(slot, None)
 
     def set_b(self, slot: int, lora_b: Optional[torch.Tensor]) -> None:
-        """Slot `slot`'s B ([N, rank], rank <= R; None: zeros) in both of its layouts, zeros past its rank."""
+        """Slot `slot`'s B ([N, rank], rank <= R; None: zeros), in both of its layouts where there are two, zeros past
+        its rank."""
         self.lora_b[slot].zero_()
         if lora_b is not None:
             self.lora_b[slot, :, :lora_b.shape[1]].copy_(lora_b)
-        self.kext_lora_b[slot].copy_(self.lora_b[slot])
+        if self.b_cols is not None:
+            self.kext_lora_b[slot].copy_(self.lora_b[slot])
 
 
 class LoRABatch:
