@@ -33,7 +33,7 @@ PAIRS = (("sgmv", "cuda"), ("sgmv", "triton"), ("fold", "cuda"), ("fold", "trito
 NAMES = tuple(f"{route}-{backend}" for route, backend in PAIRS)  # as LORA_OPS_ROUTE and the bench name them
 # The kext route is a route up to the T lora_linear's sm_90 kernels serve (kLoraLinearMaxTokens in
 # csrc/cuda/kernels.h); past it the op is its composition of torch ops, a fallback (llama3-8b at T=128: +539%).
-KEXT_MAX_TOKENS = 64
+KEXT_MAX_TOKENS = 128
 
 
 def timed_names(tokens: int) -> Tuple[str, ...]:

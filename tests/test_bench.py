@@ -508,8 +508,8 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     from lora_ops.bench import decode_step
 
     def fake_step(model, step, device, records, failures, log, *rest):
-        # kext-cuda wins at rank 16 up to 64 tokens (the bench times it no further), fold-cuda beyond, fold-triton
-        # at rank 64, sgmv-cuda from 1024 tokens at both
+        # kext-cuda wins at rank 16 up to KEXT_MAX_TOKENS (the bench times it no further), fold-cuda beyond,
+        # fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
         us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
               "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0, "sgmv-triton": 210.0}
         if step.T <= routes.KEXT_MAX_TOKENS:
@@ -531,9 +531,10 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     for c in classes:
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
         # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends. At
-        # rank 16 kext-cuda up to 64 tokens; 65-128 fold-cuda (kext-cuda is not timed at 128, fold-cuda 4% slower
-        # at 64)
-        kext = 4 if c["rank"] == 16 else 0  # the regimes up to 4, 16, 32, 64 tokens
+        # rank 16 kext-cuda in the regimes up to KEXT_MAX_TOKENS; fold-cuda in the next (kext-cuda is not timed at
+        # its upper end, fold-cuda 4% slower at its lower)
+        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in routes.REGIME_BOUNDS) if c["rank"] == 16 \
+            else 0
         assert got == ["kext-cuda"] * kext + [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda"
                                              for b in routes.REGIME_BOUNDS[kext:]]
         assert got[-2:] == ["sgmv-cuda"] * 2

@@ -238,7 +238,8 @@ CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384]}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64])  # 16 | 17 | 33: the three tiles
+# 16 | 17 | 33 | 65: the four tiles; 128 with three slices: the shrink's warps read A's row for 4 rows of a slot
+@pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64, 65, 128])
 @pytest.mark.parametrize("slices", list(CUDA_SLICES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
@@ -268,11 +269,13 @@ def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
 
 
 @pytest.mark.gpu
-def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora():
-    T, offsets = 64, CUDA_SLICES["one"]
+@pytest.mark.parametrize("T, slices", [(64, "one"), (128, "qkv")])  # a row per A load; 4 rows of a slot per load
+def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices):
+    offsets = CUDA_SLICES[slices]
     x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
                                        **CUDA_SHAPE)
-    wild = torch.tensor([-2 ** 63, 2 ** 63 - 1, 2 ** 31, -2 ** 31 - 1, 4, 64, -1, 1000] * 8, dtype=torch.int64)
+    wild = torch.tensor([-2 ** 63, 2 ** 63 - 1, 2 ** 31, -2 ** 31 - 1, 4, 64, -1, 1000] * (T // 8),
+                        dtype=torch.int64)
     y = lora_ops.lora_linear(x, w, a, b, wild.cuda(), scales, offsets)
     torch.cuda.synchronize()
     _assert_oracle(y, (x, w, a, b, wild, scales), offsets)
@@ -280,8 +283,9 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora():
 
 
 @pytest.mark.gpu
-def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph():
-    T, offsets = 32, CUDA_SLICES["qkv"]
+@pytest.mark.parametrize("T", [32, 128])  # a row per A load; 4 rows of a slot per load (their groups per replay)
+def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T):
+    offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)
     x, w, a, b, slots, scales, _ = args
     first = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)
@@ -298,14 +302,14 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["65_tokens", "contiguous_lora_b", "k_not_in_64s", "float32", "slice_not_in_64s",
+@pytest.mark.parametrize("case", ["129_tokens", "contiguous_lora_b", "k_not_in_64s", "float32", "slice_not_in_64s",
                                   "strided_x", "few_k_blocks", "forced_cublas"])
 def test_cuda_composition_where_the_kernels_do_not_serve(case, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     shape = dict(CUDA_SHAPE)
     T, offsets, dtype, layout = 16, CUDA_SLICES["qkv"], torch.bfloat16, "pool"
-    if case == "65_tokens":
-        T = 65
+    if case == "129_tokens":
+        T = 129
     elif case == "contiguous_lora_b":
         layout = "contiguous"
     elif case == "k_not_in_64s":

@@ -72,8 +72,8 @@ def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noq
     ([{"max_tokens": None, "route": "bgmv", "backend": "cuda"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "fold", "backend": "rocm"}], "unknown route/backend"),
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
-    ([{"max_tokens": 128, "route": "kext", "backend": "cuda"},
-      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 64 tokens"),
+    ([{"max_tokens": 256, "route": "kext", "backend": "cuda"},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 128 tokens"),
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),

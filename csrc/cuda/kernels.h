@@ -135,7 +135,7 @@ struct LoraLinearParams {
   int64_t slice_offsets[kMaxSlices + 1];
   DType dtype;
 };
-constexpr int64_t kLoraLinearMaxTokens = 64;
+constexpr int64_t kLoraLinearMaxTokens = 128;
 // Supported: fp16/bf16 on sm_90a, K and num_slots * rank multiples of 64 (K >= 64), slice bounds multiples of 64,
 // at most 4 slices and 64 slots, 16-byte aligned rows, and CUTLASS's host checks for T's tile (at least as many K
 // blocks of x as pipeline stages). The launch requires it (it does not check again: decode calls it per layer).
