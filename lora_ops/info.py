@@ -30,7 +30,7 @@ def report() -> str:
     cutlass = "built" if sm90.get("built") else f"not built: {sm90.get('reason') or cuda_build.get('reason')}"
     lines.append(f"{'any':<8} {'fold_linear':<16} at::linear; on CUDA 9.0 up to 64 tokens the CUTLASS GEMM that lets "
                  f"the expand start early and skips unused slots: {cutlass}")
-    lines.append(f"{'any':<8} {'lora_linear':<16} ATen ops; on CUDA 9.0 up to 64 tokens a shrink and the CUTLASS "
+    lines.append(f"{'any':<8} {'lora_linear':<16} ATen ops; on CUDA 9.0 up to 128 tokens a shrink and the CUTLASS "
                  f"K-extended GEMM [x | h]·[W | B]ᵀ launched early: {cutlass}")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()

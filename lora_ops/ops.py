@@ -131,7 +131,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lor
     no ranks argument: unlike sgmv, the cost is R's, not the true rank's). A and B must be finite in every slot: the
     GEMM multiplies each row's zeros by the B of every slot in a 64-column block it reads, and 0 · inf is NaN.
 
-    On CUDA sm_90 at decode sizes (T ≤ 64, fp16/bf16, contiguous x, K a multiple of 64 of at least 64 × the GEMM's
+    On CUDA sm_90 at decode sizes (T ≤ 128, fp16/bf16, contiguous x, K a multiple of 64 of at least 64 × the GEMM's
     pipeline stages, L·R and the slice bounds multiples of 64, S ≤ 4, L ≤ 64, and lora_b a view of an [N, L·R]
     matrix: ``lora_b.stride(0) == R``, each row's slots side by side) it is two launches: a shrink that writes h, and
     one GEMM ``[x | h] · [weight | B]ᵀ`` that reads x and weight while the shrink runs (programmatic dependent launch)

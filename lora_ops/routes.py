@@ -32,7 +32,8 @@ BACKENDS = ("cuda", "triton")
 PAIRS = (("sgmv", "cuda"), ("sgmv", "triton"), ("fold", "cuda"), ("fold", "triton"), ("kext", "cuda"))
 NAMES = tuple(f"{route}-{backend}" for route, backend in PAIRS)  # as LORA_OPS_ROUTE and the bench name them
 # The kext route is a route up to the T lora_linear's sm_90 kernels serve (kLoraLinearMaxTokens in
-# csrc/cuda/kernels.h); past it the op is its composition of torch ops, a fallback (llama3-8b at T=128: +539%).
+# csrc/cuda/kernels.h; a test keeps the two equal); past it the op is its composition of torch ops, a fallback
+# (llama3-8b at T=128: +539%).
 KEXT_MAX_TOKENS = 128
 
 
@@ -89,6 +90,25 @@ def validate(table: dict) -> None:
                 raise ValueError(f"routes table: unknown route/backend in {r} (known: {', '.join(NAMES)})")
             if r["route"] == "kext" and (r["max_tokens"] is None or r["max_tokens"] > KEXT_MAX_TOKENS):
                 raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
+            if r["route"] == "kext" and not _other_timed(r):
+                raise ValueError(f"routes table: a kext regime needs the times of another route (its fallback where "
+                                 f"lora_linear's kernels do not serve a module), in \"us\": {r}")
+
+
+def _other_timed(regime: dict) -> Dict[str, float]:
+    """The regime's timed routes other than kext, {name: us}."""
+    return {name: us for name, us in regime.get("us", {}).items() if name in NAMES and not name.startswith("kext")}
+
+
+def _with_fallbacks(classes: List[dict]) -> List[dict]:
+    """Each kext regime with its "fallback" (route, backend): the fastest other route timed there. Worked out once,
+    at load: pick() runs inside torch.compile's traced forwards."""
+    for c in classes:
+        for r in c["regimes"]:
+            if r["route"] == "kext":
+                timed = _other_timed(r)
+                r["fallback"] = tuple(min(timed, key=timed.get).split("-"))
+    return classes
 
 
 def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
@@ -108,8 +128,7 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
         regime = next(r for r in regimes if r["max_tokens"] is None or tokens <= r["max_tokens"])
         route, backend = regime["route"], regime["backend"]
         if route == "kext" and not kext_serves:
-            timed = {name: us for name, us in regime["us"].items() if name in NAMES and not name.startswith("kext")}
-            route, _, backend = min(timed, key=timed.get).partition("-")
+            route, backend = regime["fallback"]
     else:
         route, backend = "sgmv", "cuda"
     # Off CUDA, "cuda" stands for the public op, whose dispatch serves the tensors' device.
@@ -146,7 +165,7 @@ def _classes() -> List[dict]:
     if _table is None:
         table = load()
         validate(table)
-        _table = rank_classes(table)
+        _table = _with_fallbacks(rank_classes(table))
     return _table
 
 

@@ -564,10 +564,11 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     (tmp_path / "routes.json").unlink()
     decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"))
     assert not (tmp_path / "routes.json").exists() and "not written" in failures[-1]
-    monkeypatch.setattr(routes, "_table", classes)
+    monkeypatch.setattr(routes, "_table", routes._with_fallbacks(classes))
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
-    assert routes.pick(64, "cuda", 16) == ("kext", "cuda")
-    assert routes.pick(65, "cuda", 16) == ("fold", "cuda")
+    assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16) == ("kext", "cuda")
+    assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16, kext_serves=False) == ("fold", "cuda")
+    assert routes.pick(routes.KEXT_MAX_TOKENS + 1, "cuda", 16) == ("fold", "cuda")
     assert routes.pick(64, "cuda", 64) == ("fold", "triton")
 
 

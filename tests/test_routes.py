@@ -1,6 +1,8 @@
 """The serving layer's route table (lora_ops/routes.json, written by the decode-step bench): it covers every
 regime with a route that exists, and every route on each of its backends gives PEFT's outputs."""
 import copy
+import pathlib
+import re
 
 import pytest
 import torch
@@ -21,6 +23,14 @@ def biased_adapters(tmp_path_factory):
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.1)  # transformers initialises them to zero
     return base, root
+
+
+def test_kext_max_tokens_is_the_kernels_bound():
+    """routes.KEXT_MAX_TOKENS restates lora_linear's kLoraLinearMaxTokens (csrc/cuda/kernels.h): the bench times the
+    kext route, and a table may give it, exactly as far as the kernels serve."""
+    header = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "kernels.h"
+    bound = re.search(r"constexpr int64_t kLoraLinearMaxTokens = (\d+);", header.read_text())
+    assert bound and int(bound.group(1)) == routes.KEXT_MAX_TOKENS
 
 
 def test_committed_table_covers_every_regime():
@@ -44,7 +54,7 @@ def test_pick_takes_the_fastest_other_route_where_the_kext_kernels_do_not_serve(
           "sgmv-triton": 160.0}
     regimes = [{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": us},
                {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
-    monkeypatch.setattr(routes, "_table", [{"max_rank": None, "regimes": regimes}])
+    monkeypatch.setattr(routes, "_table", routes._with_fallbacks([{"max_rank": None, "regimes": regimes}]))
     assert routes.pick(64, "cuda", 16) == ("kext", "cuda")
     assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "triton")
     assert routes.pick(65, "cuda", 16, kext_serves=False) == ("sgmv", "cuda")
@@ -74,6 +84,8 @@ def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noq
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
     ([{"max_tokens": 256, "route": "kext", "backend": "cuda"},
       {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 128 tokens"),
+    ([{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": {"kext-cuda": 1.0}},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "a kext regime needs the times of another route"),
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),
@@ -116,16 +128,18 @@ def test_pick_follows_the_bounds(monkeypatch):
 
 def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypatch):  # noqa: F811
     """torch.compile cannot trace the table's file read (the H200 run at e2cd407 failed a compiled model's first
-    CUDA forward on it): wrapping the layers reads it, and a compiled route choice then traces."""
+    CUDA forward on it): wrapping the layers reads it, and a compiled route choice then traces (the kext regimes'
+    fallback too: worked out at load, since torch 2.11's dynamo refused pick's min(..., key=...), H200, 3169682)."""
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     monkeypatch.setattr(routes, "_table", None)
     base, root = adapters
     _pool_model(base, root, [])
     assert routes._table is not None
     torch._dynamo.reset()
-    picked = torch.compile(lambda x: x * (2 if routes.pick(x.shape[0], "cuda")[0] == "fold" else 3),
-                           fullgraph=True, backend="eager")(torch.ones(4))
-    assert picked[0].item() in (2.0, 3.0)
+    for serves in (True, False):  # without: the kext regimes' fallback
+        picked = torch.compile(lambda x: x * (2 if routes.pick(x.shape[0], "cuda", 16, serves)[0] == "fold" else 3),
+                               fullgraph=True, backend="eager")(torch.ones(4))
+        assert picked[0].item() in (2.0, 3.0)
 
 
 ROUTE_PARAMS = ["sgmv-cuda", "fold-cuda", "kext-cuda"] + [pytest.param(r, marks=pytest.mark.gpu)

@@ -119,8 +119,8 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
 // programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
 // slots side by side (b_row_stride = lora_b.stride(1), lora_b.stride(0) == rank). y contiguous. Up to
-// kLoraLinearMaxTokens rows: the slot mask is read from token_slot by one warp, and the decode-step bench measured
-// the route up to 64 tokens (NOTES.md, session 31).
+// kLoraLinearMaxTokens rows (GEMM tiles of 16, 32, 64 and 128 tokens): the slot mask is read from token_slot by one
+// warp, up to 4 rows per lane.
 struct LoraLinearParams {
   const void* x;
   const void* w;

@@ -13,8 +13,9 @@
 // fold route's +12.7%, T=32/32 +18.1 against +23.2, T=64/32 +20.8 against +34.8.
 //
 // The shrink: a warp per rank row of a row of x, CTAs of 32 warps (packed into few SMs, leaving the others to the
-// GEMM's x blocks: CTAs of 4 warps, or a warp per 4 rank rows sharing x's loads, lost in the probe), over all of K,
-// so each h value is one warp's sum in a fixed order: deterministic. The GEMM: no split-K, deterministic.
+// GEMM's x blocks: CTAs of 4 warps, or a warp per 4 rank rows sharing x's loads, lost in the probe; a warp per A row
+// and 4 rows of its slot, reading A a quarter as often, lost or tied in session 32), over all of K, so each h value is
+// one warp's sum in a fixed order: deterministic. The GEMM: no split-K, deterministic.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -27,8 +28,6 @@
 #include <cuda_fp16.h>
 
 #include <climits>
-#include <cstdlib>
-#include <type_traits>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -47,10 +46,8 @@ namespace {
 
 using namespace cute;
 
-// Warps per CTA: 32 for a row per warp (64 registers), 16 for several (their loads in flight need ~110).
-constexpr int shrink_warps(int rows) { return rows == 1 ? 32 : 16; }
-constexpr int kSlotWords = static_cast<int>(kLoraLinearMaxTokens) / 32;  // token_slot's rows, 32 per lane word
-static_assert(kLoraLinearMaxTokens % 32 == 0, "the shrink's and the slot mask's words of 32 rows");
+constexpr int kShrinkWarps = 32;  // per CTA
+constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per lane (64 registers of loads)
 
 template <class T>
 __device__ __forceinline__ float2 to_float2(uint32_t bits);
@@ -87,133 +84,67 @@ struct ShrinkArgs {
   uint32_t opaque_zero;  // always 0, passed from the host so that no compiler can fold it (below)
 };
 
-// The rows a warp of task row t computes with kRows > 1: t's slot's rows, in order, taken kRows at a time; the warp
-// of a group's first row computes the group (`rows`: the group's rows, -1 past its end), the others none (false).
-// Every lane reads token_slot's rows lane, lane + 32, ... once.
-template <int kRows>
-__device__ __forceinline__ bool slot_group(const ShrinkArgs& a, int t, int slot, int lane, int (&rows)[kRows]) {
-  uint32_t same[kSlotWords];  // bit i of word w: row 32w + i has t's slot
-#pragma unroll
-  for (int w = 0; w < kSlotWords; ++w) {
-    const int u = lane + 32 * w;
-    same[w] = __ballot_sync(0xffffffffu, u < a.t && a.token_slot[u] == slot);
-  }
-  const int tw = t / 32;
-  const uint32_t below = (uint32_t(1) << (t % 32)) - 1;
-  int before = 0;  // rows of t's slot before t
-#pragma unroll
-  for (int w = 0; w < kSlotWords; ++w) {
-    before += __popc(w < tw ? same[w] : w == tw ? same[w] & below : 0u);
-    same[w] = w < tw ? 0u : w == tw ? same[w] & ~below : same[w];  // t and the rows after it
-  }
-  if (before % kRows != 0) return false;
-#pragma unroll
-  for (int g = 0; g < kRows; ++g) {
-    rows[g] = -1;
-#pragma unroll
-    for (int w = 0; w < kSlotWords; ++w) {
-      if (rows[g] < 0 && same[w] != 0) {
-        rows[g] = 32 * w + __ffs(same[w]) - 1;
-        same[w] &= same[w] - 1;
-      }
-    }
-  }
-  return true;
-}
-
 // Warp task (t, j, r): x[t] . A[slot][j*R + r] over all of K, written to every slot's window of h[t] (its own the
-// scaled value, the others 0). With kRows > 1 the warp does the same for the next kRows - 1 rows of t's slot too,
-// reading A's row once for them (x's rows come from L1: a CTA's warps share t), and the warps of those rows return
-// (slot_group): the shrink reads each A row once per kRows rows of its slot instead of once per row, at kRows x the
-// x loads per A load. Each lane keeps kBatch 16-byte chunks of A and of each x row in flight, then does their FMAs:
-// the loads are not predicated (a chunk past the row reads its last one again, then counts as zero; a group's
-// missing rows read t's), and every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`),
-// so ptxas cannot sink a load between the FMAs: without that it issued each pair of loads just before its FMAs, ~2
-// chunks in flight (NOTES.md, session 29). Each h value is one lane order's sum, the same for every kRows.
-template <class T, int kRows>
-__global__ void __launch_bounds__(shrink_warps(kRows) * 32) kext_shrink_kernel(const ShrinkArgs a) {
+// scaled value, the others 0). Each lane keeps kShrinkBatch 16-byte chunks of x and of A in flight, then does their
+// FMAs: the loads are not predicated (a chunk past the row reads its last one again, then counts as zero), and every
+// FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`), so ptxas cannot sink a load
+// between the FMAs: without that it issued each pair of loads just before its FMAs, ~2 chunks in flight (NOTES.md,
+// session 29).
+template <class T>
+__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;  // sm_90 only (lora_linear_sm90_supported); the extension's other archs compile an empty kernel
 #else
-  constexpr int kBatch = 4;  // (kRows + 1) * 4 loads in flight per lane
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * shrink_warps(kRows) + warp;
+  const int task = blockIdx.x * kShrinkWarps + warp;
   const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
   if (t >= a.t) return;
   const int slot = a.token_slot[t];
   const bool has_slot = slot >= 0 && slot < a.num_slots;
-  int rows[kRows];
-  rows[0] = t;
-#pragma unroll
-  for (int g = 1; g < kRows; ++g) rows[g] = -1;
-  if (kRows > 1 && has_slot && !slot_group(a, t, slot, lane, rows)) return;
   const int chunks = a.k / 8;  // 16-byte chunks of a row
-  float sum[kRows] = {};
+  float sum = 0.f;
   if (has_slot) {
-    const uint4* xr[kRows];
-#pragma unroll
-    for (int g = 0; g < kRows; ++g) {
-      xr[g] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + (rows[g] < 0 ? t : rows[g]) * a.x_stride);
-    }
+    const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
     const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const T*>(a.lora_a) + slot * a.a_slot_stride +
                                                      int64_t(j * a.rank + r) * a.a_row_stride);
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
-      uint4 xv[kRows][kBatch], av[kBatch];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kShrinkBatch) {
+      uint4 xv[kShrinkBatch], av[kShrinkBatch];
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < kShrinkBatch; ++i) {
         const int c = min(c0 + 32 * i, chunks - 1);
+        xv[i] = load_nc(xr + c);
         av[i] = load_nc(ar + c);
-#pragma unroll
-        for (int g = 0; g < kRows; ++g) xv[g][i] = load_nc(xr[g] + c);
       }
       uint32_t joined = 0;
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        joined ^= av[i].x;
+      for (int i = 0; i < kShrinkBatch; ++i) joined ^= xv[i].x ^ av[i].x;
 #pragma unroll
-        for (int g = 0; g < kRows; ++g) joined ^= xv[g][i].x;
+      for (int i = 0; i < kShrinkBatch; ++i) {
+        if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
+        xv[i].x ^= joined & a.opaque_zero;
       }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < kShrinkBatch; ++i) {
+        const uint32_t xw[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w}, aw[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
 #pragma unroll
-        for (int g = 0; g < kRows; ++g) {
-          if (c0 + 32 * i >= chunks) xv[g][i] = make_uint4(0, 0, 0, 0);
-          xv[g][i].x ^= joined & a.opaque_zero;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const uint32_t aw[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
-#pragma unroll
-        for (int g = 0; g < kRows; ++g) {
-          const uint32_t xw[4] = {xv[g][i].x, xv[g][i].y, xv[g][i].z, xv[g][i].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 xf = to_float2<T>(xw[e]), af = to_float2<T>(aw[e]);
-            sum[g] = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum[g]));
-          }
+        for (int e = 0; e < 4; ++e) {
+          const float2 xf = to_float2<T>(xw[e]), af = to_float2<T>(aw[e]);
+          sum = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum));
         }
       }
     }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const int LR = a.num_slots * a.rank;
-  const float scale = has_slot ? a.scales[slot] : 0.f;
-#pragma unroll
-  for (int g = 0; g < kRows; ++g) {
-    if (rows[g] < 0) break;
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum[g] += __shfl_xor_sync(0xffffffffu, sum[g], o);
-    T* row = static_cast<T*>(a.h) + int64_t(rows[g]) * a.num_slices * LR + int64_t(j) * LR + r;
-    for (int s = lane; s < a.num_slots; s += 32) {
-      row[s * a.rank] = from_float<T>(s == slot ? sum[g] * scale : 0.f);
-    }
-  }
+  const float scale = has_slot ? a.scales[slot] : 0.f;  // loaded once, not after each store to h
+  T* row = static_cast<T*>(a.h) + int64_t(t) * a.num_slices * LR + int64_t(j) * LR + r;
+  for (int s = lane; s < a.num_slots; s += 32) row[s * a.rank] = from_float<T>(s == slot ? sum * scale : 0.f);
 #endif
 }
 
 // What the K-extended GEMM adds to CUTLASS's mainloop arguments (once, in Arguments and Params alike).
-constexpr int kKextMaxTokens = static_cast<int>(kLoraLinearMaxTokens);  // the slot mask's rows: kSlotWords per lane
 template <class ElementA, class StrideA, class ElementB, class StrideB>
 struct KextExtension {
   ElementA const* b_cols;  // [M, L*R]: the W rows' B of every slot
@@ -305,7 +236,7 @@ struct KextMainloop : Base {
            slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) && e.num_slices >= 1 &&
            e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots && e.rank >= 1 &&
            e.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
-           e.num_tokens == N && N <= kKextMaxTokens;
+           e.num_tokens == N && N <= 32 * kSlotWords;  // every row in the slot mask
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -336,15 +267,22 @@ struct KextMainloop : Base {
   // before the x blocks, and the warp ORs their slot bits after them (a slot outside [0, L) marks nothing: the
   // shrink writes such a row's h as zeros). The probe's one-thread version, loading before every tile's first TMA,
   // cost 28% of the GEMM alone (NOTES.md, session 27).
+  // Rows per lane: 2 up to the 64-token tile (as measured in session 31: the producer's code there is unchanged
+  // since), 4 for the 128-token one.
+  static constexpr int kSlotWords = size<1>(TileShape{}) > 64 ? 4 : 2;
+  static_assert(size<1>(TileShape{}) <= 32 * kSlotWords, "the slot mask's rows per lane");
   struct TokenSlots {
     int32_t slot[kSlotWords];
   };
   CUTLASS_DEVICE TokenSlots load_token_slots(Params const& p) const {
     TokenSlots b;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kSlotWords; ++i) b.slot[i] = -1;
+    if (have_used_) return b;
     const int lane = threadIdx.x % 32;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kSlotWords; ++i) {
-      b.slot[i] = !have_used_ && lane + 32 * i < p.ext.num_tokens ? __ldg(p.ext.token_slot + lane + 32 * i) : -1;
+      if (lane + 32 * i < p.ext.num_tokens) b.slot[i] = __ldg(p.ext.token_slot + lane + 32 * i);
     }
     return b;
   }
@@ -430,7 +368,8 @@ struct KextMainloop : Base {
 };
 
 // Tiles of 64 W rows x kTokens tokens x 64 K, ping-pong, clusters of one CTA: the probe's (W read once per CTA
-// column of tiles; the 64 x 128 tile lost to cuBLAS in fold_linear, NOTES.md session 22).
+// column of tiles). The 64 x 128 tile (65-128 tokens) lost to cuBLAS in fold_linear (NOTES.md session 22) and
+// here to the fold route (session 32): the op serves 128 tokens with it, the routes table decides whether to use it.
 template <class T, int kTokens>
 struct KextGemm {
   using Tile = Shape<_64, Int<kTokens>, _64>;
@@ -473,19 +412,6 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   args.epilogue.dD = typename K::StrideD{Int<1>{}, p.n, int64_t{0}};
   args.hw_info = cached_hardware_info<K>();
   return args;
-}
-
-// The shrink's rows per A load: kShrinkGroupRows where one row each would read A's rows more than ~one wave of the
-// shrink's CTAs holds (a row per warp: T * S * R warps), so that A's re-reads through L2 rival W's bytes (rank 64 at
-// 64 tokens: 12288 warps, ~2x qkv's W); one row each below, where the warps in flight decide.
-constexpr int kShrinkGroupRows = 4;
-inline int shrink_rows_per_a_load(const LoraLinearParams& p) {
-  static const int forced = [] {
-    const char* v = std::getenv("LORA_OPS_KEXT_SHRINK_ROWS");  // the experiment's switch (session 32): removed after
-    return v ? std::atoi(v) : 0;
-  }();
-  if (forced) return forced;
-  return p.t * p.num_slices * p.rank > 4096 ? kShrinkGroupRows : 1;
 }
 
 template <class F>
@@ -544,16 +470,8 @@ cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stre
                             p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                             /*opaque_zero=*/0u};
     const int64_t warps = p.t * p.num_slices * p.rank;
-    auto launch_shrink = [&](auto rows) {
-      constexpr int kWarps = shrink_warps(decltype(rows)::value);
-      kext_shrink_kernel<E, decltype(rows)::value>
-          <<<unsigned((warps + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(shrink);
-    };
-    switch (shrink_rows_per_a_load(p)) {
-      case 1: launch_shrink(std::integral_constant<int, 1>{}); break;
-      case 2: launch_shrink(std::integral_constant<int, 2>{}); break;
-      default: launch_shrink(std::integral_constant<int, 4>{}); break;
-    }
+    kext_shrink_kernel<E><<<unsigned((warps + kShrinkWarps - 1) / kShrinkWarps), kShrinkWarps * 32, 0, stream>>>(
+        shrink);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     return run_cutlass<G>(args, nullptr, stream, /*programmatic=*/true);
   });
