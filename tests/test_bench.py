@@ -315,6 +315,29 @@ def test_decode_step_checks_the_kext_routes_returned_outputs(monkeypatch):
     assert not any("kext" in r["backend"] for r in records if r["op"] == "decode_step_part")
 
 
+def test_decode_step_kext_route_runs_the_fold_route_where_the_kernels_do_not_serve(monkeypatch):
+    """A module lora_linear's kernels do not serve on CUDA (Module.kext_fallback: the 70B shard's o_proj, K = 1024,
+    has fewer K blocks than the GEMM's stages) runs the fold route in the kext route's step, as the serving layer
+    falls back, instead of timing lora_linear's composition (H200, 2e50c00: +164% against fold-cuda's +50% at
+    T=32/32); the step's outputs still check."""
+    decode_step = _replay_eagerly(monkeypatch)
+    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
+    weights = []
+    right = lambda *args: weights.append(args[1].shape) or reference.lora_linear(*args).to(args[0].dtype)
+    monkeypatch.setattr(decode_step, "routes", lambda: {"kext-oracle": ("kext", right)})
+    init = decode_step.Module.__init__
+
+    def o_proj_not_served(self, K, widths, *rest):
+        init(self, K, widths, *rest)
+        self.kext_fallback = (K, tuple(widths)) == (64, (64,))  # the tiny model's o_proj
+    monkeypatch.setattr(decode_step.Module, "__init__", o_proj_not_served)
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
+    assert not failures and [r["backend"] for r in records] == ["base", "kext-oracle"]
+    assert weights and (64, 64) not in weights and (128, 64) in weights  # o_proj's never; qkv's, ...
+
+
 def test_decode_step_times_the_kext_route_on_the_serving_pools_layout(monkeypatch):
     """kext-cuda (one lora_linear per module; on the CPU its composition of torch ops) is a route of the bench on
     every build, checked against the float64 oracle with the fold route's tolerance (h rounded to bf16), and every

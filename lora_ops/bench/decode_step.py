@@ -14,7 +14,10 @@ adapter of a 32-slot pool. Routes:
                sm_90 it skips the A of the slots no row uses).
 - kext-cuda:   one lora_ops.lora_linear per layer: a shrink writes each row's h (bf16), then one GEMM
                [x | h]·[W | B of every slot]ᵀ that starts while the shrink runs (programmatic dependent launch), as
-               the serving layer's kext route runs it.
+               the serving layer's kext route runs it: on the modules lora_linear's kernels serve; the others
+               (e.g. the 70B shard's o_proj, K = 1024: fewer K blocks than the GEMM's stages) take fold-cuda, the
+               fastest other route in every kext regime of the committed routes table (the serving layer takes
+               that table's fastest other route there).
 
 Every route reads the adapter pool's layout of the serving layer (ModuleSlots): [W; A of every slot] as one
 matrix, lora_b [L, N, R], and for the kext route B of every slot as columns [N, L·R] (b_cols, a copy).
@@ -132,6 +135,10 @@ class Module:
         self.b_cols = self.lora_b.permute(1, 0, 2).reshape(self.N, POOL_SLOTS * rank)
         self.kext_lora_b = self.b_cols.view(self.N, POOL_SLOTS, rank).permute(1, 0, 2)
         self.slice_offsets = self.offsets if self.S > 1 else None
+        # On CUDA, where lora_linear's kernels do not serve the module, the kext route runs the fold route for it
+        # (off CUDA, in the CPU tests, the op itself: its composition)
+        self.kext_fallback = self.w.is_cuda and not torch.ops.lora_ops._lora_linear_kernels_serve(
+            self.w, self.lora_a, self.kext_lora_b, self.slice_offsets)
 
 
 class Setup:
@@ -193,18 +200,22 @@ class Setup:
         return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
+    def fold_one(self, route: str, expand, m: Module, n: str) -> None:
+        """Module m's fold route: one GEMM against [W; A], then the expand."""
+        self.write_input(n)
+        out = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
+        y = self.route_y.setdefault(route, {})[n] = out[:, :m.N]
+        expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(expand),
+               self.ranks, self.scales, m.slice_offsets, 1.0)
+
     def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
-        def one(m, n):
-            self.write_input(n)
-            out = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
-            y = self.route_y.setdefault(route, {})[n] = out[:, :m.N]
-            expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(expand),
-                   self.ranks, self.scales, m.slice_offsets, 1.0)
-        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
+        return [self.build_segments] + [lambda m=m, n=n: self.fold_one(route, expand, m, n) for layer in self.layers
                                         for n, m in zip(self.names, layer)]
 
     def kext_calls(self, route: str, lora_linear) -> List[Callable[[], None]]:
         def one(m, n):
+            if m.kext_fallback:  # as the serving layer falls back (see the module's docstring)
+                return self.fold_one(route, torch.ops.lora_ops.lora_expand.default, m, n)
             self.write_input(n)
             self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.kext_lora_b,
                                                                 self.token_lora, self.scales, m.slice_offsets)
