@@ -238,7 +238,7 @@ CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384]}
 
 
 @pytest.mark.gpu
-# 16 | 17 | 33 | 65: the four tiles; 128 with three slices: the shrink's warps read A's row for 4 rows of a slot
+# 16 | 17 | 33 | 65: the four tiles; 128: the 64 x 128 tile full, its slot mask's 4 words
 @pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64, 65, 128])
 @pytest.mark.parametrize("slices", list(CUDA_SLICES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -269,7 +269,18 @@ def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, slices", [(64, "one"), (128, "qkv")])  # a row per A load; 4 rows of a slot per load
+@pytest.mark.parametrize("T", [33, 64, 65, 128])  # the 64 tile's rows 32-63, the 128 tile's 64-127
+def test_cuda_a_slot_only_the_last_row_uses_is_read(T):
+    """The GEMM's slot mask covers every row of its tile: a slot only the batch's last row uses still has its B
+    blocks read (a mask of the first rows only would skip them, and that row's delta would be lost)."""
+    offsets = CUDA_SLICES["qkv"]
+    args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"last-row-{T}",
+                   slots=[-1] * (T - 1) + [3], **CUDA_SHAPE)
+    _assert_oracle(lora_ops.lora_linear(*args[:6], offsets), args, offsets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, slices", [(64, "one"), (128, "qkv")])  # the 64 and 128 tiles, full
 def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices):
     offsets = CUDA_SLICES[slices]
     x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
@@ -283,7 +294,7 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [32, 128])  # a row per A load; 4 rows of a slot per load (their groups per replay)
+@pytest.mark.parametrize("T", [32, 128])  # the 32 and 128 tiles
 def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T):
     offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)

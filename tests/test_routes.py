@@ -64,10 +64,23 @@ def test_pick_takes_the_fastest_other_route_where_the_kext_kernels_do_not_serve(
 
 def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noqa: F811
     """_lora_linear_kernels_serve is false off CUDA (on a GPU, true only where the sm_90 kernels run: not for this
-    model's 64 features, below the GEMM's 64 x pipeline stages)."""
+    model's 64 features, below the GEMM's 64 x pipeline stages), and a pool there keeps no copy of B."""
     base, root = adapters
     _, pool = _pool_model(base, root, ["a"])
-    assert pool.modules and not any(m.kext_serves for m in pool.modules.values())
+    assert pool.modules and not any(m.kext_serves or m.b_cols is not None for m in pool.modules.values())
+    w, b_cols = torch.zeros(128, 1536, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    lora_a = torch.zeros(4, 16, 1536, dtype=torch.bfloat16)  # shapes the kernels serve on sm_90, here on the CPU
+    assert not torch.ops.lora_ops._lora_linear_kernels_serve(w, lora_a, b_cols.view(128, 4, 16).permute(1, 0, 2),
+                                                             None)
+
+
+def test_the_committed_tables_kext_fallback_is_the_benchs(monkeypatch):
+    """The decode-step bench's kext route runs fold-cuda on the modules lora_linear's kernels do not serve
+    (decode_step.Setup.kext_calls); the serving layer runs the table's fastest other route there: the same route in
+    every kext regime of the committed table, or the bench's kext times would not be the serving layer's."""
+    monkeypatch.setattr(routes, "_table", None)
+    for c in routes._classes():
+        assert all(r["fallback"] == ("fold", "cuda") for r in c["regimes"] if r["route"] == "kext")
 
 
 @pytest.mark.parametrize("regimes,msg", [
@@ -219,6 +232,8 @@ def test_kext_route_runs_its_kernels_in_a_model(tmp_path, fused, monkeypatch):
                 L, N, R = m.lora_b.shape
                 assert m.kext_lora_b.data_ptr() == m.b_cols.data_ptr() and m.kext_lora_b.stride() == (R, L * R, 1)
                 assert torch.equal(m.kext_lora_b, m.lora_b)
+            pool.unload("a")  # the copy follows an unload too (every load: the logits above)
+            assert all(torch.equal(m.kext_lora_b, m.lora_b) for m in pool.modules.values())
     err = {route: serving_models.rel_err(logits, want) for route, logits in got.items()}
     assert err["kext-cuda"] < 1.5 * err["sgmv-cuda"] + 2e-3, err
     assert serving_models.rel_err(plain, want) > 10 * err["kext-cuda"], "the adapters must change the output"

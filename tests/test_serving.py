@@ -127,8 +127,8 @@ def test_lru_eviction_pin_unpin_unload(adapters):
     pool.unpin("c")
     pool.unload("c")
     assert pool.loaded == ["b"]
-    for m in pool.modules.values():  # the kext route's copy of B follows every load, eviction and unload
-        assert torch.equal(m.kext_lora_b, m.lora_b) and m.lora_b[slot_b].any() != m.lora_b[1 - slot_b].any()
+    for m in pool.modules.values():  # (B's copy for the kext kernels, on sm_90: test_kext_route_runs_its_kernels...)
+        assert m.lora_b[slot_b].any() != m.lora_b[1 - slot_b].any()
     with pytest.raises(KeyError, match="'c' is not loaded"):
         pool.slot("c")
     with pytest.raises(ValueError, match="is not pinned"):

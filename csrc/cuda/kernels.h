@@ -119,7 +119,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
 // programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
 // slots side by side (b_row_stride = lora_b.stride(1), lora_b.stride(0) == rank). y contiguous. Up to
-// kLoraLinearMaxTokens rows (GEMM tiles of 16, 32, 64 and 128 tokens): the slot mask is read from token_slot by one
+// kLoraLinearMaxTokens rows (kLoraLinearTileTokens: the GEMM's tiles): the slot mask is read from token_slot by one
 // warp, up to 4 rows per lane.
 struct LoraLinearParams {
   const void* x;
@@ -136,6 +136,9 @@ struct LoraLinearParams {
   DType dtype;
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
+// The K-extended GEMM's tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
+// kLoraLinearMaxTokens: the kernels serve a layer when they serve it at each of these T.
+constexpr int64_t kLoraLinearTileTokens[] = {16, 32, 64, kLoraLinearMaxTokens};
 // Supported: fp16/bf16 on sm_90a, K and num_slots * rank multiples of 64 (K >= 64), slice bounds multiples of 64,
 // at most 4 slices and 64 slots, 16-byte aligned rows, and CUTLASS's host checks for T's tile (at least as many K
 // blocks of x as pipeline stages). The launch requires it (it does not check again: decode calls it per layer).

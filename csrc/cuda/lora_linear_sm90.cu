@@ -263,7 +263,7 @@ struct KextMainloop : Base {
   }
 
   // The slots some row uses, from the rows' own slots (token_slot, as the shrink reads them, so no other metadata
-  // can make the GEMM skip a block h needs): lane i of the producer warp loads rows i and i + 32 once per CTA,
+  // can make the GEMM skip a block h needs): lane i of the producer warp loads rows i, i + 32, ... once per CTA,
   // before the x blocks, and the warp ORs their slot bits after them (a slot outside [0, L) marks nothing: the
   // shrink writes such a row's h as zeros). The probe's one-thread version, loading before every tile's first TMA,
   // cost 28% of the GEMM alone (NOTES.md, session 27).
@@ -414,15 +414,18 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   return args;
 }
 
+constexpr int tile_tokens(int i) { return static_cast<int>(kLoraLinearTileTokens[i]); }
+static_assert(sizeof(kLoraLinearTileTokens) / sizeof(kLoraLinearTileTokens[0]) == 4, "kext_dispatch's four tiles");
+
 template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   auto by_tokens = [&](auto cutlass_element, auto cuda_element) {
     using T = decltype(cutlass_element);
     using E = decltype(cuda_element);
-    if (p.t <= 16) return f(KextGemm<T, 16>{}, E{});
-    if (p.t <= 32) return f(KextGemm<T, 32>{}, E{});
-    if (p.t <= 64) return f(KextGemm<T, 64>{}, E{});
-    return f(KextGemm<T, 128>{}, E{});
+    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{}, E{});
+    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{}, E{});
+    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{}, E{});
+    return f(KextGemm<T, tile_tokens(3)>{}, E{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}, __nv_bfloat16{})
                                 : by_tokens(cutlass::half_t{}, __half{});

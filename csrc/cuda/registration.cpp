@@ -436,7 +436,7 @@ bool lora_linear_kernels_serve_cuda(const at::Tensor& weight, const at::Tensor& 
     return false;
   }
   const c10::cuda::CUDAGuard guard(weight.device());
-  for (const int64_t t : {int64_t{16}, int64_t{32}, int64_t{64}, cuda::kLoraLinearMaxTokens}) {
+  for (const int64_t t : cuda::kLoraLinearTileTokens) {
     if (!lora_linear_sm90_params(weight.data_ptr(), t, weight, lora_a, lora_b, slice_offsets, S)) return false;
   }
   return true;

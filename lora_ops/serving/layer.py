@@ -22,9 +22,9 @@ class MultiLoRALinear(nn.Module):
       times its B (its rows form: the rows' slots, no segments). h is rounded to the
       activation dtype there (the sgmv route keeps it in float32); y is returned as a view of the wider GEMM
       output;
-    - "kext": one lora_linear: a shrink writes each row's h, then one GEMM [x | h]·[W | B of every slot]ᵀ (the
-      pool keeps a copy of B as extra columns of W's rows, b_cols) that starts while the shrink runs; h is rounded
-      to the activation dtype, as on the fold route.
+    - "kext": one lora_linear: a shrink writes each row's h, then one GEMM [x | h]·[W | B of every slot]ᵀ (on the
+      modules its CUDA kernels serve, the pool keeps a copy of B as extra columns of W's rows, b_cols) that starts
+      while the shrink runs; h is rounded to the activation dtype, as on the fold route.
 
     With no batch active (pool.current is None) it is exactly the base layer."""
 
