@@ -312,7 +312,9 @@ def test_decode_step_checks_the_kext_routes_returned_outputs(monkeypatch):
                            parts=True)
     assert [r["backend"] for r in records if r["op"] == "decode_step"] == ["base", "kext-oracle"]
     assert len(failures) == 1 and "kext-base-only" in failures[0] and "relative error" in failures[0]
-    assert not any("kext" in r["backend"] for r in records if r["op"] == "decode_step_part")
+    # its parts: each module's layers alone (the failed route's none)
+    kext_parts = [r["backend"] for r in records if r["op"] == "decode_step_part" and "kext" in r["backend"]]
+    assert kext_parts == [f"kext-oracle-{m}" for m in ("qkv", "o", "gate_up", "down")]
 
 
 def test_decode_step_kext_route_runs_the_fold_route_where_the_kernels_do_not_serve(monkeypatch):
@@ -390,7 +392,8 @@ def test_decode_step_reports_a_route_whose_capture_raises_and_times_the_others(m
 
 def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone(monkeypatch):
     """--parts: the fold GEMM (cuBLAS's and fold_linear's) over the whole step and over each module's layers alone,
-    each route's LoRA kernels alone (a fold route's expand also per module), recorded as % of the base step."""
+    each route's LoRA kernels alone (a fold route's expand also per module), and each module's layers alone through
+    the base GEMM and through the fold route, recorded as % of the base step."""
     sizes = []
     decode_step = _replay_eagerly(monkeypatch, lambda calls: sizes.append(len(calls)))
     monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
@@ -405,11 +408,11 @@ def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone
     parts = {r["backend"]: r for r in records if r["op"] == "decode_step_part"}
     modules = ["qkv", "o", "gate_up", "down"]
     assert list(parts) == ["fold-gemm", "fold-gemm-fold_linear"] + \
-        [f"fold-gemm{kind}-{m}" for m in modules for kind in ("", "-fold_linear")] + ["expand-only-cpu"] + \
-        [f"expand-only-cpu-{m}" for m in modules]
+        [name for m in modules for name in (f"fold-gemm-{m}", f"fold-gemm-fold_linear-{m}", f"base-{m}")] + \
+        ["expand-only-cpu"] + [f"expand-only-cpu-{m}" for m in modules] + [f"fold-cpu-{m}" for m in modules]
     assert all(r["pct_of_base"] == 50.0 for r in parts.values())
     # the captures after the base's and the route's: the parts', in that order (build_segments + 4 x 3 layers)
-    assert sizes[2:] == [12, 12] + [3] * 8 + [13] + [4] * 4
+    assert sizes[2:] == [12, 12] + [3] * 12 + [13] + [4] * 4 + [4] * 4
 
 
 def test_time_interleaved_times_every_run_in_each_round_and_takes_the_median(monkeypatch):

@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                     help="with --decode-step: a kernel writes each module's input just before it, as a model's norms "
                          "and activations do (see decode_step.py)")
     ap.add_argument("--parts", action="store_true",
-                    help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv)")
+                    help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv), and each "
+                         "module's layers alone through the base GEMM and each fold and kext route")
     ap.add_argument("--steps", default=None, metavar="T/ADAPTERS/RANK,...",
                     help="with --decode-step: these steps instead of issue 12's four (e.g. 16/16/64,32/16/64)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")

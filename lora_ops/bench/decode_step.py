@@ -185,11 +185,16 @@ class Setup:
             self.x[n].mul_(1.0)
 
     # ---- the routes: each returns the calls of one step, and the first layer's outputs ----
-    def base_calls(self) -> List[Callable[[], None]]:
+    def module_calls(self, one: Callable[[Module, str], None], module: Optional[str]) -> List[Callable[[], None]]:
+        """one(m, n) for every layer's modules, or for module `module`'s layers only."""
+        return [lambda m=m, n=n: one(m, n) for layer in self.layers for n, m in zip(self.names, layer)
+                if module in (None, n)]
+
+    def base_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
             self.write_input(n)
             torch.mm(self.x[n], m.w.t(), out=self.y[n])
-        return [lambda m=m, n=n: one(m, n) for layer in self.layers for n, m in zip(self.names, layer)]
+        return self.module_calls(one, module)
 
     def sgmv_calls(self, sgmv) -> List[Callable[[], None]]:
         def one(m, n):
@@ -197,8 +202,7 @@ class Setup:
             torch.mm(self.x[n], m.w.t(), out=self.y[n])
             sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
                  self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
-        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer)]
+        return [self.build_segments] + self.module_calls(one, None)
 
     def fold_one(self, route: str, expand, m: Module, n: str) -> None:
         """Module m's fold route: one GEMM against [W; A], then the expand."""
@@ -208,47 +212,42 @@ class Setup:
         expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(expand),
                self.ranks, self.scales, m.slice_offsets, 1.0)
 
-    def fold_calls(self, route: str, expand) -> List[Callable[[], None]]:
-        return [self.build_segments] + [lambda m=m, n=n: self.fold_one(route, expand, m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer)]
+    def fold_calls(self, route: str, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
+        return [self.build_segments] + self.module_calls(lambda m, n: self.fold_one(route, expand, m, n), module)
 
-    def kext_calls(self, route: str, lora_linear) -> List[Callable[[], None]]:
+    def kext_calls(self, route: str, lora_linear, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
             if m.kext_fallback:  # as the serving layer falls back (see the module's docstring)
                 return self.fold_one(route, torch.ops.lora_ops.lora_expand.default, m, n)
             self.write_input(n)
             self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.kext_lora_b,
                                                                 self.token_lora, self.scales, m.slice_offsets)
-        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer)]
+        return [self.build_segments] + self.module_calls(one, module)
 
     # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
     def fold_gemm_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
-        return [lambda m=m, n=n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n])
-                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
+        return self.module_calls(lambda m, n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n]), module)
 
     def fold_linear_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
         """fold_linear as the fold routes call it, with the step's segments (built before: not timed here), so
         skipping the slots no row uses. The calls hold that seg_indptr: other parts rebuild self.seg as they are
         captured, and a graph keeps only its address."""
         seg_indptr = self.seg.seg_indptr
-        return [lambda m=m, n=n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, seg_indptr, m.S * m.R)
-                for layer in self.layers for n, m in zip(self.names, layer) if module in (None, n)]
+        return self.module_calls(lambda m, n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, seg_indptr, m.S * m.R),
+                                 module)
 
     def expand_only_calls(self, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
             out = self.out[n]
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
                    *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
-        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer) if module in (None, n)]
+        return [self.build_segments] + self.module_calls(one, module)
 
     def sgmv_only_calls(self, sgmv) -> List[Callable[[], None]]:
         def one(m, n):
             sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
                  self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
-        return [self.build_segments] + [lambda m=m, n=n: one(m, n) for layer in self.layers
-                                        for n, m in zip(self.names, layer)]
+        return [self.build_segments] + self.module_calls(one, None)
 
     def outputs(self, route: str) -> Dict[str, torch.Tensor]:
         """The outputs of the layer that ran last, as the route leaves them (every layer writes the same buffers):
@@ -330,6 +329,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         return max(_rel(s.outputs(name)[n], ref_last[n][which]) for n in s.names)
 
     base_ms = ms["base"]
+    recorded: List[str] = []  # the routes whose time is recorded (right on both checks)
     base_err = last_layer_err("base", 0)
     for f in base_calls[:len(s.names)]:
         f()
@@ -349,29 +349,32 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             log(f"  {name:<12} WRONG: relative error {err:.2e} vs the float64 oracle; not recorded")
             continue
         overhead = 100.0 * (ms[name] - base_ms) / base_ms
+        recorded.append(name)
         records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms[name] * 1e3, 1),
                             overhead_pct=round(overhead, 2), err=err))
         log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
     del graphs, calls, base_calls  # the graphs' pools and the Setup the calls hold: freed before the next step
     if parts:
-        bench_parts(s, base_ms, row, records, log, only)
+        bench_parts(s, base_ms, row, records, log, recorded)
     del s
     torch.cuda.empty_cache()
 
 
-def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, only=None) -> None:
+def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, recorded: Sequence[str]) -> None:
     """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, reading every slot's A, and
     fold_linear's as the routes call it, skipping unused slots), of every module and of each module alone (which
     GEMM shape fold_linear's kernel wins or loses), the expand kernels on
-    their output, of every module and of each alone, the sgmv kernels without the base GEMM (the kext route is one
-    op: no part of it runs alone); µs per step and as % of the base step."""
+    their output, of every module and of each alone, the sgmv kernels without the base GEMM; and each module's
+    layers alone through the base GEMM and through each fold and kext route (which modules, by K and N, a route
+    wins or loses: the kext route is one op, so its modules are its parts); µs per step and as % of the base step."""
     s.build_segments()  # the step's segments, which fold_linear's parts read
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for module in s.names:
         parts[f"fold-gemm-{module}"] = s.fold_gemm_calls(module)
         parts[f"fold-gemm-fold_linear-{module}"] = s.fold_linear_calls(module)
+        parts[f"base-{module}"] = s.base_calls(module)
     for name, (kind, op) in routes().items():
-        if only and name not in only:
+        if name not in recorded:  # the routes timed and right in this step
             continue
         backend = name.split("-")[1]
         if kind == "sgmv":
@@ -380,6 +383,9 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, o
             parts[f"expand-only-{backend}"] = s.expand_only_calls(op)
             for module in s.names:
                 parts[f"expand-only-{backend}-{module}"] = s.expand_only_calls(op, module)
+        if kind in ("fold", "kext"):
+            for module in s.names:
+                parts[f"{name}-{module}"] = (s.fold_calls if kind == "fold" else s.kext_calls)(name, op, module)
     for name, calls in parts.items():
         for f in calls:  # eagerly once: the expand parts read the fold GEMMs' outputs as they are
             f()
