@@ -609,3 +609,39 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--steps", "16/16/64"])  # the op bench has no steps
     assert "--steps needs --decode-step" in capsys.readouterr().err
+    for models in ("all", "llama3-8b,qwen2-7b"):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", "cuda", "--decode-step", "--models", models, "--routes", "r.json"])
+        assert "--routes sweeps one model's shapes" in capsys.readouterr().err
+
+
+def test_routes_sweep_of_another_models_shapes(tmp_path, monkeypatch):
+    """write_routes on another model's shapes (stand-in timings): every sample step runs on that model, and its
+    table says so; report --routes-model builds the same table from the run's records, the default model none."""
+    from lora_ops.bench import decode_step
+    ran = set()
+
+    def fake_step(model, step, device, records, failures, log, *rest):
+        ran.add(model.name)
+        us = {"base": 100.0, "fold-cuda": 130.0, "fold-triton": 150.0, "sgmv-cuda": 120.0, "sgmv-triton": 210.0}
+        if step.T <= routes.KEXT_MAX_TOKENS:
+            us["kext-cuda"] = 140.0
+        records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
+                         rank=step.rank) for b, v in us.items()]
+
+    monkeypatch.setattr(decode_step, "bench_step", fake_step)
+    records, failures = [], []
+    path = str(tmp_path / "routes-70b.json")
+    meta = dict(gpu="test", git_sha="x", date="d", torch="t")
+    decode_step.write_routes(path, "cuda", records, failures, lambda s: None, meta, "llama3-70b-tp8")
+    assert not failures and ran == {"llama3-70b-tp8"}
+    table = routes.load(path)
+    assert table["model"] == "llama3-70b-tp8"
+    assert {r["route"] for c in routes.rank_classes(table) for r in c["regimes"]} == {"sgmv"}
+    (tmp_path / "run.json").write_text(json.dumps(dict(meta, failures=[], records=records)))
+    assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json"),
+                        "--routes-model", "llama3-70b-tp8"]) == 0
+    again = routes.load(str(tmp_path / "again.json"))
+    assert again.pop("source") == "run.json" and again == table
+    with pytest.raises(SystemExit):  # no llama3-8b sweep in the run
+        report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])

@@ -415,14 +415,14 @@ def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
     return chosen
 
 
-def routes_table(records: List[dict], meta: dict) -> dict:
-    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records (llama3-8b,
-    each rank class at its sample rank and adapter count, every regime's sample T; the last record of each route
-    counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError unless
-    every route and backend was timed at every sample step (a run of some routes, --impls, makes no table)."""
+def routes_table(records: List[dict], meta: dict, model: str = "llama3-8b") -> dict:
+    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records of `model`'s
+    shapes (each rank class at its sample rank and adapter count, every regime's sample T; the last record of each
+    route counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError
+    unless every route and backend was timed at every sample step (a run of some routes, --impls, makes no table)."""
     timed: Dict[Tuple[int, int, int], Dict[str, float]] = {}
     for r in records:
-        if r.get("op") == "decode_step" and r.get("model") == "llama3-8b":
+        if r.get("op") == "decode_step" and r.get("model") == model:
             timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
     classes = []
     for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
@@ -440,24 +440,25 @@ def routes_table(records: List[dict], meta: dict) -> dict:
             route, backend = choice.split("-")
             regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=t))
         classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
-    table = dict(meta, model="llama3-8b", ranks=classes)
+    table = dict(meta, model=model, ranks=classes)
     route_table.validate(table)
     return table
 
 
-def write_routes(path: str, device, records, failures, log, meta: dict) -> None:
-    """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count
-    (llama3-8b), and writes the table of each class's routes by regime (routes_table) to `path`
-    (lora_ops/routes.json). A run in which any route failed or gave a wrong result writes none."""
+def write_routes(path: str, device, records, failures, log, meta: dict, model: str = "llama3-8b") -> None:
+    """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count, on
+    `model`'s shapes (the serving layer's table, lora_ops/routes.json, is llama3-8b's; another model's, written
+    elsewhere, compares the shapes' choices), and writes the table of each class's routes by regime (routes_table)
+    to `path`. A run in which any route failed or gave a wrong result writes none."""
     import json
 
     failures_before = len(failures)
     first = len(records)
     for rank, adapters in route_table.RANK_SAMPLES:
         for T in route_table.REGIME_SAMPLES:
-            bench_step(MODELS["llama3-8b"], Step(T, adapters, rank), device, records, failures, log)
+            bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log)
     try:
-        table = routes_table(records[first:], meta)
+        table = routes_table(records[first:], meta, model)
     except ValueError as exc:
         failures.append(f"routes: {path} not written: {exc}")
         return

@@ -328,6 +328,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="write the serving layer's routes table built from the file's route-sweep records "
                          "(lora_ops/routes.json; what --decode-step --routes writes) instead")
+    ap.add_argument("--routes-model", default="llama3-8b",
+                    help="with --routes: the model whose sweep the table is built from (default: llama3-8b)")
     ap.add_argument("--out", default=None, help="write the merged results to <out>.json/.csv/.png")
     args = ap.parse_args(argv)
     loaded = []
@@ -353,7 +355,8 @@ def main(argv=None) -> int:
         try:
             if result["failures"]:
                 raise ValueError(f"a run with failures writes no routes table: {result['failures']}")
-            table = decode_step.routes_table(result["records"], table_meta(result, source=source))
+            table = decode_step.routes_table(result["records"], table_meta(result, source=source),
+                                             args.routes_model)
         except ValueError as exc:
             raise SystemExit(f"{', '.join(args.results)}: {exc}")
         with open(args.routes, "w") as f:
