@@ -210,28 +210,6 @@ int64_t check_slices_host(const char* op, at::OptionalIntArrayRef slice_offsets,
   return S;
 }
 
-// lora_a [L, S*R, K] and lora_b [L, N, R] against K and N (k_what / n_what: where they come from) and the slices
-// (sgmv, lora_linear); returns S.
-int64_t check_adapter_shapes_host(const char* op, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                                  const c10::SymInt& K, const c10::SymInt& N, const char* k_what, const char* n_what,
-                                  at::OptionalIntArrayRef slice_offsets) {
-  const c10::SymInt L = lora_a.sym_size(0);
-  TORCH_CHECK_VALUE(holds(lora_a.sym_size(2).sym_eq(K)), op, ": lora_a must be [L, S*R, K] with K = ", k_what, " = ",
-                    num(K), ", got shape ", shape_str(lora_a));
-  TORCH_CHECK_VALUE(holds(lora_b.sym_size(0).sym_eq(L)), op, ": lora_b must have L = lora_a.size(0) = ", num(L),
-                    " slots, got shape ", shape_str(lora_b));
-  TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = ", n_what, " = ",
-                    num(N), ", got shape ", shape_str(lora_b));
-  const int64_t S = check_slices_host(op, slice_offsets, N);
-  TORCH_CHECK_VALUE(holds((lora_a.sym_size(1) % S).sym_eq(0)), op, ": lora_a.size(1) = ", num(lora_a.sym_size(1)),
-                    " must be S*R for S = ", num(S), " slices");
-  const c10::SymInt R = lora_a.sym_size(1) / S;
-  TORCH_CHECK_VALUE(holds(lora_b.sym_size(2).sym_eq(R)), op,
-                    ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R), ", got shape ",
-                    shape_str(lora_b));
-  return S;
-}
-
 // The segments over T rows and the per-slot tensors of L adapter slots of max rank R (sgmv, lora_expand);
 // t_what / l_what / r_what say where T, L and R come from.
 void check_slot_tensors_host(const char* op, const at::Tensor& y, const c10::SymInt& T, const c10::SymInt& L,
@@ -289,6 +267,28 @@ void fill_slot_params(const SgmvIndexTensors& keep, int64_t T, Segments* seg, co
 }
 
 }  // namespace
+
+// lora_a [L, S*R, K] and lora_b [L, N, R] against K and N (k_what / n_what: where they come from) and the slices
+// (sgmv, lora_linear); returns S.
+int64_t check_adapter_shapes_host(const char* op, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                  const c10::SymInt& K, const c10::SymInt& N, const char* k_what, const char* n_what,
+                                  at::OptionalIntArrayRef slice_offsets) {
+  const c10::SymInt L = lora_a.sym_size(0);
+  TORCH_CHECK_VALUE(holds(lora_a.sym_size(2).sym_eq(K)), op, ": lora_a must be [L, S*R, K] with K = ", k_what, " = ",
+                    num(K), ", got shape ", shape_str(lora_a));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(0).sym_eq(L)), op, ": lora_b must have L = lora_a.size(0) = ", num(L),
+                    " slots, got shape ", shape_str(lora_b));
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = ", n_what, " = ",
+                    num(N), ", got shape ", shape_str(lora_b));
+  const int64_t S = check_slices_host(op, slice_offsets, N);
+  TORCH_CHECK_VALUE(holds((lora_a.sym_size(1) % S).sym_eq(0)), op, ": lora_a.size(1) = ", num(lora_a.sym_size(1)),
+                    " must be S*R for S = ", num(S), " slices");
+  const c10::SymInt R = lora_a.sym_size(1) / S;
+  TORCH_CHECK_VALUE(holds(lora_b.sym_size(2).sym_eq(R)), op,
+                    ": lora_b must be [L, N, R] with R = lora_a.size(1) / S = ", num(R), ", got shape ",
+                    shape_str(lora_b));
+  return S;
+}
 
 std::string num_list(at::IntArrayRef values) { return list_str(values); }
 

@@ -64,6 +64,12 @@ void check_build_segments_host(const at::Tensor& token_lora, int64_t num_slots);
 void check_fold_linear_host(const at::Tensor& weight, const std::optional<at::Tensor>& seg_indptr,
                             int64_t slot_rows);
 
+// lora_a [L, S*R, K] and lora_b [L, N, R] (3-D) against K and N (k_what / n_what: where they come from) and the
+// slices (sgmv, lora_linear, lora_linear's kernels-serve query); returns S.
+int64_t check_adapter_shapes_host(const char* op, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                  const c10::SymInt& K, const c10::SymInt& N, const char* k_what, const char* n_what,
+                                  at::OptionalIntArrayRef slice_offsets);
+
 // lora_linear: x [..., K] (T rows), weight [N, K], lora_a [L, S*R, K], lora_b [L, N, R] (x's dtype, unit last
 // stride), token_slot [T] int32/int64, lora_scales [L] float32, slice_offsets of N, bias [N] (x's dtype). Returns
 // the number of slices S. With LORA_OPS_DEBUG=1 (and real tensors), a slot >= L raises (negative ones mean no LoRA).

@@ -428,11 +428,11 @@ bool lora_linear_kernels_serve_cuda(const at::Tensor& weight, const at::Tensor& 
       lora_b.stride(2) != 1) {
     return false;
   }
-  const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t S = slice_offsets.has_value() ? static_cast<int64_t>(slice_offsets->size()) - 1 : 1;
-  if (S < 1 || S > kMaxSlices || lora_a.size(1) % S != 0 || lora_a.size(2) != K || lora_b.size(0) != lora_a.size(0) ||
-      lora_b.size(1) != N || lora_b.size(2) != lora_a.size(1) / S ||
-      (slice_offsets.has_value() && (slice_offsets->front() != 0 || slice_offsets->back() != N))) {
+  int64_t S = 0;
+  try {  // the op's own shape checks
+    S = check_adapter_shapes_host("lora_ops._lora_linear_kernels_serve", lora_a, lora_b, weight.sym_size(1),
+                                  weight.sym_size(0), "weight.size(1)", "weight.size(0)", slice_offsets);
+  } catch (const c10::Error&) {
     return false;
   }
   const c10::cuda::CUDAGuard guard(weight.device());
