@@ -16,11 +16,20 @@ Regimes are ranges of T, the rows of the layer's input; each entry covers T up t
 has none: every larger T). A table may split them by the pool's max rank R ("ranks": classes up to max_rank, the
 last open-ended), since the fold GEMM reads R rows of A per slot and slice: at rank 64 the fastest route differs
 from rank 16's (H200, 615d8d8: fold-triton +87% against fold-cuda +112% at 64 tokens). A table with "regimes"
-alone holds for every R. The file records the GPU, commit and date of the measurement.
+alone holds for every R. Each class is measured on one or more adapter mixes ("mixes": rank and adapter count;
+a regime's "us" holds each mix's times): the route chosen is the one whose worst slowdown over the mixes and the
+regime's two ends is smallest, since the fastest route changes with the number of adapters present (H200,
+057b51d: on a 70B shard at T=32 the kext route ties the fold route with 32 adapters and is 10% slower with one).
+
+The file holds one table per model shape the bench measured ("models"), each with its modules' (K, N) ("modules"),
+since the fastest route changes with them (H200, 057b51d: at T=32 with one adapter, the kext route is 5% faster
+than the fold route on qwen2-7b and 10% slower on a 70B shard). A pool takes the table of the measured model whose
+modules are nearest its own (table_for). The file records the GPU, commit and date of the measurement.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -41,17 +50,18 @@ def timed_names(tokens: int) -> Tuple[str, ...]:
     """The routes the bench times (and a table may choose) for a regime measured at `tokens` rows."""
     return tuple(n for n in NAMES if not (n.startswith("kext-") and tokens > KEXT_MAX_TOKENS))
 # The upper bounds of the regimes and the T at which the bench measures each one: a step of T tokens takes its
-# regime's route, chosen from the times at both ends (a factor of 2 to 4 apart), since the fastest route changes
+# regime's route, chosen from the times at both ends (a factor of 1.3 to 4 apart), since the fastest route changes
 # within a factor of 4 of T (H200, 7f9cdc6: at rank 64 fold-triton led at 256 tokens by 45%, sgmv-cuda at 1024 by
-# 25%).
-REGIME_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024, 2048, None)
-REGIME_SAMPLES = (4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# The rank classes (upper bound of the pool's max rank) and the rank and adapter count the bench measures each at:
-# the decode-step bench's two adapter mixes.
+# 25%; 2e50c00: kext led fold-cuda by 10.5% at 64 tokens and trailed it by 50% at 128).
+REGIME_BOUNDS = (4, 16, 32, 64, 96, 128, 256, 512, 1024, 2048, None)
+REGIME_SAMPLES = (4, 16, 32, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+# The rank classes (upper bound of the pool's max rank) and the mixes (rank, adapter count) the bench measures each
+# at: the decode-step bench's steps (issue 12's four rows: 32 adapters and one at rank 16, 16 at rank 64).
 RANK_BOUNDS = (32, None)
-RANK_SAMPLES = ((16, 32), (64, 16))
+CLASS_MIXES = (((16, 32), (16, 1)), ((64, 16),))
 
-_table: Optional[List[dict]] = None  # the rank classes, each with its regimes
+_tables: Optional[List[List[dict]]] = None  # each model table's rank classes, each with its regimes
+_modules: Optional[List[List[Tuple[int, int]]]] = None  # each model table's modules, (K, N)
 _ops: Dict[Tuple[str, str], Callable] = {}
 
 
@@ -60,8 +70,13 @@ def load(path: str = PATH) -> dict:
         return json.load(f)
 
 
+def model_tables(table: dict) -> List[dict]:
+    """The file's table of each model shape ("models"); a file without them is one table."""
+    return table["models"] if "models" in table else [table]
+
+
 def rank_classes(table: dict) -> List[dict]:
-    """The table's rank classes ({"max_rank", "regimes", ...}); a table without them has one for every rank."""
+    """A model table's rank classes ({"max_rank", "regimes", ...}); a table without them has one for every rank."""
     return table["ranks"] if "ranks" in table else [{"max_rank": None, "regimes": table.get("regimes")}]
 
 
@@ -74,9 +89,21 @@ def _check_bounds(what: str, bounds: list) -> None:
 
 
 def validate(table: dict) -> None:
-    """Raises ValueError unless the rank classes cover every R >= 1 and each one's regimes every T >= 1, in order,
-    with known routes and backends."""
-    classes = rank_classes(table)
+    """Raises ValueError unless each model table's rank classes cover every R >= 1 and each one's regimes every
+    T >= 1, in order, with known routes and backends, and, where the file holds several, each says its modules'
+    (K, N) (what a pool is matched to)."""
+    models = model_tables(table)
+    if not models:
+        raise ValueError("routes table: no model tables")
+    for model in models:
+        if len(models) > 1 and not (model.get("modules") and all(
+                len(kn) == 2 and all(isinstance(v, int) and v > 0 for v in kn) for kn in model["modules"])):
+            raise ValueError(f"routes table: model {model.get('model')!r} needs its modules' [K, N] (\"modules\"): "
+                             "a pool takes the table of the nearest modules")
+        _validate_classes(rank_classes(model))
+
+
+def _validate_classes(classes: List[dict]) -> None:
     if not classes:
         raise ValueError("routes table: no rank classes")
     _check_bounds("rank class", [c.get("max_rank") for c in classes])
@@ -90,32 +117,56 @@ def validate(table: dict) -> None:
                 raise ValueError(f"routes table: unknown route/backend in {r} (known: {', '.join(NAMES)})")
             if r["route"] == "kext" and (r["max_tokens"] is None or r["max_tokens"] > KEXT_MAX_TOKENS):
                 raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
-            if r["route"] == "kext" and not _other_timed(r):
+            if r["route"] == "kext" and not all(_other_timed(us) for us in r.get("us") or [{}]):
                 raise ValueError(f"routes table: a kext regime needs the times of another route (its fallback where "
-                                 f"lora_linear's kernels do not serve a module), in \"us\": {r}")
+                                 f"lora_linear's kernels do not serve a module) in each mix's \"us\": {r}")
 
 
-def _other_timed(regime: dict) -> Dict[str, float]:
-    """The regime's timed routes other than kext, {name: us}."""
-    return {name: us for name, us in regime.get("us", {}).items() if name in NAMES and not name.startswith("kext")}
+def _other_timed(us: Dict[str, float]) -> Dict[str, float]:
+    """The routes other than kext in one mix's times, {name: us}."""
+    return {name: t for name, t in us.items() if name in NAMES and not name.startswith("kext")}
+
+
+def least_worst(samples: List[Dict[str, float]], names) -> Tuple[str, float]:
+    """Of `names`, the route whose worst slowdown against the fastest timed route of each sample ({route: us}) is
+    smallest, the faster in the last sample on a tie; with that slowdown (1.0: the fastest in every sample)."""
+    worst = {n: max(s.get(n, math.inf) / min(s.values()) for s in samples) for n in names}
+    best = min(names, key=lambda n: (worst[n], samples[-1].get(n, math.inf)))
+    return best, worst[best]
 
 
 def _with_fallbacks(classes: List[dict]) -> List[dict]:
-    """Each kext regime with its "fallback" (route, backend): the fastest other route timed there. Worked out once,
-    at load: pick() runs inside torch.compile's traced forwards."""
+    """Each kext regime with its "fallback" (route, backend): of the other routes timed there, the one least slow
+    over its mixes (least_worst). Worked out once, at load: pick() runs inside torch.compile's traced forwards."""
     for c in classes:
         for r in c["regimes"]:
             if r["route"] == "kext":
-                timed = _other_timed(r)
-                r["fallback"] = tuple(min(timed, key=timed.get).split("-"))
+                others = [_other_timed(us) for us in r["us"]]
+                r["fallback"] = tuple(least_worst(others, list(others[-1]))[0].split("-"))
     return classes
 
 
+def _distance(modules: List[Tuple[int, int]], measured: List[Tuple[int, int]]) -> float:
+    """How far a pool's modules are from a measured model's: each module's nearest measured (K, N), in octaves of
+    K plus octaves of N, summed over the modules."""
+    return sum(min(abs(math.log2(k / mk)) + abs(math.log2(n / mn)) for mk, mn in measured) for k, n in modules)
+
+
+def table_for(modules: List[Tuple[int, int]]) -> int:
+    """The index of the model table whose modules are nearest these (K, N) (the first on a tie: the file lists the
+    serving layer's main shape, llama3-8b, first). Each pool asks once, for all its modules."""
+    _load()
+    if len(_modules) == 1 or not modules:
+        return 0
+    return min(range(len(_modules)), key=lambda i: (_distance(modules, _modules[i]), i))
+
+
 def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
-         kext_serves: bool = True) -> Tuple[str, str]:
+         kext_serves: bool = True, table: int = 0) -> Tuple[str, str]:
     """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the
-    table's choice on CUDA, the sgmv route elsewhere. Where the table chooses kext but its kernels do not serve the
-    module (`kext_serves`: another GPU, dtype or shape), the fastest other route the table timed at that regime.
+    choice of model table `table` (table_for) on CUDA, the sgmv route elsewhere. Where the table chooses kext but
+    its kernels do not serve the module (`kext_serves`: another GPU, dtype or shape), the regime's fallback: the
+    other route the table timed there that is least slow over its mixes.
     LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton, kext-cuda) forces one on any device, for tests and
     comparisons."""
     forced = os.environ.get("LORA_OPS_ROUTE")
@@ -124,7 +175,7 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
         if (route, backend) not in PAIRS:
             raise ValueError(f"LORA_OPS_ROUTE={forced!r}: expected <route>-<backend>, one of {', '.join(NAMES)}")
     elif device_type == "cuda":
-        regimes = next(c["regimes"] for c in _classes() if c["max_rank"] is None or max_rank <= c["max_rank"])
+        regimes = next(c["regimes"] for c in _load()[table] if c["max_rank"] is None or max_rank <= c["max_rank"])
         regime = next(r for r in regimes if r["max_tokens"] is None or tokens <= r["max_tokens"])
         route, backend = regime["route"], regime["backend"]
         if route == "kext" and not kext_serves:
@@ -154,19 +205,21 @@ def preload() -> None:
     """Reads and checks the table, and resolves every route's ops, now: torch.compile cannot trace the file read,
     and a first compiled forward that filled op()'s cache would be guarded on it (a recompile once an eager call
     fills it). MultiLoRALinear calls this when it wraps a layer."""
-    _classes()
+    _load()
     for kind in ("sgmv", "lora_expand"):
         for backend in BACKENDS:
             op(kind, backend)
 
 
-def _classes() -> List[dict]:
-    global _table
-    if _table is None:
-        table = load()
-        validate(table)
-        _table = _with_fallbacks(rank_classes(table))
-    return _table
+def _load() -> List[List[dict]]:
+    """Each model table's rank classes, with the kext regimes' fallbacks, read and checked once."""
+    global _tables, _modules
+    if _tables is None:
+        models = model_tables(load())
+        validate({"models": models})
+        _modules = [[tuple(kn) for kn in m.get("modules", [])] for m in models]
+        _tables = [_with_fallbacks(rank_classes(m)) for m in models]
+    return _tables
 
 
 def op(kind: str, backend: str) -> Callable:

@@ -317,12 +317,21 @@ def test_decode_step_checks_the_kext_routes_returned_outputs(monkeypatch):
     assert kext_parts == [f"kext-oracle-{m}" for m in ("qkv", "o", "gate_up", "down")]
 
 
-def test_decode_step_kext_route_runs_the_fold_route_where_the_kernels_do_not_serve(monkeypatch):
+@pytest.mark.parametrize("fallback", ["fold", "sgmv"])
+def test_decode_step_kext_route_runs_the_tables_fallback_where_the_kernels_do_not_serve(monkeypatch, fallback):
     """A module lora_linear's kernels do not serve on CUDA (Module.kext_fallback: the 70B shard's o_proj, K = 1024,
-    has fewer K blocks than the GEMM's stages) runs the fold route in the kext route's step, as the serving layer
-    falls back, instead of timing lora_linear's composition (H200, 2e50c00: +164% against fold-cuda's +50% at
-    T=32/32); the step's outputs still check."""
+    has fewer K blocks than the GEMM's stages) runs the routes table's fallback for the step in the kext route's
+    step, as the serving layer does, instead of timing lora_linear's composition (H200, 2e50c00: +164% against
+    fold-cuda's +50% at T=32/32); the step's outputs still check."""
     decode_step = _replay_eagerly(monkeypatch)
+    us = {"kext-cuda": 1.0, "fold-cuda": 2.0 if fallback == "fold" else 3.0, "sgmv-cuda": 2.5}
+    monkeypatch.setattr(routes, "_tables", [routes._with_fallbacks([{"max_rank": None, "regimes": [
+        {"max_tokens": 64, "route": "kext", "backend": "cuda", "us": [us]},
+        {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]}])])
+    monkeypatch.setattr(routes, "_modules", [[(64, 64)]])
+    ran = []
+    real_op = routes.op
+    monkeypatch.setattr(routes, "op", lambda kind, backend: (lambda *a: ran.append(kind) or real_op(kind, backend)(*a)))
     monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
     weights = []
     right = lambda *args: weights.append(args[1].shape) or reference.lora_linear(*args).to(args[0].dtype)
@@ -338,6 +347,7 @@ def test_decode_step_kext_route_runs_the_fold_route_where_the_kernels_do_not_ser
     decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
     assert not failures and [r["backend"] for r in records] == ["base", "kext-oracle"]
     assert weights and (64, 64) not in weights and (128, 64) in weights  # o_proj's never; qkv's, ...
+    assert ran and set(ran) == {"lora_expand" if fallback == "fold" else "sgmv"}
 
 
 def test_decode_step_times_the_kext_route_on_the_serving_pools_layout(monkeypatch):
@@ -459,9 +469,12 @@ def test_decode_step_floors_count_the_present_adapters_and_the_fold_routes_every
             (("base", 4000.0, 0.0), ("fold-cuda", 8000.0, 100.0), ("fold-triton", 7000.0, 75.0),
              ("kext-cuda", 6000.0, 50.0))]
     table = report._decode_table(rows)
-    assert table[0] == "| model | T | adapters | rank | base step | floor | fold floor | fold-cuda | fold-triton | " \
-                       "kext-cuda |"
-    assert table[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | +100% | +75% | **+50%** |"
+    assert table[0] == "| model | T | adapters | rank | base step | floor | fold floor | serving default | " \
+                       "fold-cuda | fold-triton | kext-cuda |"
+    assert table[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | — | +100% | +75% | **+50%** |"
+    rows[1]["serving_default"] = True
+    assert report._decode_table(rows)[2] == "| llama3-8b | 64 | 16 | 64 | 4.00 ms | +38.5% | +56.7% | " \
+                                            "+100% (fold-cuda) | +100% | +75% | **+50%** |"
 
 
 def test_readme_section_renders_grouped_gemm_and_lora_expand(tmp_path):
@@ -515,87 +528,128 @@ def test_grouped_gemm_baselines_match_the_oracle_on_the_gpu():
     torch.cuda.synchronize()
 
 
-def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime():
+def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime_and_over_the_mixes():
     from lora_ops.bench.decode_step import choose_routes
     # the 7f9cdc6 rank-16 samples at T = 64, 256, 1024 (µs): at its top end alone, 65-256 took fold-triton (12.8%
     # slower than fold-cuda at 64), 257-1024 sgmv-cuda (20.7% slower than fold-triton at 256)
     samples = [{"sgmv-cuda": 6705.6, "fold-cuda": 5252.5, "sgmv-triton": 8991.8, "fold-triton": 5923.7},
                {"sgmv-cuda": 10196.4, "fold-cuda": 8872.7, "sgmv-triton": 11193.8, "fold-triton": 8445.8},
                {"sgmv-cuda": 25358.9, "fold-cuda": 30562.1, "sgmv-triton": 28017.8, "fold-triton": 26573.7}]
-    assert choose_routes(samples) == ["fold-cuda", "fold-cuda", "fold-triton"]
-    assert choose_routes([{"a": 2.0, "b": 2.0, "c": 1.0}]) == ["c"]
-    assert choose_routes([{"a": 1.0, "b": 1.1}, {"a": 1.05, "b": 1.0}]) == ["a", "a"]  # worst 5% against 10%
-    assert choose_routes([{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}]) == ["a", "a"]  # a tie: the first listed
+    chosen = choose_routes([samples])
+    assert [c for c, _ in chosen] == ["fold-cuda", "fold-cuda", "fold-triton"]
+    assert [w for _, w in chosen] == pytest.approx([1.0, 8872.7 / 8445.8, 26573.7 / 25358.9])
+    assert choose_routes([[{"a": 2.0, "b": 2.0, "c": 1.0}]]) == [("c", 1.0)]
+    assert [c for c, _ in choose_routes([[{"a": 1.0, "b": 1.1}, {"a": 1.05, "b": 1.0}]])] == ["a", "a"]  # 5% < 10%
+    assert [c for c, _ in choose_routes([[{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}]])] == ["a", "a"]  # tie: first
+    # The 057b51d 70B shard at T = 16 and 32 (ms; with one adapter at 16 a stand-in): with 32 adapters kext-cuda
+    # leads at 16 and ties at 32, so it takes 17-32 tokens; with one adapter it is 10% slower at 32: over both
+    # mixes fold-cuda takes 17-32 (its worst: 7% behind at 16 tokens)
+    mixed = [{"kext-cuda": 7.197, "fold-cuda": 7.676}, {"kext-cuda": 8.160, "fold-cuda": 8.101}]
+    single = [{"kext-cuda": 7.0, "fold-cuda": 6.6}, {"kext-cuda": 7.343, "fold-cuda": 6.684}]
+    assert [c for c, _ in choose_routes([mixed])] == ["kext-cuda", "kext-cuda"]
+    assert [c for c, _ in choose_routes([mixed, single])] == ["kext-cuda", "fold-cuda"]
+    # a route timed in one mix only (not at this T in another) is not chosen
+    assert [c for c, _ in choose_routes([[{"a": 1.0, "b": 2.0}], [{"b": 2.0}]])] == ["b"]
+
+
+def _stand_in_step(model, step, device, records, failures, log, *rest):
+    """bench_step's records on stand-in timings: kext-cuda wins at rank 16 up to KEXT_MAX_TOKENS (the bench times
+    it no further), fold-cuda beyond, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both; on the 70B shard
+    sgmv-cuda everywhere."""
+    us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
+          "sgmv-cuda": 120.0 if step.T >= 1024 or model.name == "llama3-70b-tp8" else 200.0, "sgmv-triton": 210.0}
+    if step.T <= routes.KEXT_MAX_TOKENS:
+        us["kext-cuda"] = 125.0 if step.rank == 16 else 160.0
+    records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
+                     rank=step.rank) for b, v in us.items()]
 
 
 def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regime(tmp_path, monkeypatch):
-    """write_routes (GPU-only through the CLI) on stand-in timings: one class per rank bound, each regime's route
-    by choose_routes, a table that routes.pick reads, and none written when a route fails."""
+    """write_routes (GPU-only through the CLI) on stand-in timings: a table per model with its modules' (K, N), one
+    class per rank bound measured at its mixes, each regime's route by choose_routes with every mix's times, a
+    table that routes.pick reads, and none written when a route fails."""
     from lora_ops.bench import decode_step
 
-    def fake_step(model, step, device, records, failures, log, *rest):
-        # kext-cuda wins at rank 16 up to KEXT_MAX_TOKENS (the bench times it no further), fold-cuda beyond,
-        # fold-triton at rank 64, sgmv-cuda from 1024 tokens at both
-        us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
-              "sgmv-cuda": 120.0 if step.T >= 1024 else 200.0, "sgmv-triton": 210.0}
-        if step.T <= routes.KEXT_MAX_TOKENS:
-            us["kext-cuda"] = 125.0 if step.rank == 16 else 160.0
-        records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
-                         rank=step.rank) for b, v in us.items()]
-
-    monkeypatch.setattr(decode_step, "bench_step", fake_step)
+    ran = []
+    monkeypatch.setattr(decode_step, "bench_step", lambda model, step, *rest: ran.append((model.name, step)) or
+                        _stand_in_step(model, step, *rest))
     path = str(tmp_path / "routes.json")
     failures = []
-    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"))
+    models = ["llama3-8b", "llama3-70b-tp8"]
+    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),
+                             models)
     assert failures == []
+    assert sorted(set(ran), key=str) == sorted({(m, decode_step.Step(T, a, r)) for m in models
+                                                for mixes in routes.CLASS_MIXES for r, a in mixes
+                                                for T in routes.REGIME_SAMPLES}, key=str)
     table = routes.load(path)
     routes.validate(table)
-    classes = routes.rank_classes(table)
+    llama, shard = routes.model_tables(table)
+    assert [llama["model"], shard["model"]] == models
+    assert shard["modules"] == [[8192, 1280], [1024, 8192], [8192, 7168], [3584, 8192]]
+    assert {r["route"] for c in routes.rank_classes(shard) for r in c["regimes"]} == {"sgmv"}
+    classes = routes.rank_classes(llama)
     assert [c["max_rank"] for c in classes] == list(routes.RANK_BOUNDS)
-    assert [(c["rank"], c["adapters"]) for c in classes] == list(routes.RANK_SAMPLES)
+    assert [[(m["rank"], m["adapters"]) for m in c["mixes"]] for c in classes] == \
+        [list(mixes) for mixes in routes.CLASS_MIXES]
     want = {16: "fold-cuda", 64: "fold-triton"}
-    for c in classes:
+    for c, mixes in zip(classes, routes.CLASS_MIXES):
+        rank = mixes[0][0]
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
         # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends. At
         # rank 16 kext-cuda in the regimes up to KEXT_MAX_TOKENS; fold-cuda in the next (kext-cuda is not timed at
         # its upper end, fold-cuda 4% slower at its lower)
-        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in routes.REGIME_BOUNDS) if c["rank"] == 16 \
-            else 0
-        assert got == ["kext-cuda"] * kext + [want[c["rank"]] if b is not None and b <= 1024 else "sgmv-cuda"
+        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in routes.REGIME_BOUNDS) if rank == 16 else 0
+        assert got == ["kext-cuda"] * kext + [want[rank] if b is not None and b <= 1024 else "sgmv-cuda"
                                              for b in routes.REGIME_BOUNDS[kext:]]
         assert got[-2:] == ["sgmv-cuda"] * 2
+        assert all(len(r["us"]) == len(mixes) and r["us"][0]["base"] == 100.0 for r in c["regimes"])
+        assert c["regimes"][0]["slowdown"] == 1.0 and max(r["slowdown"] for r in c["regimes"]) > 1.0
     # The same table from the run's results file (python -m lora_ops.bench.report --routes), and none from a
     # file with failures or without the sweep.
     records = []
-    for rank, adapters in routes.RANK_SAMPLES:
-        for T in routes.REGIME_SAMPLES:
-            fake_step(decode_step.MODELS["llama3-8b"], decode_step.Step(T, adapters, rank), "cuda", records, [], None)
+    for name, step in ran:
+        _stand_in_step(decode_step.MODELS[name], step, "cuda", records, [], None)
     # an earlier record of a route at a sample step (the issue rows run first): the sweep's own counts
     stale = dict(next(r for r in records if r["backend"] == "fold-triton"), us=1.0)
     results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[], records=[stale] + records)
     (tmp_path / "run.json").write_text(json.dumps(results))
-    assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json")]) == 0
+    assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json"),
+                        "--routes-models", ",".join(models)]) == 0
     again = routes.load(str(tmp_path / "again.json"))
     assert again.pop("source") == "run.json" and again == dict(table, torch="t")
     some_routes = [r for r in records if r["backend"] in ("base", "fold-cuda")]  # a run with --impls fold-cuda
     no_kext = [r for r in records if r["backend"] != "kext-cuda"]  # a run before the route
+    one_mix = [r for r in records if r["adapters"] != 1]  # a run before the single-adapter mix
     for broken in (dict(results, failures=["decode_step fold-cuda: raised"]), dict(results, records=records[:-5]),
-                   dict(results, records=some_routes), dict(results, records=no_kext)):
+                   dict(results, records=some_routes), dict(results, records=no_kext),
+                   dict(results, records=one_mix)):
         (tmp_path / "run.json").write_text(json.dumps(broken))
         with pytest.raises(SystemExit):
-            report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
+            report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json"),
+                         "--routes-models", ",".join(models)])
         assert not (tmp_path / "none.json").exists()
+    (tmp_path / "run.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit):  # the default's three models: qwen2-7b has no sweep in the run
+        report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
     failing = lambda model, step, device, records, failures, *rest: failures.append("fold-cuda raised")
     monkeypatch.setattr(decode_step, "bench_step", failing)
     (tmp_path / "routes.json").unlink()
-    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"))
+    decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),
+                             models)
     assert not (tmp_path / "routes.json").exists() and "not written" in failures[-1]
-    monkeypatch.setattr(routes, "_table", routes._with_fallbacks(classes))
+    monkeypatch.setattr(routes, "_tables", [routes._with_fallbacks(routes.rank_classes(t))
+                                            for t in routes.model_tables(table)])
+    monkeypatch.setattr(routes, "_modules", [[tuple(kn) for kn in t["modules"]] for t in routes.model_tables(table)])
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16) == ("kext", "cuda")
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16, kext_serves=False) == ("fold", "cuda")
     assert routes.pick(routes.KEXT_MAX_TOKENS + 1, "cuda", 16) == ("fold", "cuda")
     assert routes.pick(64, "cuda", 64) == ("fold", "triton")
+    assert routes.pick(64, "cuda", 16, True, 1) == ("sgmv", "cuda")
+    assert decode_step.serving_default(decode_step.MODELS["llama3-70b-tp8"], decode_step.Step(64, 32, 16)) == \
+        "sgmv-cuda"
+    assert decode_step.serving_default(decode_step.MODELS["llama3-8b"], decode_step.Step(64, 32, 16)) == "kext-cuda"
 
 
 def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
@@ -609,39 +663,3 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--steps", "16/16/64"])  # the op bench has no steps
     assert "--steps needs --decode-step" in capsys.readouterr().err
-    for models in ("all", "llama3-8b,qwen2-7b"):
-        with pytest.raises(SystemExit):
-            bench.main(["--device", "cuda", "--decode-step", "--models", models, "--routes", "r.json"])
-        assert "--routes sweeps one model's shapes" in capsys.readouterr().err
-
-
-def test_routes_sweep_of_another_models_shapes(tmp_path, monkeypatch):
-    """write_routes on another model's shapes (stand-in timings): every sample step runs on that model, and its
-    table says so; report --routes-model builds the same table from the run's records, the default model none."""
-    from lora_ops.bench import decode_step
-    ran = set()
-
-    def fake_step(model, step, device, records, failures, log, *rest):
-        ran.add(model.name)
-        us = {"base": 100.0, "fold-cuda": 130.0, "fold-triton": 150.0, "sgmv-cuda": 120.0, "sgmv-triton": 210.0}
-        if step.T <= routes.KEXT_MAX_TOKENS:
-            us["kext-cuda"] = 140.0
-        records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
-                         rank=step.rank) for b, v in us.items()]
-
-    monkeypatch.setattr(decode_step, "bench_step", fake_step)
-    records, failures = [], []
-    path = str(tmp_path / "routes-70b.json")
-    meta = dict(gpu="test", git_sha="x", date="d", torch="t")
-    decode_step.write_routes(path, "cuda", records, failures, lambda s: None, meta, "llama3-70b-tp8")
-    assert not failures and ran == {"llama3-70b-tp8"}
-    table = routes.load(path)
-    assert table["model"] == "llama3-70b-tp8"
-    assert {r["route"] for c in routes.rank_classes(table) for r in c["regimes"]} == {"sgmv"}
-    (tmp_path / "run.json").write_text(json.dumps(dict(meta, failures=[], records=records)))
-    assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json"),
-                        "--routes-model", "llama3-70b-tp8"]) == 0
-    again = routes.load(str(tmp_path / "again.json"))
-    assert again.pop("source") == "run.json" and again == table
-    with pytest.raises(SystemExit):  # no llama3-8b sweep in the run
-        report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])

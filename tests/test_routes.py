@@ -36,30 +36,66 @@ def test_kext_max_tokens_is_the_kernels_bound():
 def test_committed_table_covers_every_regime():
     table = routes.load()
     routes.validate(table)
-    for c in routes.rank_classes(table):
-        assert [r["max_tokens"] for r in c["regimes"]] == list(routes.REGIME_BOUNDS)
+    models = routes.model_tables(table)
+    assert [m["model"] for m in models] == ["llama3-8b", "qwen2-7b", "llama3-70b-tp8"]  # the bench's three shapes
     for key in ("gpu", "git_sha", "date"):
         assert table.get(key), f"the table does not say which measurement it came from ({key})"
-    for tokens in (1, *[t for b in routes.REGIME_BOUNDS[:-1] for t in (b, b + 1)], 1 << 20):
-        for max_rank in (1, 16, 32, 33, 64, 256):
-            assert routes.pick(tokens, "cuda", max_rank) in routes.PAIRS
-            assert routes.pick(tokens, "cuda", max_rank, kext_serves=False)[0] != "kext"
+    for index, model in enumerate(models):
+        for c in routes.rank_classes(model):
+            assert [r["max_tokens"] for r in c["regimes"]] == list(routes.REGIME_BOUNDS)
+        for tokens in (1, *[t for b in routes.REGIME_BOUNDS[:-1] for t in (b, b + 1)], 1 << 20):
+            for max_rank in (1, 16, 32, 33, 64, 256):
+                assert routes.pick(tokens, "cuda", max_rank, True, index) in routes.PAIRS
+                assert routes.pick(tokens, "cuda", max_rank, False, index)[0] != "kext"
+
+
+def _stand_in_tables(monkeypatch, *tables, modules=None):
+    """routes' loaded tables replaced by these (each a list of rank classes), with their modules' (K, N)."""
+    monkeypatch.setattr(routes, "_tables", [routes._with_fallbacks(t) for t in tables])
+    monkeypatch.setattr(routes, "_modules", modules or [[(64, 64)]] * len(tables))
 
 
 def test_pick_takes_the_fastest_other_route_where_the_kext_kernels_do_not_serve(monkeypatch):
     """A module whose shapes, dtype or GPU lora_linear's kernels do not serve (its composition of torch ops would
-    run) takes the fastest other route the table timed at that regime."""
+    run) takes the other route the table timed at that regime that is least slow over its mixes."""
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     us = {"base": 100.0, "kext-cuda": 110.0, "fold-cuda": 130.0, "fold-triton": 125.0, "sgmv-cuda": 150.0,
           "sgmv-triton": 160.0}
-    regimes = [{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": us},
+    regimes = [{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": [us]},
                {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
-    monkeypatch.setattr(routes, "_table", routes._with_fallbacks([{"max_rank": None, "regimes": regimes}]))
+    _stand_in_tables(monkeypatch, [{"max_rank": None, "regimes": regimes}])
     assert routes.pick(64, "cuda", 16) == ("kext", "cuda")
     assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "triton")
     assert routes.pick(65, "cuda", 16, kext_serves=False) == ("sgmv", "cuda")
+    # a second mix in which fold-triton is 20% slower than fold-cuda: fold-cuda's worst (4%) is the smaller
+    regimes[0]["us"].append(dict(us, **{"fold-cuda": 100.0, "fold-triton": 120.0}))
+    _stand_in_tables(monkeypatch, [{"max_rank": None, "regimes": regimes}])
+    assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "cuda")
     monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")  # forced: taken whatever the kernels serve
     assert routes.pick(64, "cuda", 16, kext_serves=False) == ("kext", "cuda")
+
+
+def test_a_pool_takes_the_table_of_the_nearest_measured_modules(monkeypatch):
+    """table_for: the committed table measured on the model whose modules are nearest (octaves of K and N) a pool's,
+    the bench's fused modules or a model's own unfused ones, the first listed on a tie."""
+    monkeypatch.setattr(routes, "_tables", None)
+    names = [m["model"] for m in routes.model_tables(routes.load())]
+    unfused = {  # q, k, v, o, gate, up, down: (K, N)
+        "llama3-8b": [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336),
+                      (14336, 4096)],
+        "qwen2-7b": [(3584, 3584), (3584, 512), (3584, 512), (3584, 3584), (3584, 18944), (3584, 18944),
+                     (18944, 3584)],
+        "llama3-70b-tp8": [(8192, 1024), (8192, 128), (8192, 128), (1024, 8192), (8192, 3584), (8192, 3584),
+                           (3584, 8192)]}
+    from lora_ops.bench.decode_step import MODELS
+    for name, modules in unfused.items():
+        assert names[routes.table_for(modules)] == name
+        assert names[routes.table_for([(K, sum(w)) for _, K, w in MODELS[name].modules()])] == name
+    assert routes.table_for([]) == 0
+    _stand_in_tables(monkeypatch, [], [], modules=[[(64, 64)], [(64, 64)]])  # equally near: the first
+    assert routes.table_for([(128, 64)]) == 0
+    _stand_in_tables(monkeypatch, [], [], modules=[[(4096, 4096)], [(64, 64)]])
+    assert routes.table_for([(128, 64)]) == 1
 
 
 def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noqa: F811
@@ -72,15 +108,6 @@ def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noq
     lora_a = torch.zeros(4, 16, 1536, dtype=torch.bfloat16)  # shapes the kernels serve on sm_90, here on the CPU
     assert not torch.ops.lora_ops._lora_linear_kernels_serve(w, lora_a, b_cols.view(128, 4, 16).permute(1, 0, 2),
                                                              None)
-
-
-def test_the_committed_tables_kext_fallback_is_the_benchs(monkeypatch):
-    """The decode-step bench's kext route runs fold-cuda on the modules lora_linear's kernels do not serve
-    (decode_step.Setup.kext_calls); the serving layer runs the table's fastest other route there: the same route in
-    every kext regime of the committed table, or the bench's kext times would not be the serving layer's."""
-    monkeypatch.setattr(routes, "_table", None)
-    for c in routes._classes():
-        assert all(r["fallback"] == ("fold", "cuda") for r in c["regimes"] if r["route"] == "kext")
 
 
 @pytest.mark.parametrize("regimes,msg", [
@@ -97,8 +124,20 @@ def test_the_committed_tables_kext_fallback_is_the_benchs(monkeypatch):
     ([{"max_tokens": None, "route": "kext", "backend": "triton"}], "unknown route/backend"),  # one op, no Triton
     ([{"max_tokens": 256, "route": "kext", "backend": "cuda"},
       {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "the kext route serves up to 128 tokens"),
-    ([{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": {"kext-cuda": 1.0}},
+    ([{"max_tokens": 64, "route": "kext", "backend": "cuda", "us": [{"kext-cuda": 1.0, "fold-cuda": 2.0},
+                                                                    {"kext-cuda": 1.0}]},
       {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "a kext regime needs the times of another route"),
+    ({"models": []}, "no model tables"),
+    ({"models": [{"model": "a", "modules": [[64, 64]], "regimes": [{"max_tokens": None, "route": "fold",
+                                                                    "backend": "cuda"}]},
+                 {"model": "b", "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
+     "model 'b' needs its modules"),
+    ({"models": [{"model": "a", "modules": [[64, 0]], "regimes": [{"max_tokens": None, "route": "fold",
+                                                                   "backend": "cuda"}]},
+                 {"model": "b", "modules": [[64, 64]], "regimes": []}]}, "model 'a' needs its modules"),
+    ({"models": [{"model": "a", "modules": [[64, 64]], "regimes": [{"max_tokens": None, "route": "fold",
+                                                                    "backend": "cuda"}]},
+                 {"model": "b", "modules": [[64, 64]], "regimes": []}]}, "no regimes"),
     ({"ranks": []}, "no rank classes"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
      "only the last rank class may be open-ended"),
@@ -119,7 +158,7 @@ def test_pick_follows_the_bounds(monkeypatch):
     low = [{"max_tokens": 16, "route": "fold", "backend": "triton"},
            {"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
     high = [{"max_tokens": 64, "route": "fold", "backend": "cuda"}, {"max_tokens": None, "route": "sgmv", "backend": "triton"}]
-    monkeypatch.setattr(routes, "_table", [{"max_rank": 32, "regimes": low}, {"max_rank": None, "regimes": high}])
+    _stand_in_tables(monkeypatch, [{"max_rank": 32, "regimes": low}, {"max_rank": None, "regimes": high}])
     assert routes.pick(16, "cuda") == ("fold", "triton")  # max rank 16 by default
     assert routes.pick(17, "cuda") == ("sgmv", "cuda")
     assert routes.pick(16, "cuda", 32) == ("fold", "triton")
@@ -144,15 +183,31 @@ def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypa
     CUDA forward on it): wrapping the layers reads it, and a compiled route choice then traces (the kext regimes'
     fallback too: worked out at load, since torch 2.11's dynamo refused pick's min(..., key=...), H200, 3169682)."""
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
-    monkeypatch.setattr(routes, "_table", None)
+    monkeypatch.setattr(routes, "_tables", None)
     base, root = adapters
     _pool_model(base, root, [])
-    assert routes._table is not None
+    assert routes._tables is not None
     torch._dynamo.reset()
     for serves in (True, False):  # without: the kext regimes' fallback
-        picked = torch.compile(lambda x: x * (2 if routes.pick(x.shape[0], "cuda", 16, serves)[0] == "fold" else 3),
-                               fullgraph=True, backend="eager")(torch.ones(4))
-        assert picked[0].item() in (2.0, 3.0)
+        for table in range(len(routes._tables)):
+            picked = torch.compile(
+                lambda x: x * (2 if routes.pick(x.shape[0], "cuda", 16, serves, table)[0] == "fold" else 3),
+                fullgraph=True, backend="eager")(torch.ones(4))
+            assert picked[0].item() in (2.0, 3.0)
+
+
+def test_the_layers_route_by_their_pools_table(adapters, monkeypatch):  # noqa: F811
+    """Every layer asks routes.pick with its pool's table (the one nearest the pool's modules, chosen once)."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a"])
+    assert pool.route_table == routes.table_for([(m.in_features, m.out_features) for m in pool.modules.values()])
+    pool.route_table = 7  # any index: what the layers pass on
+    asked = []
+    real_pick = routes.pick
+    monkeypatch.setattr(routes, "pick", lambda *a: asked.append(a[4]) or real_pick(*a[:4]))
+    with torch.no_grad(), pool.batch(["a"], tokens_per_row=3):
+        model(torch.randint(0, 256, (1, 3)))
+    assert len(asked) == len(pool.modules) and set(asked) == {7}
 
 
 ROUTE_PARAMS = ["sgmv-cuda", "fold-cuda", "kext-cuda"] + [pytest.param(r, marks=pytest.mark.gpu)

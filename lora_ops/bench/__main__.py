@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="llama3-8b",
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")
     ap.add_argument("--routes", default=None, metavar="PATH",
-                    help="with --decode-step: time every route per regime on the --models shape (one) and write "
-                         "its routes table (the serving layer's, lora_ops/routes.json, is llama3-8b's)")
+                    help="with --decode-step: time every route per regime on each --models shape and write the "
+                         "routes table of each (the serving layer's: lora_ops/routes.json, of all three shapes)")
     ap.add_argument("--between-modules", action="store_true",
                     help="with --decode-step: a kernel writes each module's input just before it, as a model's norms "
                          "and activations do (see decode_step.py)")
@@ -100,8 +100,6 @@ def main(argv=None) -> int:
         ap.error("--steps needs --decode-step")
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
-    if args.routes and (args.models == "all" or "," in args.models):
-        ap.error("--routes sweeps one model's shapes: give --models one name")
     try:
         steps = decode_step.parse_steps(args.steps) if args.steps else None
     except ValueError as e:
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
         if not args.decode_step:
             ap.error("--routes needs --decode-step")
         with op_table.disabled():
-            decode_step.write_routes(args.routes, device, records, failures, log, meta, models[0])
+            decode_step.write_routes(args.routes, device, records, failures, log, meta, models)
     # l2_bytes: what the op records' rotated_bytes are measured against
     result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, l2_bytes=l2 or None,
                   **({"op_bench": settings} if run_ops else {}), failures=failures, records=records)

@@ -15,9 +15,8 @@ adapter of a 32-slot pool. Routes:
 - kext-cuda:   one lora_ops.lora_linear per layer: a shrink writes each row's h (bf16), then one GEMM
                [x | h]·[W | B of every slot]ᵀ that starts while the shrink runs (programmatic dependent launch), as
                the serving layer's kext route runs it: on the modules lora_linear's kernels serve; the others
-               (e.g. the 70B shard's o_proj, K = 1024: fewer K blocks than the GEMM's stages) take fold-cuda, the
-               fastest other route in every kext regime of the committed routes table (the serving layer takes
-               that table's fastest other route there).
+               (e.g. the 70B shard's o_proj, K = 1024: fewer K blocks than the GEMM's stages) take the committed
+               routes table's fallback for the step, as the serving layer does.
 
 Every route reads the adapter pool's layout of the serving layer (ModuleSlots): [W; A of every slot] as one
 matrix, lora_b [L, N, R], and for the kext route B of every slot as columns [N, L·R] (b_cols, a copy).
@@ -196,13 +195,15 @@ class Setup:
             torch.mm(self.x[n], m.w.t(), out=self.y[n])
         return self.module_calls(one, module)
 
+    def sgmv_one(self, sgmv, m: Module, n: str) -> None:
+        """Module m's sgmv route: the base GEMM, then the sgmv op."""
+        self.write_input(n)
+        torch.mm(self.x[n], m.w.t(), out=self.y[n])
+        sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
+             self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
+
     def sgmv_calls(self, sgmv) -> List[Callable[[], None]]:
-        def one(m, n):
-            self.write_input(n)
-            torch.mm(self.x[n], m.w.t(), out=self.y[n])
-            sgmv(self.y[n], self.x[n], m.lora_a, m.lora_b, self.seg.seg_indptr, self.seg.seg_lora,
-                 self.seg.token_indices, self.ranks, self.scales, m.slice_offsets, 1.0)
-        return [self.build_segments] + self.module_calls(one, None)
+        return [self.build_segments] + self.module_calls(lambda m, n: self.sgmv_one(sgmv, m, n), None)
 
     def fold_one(self, route: str, expand, m: Module, n: str) -> None:
         """Module m's fold route: one GEMM against [W; A], then the expand."""
@@ -216,9 +217,16 @@ class Setup:
         return [self.build_segments] + self.module_calls(lambda m, n: self.fold_one(route, expand, m, n), module)
 
     def kext_calls(self, route: str, lora_linear, module: Optional[str] = None) -> List[Callable[[], None]]:
+        # the modules the kernels do not serve take the routes table's fallback for this step, as in serving
+        kind, backend = serving_default(self.model, self.step, kext_serves=False).split("-")
+        fallback = route_table.op("lora_expand" if kind == "fold" else "sgmv", backend)
+
         def one(m, n):
-            if m.kext_fallback:  # as the serving layer falls back (see the module's docstring)
-                return self.fold_one(route, torch.ops.lora_ops.lora_expand.default, m, n)
+            if m.kext_fallback and kind == "fold":
+                return self.fold_one(route, fallback, m, n)
+            if m.kext_fallback:
+                self.route_y.setdefault(route, {})[n] = self.y[n]
+                return self.sgmv_one(fallback, m, n)
             self.write_input(n)
             self.route_y.setdefault(route, {})[n] = lora_linear(self.x[n], m.w, m.lora_a, m.kext_lora_b,
                                                                 self.token_lora, self.scales, m.slice_offsets)
@@ -286,6 +294,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
+def serving_default(model: ModelShape, step: Step, kext_serves: bool = True) -> str:
+    """The route the serving layer takes for this step on this shape, by the committed routes table (on the modules
+    lora_linear's kernels serve, or do not: kext_serves)."""
+    table = route_table.table_for([(K, sum(widths)) for _, K, widths in model.modules()])
+    return "-".join(route_table.pick(step.T, "cuda", step.rank, kext_serves, table))
+
+
 def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
                only: Optional[Sequence[str]] = None, parts: bool = False, between: bool = False) -> None:
     s = Setup(model, step, device, between=between)
@@ -329,6 +344,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         return max(_rel(s.outputs(name)[n], ref_last[n][which]) for n in s.names)
 
     base_ms = ms["base"]
+    default = serving_default(model, step)
     recorded: List[str] = []  # the routes whose time is recorded (right on both checks)
     base_err = last_layer_err("base", 0)
     for f in base_calls[:len(s.names)]:
@@ -351,8 +367,9 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         overhead = 100.0 * (ms[name] - base_ms) / base_ms
         recorded.append(name)
         records.append(dict(row, backend=name, base_us=round(base_ms * 1e3, 1), us=round(ms[name] * 1e3, 1),
-                            overhead_pct=round(overhead, 2), err=err))
-        log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}")
+                            overhead_pct=round(overhead, 2), err=err, serving_default=name == default))
+        log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}"
+            + ("  (the serving default)" if name == default else ""))
     del graphs, calls, base_calls  # the graphs' pools and the Setup the calls hold: freed before the next step
     if parts:
         bench_parts(s, base_ms, row, records, log, recorded)
@@ -402,72 +419,89 @@ def run(models: Sequence[str], device, records, failures, log, only=None, steps:
             bench_step(MODELS[name], step, device, records, failures, log, only, parts, between)
 
 
-def choose_routes(samples: List[Dict[str, float]]) -> List[str]:
-    """Each regime's route from the routes' µs at its sample (its top end) and at the previous regime's (just below
-    its bottom end): the route whose worst slowdown against the fastest at those two ends is smallest, the faster
-    at the top end on a tie. The top end alone picked defaults 13-82% slower than another route at the regime's
-    other end (H200, 7f9cdc6)."""
+def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, float]]:
+    """Each regime's route, from every mix's times ({route: us}, samples[mix][regime]) at its sample (its top end)
+    and at the previous regime's (just below its bottom end): the route whose worst slowdown against the fastest
+    at those ends, over the mixes, is smallest (routes.least_worst), with that slowdown. The top end alone picked
+    defaults 13-82% slower than another route at the regime's other end (H200, 7f9cdc6); one mix alone (32
+    adapters) picked the kext route for a 70B shard's T=32, 10% slower than the fold route with one adapter
+    (057b51d)."""
     chosen = []
-    for i, timed in enumerate(samples):
-        ends = samples[max(i - 1, 0):i + 1]
-        worst = lambda route: max(s.get(route, float("inf")) / min(s.values()) for s in ends)
-        chosen.append(min(timed, key=lambda route: (worst(route), timed[route])))
+    for i in range(len(samples[0])):
+        ends = [mix[j] for mix in samples for j in sorted({max(i - 1, 0), i})]
+        timed_everywhere = [n for n in samples[0][i] if all(n in mix[i] for mix in samples)]
+        chosen.append(route_table.least_worst(ends, timed_everywhere))
     return chosen
 
 
-def routes_table(records: List[dict], meta: dict, model: str = "llama3-8b") -> dict:
-    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records of `model`'s
-    shapes (each rank class at its sample rank and adapter count, every regime's sample T; the last record of each
-    route counts): each class's routes by regime (choose_routes), with every regime's times. Raises ValueError
-    unless every route and backend was timed at every sample step (a run of some routes, --impls, makes no table)."""
-    timed: Dict[Tuple[int, int, int], Dict[str, float]] = {}
+def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict:
+    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records: a table
+    per model shape (with its modules' (K, N), which a pool is matched to), of rank classes, each measured at its
+    mixes (rank, adapter count) at every regime's sample T (the last record of each route counts): each class's
+    routes by regime (choose_routes), with every mix's times and the chosen route's worst slowdown. Raises
+    ValueError unless every route and backend was timed at every sample step (a run of some routes, --impls, makes
+    no table)."""
+    timed: Dict[Tuple[str, int, int, int], Dict[str, float]] = {}
     for r in records:
-        if r.get("op") == "decode_step" and r.get("model") == model:
-            timed.setdefault((r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
-    classes = []
-    for max_rank, (rank, adapters) in zip(route_table.RANK_BOUNDS, route_table.RANK_SAMPLES):
-        timings = [timed.get((T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
-        samples = [{k: v for k, v in t.items() if k != "base"} for t in timings]
-        missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, samples)
-                   if set(sample) != set(route_table.timed_names(T))]
-        if missing:
-            raise ValueError(f"not every route ({', '.join(route_table.NAMES)}; kext up to "
-                             f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} adapters, "
-                             f"T = {missing}")
-        regimes = []
-        for bound, T, choice, t in zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
-                                       choose_routes(samples), timings):
-            route, backend = choice.split("-")
-            regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, us=t))
-        classes.append(dict(max_rank=max_rank, rank=rank, adapters=adapters, regimes=regimes))
-    table = dict(meta, model=model, ranks=classes)
+        if r.get("op") == "decode_step":
+            timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
+    tables = []
+    for model in models:
+        classes = []
+        for max_rank, mixes in zip(route_table.RANK_BOUNDS, route_table.CLASS_MIXES):
+            timings = [[timed.get((model, T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
+                       for rank, adapters in mixes]
+            samples = [[{k: v for k, v in t.items() if k != "base"} for t in mix] for mix in timings]
+            for (rank, adapters), mix in zip(mixes, samples):
+                missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, mix)
+                           if set(sample) != set(route_table.timed_names(T))]
+                if missing:
+                    raise ValueError(f"{model}: not every route ({', '.join(route_table.NAMES)}; kext up to "
+                                     f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} "
+                                     f"adapters, T = {missing}")
+            regimes = []
+            choices = choose_routes(samples)
+            for i, (bound, T, (choice, worst)) in enumerate(zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
+                                                                choices)):
+                route, backend = choice.split("-")
+                regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T,
+                                    slowdown=round(worst, 3), us=[mix[i] for mix in timings]))
+            classes.append(dict(max_rank=max_rank, mixes=[dict(rank=r, adapters=a) for r, a in mixes],
+                                regimes=regimes))
+        modules = [[K, sum(widths)] for _, K, widths in MODELS[model].modules()]
+        tables.append(dict(model=model, modules=modules, ranks=classes))
+    table = dict(meta, models=tables)
     route_table.validate(table)
     return table
 
 
-def write_routes(path: str, device, records, failures, log, meta: dict, model: str = "llama3-8b") -> None:
-    """Times every route at each regime's sample T, for each rank class at its sample rank and adapter count, on
-    `model`'s shapes (the serving layer's table, lora_ops/routes.json, is llama3-8b's; another model's, written
-    elsewhere, compares the shapes' choices), and writes the table of each class's routes by regime (routes_table)
-    to `path`. A run in which any route failed or gave a wrong result writes none."""
+def write_routes(path: str, device, records, failures, log, meta: dict, models: Sequence[str]) -> None:
+    """Times every route at each regime's sample T, for each rank class at its mixes, on each of `models`' shapes,
+    and writes the table of each model's classes' routes by regime (routes_table) to `path`. A run in which any
+    route failed or gave a wrong result writes none."""
     import json
 
     failures_before = len(failures)
     first = len(records)
-    for rank, adapters in route_table.RANK_SAMPLES:
-        for T in route_table.REGIME_SAMPLES:
-            bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log)
+    for model in models:
+        for mixes in route_table.CLASS_MIXES:
+            for rank, adapters in mixes:
+                for T in route_table.REGIME_SAMPLES:
+                    bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log)
     try:
-        table = routes_table(records[first:], meta, model)
+        table = routes_table(records[first:], meta, models)
     except ValueError as exc:
         failures.append(f"routes: {path} not written: {exc}")
         return
     if len(failures) > failures_before:
         failures.append(f"routes: {path} not written: a route failed")
         return
-    classes = table["ranks"]
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
-    log(f"wrote {path}: " + "; ".join(
-        f"R<={c['max_rank']}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}" for r in c["regimes"])
-        for c in classes))
+    log(f"wrote {path}:")
+    for t in table["models"]:
+        log(f"  {t['model']}: " + "; ".join(
+            f"R<={c['max_rank']}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}"
+                                                 + (f" ({r['slowdown']:.2f})" if r["slowdown"] > 1.05 else "")
+                                                 for r in c["regimes"])
+            for c in t["ranks"]))

@@ -74,8 +74,8 @@ def _decode_table(records: List[dict]) -> List[str]:
         return []
     routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton", "kext-cuda")
               if any(r["backend"] == b for r in rows)]
-    out = ["| model | T | adapters | rank | base step | floor | fold floor | " + " | ".join(routes) + " |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(routes)]
+    out = ["| model | T | adapters | rank | base step | floor | fold floor | serving default | " + " | ".join(routes)
+           + " |", "|---|---|---|---|---|---|---|---|" + "---|" * len(routes)]
     steps: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
         steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r
@@ -91,8 +91,9 @@ def _decode_table(records: List[dict]) -> List[str]:
                 continue
             v = f"+{by[b]['overhead_pct']:.0f}%"
             cells.append(f"**{v}**" if by[b]["overhead_pct"] == best else v)
+        default = next((f"+{r['overhead_pct']:.0f}% ({b})" for b, r in by.items() if r.get("serving_default")), "—")
         out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | +{base['floor_pct']:.1f}% | "
-                   f"{_fold_floor(model, T, adapters, rank)} | " + " | ".join(cells) + " |")
+                   f"{_fold_floor(model, T, adapters, rank)} | {default} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -328,8 +329,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="write the serving layer's routes table built from the file's route-sweep records "
                          "(lora_ops/routes.json; what --decode-step --routes writes) instead")
-    ap.add_argument("--routes-model", default="llama3-8b",
-                    help="with --routes: the model whose sweep the table is built from (default: llama3-8b)")
+    ap.add_argument("--routes-models", default="llama3-8b,qwen2-7b,llama3-70b-tp8",
+                    help="with --routes: the models whose sweeps the table is built from, the first the default "
+                         "where a pool's modules are as near two (default: llama3-8b,qwen2-7b,llama3-70b-tp8)")
     ap.add_argument("--out", default=None, help="write the merged results to <out>.json/.csv/.png")
     args = ap.parse_args(argv)
     loaded = []
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
             if result["failures"]:
                 raise ValueError(f"a run with failures writes no routes table: {result['failures']}")
             table = decode_step.routes_table(result["records"], table_meta(result, source=source),
-                                             args.routes_model)
+                                             args.routes_models.split(","))
         except ValueError as exc:
             raise SystemExit(f"{', '.join(args.results)}: {exc}")
         with open(args.routes, "w") as f:

@@ -66,7 +66,7 @@ class MultiLoRALinear(nn.Module):
                              f"this layer's input {list(x.shape)} has {tokens}; set the batch with "
                              "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
         m = self._slots
-        route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2], m.kext_serves)
+        route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2], m.kext_serves, self._pool.route_table)
         if route == "kext":  # no ranks: A and B are zero past each slot's rank
             return ops.lora_linear(x, self.base.weight, m.lora_a, m.kext_lora_b, batch.token_slots, m.scales,
                                    m.offsets_arg, self.base.bias)

@@ -167,6 +167,8 @@ class AdapterPool:
                 self.modules[name] = ModuleSlots(name, base, slice_names, offsets, num_slots, max_rank)
         if not self.modules:
             raise AdapterShapeError(f"the model has no nn.Linear named any of {sorted(targets)}")
+        # The routes table measured on the model shape nearest this one's modules (lora_ops/routes.py)
+        self.route_table = routes.table_for([(m.in_features, m.out_features) for m in self.modules.values()])
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
         # While every adapter loaded so far has the pool's rank on every module, the ops get no ranks
