@@ -6,9 +6,10 @@
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
 #              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
 #              (lora_ops/op_table.json)
-#   routes     python -m lora_ops.bench --decode-step --routes: issue 12's rows of llama3-8b, then every route at
-#              every regime, and the serving layer's route table from them (lora_ops/routes.json; ~5 minutes, not
-#              in the default)
+#   routes     python -m lora_ops.bench --decode-step --routes, once per model shape: issue 12's rows, then every
+#              route at every regime and adapter mix, and the serving layer's route table of the three shapes from
+#              them (lora_ops/routes.json; ~7.5 minutes with the build: a device call of its own; not in the
+#              default)
 #   mutate     scripts/mutate.py --gpu --fast --in-place: the GPU-only planted bugs (minutes; not in the default)
 #   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
@@ -111,11 +112,23 @@ if want bench; then
 fi
 if want routes; then
   step routes
+  # One process per model shape (issue 12's rows, then every route at every regime and mix: ~2.5 minutes each),
+  # each copied to $OUT when done; then the serving layer's table of the three shapes from their merged records.
   name="$(results_base)-routes"
-  $PY -m lora_ops.bench --decode-step --routes lora_ops/routes.json --out "$name" 2>&1 | tee "$OUT/routes.log" \
-    | grep -E "^llama3|fold-cuda|wrote"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  if [ "$OUT" != benchmarks/results ] && [ -f "$name.json" ]; then cp "$name.json" lora_ops/routes.json "$OUT"/; fi
+  runs=()
+  for model in llama3-8b qwen2-7b llama3-70b-tp8; do
+    $PY -m lora_ops.bench --decode-step --models $model --routes "$name-$model-table.json" --out "$name-$model" 2>&1 \
+      | tee "$OUT/routes-$model.log" | grep -E "^(llama3|qwen2)|serving default|wrote"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    rm -f "$name-$model-table.json" "$name-$model.csv" "$name-$model.png"
+    [ -f "$name-$model.json" ] && runs+=("$name-$model.json") && cp "$name-$model.json" "$OUT"/
+  done
+  if [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes lora_ops/routes.json; then
+    cp "$name.json" lora_ops/routes.json "$OUT"/ && for f in "${runs[@]}"; do rm -f "$OUT/$(basename "$f")"; done
+    rm -f "${runs[@]}" "$name.csv" "$name.png"
+  else
+    status=1
+  fi
 fi
 if want mutate; then
   step mutate
