@@ -6,7 +6,7 @@ import platform
 import torch
 
 import lora_ops
-from lora_ops import backends, op_table
+from lora_ops import backends, op_table, routes
 
 
 def report() -> str:
@@ -34,6 +34,10 @@ def report() -> str:
                  f"K-extended GEMM [x | h]·[W | B]ᵀ launched early: {cutlass}")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()
+    table = routes.load()
+    lines.append(f"serving routes on CUDA (lora_ops/routes.json; measured on {table['gpu']}, {table['date']}, commit "
+                 f"{table['git_sha'][:7]}; a pool takes the table of the shape nearest its modules):")
+    lines += [f"  {line}" for line in routes.describe(table)]
     if info.get("backends", {}).get("ascend", {}).get("built"):
         for op in backends.OPS:
             served = "ascend (csrc/ascend)" if backends.npu_served_by(op) else "none: no AscendC kernel for it yet"

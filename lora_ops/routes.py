@@ -161,6 +161,25 @@ def table_for(modules: List[Tuple[int, int]]) -> int:
     return min(range(len(_modules)), key=lambda i: (_distance(modules, _modules[i]), i))
 
 
+def describe(table: dict) -> List[str]:
+    """One line per model table and rank class: each route over the token ranges it takes (python -m lora_ops.info)."""
+    lines = []
+    for model in model_tables(table):
+        for c in rank_classes(model):
+            spans, low = [], 1
+            for r in c["regimes"]:
+                name, high = f"{r['route']}-{r['backend']}", r["max_tokens"]
+                if spans and spans[-1][0] == name:
+                    spans[-1][2] = high
+                else:
+                    spans.append([name, low, high])
+                low = (high or 0) + 1
+            rank = f"R <= {c['max_rank']}" if c["max_rank"] is not None else "larger R"
+            ranges = ", ".join(f"{n} {a}-{b}" if b is not None else f"{n} {a}+" for n, a, b in spans)
+            lines.append(f"{model.get('model', 'any model')}, {rank}: {ranges} tokens")
+    return lines
+
+
 def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
          kext_serves: bool = True, table: int = 0) -> Tuple[str, str]:
     """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the

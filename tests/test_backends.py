@@ -56,6 +56,9 @@ def test_info_reports_every_op_and_absent_backends():
         assert op in text
     assert "ascend" in text  # never built here: listed with its reason
     assert lora_ops.__version__ in text
+    # the serving routes of each measured shape, by rank class
+    for model in ("llama3-8b", "qwen2-7b", "llama3-70b-tp8"):
+        assert f"  {model}, R <= 32: " in text and f"  {model}, larger R: " in text
 
 
 # An installed but broken triton: a `triton` package that fails to import, ahead of the real one on the path.

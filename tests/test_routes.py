@@ -153,6 +153,18 @@ def test_validate_rejects_a_table_with_gaps_or_unknown_names(regimes, msg):
         routes.validate(regimes if isinstance(regimes, dict) else {"regimes": regimes})
 
 
+def test_describe_gives_each_route_its_token_ranges():
+    regimes = [{"max_tokens": 4, "route": "kext", "backend": "cuda"}, {"max_tokens": 16, "route": "kext",
+                                                                       "backend": "cuda"},
+               {"max_tokens": 64, "route": "fold", "backend": "cuda"}, {"max_tokens": None, "route": "kext",
+                                                                         "backend": "cuda"}]
+    table = {"models": [{"model": "m", "ranks": [{"max_rank": 32, "regimes": regimes},
+                                                 {"max_rank": None, "regimes": regimes[-1:]}]}]}
+    assert routes.describe(table) == ["m, R <= 32: kext-cuda 1-16, fold-cuda 17-64, kext-cuda 65+ tokens",
+                                      "m, larger R: kext-cuda 1+ tokens"]
+    assert routes.describe({"regimes": regimes[2:]}) == ["any model, larger R: fold-cuda 1-64, kext-cuda 65+ tokens"]
+
+
 def test_pick_follows_the_bounds(monkeypatch):
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     low = [{"max_tokens": 16, "route": "fold", "backend": "triton"},
