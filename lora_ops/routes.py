@@ -1,7 +1,8 @@
 """Which LoRA route and backend the serving layer uses for a forward of T tokens on a CUDA device: data, not code.
 
 The table (routes.json beside this file) is written by the decode-step bench, which times every route on every
-regime and keeps the fastest (`python -m lora_ops.bench --decode-step --routes lora_ops/routes.json`):
+regime and keeps the least slow over the regime's ends and mixes (`python -m lora_ops.bench --decode-step --models
+all --routes lora_ops/routes.json`):
 
 - route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
 - route "fold": one GEMM against [W; A of every slot] gives y and every used slot's h, then the lora_expand op;
@@ -117,6 +118,8 @@ def _validate_classes(classes: List[dict]) -> None:
                 raise ValueError(f"routes table: unknown route/backend in {r} (known: {', '.join(NAMES)})")
             if r["route"] == "kext" and (r["max_tokens"] is None or r["max_tokens"] > KEXT_MAX_TOKENS):
                 raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
+            if not isinstance(r.get("us", []), list):
+                raise ValueError(f"routes table: a regime's \"us\" is a list of each mix's times, got {r}")
             if r["route"] == "kext" and not all(_other_timed(us) for us in r.get("us") or [{}]):
                 raise ValueError(f"routes table: a kext regime needs the times of another route (its fallback where "
                                  f"lora_linear's kernels do not serve a module) in each mix's \"us\": {r}")

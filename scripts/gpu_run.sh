@@ -112,6 +112,7 @@ if want bench; then
 fi
 if want routes; then
   step routes
+  to_out() { [ "$OUT" = benchmarks/results ] || cp "$@" "$OUT"/; }  # a local run's $OUT is where they are
   # One process per model shape (issue 12's rows, then every route at every regime and mix: ~2.5 minutes each),
   # each copied to $OUT when done; then the serving layer's table of the three shapes from their merged records.
   name="$(results_base)-routes"
@@ -121,11 +122,12 @@ if want routes; then
       | tee "$OUT/routes-$model.log" | grep -E "^(llama3|qwen2)|serving default|wrote"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     rm -f "$name-$model-table.json" "$name-$model.csv" "$name-$model.png"
-    [ -f "$name-$model.json" ] && runs+=("$name-$model.json") && cp "$name-$model.json" "$OUT"/
+    [ -f "$name-$model.json" ] && runs+=("$name-$model.json") && to_out "$name-$model.json"
   done
   if [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes lora_ops/routes.json; then
-    cp "$name.json" lora_ops/routes.json "$OUT"/ && for f in "${runs[@]}"; do rm -f "$OUT/$(basename "$f")"; done
+    to_out "$name.json" lora_ops/routes.json
     rm -f "${runs[@]}" "$name.csv" "$name.png"
+    [ "$OUT" = benchmarks/results ] || for f in "${runs[@]}"; do rm -f "$OUT/$(basename "$f")"; done
   else
     status=1
   fi

@@ -663,3 +663,6 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--steps", "16/16/64"])  # the op bench has no steps
     assert "--steps needs --decode-step" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one shape's sweep would overwrite the three shapes' tables
+        bench.main(["--device", "cuda", "--decode-step", "--routes", routes.PATH])
+    assert "holds every shape's table: give --models all" in capsys.readouterr().err

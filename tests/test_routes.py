@@ -71,6 +71,9 @@ def test_pick_takes_the_fastest_other_route_where_the_kext_kernels_do_not_serve(
     regimes[0]["us"].append(dict(us, **{"fold-cuda": 100.0, "fold-triton": 120.0}))
     _stand_in_tables(monkeypatch, [{"max_rank": None, "regimes": regimes}])
     assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "cuda")
+    regimes[0]["us"].reverse()  # whichever mix is last
+    _stand_in_tables(monkeypatch, [{"max_rank": None, "regimes": regimes}])
+    assert routes.pick(64, "cuda", 16, kext_serves=False) == ("fold", "cuda")
     monkeypatch.setenv("LORA_OPS_ROUTE", "kext-cuda")  # forced: taken whatever the kernels serve
     assert routes.pick(64, "cuda", 16, kext_serves=False) == ("kext", "cuda")
 
@@ -128,6 +131,7 @@ def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noq
                                                                     {"kext-cuda": 1.0}]},
       {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "a kext regime needs the times of another route"),
     ({"models": []}, "no model tables"),
+    ([{"max_tokens": None, "route": "fold", "backend": "cuda", "us": {"fold-cuda": 1.0}}], "a list of each mix"),
     ({"models": [{"model": "a", "modules": [[64, 64]], "regimes": [{"max_tokens": None, "route": "fold",
                                                                     "backend": "cuda"}]},
                  {"model": "b", "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]}]},
@@ -205,7 +209,7 @@ def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypa
             picked = torch.compile(
                 lambda x: x * (2 if routes.pick(x.shape[0], "cuda", 16, serves, table)[0] == "fold" else 3),
                 fullgraph=True, backend="eager")(torch.ones(4))
-            assert picked[0].item() in (2.0, 3.0)
+            assert picked[0].item() == (2.0 if routes.pick(4, "cuda", 16, serves, table)[0] == "fold" else 3.0)
 
 
 def test_the_layers_route_by_their_pools_table(adapters, monkeypatch):  # noqa: F811

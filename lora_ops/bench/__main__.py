@@ -11,7 +11,7 @@ from typing import List
 
 import torch
 
-from lora_ops import backends, op_table
+from lora_ops import backends, op_table, routes
 
 from . import decode_step, ops, report
 from .timing import copy_bandwidth_tbps, launch_floor_us
@@ -100,6 +100,9 @@ def main(argv=None) -> int:
         ap.error("--steps needs --decode-step")
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
+    if args.routes and os.path.abspath(args.routes) == os.path.abspath(routes.PATH) and args.models != "all":
+        ap.error(f"--routes {args.routes}: the serving layer's file holds every shape's table: give --models all "
+                 "(or write elsewhere and build it with python -m lora_ops.bench.report --routes)")
     try:
         steps = decode_step.parse_steps(args.steps) if args.steps else None
     except ValueError as e:

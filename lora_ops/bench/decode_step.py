@@ -67,6 +67,10 @@ class ModelShape:
                 ("gate_up", self.hidden, (self.intermediate, self.intermediate)),
                 ("down", self.intermediate, (self.hidden,))]
 
+    def kn(self) -> List[Tuple[int, int]]:
+        """Each module's (K, N), as a routes table records them."""
+        return [(K, sum(widths)) for _, K, widths in self.modules()]
+
 
 MODELS = {
     "llama3-8b": ModelShape("llama3-8b", 4096, 4096, 1024, 14336, 32),
@@ -297,7 +301,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def serving_default(model: ModelShape, step: Step, kext_serves: bool = True) -> str:
     """The route the serving layer takes for this step on this shape, by the committed routes table (on the modules
     lora_linear's kernels serve, or do not: kext_serves)."""
-    table = route_table.table_for([(K, sum(widths)) for _, K, widths in model.modules()])
+    table = route_table.table_for(model.kn())
     return "-".join(route_table.pick(step.T, "cuda", step.rank, kext_serves, table))
 
 
@@ -429,8 +433,7 @@ def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, floa
     chosen = []
     for i in range(len(samples[0])):
         ends = [mix[j] for mix in samples for j in sorted({max(i - 1, 0), i})]
-        timed_everywhere = [n for n in samples[0][i] if all(n in mix[i] for mix in samples)]
-        chosen.append(route_table.least_worst(ends, timed_everywhere))
+        chosen.append(route_table.least_worst(ends, list(samples[0][i])))  # one not timed everywhere: inf
     return chosen
 
 
@@ -468,7 +471,7 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
                                     slowdown=round(worst, 3), us=[mix[i] for mix in timings]))
             classes.append(dict(max_rank=max_rank, mixes=[dict(rank=r, adapters=a) for r, a in mixes],
                                 regimes=regimes))
-        modules = [[K, sum(widths)] for _, K, widths in MODELS[model].modules()]
+        modules = [list(kn) for kn in MODELS[model].kn()]
         tables.append(dict(model=model, modules=modules, ranks=classes))
     table = dict(meta, models=tables)
     route_table.validate(table)
