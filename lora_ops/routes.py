@@ -235,13 +235,18 @@ def preload() -> None:
 
 def _load() -> List[List[dict]]:
     """Each model table's rank classes, with the kext regimes' fallbacks, read and checked once."""
-    global _tables, _modules
     if _tables is None:
-        models = model_tables(load())
-        validate({"models": models})
-        _modules = [[tuple(kn) for kn in m.get("modules", [])] for m in models]
-        _tables = [_with_fallbacks(rank_classes(m)) for m in models]
+        install(load())
     return _tables
+
+
+def install(table: dict) -> None:
+    """Makes this table (a file's contents) the one pick and table_for read, after checking it."""
+    global _tables, _modules
+    models = model_tables(table)
+    validate({"models": models})
+    _modules = [[tuple(kn) for kn in m.get("modules", [])] for m in models]
+    _tables = [_with_fallbacks(rank_classes(m)) for m in models]
 
 
 def op(kind: str, backend: str) -> Callable:

@@ -638,9 +638,9 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),
                              models)
     assert not (tmp_path / "routes.json").exists() and "not written" in failures[-1]
-    monkeypatch.setattr(routes, "_tables", [routes._with_fallbacks(routes.rank_classes(t))
-                                            for t in routes.model_tables(table)])
-    monkeypatch.setattr(routes, "_modules", [[tuple(kn) for kn in t["modules"]] for t in routes.model_tables(table)])
+    monkeypatch.setattr(routes, "_tables", None)  # restored after the test, with _modules
+    monkeypatch.setattr(routes, "_modules", None)
+    routes.install(table)
     monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16) == ("kext", "cuda")
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16, kext_serves=False) == ("fold", "cuda")

@@ -100,7 +100,9 @@ def main(argv=None) -> int:
         ap.error("--steps needs --decode-step")
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
-    if args.routes and os.path.abspath(args.routes) == os.path.abspath(routes.PATH) and args.models != "all":
+    swept = set(decode_step.MODELS) if args.models == "all" else set(args.models.split(","))
+    serving_file = args.routes and os.path.abspath(args.routes) == os.path.abspath(routes.PATH)
+    if serving_file and swept != set(decode_step.MODELS):
         ap.error(f"--routes {args.routes}: the serving layer's file holds every shape's table: give --models all "
                  "(or write elsewhere and build it with python -m lora_ops.bench.report --routes)")
     try:

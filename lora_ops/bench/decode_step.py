@@ -502,9 +502,5 @@ def write_routes(path: str, device, records, failures, log, meta: dict, models: 
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
     log(f"wrote {path}:")
-    for t in table["models"]:
-        log(f"  {t['model']}: " + "; ".join(
-            f"R<={c['max_rank']}: " + ", ".join(f"T<={r['max_tokens']}: {r['route']}-{r['backend']}"
-                                                 + (f" ({r['slowdown']:.2f})" if r["slowdown"] > 1.05 else "")
-                                                 for r in c["regimes"])
-            for c in t["ranks"]))
+    for line in route_table.describe(table):
+        log(f"  {line}")
