@@ -232,13 +232,29 @@ def _ran_kext(keys) -> bool:
     return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
 
 
+def _kext_schedule(keys) -> str:
+    """The K-extended GEMM's schedule as its name says: "Cooperative" (the 128-row tile) or "Pingpong"."""
+    (gemm,) = [k for k in keys if "KextMainloop" in k]
+    return "Cooperative" if "Cooperative" in gemm else "Pingpong" if "Pingpong" in gemm else gemm
+
+
+def _prefer_tile(monkeypatch, tile: str) -> None:
+    """LORA_OPS_CUDA_KEXT_TILE (the 65-128-token tile) as given; "auto": unset."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    if tile == "auto":
+        monkeypatch.delenv("LORA_OPS_CUDA_KEXT_TILE", raising=False)
+    else:
+        monkeypatch.setenv("LORA_OPS_CUDA_KEXT_TILE", tile)
+
+
 # K = 1536: at least 64 x the GEMM's pipeline stages (22 at 16 tokens); L·R = 64 and slice bounds in 64s.
 CUDA_SHAPE = dict(K=1536, N=384, L=4, R=16)
-CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384]}
+CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384], "qkv128": [0, 128, 256, 384]}  # qkv128: the 128-row tile's
 
 
 @pytest.mark.gpu
-# 16 | 17 | 33 | 65: the four tiles; 128: the 64 x 128 tile full, its slot mask's 4 words
+# 16 | 17 | 33 | 65: the four token tiles; 128: the 128-token tile full (64 x 128: a narrow layer), its slot
+# mask's 4 words
 @pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64, 65, 128])
 @pytest.mark.parametrize("slices", list(CUDA_SLICES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -251,6 +267,43 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
         y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
         assert _ran_kext(ran) == sm90_built(), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [65, 100, 128])  # the 128-row tile's token tile with 63, 28 and no empty rows
+@pytest.mark.parametrize("slices", ["one", "qkv128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_128_row_tile_matches_the_oracle(T, slices, dtype, monkeypatch):
+    """65-128 tokens on the cooperative 128 x 128 tile (preferred here: its automatic choice wants a 128-row W tile
+    per SM, test_cuda_65_to_128_token_tile_choice)."""
+    _prefer_tile(monkeypatch, "128x128")
+    offsets = CUDA_SLICES[slices]
+    args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"wide-{T}-{slices}", **CUDA_SHAPE)
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    _assert_oracle(y, args, offsets)
+    if sm90_built():
+        assert _kext_schedule(ran) == "Cooperative", ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, expected", [
+    ("auto_narrow_layer", "Pingpong"), ("auto_wide_layer", "Cooperative"),
+    ("auto_wide_layer_slice_not_in_128s", "Pingpong"), ("preferred_64x128", "Pingpong"),
+    ("preferred_128x128_slice_not_in_128s", "Pingpong")])
+def test_cuda_65_to_128_token_tile_choice(case, expected, monkeypatch):
+    """The 128-row tile where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows (a W tile
+    in one slice), or where preferred and those bounds allow; else the 64-row one. The product is the oracle's
+    either way (a W tile across a slice bound would add the wrong slice's delta)."""
+    _prefer_tile(monkeypatch, {"preferred_64x128": "64x128"}.get(case, "128x128" if "preferred" in case else "auto"))
+    wide = 128 * torch.cuda.get_device_properties(0).multi_processor_count
+    shape = dict(CUDA_SHAPE, N=384 if case in ("auto_narrow_layer", "preferred_128x128_slice_not_in_128s") else wide)
+    N = shape["N"]
+    offsets = [0, N] if case in ("auto_narrow_layer", "auto_wide_layer", "preferred_64x128") else [0, 64, N]
+    args = _inputs(96, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=case, **shape)
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    _assert_oracle(y, args, offsets)
+    if sm90_built():
+        assert _kext_schedule(ran) == expected, ran
 
 
 @pytest.mark.gpu
@@ -269,19 +322,24 @@ def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [33, 64, 65, 128])  # the 64 tile's rows 32-63, the 128 tile's 64-127
-def test_cuda_a_slot_only_the_last_row_uses_is_read(T):
+# the 64 tile's rows 32-63, the 128-token tiles' 64-127
+@pytest.mark.parametrize("T, tile", [(33, "auto"), (64, "auto"), (65, "auto"), (128, "auto"), (65, "128x128"),
+                                     (128, "128x128")])
+def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, monkeypatch):
     """The GEMM's slot mask covers every row of its tile: a slot only the batch's last row uses still has its B
     blocks read (a mask of the first rows only would skip them, and that row's delta would be lost)."""
-    offsets = CUDA_SLICES["qkv"]
+    _prefer_tile(monkeypatch, tile)
+    offsets = CUDA_SLICES["qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"last-row-{T}",
                    slots=[-1] * (T - 1) + [3], **CUDA_SHAPE)
     _assert_oracle(lora_ops.lora_linear(*args[:6], offsets), args, offsets)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, slices", [(64, "one"), (128, "qkv")])  # the 64 and 128 tiles, full
-def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices):
+# the 64 and the two 128-token tiles, full
+@pytest.mark.parametrize("T, slices, tile", [(64, "one", "auto"), (128, "qkv", "auto"), (128, "qkv128", "128x128")])
+def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, monkeypatch):
+    _prefer_tile(monkeypatch, tile)
     offsets = CUDA_SLICES[slices]
     x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
                                        **CUDA_SHAPE)
@@ -294,9 +352,10 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [32, 128])  # the 32 and 128 tiles
-def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T):
-    offsets = CUDA_SLICES["qkv"]
+@pytest.mark.parametrize("T, tile", [(32, "auto"), (128, "auto"), (128, "128x128")])  # the 32 and 128-token tiles
+def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, monkeypatch):
+    _prefer_tile(monkeypatch, tile)
+    offsets = CUDA_SLICES["qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)
     x, w, a, b, slots, scales, _ = args
     first = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)

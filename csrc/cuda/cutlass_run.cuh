@@ -4,6 +4,8 @@
 // the launch (with its cluster shape). Included only where CUTLASS's headers are (LORA_OPS_GG_SM90).
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/device_kernel.h>
@@ -17,22 +19,27 @@
 
 namespace lora_ops::cuda {
 
-// The collectives of the decode GEMMs (fold_linear's, lora_linear's): CUTLASS's ping-pong kernel for
+// The collectives of the decode GEMMs (fold_linear's, lora_linear's): CUTLASS's warp-specialized kernel for
 // y^T = W . x^T with W [M, K] row-major (K-major), x [N, K] (the tokens, K-major) and D = y^T column-major (y [N, M]
 // contiguous), T (fp16/bf16) in and out, float accumulation, TMA loads and stores, as many pipeline stages as the
-// shared memory left by the epilogue holds.
-template <class T, class Tile, class Cluster>
-struct PingpongDecodeCollectives {
+// shared memory left by the epilogue holds. Ping-pong (two consumer warpgroups on alternate tiles) by default;
+// kCooperative: both on one tile of 128 or more W rows, 64 each.
+template <class T, class Tile, class Cluster, bool kCooperative = false>
+struct DecodeCollectives {
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+  using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
+  using KernelSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+      cutlass::layout::ColumnMajor, kAlign, EpilogueSchedule>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
       cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+      KernelSchedule>::CollectiveOp;
 };
 
 // The current device's SMs and the clusters of kernel K that fit at once (an occupancy query: once per device).

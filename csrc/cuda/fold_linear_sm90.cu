@@ -198,7 +198,7 @@ template <class T, int kTokens, int kClusterTiles = 2>
 struct FoldGemm {
   using Tile = Shape<_64, Int<kTokens>, _64>;
   using Cluster = Shape<Int<kClusterTiles>, _1, _1>;
-  using Collectives = PingpongDecodeCollectives<T, Tile, Cluster>;
+  using Collectives = DecodeCollectives<T, Tile, Cluster>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename Collectives::Mainloop,
                                                       typename Collectives::Epilogue, fold::SlotSkipping>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

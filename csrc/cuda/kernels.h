@@ -121,6 +121,10 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // slots side by side (b_row_stride = lora_b.stride(1), lora_b.stride(0) == rank). y contiguous. Up to
 // kLoraLinearMaxTokens rows (kLoraLinearTileTokens: the GEMM's tiles): the slot mask is read from token_slot by one
 // warp, up to 4 rows per lane.
+// The K-extended GEMM's tile for 65-128 tokens: Auto picks 128 x 128 (cooperative: x read from L2 once per 128 W
+// rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
+// twice the W tiles for the SMs of a narrow layer).
+enum class KextTile { Auto, Rows128, Rows64 };
 struct LoraLinearParams {
   const void* x;
   const void* w;
@@ -134,6 +138,8 @@ struct LoraLinearParams {
   int64_t num_slots, rank, num_slices;
   int64_t slice_offsets[kMaxSlices + 1];
   DType dtype;
+  int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule)
+  KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to

@@ -368,17 +368,27 @@ struct KextMainloop : Base {
 };
 
 // Tiles of 64 W rows x kTokens tokens x 64 K, ping-pong, clusters of one CTA: the probe's (W read once per CTA
-// column of tiles). The 64 x 128 tile (65-128 tokens) lost to cuBLAS in fold_linear (NOTES.md session 22) and
-// here to the fold route (session 32): the op serves 128 tokens with it, the routes table decides whether to use it.
-template <class T, int kTokens>
+// column of tiles). kWide: 128 W rows, cooperative (65-128 tokens, wide_tile). At 128 tokens the 64-row tile reads
+// x from L2 twice per W byte: with 705 MB of L2 reads for gate_up's 235 MB of W it ran at L2's pace (~7 TB/s, 98 us
+// per layer against cuBLAS's 71 with 256-row tiles; NOTES.md session 34).
+template <class T, int kTokens, bool kWide = false>
 struct KextGemm {
-  using Tile = Shape<_64, Int<kTokens>, _64>;
-  using Collectives = PingpongDecodeCollectives<T, Tile, Shape<_1, _1, _1>>;
+  using Tile = Shape<Int<kWide ? 128 : 64>, Int<kTokens>, _64>;
+  using Collectives = DecodeCollectives<T, Tile, Shape<_1, _1, _1>, kWide>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
                                                       KextMainloop<typename Collectives::Mainloop>,
                                                       typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
+
+// Whether 65-128 tokens take the 128-row tile (KextTile): slice bounds on 128 rows (a W tile lies in one slice),
+// and preferred, or (Auto) a 128-row W tile per SM or more.
+bool wide_tile(const LoraLinearParams& p) {
+  for (int s = 1; s <= p.num_slices; ++s) {
+    if (p.slice_offsets[s] % 128 != 0) return false;
+  }
+  return p.tile_65_128 == KextTile::Rows128 || (p.tile_65_128 == KextTile::Auto && p.n >= 128 * p.sm_count);
+}
 
 template <class G>
 typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
@@ -425,6 +435,7 @@ decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
     if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{}, E{});
     if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{}, E{});
     if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{}, E{});
+    if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{}, E{});
     return f(KextGemm<T, tile_tokens(3)>{}, E{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}, __nv_bfloat16{})

@@ -376,6 +376,8 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   for (int64_t s = 1; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : N;
   p.dtype = dtype == at::kHalf ? DType::F16 : DType::BF16;
   const int device = weight.get_device();
+  p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
