@@ -1,10 +1,12 @@
 """Run one bench case's lora_ops.sgmv (or, with --expand, lora_expand on a random h; with --fold, the fold route's
-GEMM) a few times, for a profiler or a tracing build:
+GEMM; with --kext, the kext route's lora_linear) a few times, for a profiler or a tracing build:
 `ncu --clock-control none -k regex:"shrink|expand|mma" python benchmarks/profile_case.py T adapters rank [pool_rank]
-[--expand [--rows] | --fold [--skip]] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one
+[--expand [--rows] | --fold [--skip] | --kext] [--k K] [--n N] [--slices S]` (the module shape; default K = N = 4096, one
 slice; --rows: lora_expand's rows form as the fold route passes it, each position's slot in build_segments' order;
 --fold: fold_linear against [W; A of every slot], which on sm_90 up to 64 tokens is the CUTLASS kernel, ncu's
--k regex:device_kernel; --skip: with the case's seg_indptr, skipping the unused slots' A).
+-k regex:device_kernel; --skip: with the case's seg_indptr, skipping the unused slots' A; --kext: lora_linear with
+B as the adapter pool keeps it for that route, each row's slot as given, which on sm_90 up to 128 tokens is a shrink
+and the K-extended GEMM, ncu's -k regex:"kext|device_kernel").
 Inputs as in `python -m lora_ops.bench`; the L2 is flushed before each call, as the bench's rotation does."""
 import argparse
 
@@ -24,6 +26,7 @@ def main():
     parser.add_argument("--rows", action="store_true")
     parser.add_argument("--fold", action="store_true")
     parser.add_argument("--skip", action="store_true")
+    parser.add_argument("--kext", action="store_true")
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--slices", type=int, default=1)
@@ -38,6 +41,10 @@ def main():
     slot_rows = p.lora_a.shape[1]
     w_cat = torch.cat([torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda"),
                        p.lora_a.reshape(-1, case.K)]) if args.fold else None
+    w = torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda") if args.kext else None
+    # the pool's kext_lora_b: [L, N, R] viewing B of every slot as columns [N, L*R]
+    kext_b = p.lora_b.permute(1, 0, 2).reshape(p.lora_b.shape[1], -1).view(p.lora_b.shape[1], p.lora_b.shape[0],
+                                                                           -1).permute(1, 0, 2)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()
@@ -46,7 +53,9 @@ def main():
                 meta.clone()  # the step's segment metadata is L2-hot in a real model too (read by every layer)
         torch.cuda.synchronize()
         print(f"call {i}", flush=True)
-        if args.fold:
+        if args.kext:
+            lora_ops.lora_linear(p.x, w, p.lora_a, kext_b, pb.token_lora, p.lora_scales, p.slice_offsets)
+        elif args.fold:
             lora_ops.fold_linear(p.x, w_cat, None, *((p.seg_indptr, slot_rows) if args.skip else ()))
         elif expand and args.rows:
             lora_ops.lora_expand(p.y, h, p.lora_b, None, sorted_slots, p.token_indices, p.lora_ranks,

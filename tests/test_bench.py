@@ -274,6 +274,23 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
 
 
+def test_decode_step_marks_the_route_the_serving_layer_takes(monkeypatch):
+    """Each step's record of the route the committed routes table gives that step on that shape says so
+    (serving_default), and no other record does: the report's "serving default" column reads it."""
+    decode_step = _replay_eagerly(monkeypatch)
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    kinds = {"kext": ("kext", lora_ops.ops.lora_linear), "fold": ("fold", torch.ops.lora_ops.lora_expand.default),
+             "sgmv": ("sgmv", torch.ops.lora_ops.sgmv.default)}
+    for step in (decode_step.Step(T=6, adapters=3, rank=4), decode_step.Step(T=300, adapters=3, rank=4)):
+        expected = "-".join(routes.pick(step.T, "cuda", step.rank, True, routes.table_for(model.kn())))
+        names = sorted({expected, "kext-cuda", "fold-cuda", "sgmv-cuda", "sgmv-triton"})
+        monkeypatch.setattr(decode_step, "routes", lambda: {n: kinds[n.split("-")[0]] for n in names})
+        records, failures = [], []
+        decode_step.bench_step(model, step, "cpu", records, failures, print)
+        assert not failures
+        assert [r["backend"] for r in records if r.get("serving_default")] == [expected]
+
+
 def test_decode_step_between_modules_writes_each_input_before_its_module(monkeypatch):
     """--between-modules: in the base and in every route, a kernel writes each module's input just before the module
     (x *= 1 in place: the outputs stay the oracle's), and the records say so; without it no input is written."""
