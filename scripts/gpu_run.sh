@@ -8,8 +8,10 @@
 #              (lora_ops/op_table.json)
 #   routes     python -m lora_ops.bench --decode-step --routes, once per model shape: issue 12's rows, then every
 #              route at every regime and adapter mix, and the serving layer's route table of the three shapes from
-#              them (lora_ops/routes.json; ~7.5 minutes with the build: a device call of its own; not in the
-#              default)
+#              them (lora_ops/routes.json; 562 s with the build at 68dc283: a device call of its own; not in the
+#              default). ROUTES_MODELS="a b" sweeps those shapes only (the sweep in two device calls), each
+#              shape's records to $OUT; the table is then merged where all three are, e.g. here:
+#              python -m lora_ops.bench.report <the three records> --out <name> --routes lora_ops/routes.json
 #   mutate     scripts/mutate.py --gpu --fast --in-place: the GPU-only planted bugs (minutes; not in the default)
 #   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
@@ -117,14 +119,18 @@ if want routes; then
   # each copied to $OUT when done; then the serving layer's table of the three shapes from their merged records.
   name="$(results_base)-routes"
   runs=()
-  for model in llama3-8b qwen2-7b llama3-70b-tp8; do
+  for model in ${ROUTES_MODELS:-llama3-8b qwen2-7b llama3-70b-tp8}; do
     $PY -m lora_ops.bench --decode-step --models $model --routes "$name-$model-table.json" --out "$name-$model" 2>&1 \
       | tee "$OUT/routes-$model.log" | grep -E "^(llama3|qwen2)|serving default|wrote"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     rm -f "$name-$model-table.json" "$name-$model.csv" "$name-$model.png"
     [ -f "$name-$model.json" ] && runs+=("$name-$model.json") && to_out "$name-$model.json"
   done
-  if [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes lora_ops/routes.json; then
+  if [ -n "${ROUTES_MODELS:-}" ]; then
+    echo "swept ${#runs[@]} shape(s) of ROUTES_MODELS; merge the three shapes' records into lora_ops/routes.json" \
+      "with python -m lora_ops.bench.report ... --routes lora_ops/routes.json"
+    [ ${#runs[@]} -eq "$(echo $ROUTES_MODELS | wc -w)" ] || status=1
+  elif [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes lora_ops/routes.json; then
     to_out "$name.json" lora_ops/routes.json
     rm -f "${runs[@]}" "$name.csv" "$name.png"
     [ "$OUT" = benchmarks/results ] || for f in "${runs[@]}"; do rm -f "$OUT/$(basename "$f")"; done
