@@ -43,8 +43,8 @@ def main():
                        p.lora_a.reshape(-1, case.K)]) if args.fold else None
     w = torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda") if args.kext else None
     # the pool's kext_lora_b: [L, N, R] viewing B of every slot as columns [N, L*R]
-    kext_b = p.lora_b.permute(1, 0, 2).reshape(p.lora_b.shape[1], -1).view(p.lora_b.shape[1], p.lora_b.shape[0],
-                                                                           -1).permute(1, 0, 2)
+    L, N, R = p.lora_b.shape
+    kext_b = p.lora_b.permute(1, 0, 2).reshape(N, L * R).view(N, L, R).permute(1, 0, 2) if args.kext else None
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()

@@ -51,13 +51,13 @@ def timed_names(tokens: int) -> Tuple[str, ...]:
     """The routes the bench times (and a table may choose) for a regime measured at `tokens` rows."""
     return tuple(n for n in NAMES if not (n.startswith("kext-") and tokens > KEXT_MAX_TOKENS))
 # The upper bounds of the regimes and the T at which the bench measures each one: a step of T tokens takes its
-# regime's route, chosen from the times at both ends (a factor of 1.3 to 4 apart), since the fastest route changes
+# regime's route, chosen from the times at both ends (a factor of 1.2 to 4 apart), since the fastest route changes
 # within a factor of 4 of T (H200, 7f9cdc6: at rank 64 fold-triton led at 256 tokens by 45%, sgmv-cuda at 1024 by
 # 25%; 2e50c00: kext led fold-cuda by 10.5% at 64 tokens and trailed it by 50% at 128). 48, 80 and 768 split the
-# regimes whose route was more than 5% from the fastest at one end (b24f92f: 65-96 tokens by up to 11%, the 70B
-# shard's 33-64 by 10%, 513-1024 at rank 64 by 12-16%).
+# regimes whose route was more than 5% from the fastest at one end (the ee9ff28 sweeps: 65-96 tokens by up to 11%,
+# the 70B shard's 33-64 by 10%, 513-1024 at rank 64 by 12-16%).
 REGIME_BOUNDS = (4, 16, 32, 48, 64, 80, 96, 128, 256, 512, 768, 1024, 2048, None)
-REGIME_SAMPLES = (4, 16, 32, 48, 64, 80, 96, 128, 256, 512, 768, 1024, 2048, 4096)
+REGIME_SAMPLES = REGIME_BOUNDS[:-1] + (4096,)
 # The rank classes (upper bound of the pool's max rank) and the mixes (rank, adapter count) the bench measures each
 # at: the decode-step bench's steps (issue 12's four rows: 32 adapters and one at rank 16, 16 at rank 64).
 RANK_BOUNDS = (32, None)

@@ -591,8 +591,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("kext-wide-tile-across-slices", "csrc/cuda/lora_linear_sm90.cu",
              "    if (p.slice_offsets[s] % 128 != 0) return false;",
              "    if (p.slice_offsets[s] % 64 != 0) return false;",
-             "CUDA lora_linear GEMM: the 128-row tile on slices bounded in 64s (a W tile across a slice bound takes "
-             "one slice's h)", needs_gpu=True, tests=("tests/test_lora_linear.py",)),
+             "CUDA lora_linear GEMM: the 128-row tile asked for on slices bounded in 64s (its can_implement refuses "
+             "it: the layer falls to the composition instead of the 64-row tile)", needs_gpu=True,
+             tests=("tests/test_lora_linear.py",)),
     Mutation("kext-gemm-skips-every-b-block", "csrc/cuda/lora_linear_sm90.cu",
              "    return (used_ & window) == 0;",
              "    return true;",

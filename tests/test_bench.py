@@ -275,18 +275,25 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
 
 
 def test_decode_step_marks_the_route_the_serving_layer_takes(monkeypatch):
-    """Each step's record of the route the committed routes table gives that step on that shape says so
-    (serving_default), and no other record does: the report's "serving default" column reads it."""
+    """Each step's record of the route the routes table gives that step says so (serving_default), and no other
+    record does: the report's "serving default" column reads it. A table of three regimes, so that each step's
+    route differs from the others' and from one token's."""
     decode_step = _replay_eagerly(monkeypatch)
+    monkeypatch.setattr(routes, "_tables", None)  # restored after the test, with _modules
+    monkeypatch.setattr(routes, "_modules", None)
+    monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
+    routes.install({"models": [{"model": "tiny", "ranks": [{"max_rank": None, "regimes": [
+        {"max_tokens": 4, "route": "kext", "backend": "cuda", "us": [{"kext-cuda": 1.0, "fold-cuda": 2.0}]},
+        {"max_tokens": 16, "route": "fold", "backend": "cuda", "us": [{"fold-cuda": 1.0}]},
+        {"max_tokens": None, "route": "sgmv", "backend": "triton", "us": [{"sgmv-triton": 1.0}]}]}]}]})
     model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
     kinds = {"kext": ("kext", lora_ops.ops.lora_linear), "fold": ("fold", torch.ops.lora_ops.lora_expand.default),
              "sgmv": ("sgmv", torch.ops.lora_ops.sgmv.default)}
-    for step in (decode_step.Step(T=6, adapters=3, rank=4), decode_step.Step(T=300, adapters=3, rank=4)):
-        expected = "-".join(routes.pick(step.T, "cuda", step.rank, True, routes.table_for(model.kn())))
-        names = sorted({expected, "kext-cuda", "fold-cuda", "sgmv-cuda", "sgmv-triton"})
-        monkeypatch.setattr(decode_step, "routes", lambda: {n: kinds[n.split("-")[0]] for n in names})
+    monkeypatch.setattr(decode_step, "routes", lambda: {n: kinds[n.split("-")[0]]
+                                                        for n in ("kext-cuda", "fold-cuda", "sgmv-triton")})
+    for T, expected in ((3, "kext-cuda"), (6, "fold-cuda"), (300, "sgmv-triton")):
         records, failures = [], []
-        decode_step.bench_step(model, step, "cpu", records, failures, print)
+        decode_step.bench_step(model, decode_step.Step(T=T, adapters=3, rank=4), "cpu", records, failures, print)
         assert not failures
         assert [r["backend"] for r in records if r.get("serving_default")] == [expected]
 

@@ -1,6 +1,7 @@
 """The serving layer's route table (lora_ops/routes.json, written by the decode-step bench): it covers every
 regime with a route that exists, and every route on each of its backends gives PEFT's outputs."""
 import copy
+import json
 import pathlib
 import re
 
@@ -31,6 +32,17 @@ def test_kext_max_tokens_is_the_kernels_bound():
     header = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "kernels.h"
     bound = re.search(r"constexpr int64_t kLoraLinearMaxTokens = (\d+);", header.read_text())
     assert bound and int(bound.group(1)) == routes.KEXT_MAX_TOKENS
+
+
+def test_committed_table_is_the_sweeps_output_of_its_results_file():
+    """No hand-written entry: the table is exactly what the bench's table builder makes of the sweep's records it
+    names (benchmarks/results/<source>)."""
+    from lora_ops.bench import decode_step, report
+    table = routes.load()
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / table["source"]
+    result = json.loads(path.read_text())
+    models = [m["model"] for m in routes.model_tables(table)]
+    assert decode_step.routes_table(result["records"], report.table_meta(result, table["source"]), models) == table
 
 
 def test_committed_table_covers_every_regime():

@@ -1,7 +1,7 @@
-// The CUTLASS 3.x headers that grouped_gemm_sm90.cu and fold_linear_sm90.cu build their sm_90 GEMMs from (the
-// collective builders, GemmUniversal and its device adapter), and one launch of such a GEMM from its host
-// arguments: CUTLASS's workspace set-up, its kernel parameters, the dynamic shared memory the kernel asks for, then
-// the launch (with its cluster shape). Included only where CUTLASS's headers are (LORA_OPS_GG_SM90).
+// The CUTLASS 3.x headers that grouped_gemm_sm90.cu, fold_linear_sm90.cu and lora_linear_sm90.cu build their sm_90
+// GEMMs from (the collective builders, GemmUniversal and its device adapter), and one launch of such a GEMM from its
+// host arguments: CUTLASS's workspace set-up, its kernel parameters, the dynamic shared memory the kernel asks for,
+// then the launch (with its cluster shape). Included only where CUTLASS's headers are (LORA_OPS_GG_SM90).
 #pragma once
 
 #include <type_traits>

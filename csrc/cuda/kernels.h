@@ -124,7 +124,7 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // The K-extended GEMM's tile for 65-128 tokens: Auto picks 128 x 128 (cooperative: x read from L2 once per 128 W
 // rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
 // twice the W tiles for the SMs of a narrow layer).
-enum class KextTile { Auto, Rows128, Rows64 };
+enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
 struct LoraLinearParams {
   const void* x;
   const void* w;
@@ -142,8 +142,9 @@ struct LoraLinearParams {
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
-// The K-extended GEMM's tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
-// kLoraLinearMaxTokens: the kernels serve a layer when they serve it at each of these T.
+// The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
+// kLoraLinearMaxTokens (64 x 128 or 128 x 128 by KextTile): the kernels serve a layer when they serve it at each
+// of these T, with the tile each T then takes.
 constexpr int64_t kLoraLinearTileTokens[] = {16, 32, 64, kLoraLinearMaxTokens};
 // Supported: fp16/bf16 on sm_90a, K and num_slots * rank multiples of 64 (K >= 64), slice bounds multiples of 64,
 // at most 4 slices and 64 slots, 16-byte aligned rows, and CUTLASS's host checks for T's tile (at least as many K

@@ -1,7 +1,8 @@
 // lora_linear on sm_90a at decode sizes (the kext route): a whole multi-LoRA linear layer in two launches,
 //   1. a shrink on CUDA cores: h[t, j*L*R + s*R + r] = round(scale[s] * x[t] . A[s][j*R + r]) where s is row t's
 //      slot, zeros in every other slot's window; it lets its dependents launch at its start;
-//   2. one GEMM y = [x | h_j] . [W | B]^T on CUTLASS's sm_90 ping-pong kernel (TMA + wgmma), B = b_cols [N, L*R]
+//   2. one GEMM y = [x | h_j] . [W | B]^T on CUTLASS's sm_90 warp-specialized kernel (TMA + wgmma; ping-pong on
+//      64-row W tiles, cooperative on the 128-row one, KextGemm), B = b_cols [N, L*R]
 //      (lora_b's [L, N, R] viewed with each row's slots side by side: column s*R + r holds lora_b[s, n, r]),
 //      launched programmatically: its producer loads x's and W's K blocks at once (x was written before the shrink
 //      started) and waits for the shrink (griddepcontrol.wait) only before its first h block. The B blocks (64
@@ -236,7 +237,16 @@ struct KextMainloop : Base {
            slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) && e.num_slices >= 1 &&
            e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots && e.rank >= 1 &&
            e.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
-           e.num_tokens == N && N <= 32 * kSlotWords;  // every row in the slot mask
+           e.num_tokens == N && N <= 32 * kSlotWords &&  // every row in the slot mask
+           slices_on_tiles(e);
+  }
+
+  // Every slice ends on a W tile's bound: a tile takes one slice's h (load).
+  static bool slices_on_tiles(Extension const& e) {
+    for (int s = 0; s < e.num_slices; ++s) {
+      if (e.slice_end[s] % kBlockM != 0) return false;
+    }
+    return true;
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -387,7 +397,8 @@ bool wide_tile(const LoraLinearParams& p) {
   for (int s = 1; s <= p.num_slices; ++s) {
     if (p.slice_offsets[s] % 128 != 0) return false;
   }
-  return p.tile_65_128 == KextTile::Rows128 || (p.tile_65_128 == KextTile::Auto && p.n >= 128 * p.sm_count);
+  return p.tile_65_128 == KextTile::Rows128 ||
+         (p.tile_65_128 == KextTile::Auto && p.sm_count > 0 && p.n >= 128 * p.sm_count);
 }
 
 template <class G>
