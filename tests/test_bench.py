@@ -355,7 +355,9 @@ def test_decode_step_kext_route_runs_the_tables_fallback_where_the_kernels_do_no
     monkeypatch.setattr(routes, "_modules", [[(64, 64)]])
     ran = []
     real_op = routes.op
-    monkeypatch.setattr(routes, "op", lambda kind, backend: (lambda *a: ran.append(kind) or real_op(kind, backend)(*a)))
+    # each call's op kind and, for lora_expand, whether it got the rows form (no seg_indptr), as CUDA's fold route does
+    monkeypatch.setattr(routes, "op", lambda kind, backend: (
+        lambda *a: ran.append((kind, kind == "lora_expand" and a[3] is None)) or real_op(kind, backend)(*a)))
     monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
     weights = []
     right = lambda *args: weights.append(args[1].shape) or reference.lora_linear(*args).to(args[0].dtype)
@@ -371,7 +373,7 @@ def test_decode_step_kext_route_runs_the_tables_fallback_where_the_kernels_do_no
     decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
     assert not failures and [r["backend"] for r in records] == ["base", "kext-oracle"]
     assert weights and (64, 64) not in weights and (128, 64) in weights  # o_proj's never; qkv's, ...
-    assert ran and set(ran) == {"lora_expand" if fallback == "fold" else "sgmv"}
+    assert ran and set(ran) == {("lora_expand", True) if fallback == "fold" else ("sgmv", False)}
 
 
 def test_decode_step_times_the_kext_route_on_the_serving_pools_layout(monkeypatch):

@@ -176,9 +176,8 @@ class Setup:
         self.seg = lora_ops.build_segments(self.token_lora, POOL_SLOTS)
         self.sorted_slots = route_table.sorted_slots(self.token_lora, self.seg.token_indices)
 
-    def expand_rows(self, expand) -> tuple:
-        """The rows lora_expand reads, as the serving layer passes them (routes.fold_expand_rows)."""
-        backend = "cuda" if expand is torch.ops.lora_ops.lora_expand.default else "triton"
+    def expand_rows(self, backend: str) -> tuple:
+        """The rows lora_expand reads on `backend`, as the serving layer passes them (routes.fold_expand_rows)."""
         return route_table.fold_expand_rows(backend, self.sorted_slots,
                                             (self.seg.seg_indptr, self.seg.seg_lora, self.seg.token_indices))
 
@@ -209,16 +208,19 @@ class Setup:
     def sgmv_calls(self, sgmv) -> List[Callable[[], None]]:
         return [self.build_segments] + self.module_calls(lambda m, n: self.sgmv_one(sgmv, m, n), None)
 
-    def fold_one(self, route: str, expand, m: Module, n: str) -> None:
-        """Module m's fold route: one GEMM against [W; A], then the expand."""
+    def fold_one(self, route: str, expand, backend: str, m: Module, n: str) -> None:
+        """Module m's fold route: one GEMM against [W; A], then the expand (lora_expand on `backend`)."""
         self.write_input(n)
         out = lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, self.seg.seg_indptr, m.S * m.R)
         y = self.route_y.setdefault(route, {})[n] = out[:, :m.N]
-        expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(expand),
+        expand(y, out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b, *self.expand_rows(backend),
                self.ranks, self.scales, m.slice_offsets, 1.0)
 
     def fold_calls(self, route: str, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
-        return [self.build_segments] + self.module_calls(lambda m, n: self.fold_one(route, expand, m, n), module)
+        """Route `route` ("fold-<backend>"): expand is lora_expand on that backend."""
+        backend = route.split("-", 1)[1]
+        return [self.build_segments] + self.module_calls(lambda m, n: self.fold_one(route, expand, backend, m, n),
+                                                         module)
 
     def kext_calls(self, route: str, lora_linear, module: Optional[str] = None) -> List[Callable[[], None]]:
         # the modules the kernels do not serve take the routes table's fallback for this step, as in serving
@@ -227,7 +229,7 @@ class Setup:
 
         def one(m, n):
             if m.kext_fallback and kind == "fold":
-                return self.fold_one(route, fallback, m, n)
+                return self.fold_one(route, fallback, backend, m, n)
             if m.kext_fallback:
                 self.route_y.setdefault(route, {})[n] = self.y[n]
                 return self.sgmv_one(fallback, m, n)
@@ -248,11 +250,11 @@ class Setup:
         return self.module_calls(lambda m, n: lora_ops.ops.fold_linear(self.x[n], m.w_cat, None, seg_indptr, m.S * m.R),
                                  module)
 
-    def expand_only_calls(self, expand, module: Optional[str] = None) -> List[Callable[[], None]]:
+    def expand_only_calls(self, expand, backend: str, module: Optional[str] = None) -> List[Callable[[], None]]:
         def one(m, n):
             out = self.out[n]
             expand(out[:, :m.N], out[:, m.N:].view(self.step.T, POOL_SLOTS, m.S * m.R), m.lora_b,
-                   *self.expand_rows(expand), self.ranks, self.scales, m.slice_offsets, 1.0)
+                   *self.expand_rows(backend), self.ranks, self.scales, m.slice_offsets, 1.0)
         return [self.build_segments] + self.module_calls(one, module)
 
     def sgmv_only_calls(self, sgmv) -> List[Callable[[], None]]:
@@ -401,9 +403,9 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, r
         if kind == "sgmv":
             parts[f"sgmv-only-{backend}"] = s.sgmv_only_calls(op)
         elif kind == "fold":  # and each module's expands alone: which slice shapes the expand's time goes to
-            parts[f"expand-only-{backend}"] = s.expand_only_calls(op)
+            parts[f"expand-only-{backend}"] = s.expand_only_calls(op, backend)
             for module in s.names:
-                parts[f"expand-only-{backend}-{module}"] = s.expand_only_calls(op, module)
+                parts[f"expand-only-{backend}-{module}"] = s.expand_only_calls(op, backend, module)
         if kind in ("fold", "kext"):
             for module in s.names:
                 parts[f"{name}-{module}"] = (s.fold_calls if kind == "fold" else s.kext_calls)(name, op, module)
