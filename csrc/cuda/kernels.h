@@ -115,16 +115,17 @@ constexpr int64_t kFoldLinearMaxTokens = 64;
 bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream);
 
+// The K-extended GEMM's tile for 65-128 tokens: Auto picks 128 x 128 (cooperative: x read from L2 once per 128 W
+// rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
+// twice the W tiles for the SMs of a narrow layer).
+enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
+
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
 // programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
 // slots side by side (b_row_stride = lora_b.stride(1), lora_b.stride(0) == rank). y contiguous. Up to
 // kLoraLinearMaxTokens rows (kLoraLinearTileTokens: the GEMM's tiles): the slot mask is read from token_slot by one
 // warp, up to 4 rows per lane.
-// The K-extended GEMM's tile for 65-128 tokens: Auto picks 128 x 128 (cooperative: x read from L2 once per 128 W
-// rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
-// twice the W tiles for the SMs of a narrow layer).
-enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
 struct LoraLinearParams {
   const void* x;
   const void* w;

@@ -422,8 +422,8 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
 // Whether lora_linear's sm_90a kernels serve a layer of these weights at every T from 1 to kLoraLinearMaxTokens
 // (one T per token tile, with the W tile that T takes under LORA_OPS_CUDA_KEXT_TILE as it is now; each call checks
 // again with the variable as it is then, and runs the composition where its tile does not serve; x contiguous and
-// 16-byte aligned, as a fresh allocation is; weight's own address stands in for it): the serving layer asks once per module, and takes its kext route only where they run. Tensors the op
-// would refuse answer false.
+// 16-byte aligned, as a fresh allocation is; weight's own address stands in for it): the serving layer asks once
+// per module, and takes its kext route only where they run. Tensors the op would refuse answer false.
 bool lora_linear_kernels_serve_cuda(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b,
                                     at::OptionalIntArrayRef slice_offsets) {
   if (weight.dim() != 2 || lora_a.dim() != 3 || lora_b.dim() != 3 || lora_a.scalar_type() != weight.scalar_type() ||
