@@ -227,8 +227,15 @@ def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypa
 def test_the_layers_route_by_their_pools_table(adapters, monkeypatch):  # noqa: F811
     """Every layer asks routes.pick with its pool's table (the one nearest the pool's modules, chosen once)."""
     base, root = adapters
+    _, pool = _pool_model(base, root, [])
+    kn = [(m.in_features, m.out_features) for m in pool.modules.values()]
+    assert any(k != n for k, n in kn)
+    # two tables, measured on these modules and on their (N, K): the pool takes the former (K: in_features)
+    routes._load()
+    monkeypatch.setattr(routes, "_modules", [[(n, k) for k, n in kn], kn])
+    monkeypatch.setattr(routes, "_tables", routes._tables[:1] * 2)
     model, pool = _pool_model(base, root, ["a"])
-    assert pool.route_table == routes.table_for([(m.in_features, m.out_features) for m in pool.modules.values()])
+    assert pool.route_table == 1
     pool.route_table = 7  # any index: what the layers pass on
     asked = []
     real_pick = routes.pick
