@@ -141,13 +141,16 @@ def least_worst(samples: List[Dict[str, float]], names) -> Tuple[str, float]:
 
 
 def _with_fallbacks(classes: List[dict]) -> List[dict]:
-    """Each kext regime with its "fallback" (route, backend): of the other routes timed there, the one least slow
-    over its mixes (least_worst). Worked out once, at load: pick() runs inside torch.compile's traced forwards."""
+    """Each kext regime with its "fallback" (route, backend): of the other routes timed at its two ends (its own
+    sample and the regime below's, as the bench chooses a regime's route), the one least slow over their mixes
+    (least_worst). Worked out once, at load: pick() runs inside torch.compile's traced forwards."""
     for c in classes:
+        below: List[dict] = []
         for r in c["regimes"]:
             if r["route"] == "kext":
-                others = [_other_timed(us) for us in r["us"]]
+                others = [_other_timed(us) for us in below + r["us"]]
                 r["fallback"] = tuple(least_worst(others, list(others[-1]))[0].split("-"))
+            below = r.get("us") or []
     return classes
 
 
