@@ -14,6 +14,7 @@ import torch
 
 import lora_ops
 from lora_ops import routes
+from lora_ops.bench.decode_step import b_as_columns
 from lora_ops.bench.ops import Case, Problem
 
 
@@ -42,9 +43,7 @@ def main():
     w_cat = torch.cat([torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda"),
                        p.lora_a.reshape(-1, case.K)]) if args.fold else None
     w = torch.randn(p.y.shape[1], case.K, dtype=torch.bfloat16, device="cuda") if args.kext else None
-    # the pool's kext_lora_b: [L, N, R] viewing B of every slot as columns [N, L*R]
-    L, N, R = p.lora_b.shape
-    kext_b = p.lora_b.permute(1, 0, 2).reshape(N, L * R).view(N, L, R).permute(1, 0, 2) if args.kext else None
+    kext_b = b_as_columns(p.lora_b)[1] if args.kext else None  # the pool's kext_lora_b
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for i in range(3):
         flush.zero_()

@@ -599,8 +599,8 @@ MUTATIONS: List[Mutation] = [
              "CUDA lora_linear GEMM: the slot mask reads rows 0-31 only (a slot only later rows use is skipped)",
              needs_gpu=True, tests=("tests/test_lora_linear.py",)),
     Mutation("kext-wide-tile-across-slices", "csrc/cuda/lora_linear_sm90.cu",
-             "    if (p.slice_offsets[s] % 128 != 0) return false;",
-             "    if (p.slice_offsets[s] % 64 != 0) return false;",
+             "  if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 128)) return false;",
+             "  if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 64)) return false;",
              "CUDA lora_linear GEMM: the 128-row tile asked for on slices bounded in 64s (its can_implement refuses "
              "it: the layer falls to the composition instead of the 64-row tile)", needs_gpu=True,
              tests=("tests/test_lora_linear.py",)),

@@ -42,6 +42,16 @@ namespace lora_ops::cuda {
 constexpr int kKextMaxSlices = 4;
 constexpr int kKextMaxSlots = 64;  // the slot mask's bits
 
+// Whether each of `count` slices ends (ends[0..count)) on a multiple of `rows`: a W tile of that many rows then lies
+// in one slice, whose h it takes (KextMainloop::load).
+template <class I>
+bool slices_end_on(const I* ends, int64_t count, int rows) {
+  for (int64_t s = 0; s < count; ++s) {
+    if (ends[s] % rows != 0) return false;
+  }
+  return true;
+}
+
 #if defined(LORA_OPS_GG_SM90)
 namespace {
 
@@ -238,15 +248,7 @@ struct KextMainloop : Base {
            e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots && e.rank >= 1 &&
            e.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
            e.num_tokens == N && N <= 32 * kSlotWords &&  // every row in the slot mask
-           slices_on_tiles(e);
-  }
-
-  // Every slice ends on a W tile's bound: a tile takes one slice's h (load).
-  static bool slices_on_tiles(Extension const& e) {
-    for (int s = 0; s < e.num_slices; ++s) {
-      if (e.slice_end[s] % kBlockM != 0) return false;
-    }
-    return true;
+           slices_end_on(e.slice_end, e.num_slices, kBlockM);
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -394,9 +396,7 @@ struct KextGemm {
 // Whether 65-128 tokens take the 128-row tile (KextTile): slice bounds on 128 rows (a W tile lies in one slice),
 // and preferred, or (Auto) a 128-row W tile per SM or more.
 bool wide_tile(const LoraLinearParams& p) {
-  for (int s = 1; s <= p.num_slices; ++s) {
-    if (p.slice_offsets[s] % 128 != 0) return false;
-  }
+  if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 128)) return false;
   return p.tile_65_128 == KextTile::Rows128 ||
          (p.tile_65_128 == KextTile::Auto && p.sm_count > 0 && p.n >= 128 * p.sm_count);
 }
@@ -465,9 +465,7 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
   if (p.t * p.num_slices * p.rank > INT_MAX) return false;  // the shrink's warp index is an int
   if (p.num_slices < 1 || p.num_slices > kKextMaxSlices) return false;
-  for (int s = 1; s <= p.num_slices; ++s) {
-    if (p.slice_offsets[s] % 64 != 0) return false;  // a W tile of 64 rows lies in one slice
-  }
+  if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 64)) return false;  // the 64-row W tiles
   const int64_t es = 2;
   if (!(aligned(p.x, {p.x_row_stride * es}) && aligned(p.w, {p.w_row_stride * es}) &&
         aligned(p.lora_a, {p.a_slot_stride * es, p.a_row_stride * es}) && aligned(p.b_cols, {p.b_row_stride * es}) &&

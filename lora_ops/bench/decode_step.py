@@ -118,6 +118,14 @@ def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
     return 100.0 * present * (a + b) / base, 100.0 * (POOL_SLOTS * a + present * b) / base
 
 
+def b_as_columns(lora_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """lora_b [L, N, R] copied as B of every slot side by side in columns, b_cols [N, L·R], and its [L, N, R] view:
+    the layout lora_linear's GEMM reads, as the adapter pool keeps it for the kext route."""
+    L, N, R = lora_b.shape
+    b_cols = lora_b.permute(1, 0, 2).reshape(N, L * R)
+    return b_cols, b_cols.view(N, L, R).permute(1, 0, 2)
+
+
 class Module:
     """One linear layer with its LoRA pool in the serving pool's layout (ModuleSlots), so that every route is timed
     on the layout serving uses: w_cat = [W; A of every slot] (W and the pool's lora_a are views of it), lora_b
@@ -135,8 +143,7 @@ class Module:
         self.lora_a = self.w_cat[self.N:].view(POOL_SLOTS, self.S * rank, K)
         self.lora_b = (torch.randn(POOL_SLOTS, self.N, rank, generator=g, device=device) / rank ** 0.5).to(
             torch.bfloat16)
-        self.b_cols = self.lora_b.permute(1, 0, 2).reshape(self.N, POOL_SLOTS * rank)
-        self.kext_lora_b = self.b_cols.view(self.N, POOL_SLOTS, rank).permute(1, 0, 2)
+        self.b_cols, self.kext_lora_b = b_as_columns(self.lora_b)
         self.slice_offsets = self.offsets if self.S > 1 else None
         # On CUDA, where lora_linear's kernels do not serve the module, the kext route runs the fold route for it
         # (off CUDA, in the CPU tests, the op itself: its composition)
