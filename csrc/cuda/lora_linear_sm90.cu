@@ -1,6 +1,6 @@
 // lora_linear on sm_90a at decode sizes (the kext route): a whole multi-LoRA linear layer in two launches,
-//   1. a shrink on CUDA cores: h[t, j*L*R + s*R + r] = round(scale[s] * x[t] . A[s][j*R + r]) where s is row t's
-//      slot, zeros in every other slot's window; it lets its dependents launch at its start;
+//   1. a shrink (lora_linear_shrink.cu): h[t, j*L*R + s*R + r] = round(scale[s] * x[t] . A[s][j*R + r]) where s is
+//      row t's slot, zeros in every other slot's window; it lets its dependents launch at its start;
 //   2. one GEMM y = [x | h_j] . [W | B]^T on CUTLASS's sm_90 warp-specialized kernel (TMA + wgmma; ping-pong on
 //      64-row W tiles, cooperative on the 128-row one, KextGemm), B = b_cols [N, L*R]
 //      (lora_b's [L, N, R] viewed with each row's slots side by side: column s*R + r holds lora_b[s, n, r]),
@@ -12,11 +12,7 @@
 // that waits for the whole GEMM; here the expand is K blocks of the base GEMM, and the shrink runs under the GEMM's
 // W stream. H200, llama3-8b decode steps (the probe it came from, one call): T=32/1 adapter +9.8% against the
 // fold route's +12.7%, T=32/32 +18.1 against +23.2, T=64/32 +20.8 against +34.8.
-//
-// The shrink: a warp per rank row of a row of x, CTAs of 32 warps (packed into few SMs, leaving the others to the
-// GEMM's x blocks: CTAs of 4 warps, or a warp per 4 rank rows sharing x's loads, lost in the probe; a warp per A row
-// and 4 rows of its slot, reading A a quarter as often, lost or tied in session 32), over all of K, so each h value is
-// one warp's sum in a fixed order: deterministic. The GEMM: no split-K, deterministic.
+// The GEMM: no split-K, deterministic.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -56,104 +52,6 @@ bool slices_end_on(const I* ends, int64_t count, int rows) {
 namespace {
 
 using namespace cute;
-
-constexpr int kShrinkWarps = 32;  // per CTA
-constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per lane (64 registers of loads)
-
-template <class T>
-__device__ __forceinline__ float2 to_float2(uint32_t bits);
-template <>
-__device__ __forceinline__ float2 to_float2<__nv_bfloat16>(uint32_t bits) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-}
-template <>
-__device__ __forceinline__ float2 to_float2<__half>(uint32_t bits) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-
-// A 16-byte load through the non-coherent path that ptxas keeps in program order with the other ones.
-__device__ __forceinline__ uint4 load_nc(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-struct ShrinkArgs {
-  const void* x;
-  const void* lora_a;
-  const int32_t* token_slot;
-  const float* scales;
-  void* h;
-  int64_t x_stride, a_slot_stride, a_row_stride;
-  int t, k, num_slices, rank, num_slots;
-  uint32_t opaque_zero;  // always 0, passed from the host so that no compiler can fold it (below)
-};
-
-// Warp task (t, j, r): x[t] . A[slot][j*R + r] over all of K, written to every slot's window of h[t] (its own the
-// scaled value, the others 0). Each lane keeps kShrinkBatch 16-byte chunks of x and of A in flight, then does their
-// FMAs: the loads are not predicated (a chunk past the row reads its last one again, then counts as zero), and every
-// FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`), so ptxas cannot sink a load
-// between the FMAs: without that it issued each pair of loads just before its FMAs, ~2 chunks in flight (NOTES.md,
-// session 29).
-template <class T>
-__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  return;  // sm_90 only (lora_linear_sm90_supported); the extension's other archs compile an empty kernel
-#else
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * kShrinkWarps + warp;
-  const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
-  if (t >= a.t) return;
-  const int slot = a.token_slot[t];
-  const bool has_slot = slot >= 0 && slot < a.num_slots;
-  const int chunks = a.k / 8;  // 16-byte chunks of a row
-  float sum = 0.f;
-  if (has_slot) {
-    const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
-    const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const T*>(a.lora_a) + slot * a.a_slot_stride +
-                                                     int64_t(j * a.rank + r) * a.a_row_stride);
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kShrinkBatch) {
-      uint4 xv[kShrinkBatch], av[kShrinkBatch];
-#pragma unroll
-      for (int i = 0; i < kShrinkBatch; ++i) {
-        const int c = min(c0 + 32 * i, chunks - 1);
-        xv[i] = load_nc(xr + c);
-        av[i] = load_nc(ar + c);
-      }
-      uint32_t joined = 0;
-#pragma unroll
-      for (int i = 0; i < kShrinkBatch; ++i) joined ^= xv[i].x ^ av[i].x;
-#pragma unroll
-      for (int i = 0; i < kShrinkBatch; ++i) {
-        if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
-        xv[i].x ^= joined & a.opaque_zero;
-      }
-#pragma unroll
-      for (int i = 0; i < kShrinkBatch; ++i) {
-        const uint32_t xw[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w}, aw[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 xf = to_float2<T>(xw[e]), af = to_float2<T>(aw[e]);
-          sum = fmaf(xf.x, af.x, fmaf(xf.y, af.y, sum));
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const int LR = a.num_slots * a.rank;
-  const float scale = has_slot ? a.scales[slot] : 0.f;  // loaded once, not after each store to h
-  T* row = static_cast<T*>(a.h) + int64_t(t) * a.num_slices * LR + int64_t(j) * LR + r;
-  for (int s = lane; s < a.num_slots; s += 32) row[s * a.rank] = from_float<T>(s == slot ? sum * scale : 0.f);
-#endif
-}
 
 // What the K-extended GEMM adds to CUTLASS's mainloop arguments (once, in Arguments and Params alike).
 template <class ElementA, class StrideA, class ElementB, class StrideB>
@@ -440,17 +338,15 @@ static_assert(sizeof(kLoraLinearTileTokens) / sizeof(kLoraLinearTileTokens[0]) =
 
 template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
-  auto by_tokens = [&](auto cutlass_element, auto cuda_element) {
-    using T = decltype(cutlass_element);
-    using E = decltype(cuda_element);
-    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{}, E{});
-    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{}, E{});
-    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{}, E{});
-    if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{}, E{});
-    return f(KextGemm<T, tile_tokens(3)>{}, E{});
+  auto by_tokens = [&](auto element) {
+    using T = decltype(element);
+    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{});
+    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{});
+    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{});
+    if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
+    return f(KextGemm<T, tile_tokens(3)>{});
   };
-  return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}, __nv_bfloat16{})
-                                : by_tokens(cutlass::half_t{}, __half{});
+  return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
 }
 
 }  // namespace
@@ -463,7 +359,7 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if (p.n > INT_MAX || p.k > INT_MAX / 2 || p.rank < 1) return false;
   if (p.num_slots < 1 || p.num_slots > kKextMaxSlots) return false;
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
-  if (p.t * p.num_slices * p.rank > INT_MAX) return false;  // the shrink's warp index is an int
+  if (!kext_shrink_serves(p)) return false;
   if (p.num_slices < 1 || p.num_slices > kKextMaxSlices) return false;
   if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 64)) return false;  // the 64-row W tiles
   const int64_t es = 2;
@@ -473,7 +369,7 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
     return false;
   }
 #if defined(LORA_OPS_GG_SM90)
-  return kext_dispatch(p, [&](auto gemm, auto) {  // CUTLASS's own checks, and the stages rule, for T's tile
+  return kext_dispatch(p, [&](auto gemm) {  // CUTLASS's own checks, and the stages rule, for T's tile
     using G = decltype(gemm);
     const auto args = kext_arguments<G>(p);
     return G::Kernel::can_implement(args) && G::Device::get_workspace_size(args) == 0;
@@ -485,17 +381,10 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
 
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream) {
 #if defined(LORA_OPS_GG_SM90)
-  return kext_dispatch(p, [&](auto gemm, auto element) -> cudaError_t {
+  return kext_dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
-    using E = decltype(element);
     const auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
-    const ShrinkArgs shrink{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
-                            p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
-                            /*opaque_zero=*/0u};
-    const int64_t warps = p.t * p.num_slices * p.rank;
-    kext_shrink_kernel<E><<<unsigned((warps + kShrinkWarps - 1) / kShrinkWarps), kShrinkWarps * 32, 0, stream>>>(
-        shrink);
-    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (const cudaError_t err = launch_kext_shrink(p, stream); err != cudaSuccess) return err;
     return run_cutlass<G>(args, nullptr, stream, /*programmatic=*/true);
   });
 #else
