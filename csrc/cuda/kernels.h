@@ -120,10 +120,6 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // twice the W tiles for the SMs of a narrow layer).
 enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
 
-// The kext route's shrink (csrc/cuda/lora_linear_shrink.cu): tiles (a cluster of CTAs per slice, slot and 16 rank
-// rows, mma.sync over the slot's rows) or warps (a warp per rank row of a row of x).
-enum class KextShrink { Auto, Tiles, Warps };  // after Auto, in the order of the variable's names: tiles, warps
-
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
 // programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
@@ -145,7 +141,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  KextShrink shrink;     // a preferred shrink (LORA_OPS_CUDA_KEXT_SHRINK), Auto: kext_shrink_choice's rule
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
@@ -157,9 +152,8 @@ constexpr int64_t kLoraLinearTileTokens[] = {16, 32, 64, kLoraLinearMaxTokens};
 // blocks of x as pipeline stages). The launch requires it (it does not check again: decode calls it per layer).
 bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream);
-// Its shrink alone (sm_90): the sizes both shrink kernels serve, the one a call runs, and its launch.
+// Its shrink alone (csrc/cuda/lora_linear_shrink.cu, sm_90): the sizes it serves beyond the checks above, its launch.
 bool kext_shrink_serves(const LoraLinearParams& p);
-KextShrink kext_shrink_choice(const LoraLinearParams& p);
 cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream);
 
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
