@@ -232,6 +232,13 @@ def _ran_kext(keys) -> bool:
     return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
 
 
+def _assert_kext_ran(keys) -> None:
+    """The kext kernels ran where the sm_90a kernels are built, and only there. Under compute-sanitizer the profiler
+    sees no kernel at all (its CUPTI is the sanitizer's): nothing to check there."""
+    if keys:
+        assert _ran_kext(keys) == sm90_built(), keys
+
+
 def _kext_schedule(keys) -> str:
     """The K-extended GEMM's schedule as its name says: "Cooperative" (the 128-row tile) or "Pingpong"."""
     gemms = [k for k in keys if "KextMainloop" in k]
@@ -275,7 +282,7 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
     for with_bias in (None, bias):
         y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
-        assert _ran_kext(ran) == sm90_built(), ran
+        _assert_kext_ran(ran)
 
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K of
@@ -302,7 +309,7 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
                    key=f"shrink-{case}", slots=None if slots == "random" else slots)
     y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
     _assert_oracle(y, args, offsets)
-    assert _ran_kext(ran) == sm90_built(), ran
+    _assert_kext_ran(ran)
 
 
 @pytest.mark.gpu
