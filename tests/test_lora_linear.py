@@ -301,8 +301,15 @@ SHRINK_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SHRINK_CASES))
-def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
+# LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1: a probe, off by default (K split over 2-8 warps a task where the GEMM leaves SMs
+# free: here K 8192 and 14336)
+@pytest.mark.parametrize("ksplit", ["unset", "1"])
+def test_cuda_shrink_shapes_match_the_oracle(case, ksplit, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    if ksplit == "unset":
+        monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", raising=False)
+    else:
+        monkeypatch.setenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", ksplit)
     T, K, L, R, slots = SHRINK_CASES[case]
     offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
@@ -310,6 +317,37 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
     y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
+    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
+
+
+# LORA_OPS_CUDA_KEXT_B_EARLY=1 (a probe, off by default: the GEMM's producer issues up to Stages - 1 B blocks before
+# it waits for the shrink, each into a stage its h block joins after the wait): every token tile, the 128-row one, a
+# skipped block among early ones (slots 4-7 unused), and rank 64 over 16 slots (16 h blocks a slice: more than the
+# 64-token tile's stages, so the rest go the usual way). (T, slices, L, R, slots).
+B_EARLY_CASES = {"t16": (16, "qkv", 4, 16, None), "t33": (33, "qkv", 4, 16, None), "t65": (65, "qkv", 4, 16, None),
+                 "t128_wide": (128, "qkv128", 4, 16, None), "t24_one_slot": (24, "qkv", 8, 16, [2] * 24),
+                 "t64_rank_64": (64, "qkv", 16, 64, None)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(B_EARLY_CASES))
+def test_cuda_b_early_probe_matches_the_oracle_and_replays(case, monkeypatch):
+    _prefer_tile(monkeypatch, "128x128" if "wide" in case else "auto")
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_B_EARLY", "1")
+    T, slices, L, R, slots = B_EARLY_CASES[case]
+    offsets = CUDA_SLICES[slices]
+    shape = dict(CUDA_SHAPE, L=L, R=R)
+    args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"b-early-{case}", slots=slots,
+                   **shape)
+    x, w, a, b, token_slot, scales, _ = args
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, token_slot, scales, offsets))
+    _assert_oracle(y, args, offsets)
+    _assert_kext_ran(ran)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lora_ops.lora_linear(x, w, a, b, token_slot, scales, offsets)
+    graph.replay()
+    assert torch.equal(out, y)
 
 
 @pytest.mark.gpu

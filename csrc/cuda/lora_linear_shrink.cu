@@ -11,6 +11,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
 #include "common.cuh"
 #include "kernels.h"
 
@@ -49,33 +54,38 @@ constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per 
 
 // Warp task (t, j, r): x[t] . A[slot][j*R + r] over all of K, written to every slot's window of h[t] (its own the
 // scaled value, the others 0). Each lane keeps kShrinkBatch 16-byte chunks of x and of A in flight, then does their
-// FMAs: the loads are not predicated (a chunk past the row reads its last one again, then counts as zero), and every
-// FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`), so ptxas cannot sink a load
+// FMAs: the loads are not predicated (a chunk past the range reads its last one again, then counts as zero), and
+// every FMA depends on every load of the batch (x's chunks take `joined & opaque_zero`), so ptxas cannot sink a load
 // between the FMAs: without that it issued each pair of loads just before its FMAs, ~2 chunks in flight (NOTES.md,
 // session 29).
-template <class T>
-__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a) {
+// kSplit (a probe, off by default: LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1): `parts` consecutive warps of a CTA share a
+// task, each over its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
+template <class T, bool kSplit>
+__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
 #else
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * kShrinkWarps + warp;
+  const int unit = blockIdx.x * kShrinkWarps + warp;
+  const int task = kSplit ? unit / parts : unit, part = kSplit ? unit % parts : 0;
   const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
-  if (t >= a.t) return;
-  const int slot = a.token_slot[t];
+  if (!kSplit && t >= a.t) return;  // the split kernel's warps all reach its barrier
+  const int slot = t < a.t ? a.token_slot[t] : -1;
   const bool has_slot = slot >= 0 && slot < a.num_slots;
   const int chunks = a.k / 8;  // 16-byte chunks of a row
+  const int per_part = kSplit ? (chunks + parts - 1) / parts : chunks;
+  const int begin = part * per_part, end = min(chunks, begin + per_part);
   float sum = 0.f;
   if (has_slot) {
     const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
     const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const T*>(a.lora_a) + slot * a.a_slot_stride +
                                                      int64_t(j * a.rank + r) * a.a_row_stride);
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kShrinkBatch) {
+    for (int c0 = begin + lane; c0 < end; c0 += 32 * kShrinkBatch) {
       uint4 xv[kShrinkBatch], av[kShrinkBatch];
 #pragma unroll
       for (int i = 0; i < kShrinkBatch; ++i) {
-        const int c = min(c0 + 32 * i, chunks - 1);
+        const int c = min(c0 + 32 * i, end - 1);
         xv[i] = load_nc(xr + c);
         av[i] = load_nc(ar + c);
       }
@@ -84,7 +94,7 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
       for (int i = 0; i < kShrinkBatch; ++i) joined ^= xv[i].x ^ av[i].x;
 #pragma unroll
       for (int i = 0; i < kShrinkBatch; ++i) {
-        if (c0 + 32 * i >= chunks) xv[i] = make_uint4(0, 0, 0, 0);
+        if (c0 + 32 * i >= end) xv[i] = make_uint4(0, 0, 0, 0);
         xv[i].x ^= joined & a.opaque_zero;
       }
 #pragma unroll
@@ -100,6 +110,14 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(kAll, sum, o);
+  if constexpr (kSplit) {
+    __shared__ float part_sum[kShrinkWarps];
+    if (lane == 0) part_sum[warp] = sum;
+    __syncthreads();
+    if (part != 0 || t >= a.t) return;
+    sum = 0.f;
+    for (int i = 0; i < parts; ++i) sum += part_sum[warp + i];
+  }
   const int LR = a.num_slots * a.rank;
   const float scale = has_slot ? a.scales[slot] : 0.f;  // loaded once, not after each store to h
   T* row = static_cast<T*>(a.h) + int64_t(t) * a.num_slices * LR + int64_t(j) * LR + r;
@@ -107,21 +125,43 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
 #endif
 }
 
+// The probe's K split: the most parts (a power of two, at most 8, at least 1024 columns each) whose warps fit the
+// SMs the GEMM leaves free at up to 64 tokens (one 64-row W tile per CTA, min(N / 64, SMs) CTAs), else 1 (no split).
+int shrink_parts(const LoraLinearParams& p) {
+  const char* probe = std::getenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT");
+  if (probe == nullptr || std::strcmp(probe, "1") != 0 || p.t > 64 || p.sm_count <= 0) return 1;
+  const int64_t ctas = (p.t * p.num_slices * p.rank + kShrinkWarps - 1) / kShrinkWarps;
+  const int64_t free_sms = p.sm_count - std::min<int64_t>(p.n / 64, p.sm_count);
+  int parts = 1;
+  while (parts < 8 && 2 * parts * ctas <= free_sms && p.k / (2 * parts) >= 1024) parts *= 2;
+  return parts;
+}
+
+template <class T>
+void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
+  const int parts = shrink_parts(p);
+  const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
+  if (parts == 1) {
+    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
+  } else {
+    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
+  }
+}
+
 }  // namespace
 
 bool kext_shrink_serves(const LoraLinearParams& p) {
-  return p.t * p.num_slices * p.rank <= INT_MAX;  // the kernel's warp index is an int
+  return p.t * p.num_slices * p.rank * 8 <= INT_MAX;  // the kernel's warp index is an int, up to 8 parts a task
 }
 
 cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {
   const ShrinkArgs args{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                         p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                         /*opaque_zero=*/0u};
-  const unsigned ctas = unsigned((p.t * p.num_slices * p.rank + kShrinkWarps - 1) / kShrinkWarps);
   if (p.dtype == DType::BF16) {
-    kext_shrink_kernel<__nv_bfloat16><<<ctas, kShrinkWarps * 32, 0, stream>>>(args);
+    launch_shrink<__nv_bfloat16>(p, args, stream);
   } else {
-    kext_shrink_kernel<__half><<<ctas, kShrinkWarps * 32, 0, stream>>>(args);
+    launch_shrink<__half>(p, args, stream);
   }
   return cudaGetLastError();
 }

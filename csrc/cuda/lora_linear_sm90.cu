@@ -25,6 +25,8 @@
 #include <cuda_fp16.h>
 
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -63,6 +65,7 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
+  bool b_early = false;  // a probe, off by default (LORA_OPS_CUDA_KEXT_B_EARLY=1): B's blocks before the wait
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
@@ -268,8 +271,33 @@ struct KextMainloop : Base {
     __syncwarp();
     settle_used(p, slots);
     if (!elected) return;
-    if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
+    int kt = x_tiles;
+    if (kt < k_tile_count && p.ext.b_early) {
+      // The probe (NOTES.md session 35): B's blocks are weights, written before this grid, so they need no wait.
+      // The first Stages - 1 of them are issued before it, each into a stage of its own that its h block joins
+      // after it; at most Stages - 1, so that acquiring them never waits on a stage that waits for its h.
+      PipelineState h_write = smem_pipe_write;
+      const int early = min(k_tile_count - kt, int(Base::DispatchPolicy::Stages) - 1);
+      for (int i = 0; i < early; ++i) {
+        pipeline.producer_acquire(smem_pipe_write);
+        auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+        const int kb = kt + i - p.k_x_tiles;
+        if (!skipped(p, kt + i)) {
+          copy(p.tma_load_b_cols.with(*barrier, 0), tBgB(_, _, _, kb), tBsA(_, _, _, smem_pipe_write.index()));
+        } else {
+          cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
+        }
+        ++smem_pipe_write;
+      }
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      for (int i = 0; i < early; ++i, ++kt, ++h_write) {
+        auto* barrier = pipeline.producer_get_barrier(h_write);
+        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsB(_, _, _, h_write.index()));
+      }
+    } else if (kt < k_tile_count) {
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
+    for (; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
   }
 
  private:
@@ -323,6 +351,8 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   e.num_tokens = (int)p.t;
   for (int s = 0; s < p.num_slices; ++s) e.slice_end[s] = (int)p.slice_offsets[s + 1];
   e.token_slot = p.token_slot;
+  const char* b_early = std::getenv("LORA_OPS_CUDA_KEXT_B_EARLY");  // the probe's switch, read per call
+  e.b_early = b_early != nullptr && !std::strcmp(b_early, "1");
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.ptr_C = nullptr;
