@@ -1,9 +1,10 @@
 """Where a decode step's time goes between kernels: the decode-step bench's step (lora_ops.bench.decode_step, a few
 layers of one model shape) captured as one CUDA graph per route, replayed under the profiler, and each kernel's
-start and end on the GPU printed per module (µs from the module's first kernel's start; `gap`: from the previous
-kernel's end to this one's start, negative where they overlap, as a programmatic launch lets them).
+start and end on the GPU printed for the middle layer's kernels, module after module (µs from the layer's first
+kernel's start; `gap`: from the previous kernel's end to this one's start, negative where they overlap, as a
+programmatic launch lets them).
 `python benchmarks/timeline.py [--model llama3-8b] [--steps 32/1/16,...] [--routes base,kext-cuda,fold-cuda]
-[--layers 4]`. A layer's modules after the first layer's are the same kernels again: the middle layer is printed."""
+[--layers 4]` (at least 2: the middle layer's kernels follow another layer's)."""
 import argparse
 import dataclasses
 import json
@@ -51,6 +52,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--between-modules", action="store_true")
     args = parser.parse_args()
+    if args.layers < 2:
+        parser.error("--layers: at least 2 (the middle layer's kernels follow another layer's)")
     model = dataclasses.replace(ds.MODELS[args.model], layers=args.layers)
     ops = ds.routes()
     for step in ds.parse_steps(args.steps):
@@ -65,11 +68,12 @@ def main():
             for f in calls:  # once eagerly: handles and workspaces before the capture
                 f()
             events = kernel_events(capture(calls), replays=5)
-            total = events[-1][2] - events[0][1]
+            one_off = sum("build_segments" in name for name, _, _ in events)  # once per step, before the layers
+            per_layer = (len(events) - one_off) // args.layers
+            total = events[-1][2] - events[one_off][1]
             print(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank} {route}: {len(events)} kernels,"
                   f" {total:.1f} us for {args.layers} layers ({total / args.layers:.1f} per layer)")
-            per_layer = len(events) // args.layers  # after the step's one-off kernels (build_segments)
-            first = len(events) - per_layer * (args.layers - args.layers // 2)  # the middle layer's first kernel
+            first = one_off + per_layer * (args.layers // 2)  # the middle layer's first kernel
             prev_end = events[first - 1][2]
             t0 = events[first][1]
             for name, start, end in events[first:first + per_layer]:

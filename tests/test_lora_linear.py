@@ -285,24 +285,28 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
         _assert_kext_ran(ran)
 
 
-# The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K of
-# exactly one batch of a warp's loads (1024: 32 lanes x 4 chunks of 8), and of several batches (8192; 14336, down_proj's,
-# the last batch partial). (T, K, L, R, slots): slots "random" over the pool and no slot, or given.
+# The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
+# of exactly one batch of a warp's loads (1024: 32 lanes x 4 chunks of 8), and of several batches (8192; 14336,
+# down_proj's, the last batch partial). (T, K, L, R, slots, the K-split probe's parts): slots "random" over the pool
+# and no slot, or given; the parts its rule gives with N = 384 (6 GEMM CTAs) on an H200's 132 SMs: 8 at T=1 and K
+# 8192, and 2 at T=1, rank 24 (1 x 3 x 24 x 2 = 144 warps: idle ones in the last CTA).
 SHRINK_CASES = {
-    "128_rows_of_one_slot": (128, 1536, 4, 16, [1] * 128),
-    "33_rows_of_one_slot_k_1024": (100, 1024, 4, 16, [2] * 33 + [0, 3, -1] * 22 + [1]),
-    "rank_8": (64, 1536, 8, 8, "random"),
-    "rank_24": (48, 1536, 8, 24, "random"),
-    "rank_64": (64, 2048, 4, 64, "random"),
-    "k_8192": (32, 8192, 4, 16, "random"),
-    "k_14336": (16, 14336, 4, 16, "random"),
+    "128_rows_of_one_slot": (128, 1536, 4, 16, [1] * 128, 1),
+    "33_rows_of_one_slot_k_1024": (100, 1024, 4, 16, [2] * 33 + [0, 3, -1] * 22 + [1], 1),
+    "rank_8": (64, 1536, 8, 8, "random", 1),
+    "rank_24": (48, 1536, 8, 24, "random", 1),
+    "rank_64": (64, 2048, 4, 64, "random", 1),
+    "k_8192": (32, 8192, 4, 16, "random", 2),
+    "k_14336": (16, 14336, 4, 16, "random", 4),
+    "t1_k_8192": (1, 8192, 4, 16, [3], 8),
+    "t1_rank_24_k_2048": (1, 2048, 8, 24, [5], 2),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SHRINK_CASES))
 # LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1: a probe, off by default (K split over 2-8 warps a task where the GEMM leaves SMs
-# free: here K 8192 and 14336)
+# free)
 @pytest.mark.parametrize("ksplit", ["unset", "1"])
 def test_cuda_shrink_shapes_match_the_oracle(case, ksplit, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
@@ -310,23 +314,28 @@ def test_cuda_shrink_shapes_match_the_oracle(case, ksplit, monkeypatch):
         monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", raising=False)
     else:
         monkeypatch.setenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", ksplit)
-    T, K, L, R, slots = SHRINK_CASES[case]
+    T, K, L, R, slots, parts = SHRINK_CASES[case]
     offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
                    key=f"shrink-{case}", slots=None if slots == "random" else slots)
     y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
+    split = ksplit == "1" and parts > 1 and torch.cuda.get_device_properties(0).multi_processor_count == 132
+    if sm90_built() and ran and split:  # the split kernel's instantiation, kext_shrink_kernel<T, true>
+        assert any("kext_shrink_kernel" in k and "Lb1E" in k for k in ran), ran
     assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
 
 
 # LORA_OPS_CUDA_KEXT_B_EARLY=1 (a probe, off by default: the GEMM's producer issues up to Stages - 1 B blocks before
 # it waits for the shrink, each into a stage its h block joins after the wait): every token tile, the 128-row one, a
-# skipped block among early ones (slots 4-7 unused), and rank 64 over 16 slots (16 h blocks a slice: more than the
-# 64-token tile's stages, so the rest go the usual way). (T, slices, L, R, slots).
+# skipped block among early ones (slots 4-7 unused), more h blocks than the stages (rank 64 over 16 slots: 16 a slice
+# on the 64-token tile; over 8 slots on the 128-row one), and CTAs of two W tiles each (N = 128 x SMs: the second
+# tile's wait has nothing left to wait for). (T, slices, L, R, slots).
 B_EARLY_CASES = {"t16": (16, "qkv", 4, 16, None), "t33": (33, "qkv", 4, 16, None), "t65": (65, "qkv", 4, 16, None),
                  "t128_wide": (128, "qkv128", 4, 16, None), "t24_one_slot": (24, "qkv", 8, 16, [2] * 24),
-                 "t64_rank_64": (64, "qkv", 16, 64, None)}
+                 "t64_rank_64": (64, "qkv", 16, 64, None), "t128_wide_rank_64": (128, "qkv128", 8, 64, None),
+                 "t16_two_tiles_a_cta": (16, "two_tiles_a_cta", 4, 16, None)}
 
 
 @pytest.mark.gpu
@@ -335,8 +344,12 @@ def test_cuda_b_early_probe_matches_the_oracle_and_replays(case, monkeypatch):
     _prefer_tile(monkeypatch, "128x128" if "wide" in case else "auto")
     monkeypatch.setenv("LORA_OPS_CUDA_KEXT_B_EARLY", "1")
     T, slices, L, R, slots = B_EARLY_CASES[case]
-    offsets = CUDA_SLICES[slices]
     shape = dict(CUDA_SHAPE, L=L, R=R)
+    if slices == "two_tiles_a_cta":
+        shape["N"] = 128 * torch.cuda.get_device_properties(0).multi_processor_count
+        offsets = [0, shape["N"]]
+    else:
+        offsets = CUDA_SLICES[slices]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"b-early-{case}", slots=slots,
                    **shape)
     x, w, a, b, token_slot, scales, _ = args

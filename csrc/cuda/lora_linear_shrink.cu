@@ -51,6 +51,8 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits) {
 
 constexpr int kShrinkWarps = 32;  // per CTA
 constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per lane (64 registers of loads)
+constexpr int kMaxShrinkParts = 8;  // the K-split probe's warps a task, within one CTA
+static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CTA");
 
 // Warp task (t, j, r): x[t] . A[slot][j*R + r] over all of K, written to every slot's window of h[t] (its own the
 // scaled value, the others 0). Each lane keeps kShrinkBatch 16-byte chunks of x and of A in flight, then does their
@@ -125,15 +127,15 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
 #endif
 }
 
-// The probe's K split: the most parts (a power of two, at most 8, at least 1024 columns each) whose warps fit the
-// SMs the GEMM leaves free at up to 64 tokens (one 64-row W tile per CTA, min(N / 64, SMs) CTAs), else 1 (no split).
+// The probe's K split: the most parts (a power of two up to kMaxShrinkParts, at least 1024 columns each) whose warps
+// fit the SMs the GEMM leaves free at up to 64 tokens (one 64-row W tile per CTA, min(N / 64, SMs) CTAs), else 1.
 int shrink_parts(const LoraLinearParams& p) {
   const char* probe = std::getenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT");
   if (probe == nullptr || std::strcmp(probe, "1") != 0 || p.t > 64 || p.sm_count <= 0) return 1;
   const int64_t ctas = (p.t * p.num_slices * p.rank + kShrinkWarps - 1) / kShrinkWarps;
   const int64_t free_sms = p.sm_count - std::min<int64_t>(p.n / 64, p.sm_count);
   int parts = 1;
-  while (parts < 8 && 2 * parts * ctas <= free_sms && p.k / (2 * parts) >= 1024) parts *= 2;
+  while (parts < kMaxShrinkParts && 2 * parts * ctas <= free_sms && p.k / (2 * parts) >= 1024) parts *= 2;
   return parts;
 }
 
@@ -151,7 +153,7 @@ void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream
 }  // namespace
 
 bool kext_shrink_serves(const LoraLinearParams& p) {
-  return p.t * p.num_slices * p.rank * 8 <= INT_MAX;  // the kernel's warp index is an int, up to 8 parts a task
+  return p.t * p.num_slices * p.rank * kMaxShrinkParts <= INT_MAX;  // the kernel's warp index is an int
 }
 
 cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {

@@ -273,9 +273,11 @@ struct KextMainloop : Base {
     if (!elected) return;
     int kt = x_tiles;
     if (kt < k_tile_count && p.ext.b_early) {
-      // The probe (NOTES.md session 35): B's blocks are weights, written before this grid, so they need no wait.
-      // The first Stages - 1 of them are issued before it, each into a stage of its own that its h block joins
-      // after it; at most Stages - 1, so that acquiring them never waits on a stage that waits for its h.
+      // The probe (NOTES.md session 35): B's blocks are weights, written before the shrink started (which is
+      // launched in stream order, not programmatically), so they need no wait. The first Stages - 1 of them are
+      // issued before it, each into a stage of its own that its h block joins after it. Not Stages: CUTLASS's
+      // consumer frees a stage only once it has waited on the next one, so acquiring a Stages-th stage would wait
+      // for the last x stage to be freed, i.e. for the first h block, which comes after the wait: a deadlock.
       PipelineState h_write = smem_pipe_write;
       const int early = min(k_tile_count - kt, int(Base::DispatchPolicy::Stages) - 1);
       for (int i = 0; i < early; ++i) {
