@@ -13,8 +13,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -130,8 +128,7 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
 // The probe's K split: the most parts (a power of two up to kMaxShrinkParts, at least 1024 columns each) whose warps
 // fit the SMs the GEMM leaves free at up to 64 tokens (one 64-row W tile per CTA, min(N / 64, SMs) CTAs), else 1.
 int shrink_parts(const LoraLinearParams& p) {
-  const char* probe = std::getenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT");
-  if (probe == nullptr || std::strcmp(probe, "1") != 0 || p.t > 64 || p.sm_count <= 0) return 1;
+  if (!p.shrink_ksplit || p.t > 64 || p.sm_count <= 0) return 1;
   const int64_t ctas = (p.t * p.num_slices * p.rank + kShrinkWarps - 1) / kShrinkWarps;
   const int64_t free_sms = p.sm_count - std::min<int64_t>(p.n / 64, p.sm_count);
   int parts = 1;

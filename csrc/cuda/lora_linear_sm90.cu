@@ -25,8 +25,6 @@
 #include <cuda_fp16.h>
 
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -65,7 +63,7 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
-  bool b_early = false;  // a probe, off by default (LORA_OPS_CUDA_KEXT_B_EARLY=1): B's blocks before the wait
+  bool b_early = false;  // LoraLinearParams::b_early (a probe): B's blocks before the wait
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
@@ -353,8 +351,7 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   e.num_tokens = (int)p.t;
   for (int s = 0; s < p.num_slices; ++s) e.slice_end[s] = (int)p.slice_offsets[s + 1];
   e.token_slot = p.token_slot;
-  const char* b_early = std::getenv("LORA_OPS_CUDA_KEXT_B_EARLY");  // the probe's switch, read per call
-  e.b_early = b_early != nullptr && !std::strcmp(b_early, "1");
+  e.b_early = p.b_early;
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.ptr_C = nullptr;
