@@ -300,20 +300,45 @@ SHRINK_CASES = {
     "k_14336": (16, 14336, 4, 16, "random", 4),
     "t1_k_8192": (1, 8192, 4, 16, [3], 8),
     "t1_rank_24_k_2048": (1, 2048, 8, 24, [5], 2),
+    # The few-slots probe's (at most 4 distinct slots: tensor cores, a cluster of C CTAs per (slot, slice, 16 rank
+    # rows, 32 of the slot's rows), C = 4 at K = 4096 and 8 at 14336): one slot; two and rows without one (-1, and
+    # 4 = L: past the pool); four slots of 16 rows at rank 24 (a partial rank block); five slots (the warps' path);
+    # 100 rows of one slot at rank 64 (4 row groups, 4 rank blocks); K = 14336 (2 chunks for some warps).
+    "few_one_slot_k_4096": (32, 4096, 4, 16, [1] * 32, 1),
+    "few_two_slots_and_none": (32, 4096, 4, 16, [3, 0, -1, 4] * 8, 1),
+    "few_four_slots_rank_24": (64, 2048, 8, 24, [2 * (i % 4) for i in range(64)], 1),
+    "few_five_slots": (32, 2048, 8, 16, [i % 5 for i in range(32)], 1),
+    "few_100_rows_rank_64": (128, 1024, 4, 64, [2] * 100 + [-1] * 28, 1),
+    "few_one_slot_k_14336": (32, 14336, 4, 16, [0] * 32, 2),
 }
+
+
+def _shrink_variant(ran) -> tuple[bool, bool]:
+    """(split, few): the template flags of the one kext_shrink_kernel<T, kSplit, kFew> that ran, from its name,
+    demangled or not."""
+    import re
+    names = [k for k in ran if "kext_shrink_kernel" in k]
+    assert len(names) == 1, ran
+    flags = re.search(r"kext_shrink_kernel<[^,]+, (true|false), (true|false)>", names[0])
+    if flags:
+        return flags.group(1) == "true", flags.group(2) == "true"
+    flags = re.search(r"kext_shrink_kernelI\w+?Lb([01])ELb([01])E", names[0])
+    assert flags, names[0]
+    return flags.group(1) == "1", flags.group(2) == "1"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SHRINK_CASES))
-# LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1: a probe, off by default (K split over 2-8 warps a task where the GEMM leaves SMs
-# free)
-@pytest.mark.parametrize("ksplit", ["unset", "1"])
-def test_cuda_shrink_shapes_match_the_oracle(case, ksplit, monkeypatch):
+# Two probes, off by default: LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1 (K split over 2-8 warps a task where the GEMM leaves
+# SMs free), LORA_OPS_CUDA_KEXT_SHRINK_FEW=1 (tensor cores where the batch has at most 4 distinct slots)
+@pytest.mark.parametrize("probes", ["none", "ksplit", "few", "ksplit+few"])
+def test_cuda_shrink_shapes_match_the_oracle(case, probes, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    if ksplit == "unset":
-        monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", raising=False)
-    else:
-        monkeypatch.setenv("LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT", ksplit)
+    for probe in ("ksplit", "few"):
+        if probe in probes.split("+"):
+            monkeypatch.setenv(f"LORA_OPS_CUDA_KEXT_SHRINK_{probe.upper()}", "1")
+        else:
+            monkeypatch.delenv(f"LORA_OPS_CUDA_KEXT_SHRINK_{probe.upper()}", raising=False)
     T, K, L, R, slots, parts = SHRINK_CASES[case]
     offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
@@ -321,46 +346,10 @@ def test_cuda_shrink_shapes_match_the_oracle(case, ksplit, monkeypatch):
     y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
-    split = ksplit == "1" and parts > 1 and torch.cuda.get_device_properties(0).multi_processor_count == 132
-    if sm90_built() and ran and split:  # the split kernel's instantiation, kext_shrink_kernel<T, true>
-        assert any("kext_shrink_kernel" in k and "Lb1E" in k for k in ran), ran
-    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
-
-
-# LORA_OPS_CUDA_KEXT_B_EARLY=1 (a probe, off by default: the GEMM's producer issues up to Stages - 1 B blocks before
-# it waits for the shrink, each into a stage its h block joins after the wait): every token tile, the 128-row one, a
-# skipped block among early ones (slots 4-7 unused), more h blocks than the stages (rank 64 over 16 slots: 16 a slice
-# on the 64-token tile; over 8 slots on the 128-row one), and CTAs of two W tiles each (N = 128 x SMs: the second
-# tile's wait has nothing left to wait for). (T, slices, L, R, slots).
-B_EARLY_CASES = {"t16": (16, "qkv", 4, 16, None), "t33": (33, "qkv", 4, 16, None), "t65": (65, "qkv", 4, 16, None),
-                 "t128_wide": (128, "qkv128", 4, 16, None), "t24_one_slot": (24, "qkv", 8, 16, [2] * 24),
-                 "t64_rank_64": (64, "qkv", 16, 64, None), "t128_wide_rank_64": (128, "qkv128", 8, 64, None),
-                 "t16_two_tiles_a_cta": (16, "two_tiles_a_cta", 4, 16, None)}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(B_EARLY_CASES))
-def test_cuda_b_early_probe_matches_the_oracle_and_replays(case, monkeypatch):
-    _prefer_tile(monkeypatch, "128x128" if "wide" in case else "auto")
-    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_B_EARLY", "1")
-    T, slices, L, R, slots = B_EARLY_CASES[case]
-    shape = dict(CUDA_SHAPE, L=L, R=R)
-    if slices == "two_tiles_a_cta":
-        shape["N"] = 128 * torch.cuda.get_device_properties(0).multi_processor_count
-        offsets = [0, shape["N"]]
-    else:
-        offsets = CUDA_SLICES[slices]
-    args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"b-early-{case}", slots=slots,
-                   **shape)
-    x, w, a, b, token_slot, scales, _ = args
-    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, token_slot, scales, offsets))
-    _assert_oracle(y, args, offsets)
-    _assert_kext_ran(ran)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = lora_ops.lora_linear(x, w, a, b, token_slot, scales, offsets)
-    graph.replay()
-    assert torch.equal(out, y)
+    if sm90_built() and ran:
+        split = "ksplit" in probes and parts > 1 and torch.cuda.get_device_properties(0).multi_processor_count == 132
+        assert _shrink_variant(ran) == (split, "few" in probes), ran
+    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # every sum in a fixed order
 
 
 @pytest.mark.gpu

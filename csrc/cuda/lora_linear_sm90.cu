@@ -63,7 +63,6 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
-  bool b_early = false;  // LoraLinearParams::b_early (a probe): B's blocks before the wait
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
@@ -269,35 +268,8 @@ struct KextMainloop : Base {
     __syncwarp();
     settle_used(p, slots);
     if (!elected) return;
-    int kt = x_tiles;
-    if (kt < k_tile_count && p.ext.b_early) {
-      // The probe (NOTES.md session 35): B's blocks are weights, written before the shrink started (which is
-      // launched in stream order, not programmatically), so they need no wait. The first Stages - 1 of them are
-      // issued before it, each into a stage of its own that its h block joins after it. Not Stages: CUTLASS's
-      // consumer frees a stage only once it has waited on the next one, so acquiring a Stages-th stage would wait
-      // for the last x stage to be freed, i.e. for the first h block, which comes after the wait: a deadlock.
-      PipelineState h_write = smem_pipe_write;
-      const int early = min(k_tile_count - kt, int(Base::DispatchPolicy::Stages) - 1);
-      for (int i = 0; i < early; ++i) {
-        pipeline.producer_acquire(smem_pipe_write);
-        auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
-        const int kb = kt + i - p.k_x_tiles;
-        if (!skipped(p, kt + i)) {
-          copy(p.tma_load_b_cols.with(*barrier, 0), tBgB(_, _, _, kb), tBsA(_, _, _, smem_pipe_write.index()));
-        } else {
-          cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
-        }
-        ++smem_pipe_write;
-      }
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-      for (int i = 0; i < early; ++i, ++kt, ++h_write) {
-        auto* barrier = pipeline.producer_get_barrier(h_write);
-        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kt - p.k_x_tiles), tHsB(_, _, _, h_write.index()));
-      }
-    } else if (kt < k_tile_count) {
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-    }
-    for (; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
+    if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
   }
 
  private:
@@ -351,7 +323,6 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   e.num_tokens = (int)p.t;
   for (int s = 0; s < p.num_slices; ++s) e.slice_end[s] = (int)p.slice_offsets[s + 1];
   e.token_slot = p.token_slot;
-  e.b_early = p.b_early;
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.ptr_C = nullptr;
