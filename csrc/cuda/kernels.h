@@ -141,9 +141,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  // Two probes of the shrink, off by default (NOTES.md sessions 35-36): its K split where the GEMM leaves SMs free
-  // (LORA_OPS_CUDA_KEXT_SHRINK_KSPLIT=1), its tensor-core path for batches of few slots (..._KEXT_SHRINK_FEW=1).
-  bool shrink_ksplit, shrink_few;
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
