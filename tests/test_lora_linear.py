@@ -234,7 +234,7 @@ def _ran_kext(keys) -> bool:
 
 def _assert_kext_ran(keys) -> None:
     """The kext kernels ran where the sm_90a kernels are built, and only there. Under compute-sanitizer the profiler
-    sees no kernel at all (its CUPTI is the sanitizer's): nothing to check there."""
+    sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing to check."""
     if keys:
         assert _ran_kext(keys) == sm90_built(), keys
 
@@ -249,7 +249,8 @@ def _kext_schedule(keys) -> str:
 
 def _assert_schedule(keys, expected: str) -> None:
     """The K-extended GEMM ran with this schedule, where the sm_90a kernels are built. Under compute-sanitizer the
-    profiler sees no kernel at all (its CUPTI is the sanitizer's): nothing to check there."""
+    profiler sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing
+    to check there."""
     if sm90_built() and keys:
         assert _kext_schedule(keys) == expected, keys
 
