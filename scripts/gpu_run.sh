@@ -70,8 +70,8 @@ fi
 if want sanitizer; then
   step compute-sanitizer memcheck
   edge="garbage or bad_slots or no_lora_rows or skewed or empty_batch or build_segments or decode_one_row or overlap"
-  # LORA_OPS_UNDER_SANITIZER: the profiler sees no kernel under the sanitizer; the tests' checks of which kernel ran
-  # skip (tests/conftest.py cuda_kernel_names), and only there.
+  # LORA_OPS_UNDER_SANITIZER: the profiler sees nothing under the sanitizer, so a selected test that checks which
+  # kernel ran skips that check (tests/conftest.py cuda_kernel_names); without it such a test fails.
   LORA_OPS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest tests -q -p no:cacheprovider -m gpu \
     -k "$edge or sorted_rows_ or many_slots" \
     2>&1 | tee "$OUT/sanitizer.log" | tail -8

@@ -47,10 +47,11 @@ def sm90_built() -> bool:
 
 
 def cuda_kernel_names(f):
-    """(f(), the names of the CUDA kernels it ran), through the profiler. Empty only under compute-sanitizer, whose
-    CUPTI leaves the profiler blind: scripts/gpu_run.sh says so with LORA_OPS_UNDER_SANITIZER=1, and the checks of
-    which kernel ran skip there. Anywhere else an empty list fails, so a profiler that failed silently cannot pass
-    them."""
+    """(f(), the names of the CUDA kernels it ran, with the runtime calls and profiler entries beside them), through
+    the profiler. Under compute-sanitizer, whose CUPTI leaves the profiler blind, the set is empty and the checks of
+    which kernel ran skip (say so with LORA_OPS_UNDER_SANITIZER=1, as scripts/gpu_run.sh's memcheck does).
+    Anywhere else an empty set fails, so a profiler that records nothing cannot make those checks pass by
+    skipping."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out = f()
         torch.cuda.synchronize()

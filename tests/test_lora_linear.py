@@ -288,9 +288,10 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
 # of exactly one batch of a warp's loads (1024: 32 lanes x 4 chunks of 8), and of several batches (8192; 14336,
-# down_proj's, the last batch partial). (T, K, L, R, slots, the K split's parts): slots "random" over the pool
-# and no slot, or given; the parts its rule gives with N = 384 (6 GEMM CTAs) on an H200's 132 SMs: 8 at T=1 and K
-# 8192, and 2 at T=1, rank 24 (1 x 3 x 24 x 2 = 144 warps: idle ones in the last CTA).
+# down_proj's, the last batch partial). (T, K, L, R, slots, the K split's parts on an H200): slots "random" over the
+# pool and no slot, or given; the parts its rule (_shrink_parts) gives with N = 384 (6 GEMM CTAs) on 132 SMs: 2 at
+# K 8192, 4 at 14336, 8 at T=1 and K 8192, and 2 at T=1, rank 24 (1 x 3 x 24 x 2 = 144 warps: idle ones in the
+# last CTA).
 SHRINK_CASES = {
     "128_rows_of_one_slot": (128, 1536, 4, 16, [1] * 128, 1),
     "33_rows_of_one_slot_k_1024": (100, 1024, 4, 16, [2] * 33 + [0, 3, -1] * 22 + [1], 1),
@@ -304,20 +305,16 @@ SHRINK_CASES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(SHRINK_CASES))
-def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
-    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    T, K, L, R, slots, parts = SHRINK_CASES[case]
-    offsets = CUDA_SLICES["qkv"]
-    args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
-                   key=f"shrink-{case}", slots=None if slots == "random" else slots)
-    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
-    _assert_oracle(y, args, offsets)
-    _assert_kext_ran(ran)
-    if sm90_built() and ran and torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        assert _shrink_split(ran) == (parts > 1), ran  # the K split where its rule gives parts
-    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
+def _shrink_parts(T, K, N, S, R, sms) -> int:
+    """The K split's rule (shrink_parts in lora_linear_shrink.cu): the most parts, a power of two up to 8 of at
+    least 1024 columns each, whose CTAs of 32 warps fit the SMs the GEMM's min(N / 64, SMs) CTAs leave free, at up
+    to 64 tokens; else 1."""
+    if T > 64:
+        return 1
+    ctas, free, parts = -(-T * S * R // 32), sms - min(N // 64, sms), 1
+    while parts < 8 and 2 * parts * ctas <= free and K // (2 * parts) >= 1024:
+        parts *= 2
+    return parts
 
 
 def _shrink_split(ran) -> bool:
@@ -326,6 +323,25 @@ def _shrink_split(ran) -> bool:
     names = [k for k in ran if "kext_shrink_kernel" in k]
     assert len(names) == 1, ran
     return ", true>" in names[0] or "Lb1E" in names[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(SHRINK_CASES))
+def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    T, K, L, R, slots, h200_parts = SHRINK_CASES[case]
+    offsets = CUDA_SLICES["qkv"]
+    args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                   key=f"shrink-{case}", slots=None if slots == "random" else slots)
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    _assert_oracle(y, args, offsets)
+    _assert_kext_ran(ran)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    parts = _shrink_parts(T, K, 384, len(offsets) - 1, R, sms)
+    assert sms != 132 or parts == h200_parts  # the rule as the table above states it
+    if sm90_built() and ran:
+        assert _shrink_split(ran) == (parts > 1), ran
+    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
 
 
 @pytest.mark.gpu

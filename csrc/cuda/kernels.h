@@ -139,7 +139,7 @@ struct LoraLinearParams {
   int64_t num_slots, rank, num_slices;
   int64_t slice_offsets[kMaxSlices + 1];
   DType dtype;
-  int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule)
+  int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;

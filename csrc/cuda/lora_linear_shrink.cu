@@ -3,7 +3,8 @@
 //   h[t, j*L*R + s*R + r] = round(scale[s] * x[t] . A[s][j*R + r]) for row t's slot s, zeros in every other slot's
 //   window and in every window of a row without a slot (-1 or >= L). It lets its dependents launch at its start.
 // A warp per rank row of a row of x, CTAs of 32 warps (packed into few SMs, leaving the others to the GEMM's x
-// blocks), over all of K, so each h value is one warp's sum in a fixed order: deterministic. What lost to it
+// blocks), over all of K, so each h value is one warp's sum in a fixed order: deterministic; where the GEMM leaves
+// SMs free (up to 64 tokens), 2-8 warps per rank row, each over a part of K, summed in order. What lost to it
 // (csrc/cuda/NOTES.md): CTAs of 4 warps and a warp per 4 rank rows sharing x's loads (session 30), a warp per A row
 // and 4 rows of its slot (session 32), a tensor-core shrink spreading a cluster per (slice, slot, 16 rank rows)
 // over every SM (session 35: the GEMM's CTAs then wait for the whole shrink), and a tensor-core path inside this
