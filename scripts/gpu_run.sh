@@ -72,12 +72,13 @@ if want sanitizer; then
   edge="garbage or bad_slots or no_lora_rows or skewed or empty_batch or build_segments or decode_one_row or overlap"
   # LORA_OPS_UNDER_SANITIZER: the profiler sees nothing under the sanitizer, so a selected test that checks which
   # kernel ran skips that check (tests/conftest.py cuda_kernel_names); without it such a test fails.
-  LORA_OPS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest tests -q -p no:cacheprovider -m gpu \
+  memcheck=(env LORA_OPS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --error-exitcode 9)
+  "${memcheck[@]}" $PY -m pytest tests -q -p no:cacheprovider -m gpu \
     -k "$edge or sorted_rows_ or many_slots" \
     2>&1 | tee "$OUT/sanitizer.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if [ -d tests/fuzz ]; then
-    LORA_OPS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 $PY -m tests.fuzz --device cuda \
+    "${memcheck[@]}" --target-processes all $PY -m tests.fuzz --device cuda \
       --seconds ${FUZZ_SECONDS:-120} --timeout 900 --batch 100 2>&1 | tee "$OUT/fuzz-sanitizer.log" | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi

@@ -51,7 +51,7 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits) {
 }
 
 constexpr int kShrinkWarps = 32;  // per CTA
-constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per lane (64 registers of loads)
+constexpr int kShrinkBatch = 4;   // 16-byte chunks of x and of A in flight per lane (32 registers of loads)
 constexpr int kMaxShrinkParts = 8;  // the K split's warps a task, within one CTA
 static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CTA");
 
