@@ -141,7 +141,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  bool shrink_prefetch;  // a probe, off by default (LORA_OPS_CUDA_KEXT_SHRINK_PREFETCH=1): the shrink's L2 prefetch
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to

@@ -63,11 +63,7 @@ static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CT
 // session 29).
 // kSplit (where the GEMM leaves SMs free: shrink_parts): `parts` consecutive warps of a CTA share a task, each over
 // its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
-// kPrefetch (a probe, off by default: LORA_OPS_CUDA_KEXT_SHRINK_PREFETCH=1): once its row's slot is known, lane 0
-// asks L2 for the whole of the warp's x and A ranges (two bulk prefetches, no registers), so that the batches after
-// the first find their lines in L2, or already on their way, instead of each waiting its own DRAM trip behind the
-// GEMM's W stream (NOTES.md session 36).
-template <class T, bool kSplit, bool kPrefetch>
+template <class T, bool kSplit>
 __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
@@ -88,11 +84,6 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
     const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
     const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const T*>(a.lora_a) + slot * a.a_slot_stride +
                                                      int64_t(j * a.rank + r) * a.a_row_stride);
-    if (kPrefetch && lane == 0 && begin < end) {
-      const uint32_t bytes = uint32_t(end - begin) * 16u;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(xr + begin), "r"(bytes) : "memory");
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ar + begin), "r"(bytes) : "memory");
-    }
     for (int c0 = begin + lane; c0 < end; c0 += 32 * kShrinkBatch) {
       uint4 xv[kShrinkBatch], av[kShrinkBatch];
 #pragma unroll
@@ -150,14 +141,14 @@ int shrink_parts(const LoraLinearParams& p) {
   return parts;
 }
 
-template <class T, bool kPrefetch>
+template <class T>
 void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
   const int parts = shrink_parts(p);
   const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
   if (parts == 1) {
-    kext_shrink_kernel<T, false, kPrefetch><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
+    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
   } else {
-    kext_shrink_kernel<T, true, kPrefetch><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
+    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
   }
 }
 
@@ -172,10 +163,9 @@ cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {
                         p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                         /*opaque_zero=*/0u};
   if (p.dtype == DType::BF16) {
-    p.shrink_prefetch ? launch_shrink<__nv_bfloat16, true>(p, args, stream)
-                      : launch_shrink<__nv_bfloat16, false>(p, args, stream);
+    launch_shrink<__nv_bfloat16>(p, args, stream);
   } else {
-    p.shrink_prefetch ? launch_shrink<__half, true>(p, args, stream) : launch_shrink<__half, false>(p, args, stream);
+    launch_shrink<__half>(p, args, stream);
   }
   return cudaGetLastError();
 }
