@@ -14,6 +14,8 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "kernels.h"
@@ -292,15 +294,20 @@ __device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t p
 // reaches the rows of another slot through their zero h. `checking` (warp-uniform): each lane's guess was loaded
 // before the wait and its check after it; where a lane's differ, the warp returns false before its first store,
 // having written nothing.
-template <class TB, class TH, class TY, int kSteps>
+// kPipelined (a probe, off by default: LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED=1): where every run of the warp's rows
+// fits one trip, the next run's trip is issued before this run's mma, so that a warp of 2-3 runs waits ~1-2 trips
+// for its B instead of 2-3 (NOTES.md session 37); its second trip in registers needs 3 CTAs per SM.
+template <class TB, class TH, class TY, int kSteps, bool kPipelined>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
                                             const RawMeta& check, bool checking, int slice, int n0, int n1) {
+  constexpr int kTripRanks = 16 * kSteps;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t slot = m.slot;
   const int rank = m.rank;
   const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
   if (live == 0) return !checking || __all_sync(kAll, confirmed(p, m, check, pos));
+  const bool one_trip_runs = kPipelined && __all_sync(kAll, rank <= kTripRanks);
   const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
@@ -320,17 +327,22 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
         if (y_live[r] && col < n1) y_pairs[r][i].load(y[r] + col, 2);
       }
     }
-    for (unsigned todo = live; todo != 0;) {
+    // The next run among `todo`: its slot, rank and rows (lanes), taken out of `todo`.
+    struct Run {
+      int64_t slot;
+      int rank;
+      unsigned rows;
+    };
+    auto take_run = [&](unsigned& todo) {
       const int lead = __ffs(todo) - 1;
-      const int64_t run_slot = __shfl_sync(kAll, slot, lead);
-      const int run_rank = __shfl_sync(kAll, rank, lead);
-      const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);
-      todo &= ~run;
-      float acc[kTiles][4] = {};
-      mma_ranks<TB, TH, kSteps>(acc, h_lane + run_slot * p.h_slot_stride, (run >> g & 1) != 0,
-                                static_cast<const TB*>(p.lora_b) + run_slot * p.b_stride0 +
-                                    (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t,
-                                p.b_stride1, run_rank, n1 - pass, g, t);
+      Run run{__shfl_sync(kAll, slot, lead), __shfl_sync(kAll, rank, lead), 0u};
+      run.rows = __ballot_sync(kAll, (todo >> lane & 1) && slot == run.slot);
+      todo &= ~run.rows;
+      return run;
+    };
+    const TB* b_pass = static_cast<const TB*>(p.lora_b) + (int64_t)(pass + 2 * g) * p.b_stride1 + 4 * t;
+    // acc's run into its rows' y: false where the guess was stale (before the warp's first store).
+    auto add_run = [&](const Run& run, const float (&acc)[kTiles][4]) {
       if (checking) {  // the first run: before any store
         if (!__all_sync(kAll, confirmed(p, m, check, pos))) return false;
         checking = false;
@@ -341,7 +353,7 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
       const float y_coef[2] = {__shfl_sync(kAll, coef, 2 * t), __shfl_sync(kAll, coef, 2 * t + 1)};
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (!(run >> (2 * t + r) & 1)) continue;
+        if (!(run.rows >> (2 * t + r) & 1)) continue;
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
           const int col = pass + 16 * i + 2 * g;
@@ -351,6 +363,48 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
           y_pairs[r][i].store(y[r] + col, 2);
         }
       }
+      return true;
+    };
+    unsigned todo = live;
+    if (one_trip_runs) {
+      auto load_run = [&](const Run& run) {
+        Trip<kSteps> trip;
+        const TH* h_run = h_lane + run.slot * p.h_slot_stride;
+        const TB* b_run = b_pass + run.slot * p.b_stride0;
+        if (n1 - pass >= kPassCols && run.rank == kTripRanks) {
+          load_trip<kSteps, false>(trip, h_run, (run.rows >> g & 1) != 0, b_run, p.b_stride1, 0, run.rank, n1 - pass,
+                                   g, t);
+        } else {
+          load_trip<kSteps, true>(trip, h_run, (run.rows >> g & 1) != 0, b_run, p.b_stride1, 0, run.rank, n1 - pass,
+                                  g, t);
+        }
+        return trip;
+      };
+      Run run = take_run(todo);
+      Trip<kSteps> trip = load_run(run);
+      for (;;) {
+        const bool more = todo != 0;  // warp-uniform
+        Run next = run;
+        Trip<kSteps> next_trip = trip;
+        if (more) {
+          next = take_run(todo);
+          next_trip = load_run(next);
+        }
+        float acc[kTiles][4] = {};
+        mma_trip<TB, std::is_same_v<TH, float>>(trip, acc);
+        if (!add_run(run, acc)) return false;
+        if (!more) break;
+        run = next;
+        trip = next_trip;
+      }
+      continue;
+    }
+    while (todo != 0) {
+      const Run run = take_run(todo);
+      float acc[kTiles][4] = {};
+      mma_ranks<TB, TH, kSteps>(acc, h_lane + run.slot * p.h_slot_stride, (run.rows >> g & 1) != 0,
+                                b_pass + run.slot * p.b_stride0, p.b_stride1, run.rank, n1 - pass, g, t);
+      if (!add_run(run, acc)) return false;
     }
   }
   return true;
@@ -368,7 +422,7 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   m.slot = ref.slot;
   m.rank = m.row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
   m.coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TH, TY, kSteps>(p, 0, m, RawMeta{}, /*checking=*/false, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps, false>(p, 0, m, RawMeta{}, /*checking=*/false, slice, n0, n1);
   return true;
 }
 
@@ -438,11 +492,12 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 // gate_up's 448 CTAs at T=128 run in one wave instead of 1.13 (H200, 9f31ff2 -> this: the runs kernel at T=1024
 // 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32 +28.6 -> +26.7%).
 // The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94).
-template <class TY, int kSteps>
-constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 ? 4 : 3) : 2;
+// The pipelined runs kernel (kPipelined) holds two trips: 3 at one rank step.
+template <class TY, int kSteps, bool kPipelined = false>
+constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 && !kPipelined ? 4 : 3) : 2;
 
-template <class TB, class TH, class TY, int kSteps>
-__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
+template <class TB, class TH, class TY, int kSteps, bool kPipelined>
+__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipelined>)
     expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
@@ -459,7 +514,8 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
   for (bool checking = kGuesses<kSteps>; pos0 < p.seg.positions; checking = false) {
     // Lanes without a position check nothing: their default check at position -1 gives RowMeta{} again.
     const RawMeta check = checking && mine() ? load_meta_at(p, pos0 + lane, m.slot) : RawMeta{};
-    if (expand_runs<TB, TH, TY, kSteps>(p, mine() ? pos0 + lane : -1, m, check, checking, slice, n0, n1)) {
+    if (expand_runs<TB, TH, TY, kSteps, kPipelined>(p, mine() ? pos0 + lane : -1, m, check, checking, slice,
+                                                    n0, n1)) {
       pos0 += stride;
     }
     m = lane_meta();
@@ -497,6 +553,13 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
+// LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED=1: the pipelined runs kernel (a probe, off by default; read each call, as
+// the kernel preferences are, so that a test may set it).
+bool runs_pipelined_probe() {
+  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED");
+  return v != nullptr && std::string(v) == "1";
+}
+
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
@@ -513,8 +576,20 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
     }
     case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
-      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
+      if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {
+        if (!two && runs_pipelined_probe()) {
+          // Only where its one-pass grid is resident at once: else the unpipelined kernel's 4 CTAs per SM pay.
+          constexpr auto kPipelinedKernel = expand_runs_kernel<TB, TH, TY, 1, true>;
+          int64_t resident = 0;
+          const cudaError_t err = resident_ctas<kPipelinedKernel>(32 * kWarps, &resident);
+          if (err != cudaSuccess) return err;
+          if (slice_column_blocks(p, kPassCols) * groups <= resident) {
+            return launch_kernel<kPipelinedKernel>(p, groups, pdl, stream);
+          }
+        }
+      }
+      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, false>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1, false>>(p, groups, pdl, stream);
     }
     default: {
       const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
