@@ -357,10 +357,15 @@ MUTATIONS: List[Mutation] = [
              "CUDA rows and runs kernels: a partial rank step takes the unchecked loads, reading h and B past the "
              "slot's rank (NaN there reaches y)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-runs-one-run", "csrc/cuda/lora_expand_rows.cu",
-             "const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) && slot == run_slot);",
-             "const unsigned run = __ballot_sync(kAll, (todo >> lane & 1) != 0);",
+             "run.rows = __ballot_sync(kAll, (todo >> lane & 1) && slot == run.slot);",
+             "run.rows = __ballot_sync(kAll, (todo >> lane & 1) != 0);",
              "CUDA runs kernel: every position of a warp takes the first position's slot (one run)", needs_gpu=True,
              tests=EXPAND_T),
+    Mutation("cuda-expand-runs-pipelined-first-trip", "csrc/cuda/lora_expand_rows.cu",
+             "        run = next;\n        trip = next_trip;",
+             "        run = next;",
+             "CUDA pipelined runs kernel: every run of a warp multiplies the first run's B and h (the next trip "
+             "loaded, never used)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-segments-past-tile", "csrc/cuda/lora_expand_rows.cu",
              "m.row = ref.begin + lane < ref.end ? segment_row(",
              "m.row = lane < kRunPositions ? segment_row(",

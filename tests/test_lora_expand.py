@@ -262,20 +262,9 @@ def _edge_check_form(name: str) -> str:
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
-# "runs-pipelined": the runs kernel with LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED=1 (a probe, off by default: the next
-# run's B loaded before this run's mma, where every run fits one trip and the one-pass grid one wave).
-ROWS_KERNELS = ("rows", "runs", "runs-pipelined")
+ROWS_KERNELS = ("rows", "runs")
 KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
                 if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
-
-
-def _force_expand_kernel(monkeypatch, kernel: str):
-    """LORA_OPS_CUDA_EXPAND_KERNEL=kernel ("runs-pipelined": runs, with the pipelining probe on)."""
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel.removesuffix("-pipelined"))
-    if kernel.endswith("-pipelined"):
-        monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED", "1")
-    else:
-        monkeypatch.delenv("LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED", raising=False)
 
 
 @pytest.mark.gpu
@@ -289,7 +278,7 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    _force_expand_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name in EDGE_CHECKS:
         if form != next(f for k, f in KERNEL_FORMS if k == kernel):
@@ -303,9 +292,9 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 
 def _pipelined(name: str) -> bool:
-    """Whether an expand_runs_kernel<TB, TH, TY, kSteps, kPipelined> name, demangled ("..., 1, true>") or not
-    ("Li1ELb1E"), is the pipelined instantiation."""
-    return name.endswith(", true>") or ", true>(" in name or "Lb1E" in name
+    """Whether an expand_runs_kernel<TB, TH, TY, kSteps, kPipelined> that ran is the pipelined one, from its name,
+    demangled ("..., 1, true>(") or not ("Li1ELb1E")."""
+    return ", true>(" in name or name.endswith(", true>") or "Lb1E" in name
 
 
 def _cuda_kernels_run(args) -> set:
@@ -467,14 +456,14 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
-@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("runs-pipelined", 64), ("rows", 4 * 65535 + 8),
-                                      ("runs", 16384)])
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
     once and writes one metadata tensor ~100 us later, so the guesses are stale (another order of the rows, other
     slots or none, ranks 0, other scales): y must be the product of the metadata as written, bitwise the same
-    call's without the race. The large T make each CTA take two 128-column passes (N = 256 past one wave of
+    call's without the race. The runs kernel runs pipelined at 64 positions (its grid fits at once) and not at
+    16384. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
     first warps a second position after a redo."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
@@ -482,7 +471,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     pytest.importorskip("triton")
-    _force_expand_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     gen = case_generator(f"late-metadata-{kernel}-{written}")
     L, N, R = 6, 256, 16
     h = torch.randn(T, L, R, generator=gen).to(torch.bfloat16).cuda()
@@ -503,8 +492,11 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
                 meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
-    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel.removesuffix('-pipelined')}_kernel" in k]
-    assert len(ran) == 1 and (kernel != "runs-pipelined" or _pipelined(ran[0])), ran
+    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel}_kernel" in k]
+    assert len(ran) == 1, ran
+    if kernel == "runs":  # pipelined where its one-pass grid (column blocks x groups of 32 positions) fits at once
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert _pipelined(ran[0]) == ((N // 128) * -(-T // 32) <= 3 * sms), ran
     expected = args(final)
     with op_table.disabled():
         lora_ops.ops.lora_expand(*expected)

@@ -14,8 +14,6 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "kernels.h"
@@ -294,9 +292,9 @@ __device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t p
 // reaches the rows of another slot through their zero h. `checking` (warp-uniform): each lane's guess was loaded
 // before the wait and its check after it; where a lane's differ, the warp returns false before its first store,
 // having written nothing.
-// kPipelined (a probe, off by default: LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED=1): where every run of the warp's rows
-// fits one trip, the next run's trip is issued before this run's mma, so that a warp of 2-3 runs waits ~1-2 trips
-// for its B instead of 2-3 (NOTES.md session 37); its second trip in registers needs 3 CTAs per SM.
+// kPipelined: where every run of the warp's rows fits one trip, the next run's trip is issued before this run's
+// mma, so that a warp of 2-3 runs waits 1-2 trips for its B instead of 2-3 (the llama3-8b decode step at 64-96
+// tokens and 32 adapters -2.2 to -3.4 points, NOTES.md session 37); its second trip in registers needs 3 CTAs per SM.
 template <class TB, class TH, class TY, int kSteps, bool kPipelined>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
                                             const RawMeta& check, bool checking, int slice, int n0, int n1) {
@@ -491,8 +489,8 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 // CTAs per SM of the runs and segments kernels: 4 at one rank step with a 16-bit y (128 registers), so that
 // gate_up's 448 CTAs at T=128 run in one wave instead of 1.13 (H200, 9f31ff2 -> this: the runs kernel at T=1024
 // 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32 +28.6 -> +26.7%).
-// The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94).
-// The pipelined runs kernel (kPipelined) holds two trips: 3 at one rank step.
+// The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94). The pipelined
+// runs kernel (two trips in registers, 158) takes 3.
 template <class TY, int kSteps, bool kPipelined = false>
 constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 && !kPipelined ? 4 : 3) : 2;
 
@@ -553,13 +551,6 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
-// LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED=1: the pipelined runs kernel (a probe, off by default; read each call, as
-// the kernel preferences are, so that a test may set it).
-bool runs_pipelined_probe() {
-  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_RUNS_PIPELINED");
-  return v != nullptr && std::string(v) == "1";
-}
-
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
@@ -576,9 +567,10 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
     }
     case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
-      if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {
-        if (!two && runs_pipelined_probe()) {
-          // Only where its one-pass grid is resident at once: else the unpipelined kernel's 4 CTAs per SM pay.
+      if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
+        if (!two) {
+          // Only where its one-pass grid is resident at once: else the unpipelined kernel's 4 CTAs per SM pay
+          // (gate_up at 128 tokens: 448 two-pass CTAs in one wave, 1.13 waves at 3 per SM).
           constexpr auto kPipelinedKernel = expand_runs_kernel<TB, TH, TY, 1, true>;
           int64_t resident = 0;
           const cudaError_t err = resident_ctas<kPipelinedKernel>(32 * kWarps, &resident);
