@@ -3,6 +3,8 @@ parity grid with a random h in place of the shrink (every slot's window, or one 
 slots), float32 or half h, NaN in h past each slot's rank, garbage metadata, determinism, opcheck, argument errors,
 and compile; each in the segment form and in the rows form (no seg_indptr: each position's slot)."""
 
+import re
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -262,9 +264,20 @@ def _edge_check_form(name: str) -> str:
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
-ROWS_KERNELS = ("rows", "runs")
+# "runs-two-buffers": the runs kernel with LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1 (a probe, off by default: where
+# the pipelined runs kernel runs, two trip buffers in turn instead of a copy from the next to the current).
+ROWS_KERNELS = ("rows", "runs", "runs-two-buffers")
 KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
                 if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
+
+
+def _force_expand_kernel(monkeypatch, kernel: str):
+    """LORA_OPS_CUDA_EXPAND_KERNEL=kernel ("runs-two-buffers": runs, with the two-buffers probe on)."""
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel.removesuffix("-two-buffers"))
+    if kernel.endswith("-two-buffers"):
+        monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS", "1")
+    else:
+        monkeypatch.delenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS", raising=False)
 
 
 @pytest.mark.gpu
@@ -278,7 +291,7 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
+    _force_expand_kernel(monkeypatch, kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name in EDGE_CHECKS:
         if form != next(f for k, f in KERNEL_FORMS if k == kernel):
@@ -291,10 +304,12 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     assert _run_and_check(cuda, _problem(case, cuda, dtype, name, form=form), dtype) == ""
 
 
-def _pipelined(name: str) -> bool:
-    """Whether an expand_runs_kernel<TB, TH, TY, kSteps, kPipelined> that ran is the pipelined one, from its name,
-    demangled ("..., 1, true>(") or not ("Li1ELb1E")."""
-    return ", true>(" in name or name.endswith(", true>") or "Lb1E" in name
+def _runs_pipeline(name: str) -> int:
+    """The RunsPipeline (0 None, 1 Copy, 2 TwoBuffers) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline> that
+    ran, from its name, demangled ("RunsPipeline)1>") or not ("RunsPipelineE1E")."""
+    found = re.search(r"RunsPipeline\)(\d)>", name) or re.search(r"RunsPipelineE(\d)E", name)
+    assert found, name
+    return int(found.group(1))
 
 
 def _cuda_kernels_run(args) -> set:
@@ -456,7 +471,8 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
-@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384)])
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("runs-two-buffers", 64), ("rows", 4 * 65535 + 8),
+                                      ("runs", 16384)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
@@ -471,7 +487,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     pytest.importorskip("triton")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
+    _force_expand_kernel(monkeypatch, kernel)
     gen = case_generator(f"late-metadata-{kernel}-{written}")
     L, N, R = 6, 256, 16
     h = torch.randn(T, L, R, generator=gen).to(torch.bfloat16).cuda()
@@ -492,11 +508,13 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
                 meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
-    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel}_kernel" in k]
+    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel.removesuffix('-two-buffers')}_kernel" in k]
     assert len(ran) == 1, ran
-    if kernel == "runs":  # pipelined where its one-pass grid (column blocks x groups of 32 positions) fits at once
+    if kernel.startswith("runs"):  # pipelined where its one-pass grid (column blocks x groups of 32 positions) fits
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert _pipelined(ran[0]) == ((N // 128) * -(-T // 32) <= 3 * sms), ran
+        per_sm, pipeline = (2, 2) if kernel == "runs-two-buffers" else (3, 1)
+        fits = (N // 128) * -(-T // 32) <= per_sm * sms
+        assert _runs_pipeline(ran[0]) == (pipeline if fits else 0), ran
     expected = args(final)
     with op_table.disabled():
         lora_ops.ops.lora_expand(*expected)

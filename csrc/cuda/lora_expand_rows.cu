@@ -14,6 +14,8 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "kernels.h"
@@ -27,6 +29,9 @@ constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a 
 constexpr int kPassCols = 16 * kTiles;
 constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
 constexpr int kRunPositions = 8;           // positions per warp of the runs and segments kernels: the mma's N
+
+// How the runs kernel overlaps the trips of a warp's runs (expand_runs).
+enum class RunsPipeline { None, Copy, TwoBuffers };
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -292,10 +297,12 @@ __device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t p
 // reaches the rows of another slot through their zero h. `checking` (warp-uniform): each lane's guess was loaded
 // before the wait and its check after it; where a lane's differ, the warp returns false before its first store,
 // having written nothing.
-// kPipelined: where every run of the warp's rows fits one trip, the next run's trip is issued before this run's
-// mma, so that a warp of 2-3 runs waits 1-2 trips for its B instead of 2-3 (the llama3-8b decode step at 64-96
-// tokens and 32 adapters -2.2 to -3.4 points, NOTES.md session 37); its second trip in registers needs 3 CTAs per SM.
-template <class TB, class TH, class TY, int kSteps, bool kPipelined>
+// kPipeline (RunsPipeline): where every run of the warp's rows fits one trip, Copy issues the next run's trip before
+// this run's mma, so that a warp of n >= 2 runs waits n - 1 trips for its B instead of n (the llama3-8b decode step
+// at 64-96 tokens and 32 adapters -2.2 to -3.4 points, NOTES.md session 37); its second trip in registers needs 3
+// CTAs per SM. TwoBuffers (a probe, off by default: LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1) alternates two trip
+// buffers, each refilled right after its own mma: ~n / 2 trips.
+template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
                                             const RawMeta& check, bool checking, int slice, int n0, int n1) {
   constexpr int kTripRanks = 16 * kSteps;
@@ -305,7 +312,7 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
   const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
   if (live == 0) return !checking || __all_sync(kAll, confirmed(p, m, check, pos));
-  const bool one_trip_runs = kPipelined && __all_sync(kAll, rank <= kTripRanks);
+  const bool one_trip_runs = kPipeline != RunsPipeline::None && __all_sync(kAll, rank <= kTripRanks);
   const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
   const int64_t y_row[2] = {__shfl_sync(kAll, row, 2 * t), __shfl_sync(kAll, row, 2 * t + 1)};
@@ -378,6 +385,38 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
         }
         return trip;
       };
+      if constexpr (kPipeline == RunsPipeline::TwoBuffers) {
+        // Runs a and b in flight, each buffer's next run issued right after its own mma (the loop unrolled by two:
+        // no copy from one buffer to the other, which waits for the copied trip's loads).
+        Run a = take_run(todo), b{};
+        Trip<kSteps> trip_a = load_run(a), trip_b;
+        bool has_b = todo != 0;  // warp-uniform, as has_a below
+        if (has_b) {
+          b = take_run(todo);
+          trip_b = load_run(b);
+        }
+        for (;;) {
+          float acc_a[kTiles][4] = {};
+          mma_trip<TB, std::is_same_v<TH, float>>(trip_a, acc_a);
+          if (!add_run(a, acc_a)) return false;
+          if (!has_b) break;
+          const bool has_a = todo != 0;
+          if (has_a) {
+            a = take_run(todo);
+            trip_a = load_run(a);
+          }
+          float acc_b[kTiles][4] = {};
+          mma_trip<TB, std::is_same_v<TH, float>>(trip_b, acc_b);
+          if (!add_run(b, acc_b)) return false;
+          if (!has_a) break;
+          has_b = todo != 0;
+          if (has_b) {
+            b = take_run(todo);
+            trip_b = load_run(b);
+          }
+        }
+        continue;
+      }
       Run run = take_run(todo);
       Trip<kSteps> trip = load_run(run);
       for (;;) {
@@ -420,7 +459,7 @@ __device__ __forceinline__ bool expand_segment_tile(const ExpandParams& p, int64
   m.slot = ref.slot;
   m.rank = m.row >= 0 ? (int)slot_size(p.lora_ranks, ref.slot, p.max_rank) : 0;
   m.coef = p.scale * (p.lora_scales ? p.lora_scales[ref.slot] : 1.f);
-  expand_runs<TB, TH, TY, kSteps, false>(p, 0, m, RawMeta{}, /*checking=*/false, slice, n0, n1);
+  expand_runs<TB, TH, TY, kSteps, RunsPipeline::None>(p, 0, m, RawMeta{}, /*checking=*/false, slice, n0, n1);
   return true;
 }
 
@@ -491,11 +530,13 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 // 11.67 -> 9.10 us, the segments kernel 13.08 -> 10.02, the llama3-8b decode step at T=128/32 +28.6 -> +26.7%).
 // The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94). The pipelined
 // runs kernel (two trips in registers, 158) takes 3.
-template <class TY, int kSteps, bool kPipelined = false>
-constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 && !kPipelined ? 4 : 3) : 2;
+template <class TY, int kSteps, RunsPipeline kPipeline = RunsPipeline::None>
+constexpr int kRunsCtasPerSm = kPipeline == RunsPipeline::TwoBuffers ? 2  // 3 spill 60 bytes
+                               : kSteps == 1 ? (sizeof(TY) == 2 && kPipeline == RunsPipeline::None ? 4 : 3)
+                                             : 2;
 
-template <class TB, class TH, class TY, int kSteps, bool kPipelined>
-__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipelined>)
+template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
+__global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipeline>)
     expand_runs_kernel(ExpandParams p, int passes) {
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
@@ -512,7 +553,7 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipel
   for (bool checking = kGuesses<kSteps>; pos0 < p.seg.positions; checking = false) {
     // Lanes without a position check nothing: their default check at position -1 gives RowMeta{} again.
     const RawMeta check = checking && mine() ? load_meta_at(p, pos0 + lane, m.slot) : RawMeta{};
-    if (expand_runs<TB, TH, TY, kSteps, kPipelined>(p, mine() ? pos0 + lane : -1, m, check, checking, slice,
+    if (expand_runs<TB, TH, TY, kSteps, kPipeline>(p, mine() ? pos0 + lane : -1, m, check, checking, slice,
                                                     n0, n1)) {
       pos0 += stride;
     }
@@ -551,6 +592,13 @@ cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaS
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
+// LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1: the TwoBuffers runs kernel where the pipelined one runs (a probe, off by
+// default; read each call, as the kernel preferences are, so that a test may set it).
+bool two_buffers_probe() {
+  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS");
+  return v != nullptr && std::string(v) == "1";
+}
+
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
@@ -571,17 +619,21 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
         if (!two) {
           // Only where its one-pass grid is resident at once: else the unpipelined kernel's 4 CTAs per SM pay
           // (gate_up at 128 tokens: 448 two-pass CTAs in one wave, 1.13 waves at 3 per SM).
-          constexpr auto kPipelinedKernel = expand_runs_kernel<TB, TH, TY, 1, true>;
+          constexpr auto kCopy = expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>;
+          constexpr auto kTwoBuffers = expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::TwoBuffers>;
+          const bool two_buffers = two_buffers_probe();
           int64_t resident = 0;
-          const cudaError_t err = resident_ctas<kPipelinedKernel>(32 * kWarps, &resident);
+          const cudaError_t err = two_buffers ? resident_ctas<kTwoBuffers>(32 * kWarps, &resident)
+                                              : resident_ctas<kCopy>(32 * kWarps, &resident);
           if (err != cudaSuccess) return err;
           if (slice_column_blocks(p, kPassCols) * groups <= resident) {
-            return launch_kernel<kPipelinedKernel>(p, groups, pdl, stream);
+            return two_buffers ? launch_kernel<kTwoBuffers>(p, groups, pdl, stream)
+                               : launch_kernel<kCopy>(p, groups, pdl, stream);
           }
         }
       }
-      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, false>>(p, groups, pdl, stream)
-                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1, false>>(p, groups, pdl, stream);
+      return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, RunsPipeline::None>>(p, groups, pdl, stream)
+                 : launch_kernel<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::None>>(p, groups, pdl, stream);
     }
     default: {
       const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
