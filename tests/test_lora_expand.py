@@ -306,8 +306,8 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 def _runs_pipeline(name: str) -> int:
     """The RunsPipeline (0 None, 1 Copy, 2 TwoBuffers) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline> that
-    ran, from its name, demangled ("RunsPipeline)1>") or not ("RunsPipelineE1E")."""
-    found = re.search(r"RunsPipeline\)(\d)>", name) or re.search(r"RunsPipelineE(\d)E", name)
+    ran, from its demangled name ("...RunsPipeline)1>(...")."""
+    found = re.search(r"RunsPipeline\)(\d)>", name)
     assert found, name
     return int(found.group(1))
 
@@ -471,15 +471,17 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
-@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("runs-two-buffers", 64), ("rows", 4 * 65535 + 8),
-                                      ("runs", 16384)])
+# T = -1: 1.5 x SMs groups of 32 positions, whose one-pass grid (2 column blocks a group) fits the Copy kernel's
+# 3 CTAs per SM but not TwoBuffers' 2 (which then leaves it to the unpipelined kernel)
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("runs-two-buffers", 64), ("runs-two-buffers", -1),
+                                      ("rows", 4 * 65535 + 8), ("runs", 16384)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
     once and writes one metadata tensor ~100 us later, so the guesses are stale (another order of the rows, other
     slots or none, ranks 0, other scales): y must be the product of the metadata as written, bitwise the same
     call's without the race. The runs kernel runs pipelined at 64 positions (its grid fits at once) and not at
-    16384. The large T make each CTA take two 128-column passes (N = 256 past one wave of
+    16384; with the TwoBuffers probe, pipelined at 64 and not where only the Copy kernel's grid would fit. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
     first warps a second position after a redo."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
@@ -488,6 +490,8 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
         pytest.skip("programmatic dependent launch needs sm_90")
     pytest.importorskip("triton")
     _force_expand_kernel(monkeypatch, kernel)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    T = 32 * (sms + sms // 2) if T == -1 else T
     gen = case_generator(f"late-metadata-{kernel}-{written}")
     L, N, R = 6, 256, 16
     h = torch.randn(T, L, R, generator=gen).to(torch.bfloat16).cuda()
@@ -511,7 +515,6 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel.removesuffix('-two-buffers')}_kernel" in k]
     assert len(ran) == 1, ran
     if kernel.startswith("runs"):  # pipelined where its one-pass grid (column blocks x groups of 32 positions) fits
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         per_sm, pipeline = (2, 2) if kernel == "runs-two-buffers" else (3, 1)
         fits = (N // 128) * -(-T // 32) <= per_sm * sms
         assert _runs_pipeline(ran[0]) == (pipeline if fits else 0), ran
@@ -532,3 +535,31 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
             late_copy()(written_final, call[argument[written]])
             lora_ops.ops.lora_expand(*call)
         assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel", ["runs", "runs-two-buffers"])
+def test_pipelined_runs_kernels_with_many_runs_a_warp(kernel, dtype, monkeypatch):
+    """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 8 positions span 3-8 runs), true
+    ranks 1-16 (the checked loads), a last pass of 72 columns, slots past the pool and rows of none: the pipelined
+    runs kernel (Copy; TwoBuffers with its probe on) named by its instantiation, against the oracle."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    _force_expand_kernel(monkeypatch, kernel)
+    gen = case_generator(f"many-runs-{kernel}-{dtype}")
+    T, L, N, R = 96, 40, 328, 16
+    slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
+    order = torch.sort(slots, stable=True)[1].int()
+    args = [torch.randn(T, N, generator=gen).to(dtype), torch.randn(T, L, R, generator=gen).to(dtype),
+            (torch.randn(L, N, R, generator=gen) / 4).to(dtype), None, slots[order.long()], order,
+            torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32), torch.rand(L, generator=gen) + 0.5]
+    on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    before = on_gpu[0].clone()
+    ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_runs_kernel" in k]
+    assert len(ran) == 1 and _runs_pipeline(ran[0]) == (2 if kernel == "runs-two-buffers" else 1), ran
+    on_gpu[0] = before.clone()
+    with op_table.disabled():
+        lora_ops.ops.lora_expand(*on_gpu)
+    ref = reference.lora_expand(*args)
+    assert testing.check_against_reference(on_gpu[0], before, ref, dtype) == ""

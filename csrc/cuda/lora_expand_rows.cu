@@ -15,7 +15,7 @@
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -101,6 +101,19 @@ __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool 
   }
 }
 
+// The trip of ranks [j, j + 16 * kSteps): unchecked where it lies inside the rank and the pass is whole.
+template <int kSteps, class TB, class TH>
+__device__ __forceinline__ Trip<kSteps> trip_at(const TH* h, bool h_live, const TB* b_lane, int64_t b_stride1, int j,
+                                                int rank, int pass_cols, int g, int t) {
+  Trip<kSteps> trip;
+  if (pass_cols >= kPassCols && j + 16 * kSteps <= rank) {
+    load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+  } else {
+    load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
+  }
+  return trip;
+}
+
 template <class TB, bool kHiLo, int kSteps>
 __device__ __forceinline__ void mma_trip(const Trip<kSteps>& trip, float (&acc)[kTiles][4]) {
 #pragma unroll
@@ -127,23 +140,15 @@ __device__ __forceinline__ void mma_ranks(float (&acc)[kTiles][4], const TH* h, 
                                           Loaded&& loaded = {}) {
   constexpr int kTripRanks = 16 * kSteps;
   constexpr bool kHooked = !std::is_same_v<std::decay_t<Loaded>, NoHook>;
-  auto trip_at = [&](int j) {
-    Trip<kSteps> trip;
-    if (pass_cols >= kPassCols && j + kTripRanks <= rank) {
-      load_trip<kSteps, false>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
-    } else {
-      load_trip<kSteps, true>(trip, h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t);
-    }
-    return trip;
-  };
+  auto trip_from = [&](int j) { return trip_at<kSteps>(h, h_live, b_lane, b_stride1, j, rank, pass_cols, g, t); };
   int j = 0;
   if constexpr (kHooked) {  // its one caller (expand_position) has rank > 0
-    const Trip<kSteps> first = trip_at(0);
+    const Trip<kSteps> first = trip_from(0);
     loaded();
     mma_trip<TB, std::is_same_v<TH, float>>(first, acc);
     j = kTripRanks;
   }
-  for (; j < rank; j += kTripRanks) mma_trip<TB, std::is_same_v<TH, float>>(trip_at(j), acc);
+  for (; j < rank; j += kTripRanks) mma_trip<TB, std::is_same_v<TH, float>>(trip_from(j), acc);
 }
 
 // The rows form's metadata of one position as loaded: token_indices[pos] (pos without them), seg.slot[pos], and
@@ -312,6 +317,7 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
   const float coef = m.coef;
   const unsigned live = __ballot_sync(kAll, lane < kRunPositions && rank > 0);
   if (live == 0) return !checking || __all_sync(kAll, confirmed(p, m, check, pos));
+  // The launch takes the pipelined kernels at max_rank <= 16 only; checked here too, so that they stay right alone.
   const bool one_trip_runs = kPipeline != RunsPipeline::None && __all_sync(kAll, rank <= kTripRanks);
   const int64_t row = rank > 0 ? m.row : 0;  // pointers below are formed from row 0 where nothing is read or written
   const int64_t h_row = __shfl_sync(kAll, row, g);
@@ -373,17 +379,8 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
     unsigned todo = live;
     if (one_trip_runs) {
       auto load_run = [&](const Run& run) {
-        Trip<kSteps> trip;
-        const TH* h_run = h_lane + run.slot * p.h_slot_stride;
-        const TB* b_run = b_pass + run.slot * p.b_stride0;
-        if (n1 - pass >= kPassCols && run.rank == kTripRanks) {
-          load_trip<kSteps, false>(trip, h_run, (run.rows >> g & 1) != 0, b_run, p.b_stride1, 0, run.rank, n1 - pass,
-                                   g, t);
-        } else {
-          load_trip<kSteps, true>(trip, h_run, (run.rows >> g & 1) != 0, b_run, p.b_stride1, 0, run.rank, n1 - pass,
-                                  g, t);
-        }
-        return trip;
+        return trip_at<kSteps>(h_lane + run.slot * p.h_slot_stride, (run.rows >> g & 1) != 0,
+                               b_pass + run.slot * p.b_stride0, p.b_stride1, 0, run.rank, n1 - pass, g, t);
       };
       if constexpr (kPipeline == RunsPipeline::TwoBuffers) {
         // Runs a and b in flight, each buffer's next run issued right after its own mma (the loop unrolled by two:
@@ -580,23 +577,44 @@ __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps>)
 // prefetched to L2, made gate_up at T=32 slower (13.1 against 11.6 us); so did up to eight passes with the next
 // trip's loads in registers before this trip's mma (3 CTAs per SM for their registers: o at T=128 5.35 -> 6.14 us).
 template <auto kKernel>
-cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+cudaError_t passes_of(const ExpandParams& p, int64_t groups, int* passes) {
   int64_t resident = 0;
   const cudaError_t err = resident_ctas<kKernel>(32 * kWarps, &resident);
   if (err != cudaSuccess) return err;
   const int64_t one_pass = slice_column_blocks(p, kPassCols) * groups;
-  const int passes = (int)std::clamp<int64_t>((one_pass + resident - 1) / resident, 1, kMaxPasses);
+  *passes = (int)std::clamp<int64_t>((one_pass + resident - 1) / resident, 1, kMaxPasses);
+  return cudaSuccess;
+}
+
+template <auto kKernel>
+cudaError_t launch_passes(const ExpandParams& p, int64_t groups, int passes, bool pdl, cudaStream_t stream) {
   const int64_t blocks = slice_column_blocks(p, passes * kPassCols);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid((unsigned)blocks, (unsigned)std::min<int64_t>(groups, 65535));
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
+template <auto kKernel>
+cudaError_t launch_kernel(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream) {
+  int passes = 0;
+  const cudaError_t err = passes_of<kKernel>(p, groups, &passes);
+  return err != cudaSuccess ? err : launch_passes<kKernel>(p, groups, passes, pdl, stream);
+}
+
+// kKernel where its one-pass grid is resident at once (*launched), else nothing.
+template <auto kKernel>
+cudaError_t launch_if_one_pass(const ExpandParams& p, int64_t groups, bool pdl, cudaStream_t stream, bool* launched) {
+  int passes = 0;
+  const cudaError_t err = passes_of<kKernel>(p, groups, &passes);
+  *launched = err == cudaSuccess && passes == 1;
+  return *launched ? launch_passes<kKernel>(p, groups, 1, pdl, stream) : err;
+}
+
 // LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1: the TwoBuffers runs kernel where the pipelined one runs (a probe, off by
 // default; read each call, as the kernel preferences are, so that a test may set it).
 bool two_buffers_probe() {
   const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS");
-  return v != nullptr && std::string(v) == "1";
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
@@ -616,20 +634,17 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
     case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
-        if (!two) {
-          // Only where its one-pass grid is resident at once: else the unpipelined kernel's 4 CTAs per SM pay
-          // (gate_up at 128 tokens: 448 two-pass CTAs in one wave, 1.13 waves at 3 per SM).
-          constexpr auto kCopy = expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>;
-          constexpr auto kTwoBuffers = expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::TwoBuffers>;
-          const bool two_buffers = two_buffers_probe();
-          int64_t resident = 0;
-          const cudaError_t err = two_buffers ? resident_ctas<kTwoBuffers>(32 * kWarps, &resident)
-                                              : resident_ctas<kCopy>(32 * kWarps, &resident);
-          if (err != cudaSuccess) return err;
-          if (slice_column_blocks(p, kPassCols) * groups <= resident) {
-            return two_buffers ? launch_kernel<kTwoBuffers>(p, groups, pdl, stream)
-                               : launch_kernel<kCopy>(p, groups, pdl, stream);
-          }
+        if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
+          // else the unpipelined kernel's 4 CTAs per SM pay (gate_up at 128 tokens: 448 two-pass CTAs in one wave,
+          // 1.13 waves at 3 per SM)
+          bool launched = false;
+          const cudaError_t err =
+              two_buffers_probe()
+                  ? launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::TwoBuffers>>(p, groups, pdl,
+                                                                                                   stream, &launched)
+                  : launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(p, groups, pdl, stream,
+                                                                                             &launched);
+          if (launched || err != cudaSuccess) return err;
         }
       }
       return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, RunsPipeline::None>>(p, groups, pdl, stream)
