@@ -355,7 +355,8 @@ MUTATIONS: List[Mutation] = [
              "if (pass_cols >= kPassCols && j + 16 * kSteps <= rank) {",
              "if (pass_cols >= kPassCols) {",
              "CUDA rows and runs kernels: a partial rank step takes the unchecked loads, reading h and B past the "
-             "slot's rank (NaN there reaches y; the pipelined runs kernel's trips too)", needs_gpu=True, tests=EXPAND_T),
+             "slot's rank (NaN there reaches y; the pipelined runs kernel's trips too)", needs_gpu=True,
+             tests=EXPAND_T),
     Mutation("cuda-expand-runs-one-run", "csrc/cuda/lora_expand_rows.cu",
              "run.rows = __ballot_sync(kAll, (todo >> lane & 1) && slot == run.slot);",
              "run.rows = __ballot_sync(kAll, (todo >> lane & 1) != 0);",

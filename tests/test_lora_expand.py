@@ -480,10 +480,11 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
     once and writes one metadata tensor ~100 us later, so the guesses are stale (another order of the rows, other
     slots or none, ranks 0, other scales): y must be the product of the metadata as written, bitwise the same
-    call's without the race. The runs kernel runs pipelined at 64 positions (its grid fits at once) and not at
-    16384; with the TwoBuffers probe, pipelined at 64 and not where only the Copy kernel's grid would fit. The large T make each CTA take two 128-column passes (N = 256 past one wave of
+    call's without the race. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
-    first warps a second position after a redo."""
+    first warps a second position after a redo. The runs kernel runs pipelined at 64 positions (its grid fits at
+    once) and not at 16384; with the TwoBuffers probe, pipelined at 64 and not where only the Copy kernel's grid
+    would fit."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:
