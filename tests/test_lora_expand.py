@@ -12,7 +12,7 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import backends, op_table, reference, testing
 
-from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, late_copy, use_impl
+from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, cuda_kernel_names, late_copy, use_impl
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -264,20 +264,11 @@ def _edge_check_form(name: str) -> str:
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
-# "runs-two-buffers": the runs kernel with LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1 (a probe, off by default: where
-# the pipelined runs kernel runs, two trip buffers in turn instead of a copy from the next to the current).
+# "runs-two-buffers": the runs kernel with two trip buffers in turn where it pipelines, instead of a copy from the
+# next to the current (a probe, off by default).
 ROWS_KERNELS = ("rows", "runs", "runs-two-buffers")
 KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
                 if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
-
-
-def _force_expand_kernel(monkeypatch, kernel: str):
-    """LORA_OPS_CUDA_EXPAND_KERNEL=kernel ("runs-two-buffers": runs, with the two-buffers probe on)."""
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel.removesuffix("-two-buffers"))
-    if kernel.endswith("-two-buffers"):
-        monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS", "1")
-    else:
-        monkeypatch.delenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS", raising=False)
 
 
 @pytest.mark.gpu
@@ -291,7 +282,7 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     automatic choice)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    _force_expand_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name in EDGE_CHECKS:
         if form != next(f for k, f in KERNEL_FORMS if k == kernel):
@@ -314,10 +305,9 @@ def _runs_pipeline(name: str) -> int:
 
 def _cuda_kernels_run(args) -> set:
     """The lora_ops CUDA kernels that one lora_expand call on args runs (the op table off)."""
-    with op_table.disabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        lora_ops.ops.lora_expand(*args)
-        torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if "lora_ops::cuda::" in e.key}
+    with op_table.disabled():
+        _, ran = cuda_kernel_names(lambda: lora_ops.ops.lora_expand(*args))
+    return {k for k in ran if "lora_ops::cuda::" in k}
 
 
 @pytest.mark.gpu
@@ -490,7 +480,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     pytest.importorskip("triton")
-    _force_expand_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     T = 32 * (sms + sms // 2) if T == -1 else T
     gen = case_generator(f"late-metadata-{kernel}-{written}")
@@ -547,7 +537,7 @@ def test_pipelined_runs_kernels_with_many_runs_a_warp(kernel, dtype, monkeypatch
     runs kernel (Copy; TwoBuffers with its probe on) named by its instantiation, against the oracle."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    _force_expand_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     gen = case_generator(f"many-runs-{kernel}-{dtype}")
     T, L, N, R = 96, 40, 328, 16
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot

@@ -14,8 +14,6 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -305,7 +303,7 @@ __device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t p
 // kPipeline (RunsPipeline): where every run of the warp's rows fits one trip, Copy issues the next run's trip before
 // this run's mma, so that a warp of n >= 2 runs waits n - 1 trips for its B instead of n (the llama3-8b decode step
 // at 64-96 tokens and 32 adapters -2.2 to -3.4 points, NOTES.md session 37); its second trip in registers needs 3
-// CTAs per SM. TwoBuffers (a probe, off by default: LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1) alternates two trip
+// CTAs per SM. TwoBuffers (a probe, off by default: LORA_OPS_CUDA_EXPAND_KERNEL=runs-two-buffers) alternates two trip
 // buffers, each refilled right after its own mma: ~n / 2 trips.
 template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
@@ -610,13 +608,6 @@ cudaError_t launch_if_one_pass(const ExpandParams& p, int64_t groups, bool pdl, 
   return *launched ? launch_passes<kKernel>(p, groups, 1, pdl, stream) : err;
 }
 
-// LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS=1: the TwoBuffers runs kernel where the pipelined one runs (a probe, off by
-// default; read each call, as the kernel preferences are, so that a test may set it).
-bool two_buffers_probe() {
-  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_RUNS_TWO_BUFFERS");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
 // Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
 // instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
@@ -631,7 +622,8 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs: {
+    case ExpandKernel::Runs:
+    case ExpandKernel::RunsTwoBuffers: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
         if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
@@ -639,7 +631,7 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           // 1.13 waves at 3 per SM)
           bool launched = false;
           const cudaError_t err =
-              two_buffers_probe()
+              kernel == ExpandKernel::RunsTwoBuffers
                   ? launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::TwoBuffers>>(p, groups, pdl,
                                                                                                    stream, &launched)
                   : launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(p, groups, pdl, stream,
