@@ -264,9 +264,7 @@ def _edge_check_form(name: str) -> str:
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
-# "runs-two-buffers": the runs kernel with two trip buffers in turn where it pipelines, instead of a copy from the
-# next to the current (a probe, off by default).
-ROWS_KERNELS = ("rows", "runs", "runs-two-buffers")
+ROWS_KERNELS = ("rows", "runs")
 KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
                 if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
 
@@ -296,7 +294,7 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
 
 
 def _runs_pipeline(name: str) -> int:
-    """The RunsPipeline (0 None, 1 Copy, 2 TwoBuffers) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline> that
+    """The RunsPipeline (0 None, 1 Copy) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline> that
     ran, from its demangled name ("...RunsPipeline)1>(...")."""
     found = re.search(r"RunsPipeline\)(\d)>", name)
     assert found, name
@@ -461,10 +459,7 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
-# T = -1: 1.5 x SMs groups of 32 positions, whose one-pass grid (2 column blocks a group) fits the Copy kernel's
-# 3 CTAs per SM but not TwoBuffers' 2 (which then leaves it to the unpipelined kernel)
-@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("runs-two-buffers", 64), ("runs-two-buffers", -1),
-                                      ("rows", 4 * 65535 + 8), ("runs", 16384)])
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
@@ -473,8 +468,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     call's without the race. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
     first warps a second position after a redo. The runs kernel runs pipelined at 64 positions (its grid fits at
-    once) and not at 16384; with the TwoBuffers probe, pipelined at 64 and not where only the Copy kernel's grid
-    would fit."""
+    once) and not at 16384."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -482,7 +476,6 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     pytest.importorskip("triton")
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    T = 32 * (sms + sms // 2) if T == -1 else T
     gen = case_generator(f"late-metadata-{kernel}-{written}")
     L, N, R = 6, 256, 16
     h = torch.randn(T, L, R, generator=gen).to(torch.bfloat16).cuda()
@@ -503,12 +496,11 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
                 meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
-    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel.removesuffix('-two-buffers')}_kernel" in k]
+    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel}_kernel" in k]
     assert len(ran) == 1, ran
-    if kernel.startswith("runs"):  # pipelined where its one-pass grid (column blocks x groups of 32 positions) fits
-        per_sm, pipeline = (2, 2) if kernel == "runs-two-buffers" else (3, 1)
-        fits = (N // 128) * -(-T // 32) <= per_sm * sms
-        assert _runs_pipeline(ran[0]) == (pipeline if fits else 0), ran
+    if kernel == "runs":  # pipelined (3 CTAs per SM) where its one-pass grid (column blocks x groups of 32) fits
+        fits = (N // 128) * -(-T // 32) <= 3 * sms
+        assert _runs_pipeline(ran[0]) == (1 if fits else 0), ran
     expected = args(final)
     with op_table.disabled():
         lora_ops.ops.lora_expand(*expected)
@@ -530,15 +522,14 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kernel", ["runs", "runs-two-buffers"])
-def test_pipelined_runs_kernels_with_many_runs_a_warp(kernel, dtype, monkeypatch):
+def test_pipelined_runs_kernel_with_many_runs_a_warp(dtype, monkeypatch):
     """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 8 positions span 3-8 runs), true
     ranks 1-16 (the checked loads), a last pass of 72 columns, slots past the pool and rows of none: the pipelined
-    runs kernel (Copy; TwoBuffers with its probe on) named by its instantiation, against the oracle."""
+    runs kernel named by its instantiation, against the oracle."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
-    gen = case_generator(f"many-runs-{kernel}-{dtype}")
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")
+    gen = case_generator(f"many-runs-runs-{dtype}")
     T, L, N, R = 96, 40, 328, 16
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
     order = torch.sort(slots, stable=True)[1].int()
@@ -548,7 +539,7 @@ def test_pipelined_runs_kernels_with_many_runs_a_warp(kernel, dtype, monkeypatch
     on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     before = on_gpu[0].clone()
     ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_runs_kernel" in k]
-    assert len(ran) == 1 and _runs_pipeline(ran[0]) == (2 if kernel == "runs-two-buffers" else 1), ran
+    assert len(ran) == 1 and _runs_pipeline(ran[0]) == 1, ran
     on_gpu[0] = before.clone()
     with op_table.disabled():
         lora_ops.ops.lora_expand(*on_gpu)

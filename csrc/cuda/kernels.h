@@ -29,8 +29,7 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // predecessor.) The tensor-core kernels (lora_expand_rows.cu, below) where they serve; otherwise two kernels
 // (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the
 // one preferred. The order of the values after Auto is the order LORA_OPS_CUDA_EXPAND_KERNEL names them in.
-// RunsTwoBuffers: the runs kernel with two trip buffers in turn where it pipelines (a probe, lora_expand_rows.cu).
-enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments, RunsTwoBuffers };
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 

@@ -29,7 +29,7 @@ constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (l
 constexpr int kRunPositions = 8;           // positions per warp of the runs and segments kernels: the mma's N
 
 // How the runs kernel overlaps the trips of a warp's runs (expand_runs).
-enum class RunsPipeline { None, Copy, TwoBuffers };
+enum class RunsPipeline { None, Copy };
 
 // 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
@@ -303,8 +303,8 @@ __device__ __forceinline__ bool expand_position(const ExpandParams& p, int64_t p
 // kPipeline (RunsPipeline): where every run of the warp's rows fits one trip, Copy issues the next run's trip before
 // this run's mma, so that a warp of n >= 2 runs waits n - 1 trips for its B instead of n (the llama3-8b decode step
 // at 64-96 tokens and 32 adapters -2.2 to -3.4 points, NOTES.md session 37); its second trip in registers needs 3
-// CTAs per SM. TwoBuffers (a probe, off by default: LORA_OPS_CUDA_EXPAND_KERNEL=runs-two-buffers) alternates two trip
-// buffers, each refilled right after its own mma: ~n / 2 trips.
+// CTAs per SM. (Two trip buffers in turn, ~n / 2 trips at 200 registers and 2 CTAs per SM, measured no better:
+// NOTES.md session 38.)
 template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
 __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, const RowMeta& m,
                                             const RawMeta& check, bool checking, int slice, int n0, int n1) {
@@ -380,38 +380,6 @@ __device__ __forceinline__ bool expand_runs(const ExpandParams& p, int64_t pos, 
         return trip_at<kSteps>(h_lane + run.slot * p.h_slot_stride, (run.rows >> g & 1) != 0,
                                b_pass + run.slot * p.b_stride0, p.b_stride1, 0, run.rank, n1 - pass, g, t);
       };
-      if constexpr (kPipeline == RunsPipeline::TwoBuffers) {
-        // Runs a and b in flight, each buffer's next run issued right after its own mma (the loop unrolled by two:
-        // no copy from one buffer to the other, which waits for the copied trip's loads).
-        Run a = take_run(todo), b{};
-        Trip<kSteps> trip_a = load_run(a), trip_b;
-        bool has_b = todo != 0;  // warp-uniform, as has_a below
-        if (has_b) {
-          b = take_run(todo);
-          trip_b = load_run(b);
-        }
-        for (;;) {
-          float acc_a[kTiles][4] = {};
-          mma_trip<TB, std::is_same_v<TH, float>>(trip_a, acc_a);
-          if (!add_run(a, acc_a)) return false;
-          if (!has_b) break;
-          const bool has_a = todo != 0;
-          if (has_a) {
-            a = take_run(todo);
-            trip_a = load_run(a);
-          }
-          float acc_b[kTiles][4] = {};
-          mma_trip<TB, std::is_same_v<TH, float>>(trip_b, acc_b);
-          if (!add_run(b, acc_b)) return false;
-          if (!has_a) break;
-          has_b = todo != 0;
-          if (has_b) {
-            b = take_run(todo);
-            trip_b = load_run(b);
-          }
-        }
-        continue;
-      }
       Run run = take_run(todo);
       Trip<kSteps> trip = load_run(run);
       for (;;) {
@@ -526,9 +494,7 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 // The rows kernel stays at 4: at 5 (96 registers) it was slower at T=32 (gate_up 11.47 -> 11.94). The pipelined
 // runs kernel (two trips in registers, 158) takes 3.
 template <class TY, int kSteps, RunsPipeline kPipeline = RunsPipeline::None>
-constexpr int kRunsCtasPerSm = kPipeline == RunsPipeline::TwoBuffers ? 2  // 3 spill 60 bytes
-                               : kSteps == 1 ? (sizeof(TY) == 2 && kPipeline == RunsPipeline::None ? 4 : 3)
-                                             : 2;
+constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 && kPipeline == RunsPipeline::None ? 4 : 3) : 2;
 
 template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipeline>)
@@ -622,20 +588,15 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs:
-    case ExpandKernel::RunsTwoBuffers: {
+    case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
         if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
           // else the unpipelined kernel's 4 CTAs per SM pay (gate_up at 128 tokens: 448 two-pass CTAs in one wave,
           // 1.13 waves at 3 per SM)
           bool launched = false;
-          const cudaError_t err =
-              kernel == ExpandKernel::RunsTwoBuffers
-                  ? launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::TwoBuffers>>(p, groups, pdl,
-                                                                                                   stream, &launched)
-                  : launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(p, groups, pdl, stream,
-                                                                                             &launched);
+          const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
+              p, groups, pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }
       }
