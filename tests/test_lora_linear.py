@@ -428,6 +428,76 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, 
     assert _rel_err(y, F.linear(x, w).double()) < TOLERANCE[torch.bfloat16]
 
 
+# The GEMM's own h (LORA_OPS_CUDA_KEXT_H=gemm, KextMainloop::mma_own_h): (T, slice bounds, L, R, the slots some
+# row uses; the other rows take -1, L or a wild value). It serves where the used slots' A rows of every slice fit
+# 64 (S*R in 16s): 4 slots at one slice and rank 16, 1 at qkv's 3 slices (48 rows), at rank 32 over 2 slices and at
+# rank 64; past that the shrink computes h as before (five_slots, qkv_two_slots), the choice made on the GPU.
+OWN_H_CASES = {
+    "one_slot_t1": (1, [0, 384], 8, 16, [5]),
+    "one_slot_t32": (32, [0, 384], 8, 16, [3]),
+    "two_slots_t17": (17, [0, 384], 8, 16, [0, 7]),  # the 32-token tile with 15 empty rows
+    "four_slots_t64": (64, [0, 384], 8, 16, [0, 2, 5, 7]),
+    "five_slots_t32": (32, [0, 384], 8, 16, [0, 1, 2, 5, 7]),
+    "no_slot_t16": (16, [0, 384], 8, 16, []),
+    "qkv_one_slot_t16": (16, [0, 256, 320, 384], 4, 16, [2]),
+    "qkv_two_slots_t16": (16, [0, 256, 320, 384], 4, 16, [1, 2]),
+    "rank32_two_slices_t32": (32, [0, 192, 384], 4, 32, [3]),
+    "rank64_t64": (64, [0, 384], 2, 64, [1]),
+}
+
+
+def _own_h_inputs(case, dtype):
+    T, offsets, L, R, used = OWN_H_CASES[case]
+    gen = case_generator(f"own-h-{case}")
+    others = torch.tensor([-1, L, 2 ** 31 - 1, -7], dtype=torch.int32)
+    slots = others[torch.randint(0, 4, (T,), generator=gen)]
+    if used:
+        pick = torch.randint(0, len(used), (T,), generator=gen)
+        slots = torch.where(torch.rand(T, generator=gen) < 0.8, torch.tensor(used, dtype=torch.int32)[pick], slots)
+        slots[torch.randperm(T, generator=gen)[:len(used)]] = torch.tensor(used, dtype=torch.int32)[:T]
+    return _inputs(T, K=1536, N=384, L=L, R=R, offsets=offsets, dtype=dtype, device="cuda", key=f"own-h-{case}",
+                   slots=slots.tolist()), offsets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(OWN_H_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_gemm_own_h_matches_the_oracle_and_the_shrink(case, dtype, monkeypatch):
+    """With the GEMM computing h itself where few slots are used: the oracle's product, bitwise the same on every
+    call, and the shrink's to within h's rounding (a different order of the same float32 sums)."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    args, offsets = _own_h_inputs(case, dtype)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_H", raising=False)
+    by_shrink = lora_ops.lora_linear(*args[:6], offsets)
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_H", "gemm")
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    _assert_oracle(y, args, offsets)
+    _assert_kext_ran(ran)
+    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))
+    assert _rel_err(y, by_shrink.double()) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+def test_cuda_gemm_own_h_follows_the_slots_of_each_graph_replay(monkeypatch):
+    """The choice between the GEMM's own h and the shrink's is made on the GPU from token_slot: a graph captured
+    once serves, replay by replay, one slot, five, none and four (own, shrink, own, own)."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_H", "gemm")
+    T, offsets = 32, [0, 384]
+    args = _inputs(T, K=1536, N=384, L=8, R=16, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                   key="own-h-graph")
+    x, w, a, b, slots, scales, _ = args
+    static_slots = slots.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets)
+    for used in ([6], [0, 1, 3, 5, 7], [-1], [1, 2, 4, 6]):
+        static_slots.copy_(torch.tensor(used, dtype=torch.int32)[torch.arange(T) % len(used)])
+        graph.replay()
+        _assert_oracle(out, (x, w, a, b, static_slots, scales), offsets)
+        assert torch.equal(out, lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, tile", [(32, "auto"), (128, "auto"), (128, "128x128")])  # the 32 and 128-token tiles
 def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, monkeypatch):
