@@ -627,7 +627,7 @@ MUTATIONS: List[Mutation] = [
              tests=("tests/test_lora_linear.py",)),
     # ==== session 38: the kext GEMM's own h (LORA_OPS_CUDA_KEXT_H=gemm) ====
     Mutation("kext-own-h-slice-0", "csrc/cuda/lora_linear_sm90.cu",
-             "    const int slice = tile_slices()[tile & 3];",
+             "    const int slice = shared_tensors.tile_slices[tile & 3];",
              "    const int slice = 0;",
              "CUDA lora_linear GEMM, its own h: every tile writes slice 0's h", needs_gpu=True,
              tests=("tests/test_lora_linear.py",)),

@@ -446,7 +446,7 @@ OWN_H_CASES = {
 }
 
 
-def _own_h_inputs(case, dtype):
+def _own_h_inputs(case, dtype, N=384):
     T, offsets, L, R, used = OWN_H_CASES[case]
     gen = case_generator(f"own-h-{case}")
     others = torch.tensor([-1, L, 2 ** 31 - 1, -7], dtype=torch.int32)
@@ -455,8 +455,23 @@ def _own_h_inputs(case, dtype):
         pick = torch.randint(0, len(used), (T,), generator=gen)
         slots = torch.where(torch.rand(T, generator=gen) < 0.8, torch.tensor(used, dtype=torch.int32)[pick], slots)
         slots[torch.randperm(T, generator=gen)[:len(used)]] = torch.tensor(used, dtype=torch.int32)[:T]
-    return _inputs(T, K=1536, N=384, L=L, R=R, offsets=offsets, dtype=dtype, device="cuda", key=f"own-h-{case}",
+    offsets = [o * N // 384 for o in offsets]
+    return _inputs(T, K=1536, N=N, L=L, R=R, offsets=offsets, dtype=dtype, device="cuda", key=f"own-h-{case}",
                    slots=slots.tolist()), offsets
+
+
+def _own_h_then_shrink(args, offsets, monkeypatch):
+    """lora_linear with the GEMM's own h on, then with the shrink's. Before the first, a freed block of NaN the size
+    of the op's h buffer (which the caching allocator usually hands out again for h): where the shrink exits, the
+    GEMM must not read h."""
+    x, _, a, *_ = args
+    S, L, R = len(offsets) - 1, a.size(0), a.size(1) // (len(offsets) - 1)
+    torch.full((x.size(0), S * L * R), float("nan"), dtype=x.dtype, device="cuda")
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_H", "gemm")
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    again = lora_ops.lora_linear(*args[:6], offsets)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_H")
+    return y, ran, again, lora_ops.lora_linear(*args[:6], offsets)
 
 
 @pytest.mark.gpu
@@ -464,17 +479,30 @@ def _own_h_inputs(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_gemm_own_h_matches_the_oracle_and_the_shrink(case, dtype, monkeypatch):
     """With the GEMM computing h itself where few slots are used: the oracle's product, bitwise the same on every
-    call, and the shrink's to within h's rounding (a different order of the same float32 sums)."""
+    call, and the shrink's to within h's rounding (a different order of the same float32 sums). Which of the two
+    computed h is not visible from here: the planted bugs of scripts/mutate.py check that these cases reach it."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     args, offsets = _own_h_inputs(case, dtype)
-    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_H", raising=False)
-    by_shrink = lora_ops.lora_linear(*args[:6], offsets)
-    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_H", "gemm")
-    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    y, ran, again, by_shrink = _own_h_then_shrink(args, offsets, monkeypatch)
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
-    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))
+    assert torch.equal(y, again)
     assert _rel_err(y, by_shrink.double()) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qkv_one_slot_t16", "four_slots_t64"])
+def test_cuda_gemm_own_h_with_many_tiles_a_cta(case, monkeypatch):
+    """More than 5 W tiles per CTA of the persistent GEMM: both consumer warpgroups take tiles in turn, and the
+    producer's ring of the tiles' slices wraps (qkv's three slices: a CTA's tiles lie in each of them)."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    N = 384 * -(-(64 * 16 * sms // 3) // 384)  # a multiple of 384 past 5.3 tiles of 64 rows per SM
+    args, offsets = _own_h_inputs(case, torch.bfloat16, N=N)
+    y, _, again, by_shrink = _own_h_then_shrink(args, offsets, monkeypatch)
+    _assert_oracle(y, args, offsets)
+    assert torch.equal(y, again)
+    assert _rel_err(y, by_shrink.double()) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu

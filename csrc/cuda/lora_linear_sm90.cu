@@ -85,7 +85,6 @@ struct KextMainloop : Base {
   using typename Base::TileShape;
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
-  using typename Base::TensorStorage;
   using typename Base::SmemLayoutA;
   using typename Base::SmemLayoutB;
   using typename Base::GmemTiledCopyA;
@@ -101,6 +100,14 @@ struct KextMainloop : Base {
   // The own h: the ping-pong tiles of 64 W rows and up to 64 tokens (one consumer warpgroup a tile).
   static constexpr bool kOwnH = kBlockM == 64 && kTileN <= 64;
   static_assert(size(ClusterShape{}) == 1, "the loads are not multicast");
+  // With the own h, the slices of the producer's last 4 tiles for their consumers (mma_own_h): a consumer reads its
+  // tile's entry after waiting for a stage of that tile, which the producer's store preceded, and the producer is
+  // less than a tile ahead of the consumers (at least as many x blocks as stages). In the storage CUTLASS lays out:
+  // a static __shared__ array would shift the dynamic shared memory off TMA's 128-byte alignment.
+  struct OwnHTensorStorage : Base::TensorStorage {
+    int8_t tile_slices[4];
+  };
+  using TensorStorage = std::conditional_t<kOwnH, OwnHTensorStorage, typename Base::TensorStorage>;
 
   struct Arguments {
     ElementA const* ptr_A;  // W [M, k_x]
@@ -259,7 +266,9 @@ struct KextMainloop : Base {
     while (slice + 1 < p.ext.num_slices && row0 >= p.ext.slice_end[slice]) ++slice;
     const int h_tile0 = slice * p.slice_h_tiles;
     // The tile's slice for its consumer (mma_own_h), stored before the arrive of the tile's first stage.
-    if (kOwnH && elected) tile_slices()[tiles_loaded_ & 3] = int8_t(slice);
+    if constexpr (kOwnH) {
+      if (elected) shared_tensors.tile_slices[tiles_loaded_ & 3] = int8_t(slice);
+    }
     ++tiles_loaded_;
 
     bool own = false;  // settled with the slot mask, before the first h block
@@ -293,7 +302,6 @@ struct KextMainloop : Base {
     for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
   }
 
-
   // ---- The GEMM's own h, where few slots are used (Extension::own_windows; the shrink then writes nothing). ----
   // The CTA computes h^T = A_stack . x^T itself, beside y's K blocks of x: A_stack is the 64 rows of A of the used
   // slots, all slices (row i: slot used_[i / (S*R)], A row i % (S*R)), loaded from L2 into registers by each
@@ -305,13 +313,6 @@ struct KextMainloop : Base {
   // Whether this CTA computes h (warp-wide, after settle_used): the same rule as the shrink's exit.
   CUTLASS_DEVICE bool own_h(Params const& p) const {
     return kOwnH && p.ext.own_windows > 0 && __popcll(used_) <= p.ext.own_windows;
-  }
-  // The slices of the producer's last 4 tiles, for their consumers (a consumer reads its tile's entry after waiting
-  // for a stage of that tile, which the producer's store preceded; the producer is less than a tile ahead of the
-  // consumers: at least as many x blocks as stages).
-  CUTLASS_DEVICE static int8_t* tile_slices() {
-    __shared__ int8_t slices[4];
-    return slices;
   }
 
   template <class FrgTensorC>
@@ -439,7 +440,7 @@ struct KextMainloop : Base {
     warpgroup_wait<0>();
     warpgroup_fence_operand(h_acc);
 
-    const int slice = tile_slices()[tile & 3];  // its first stage was waited for above
+    const int slice = shared_tensors.tile_slices[tile & 3];  // its first stage was waited for above
     const int rank = p.ext.rank;
     for (int kt = x_tiles; kt < k_tile_count; ++kt) {
       const int kb = kt - p.k_x_tiles;
@@ -492,9 +493,8 @@ struct KextGemm {
                                                       KextMainloop<typename Collectives::Mainloop>,
                                                       typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(sizeof(typename Kernel::SharedStorage) + 64 <=
-                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
-                "room for the static shared memory of the own h (KextMainloop::tile_slices)");
+  static_assert(sizeof(typename Kernel::SharedStorage) <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "the stages and the own h's tile slices fit (KextMainloop::OwnHTensorStorage)");
 };
 
 // Whether 65-128 tokens take the 128-row tile (KextTile): slice bounds on 128 rows (a W tile lies in one slice),
