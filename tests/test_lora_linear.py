@@ -5,6 +5,7 @@ programmatically) where they serve, named through the profiler, against the orac
 deterministic, under CUDA-graph replay, memory-safe for any slot values, and the composition wherever they do not
 serve."""
 import os
+import re
 import subprocess
 import sys
 
@@ -277,6 +278,7 @@ CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384], "qkv128": [0, 128, 25
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_H", raising=False)
     offsets = CUDA_SLICES[slices]
     args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"cuda-{T}-{slices}", **CUDA_SHAPE)
     x, w, a, b, slots, scales, bias = args
@@ -284,6 +286,8 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
         y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
         _assert_kext_ran(ran)
+        if sm90_built() and ran:  # the own-h probe off: neither of its instantiations
+            assert not _shrink_flags(ran)[1] and _kext_own_h(ran) in (False, None), ran
 
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
@@ -317,12 +321,30 @@ def _shrink_parts(T, K, N, S, R, sms) -> int:
     return parts
 
 
-def _shrink_split(ran) -> bool:
-    """Whether the kext_shrink_kernel<T, kSplit> that ran is the K split's, from its name (demangled: "<T, true>";
-    mangled: "Lb1E")."""
+def _shrink_flags(ran) -> tuple:
+    """(kSplit, kOwnExit) of the kext_shrink_kernel<T, kSplit, kOwnExit> that ran (the K split's; the one that exits
+    where the GEMM computes h itself), from its name (demangled: "<T, true, false>"; mangled: "...Lb1ELb0E")."""
     names = [k for k in ran if "kext_shrink_kernel" in k]
     assert len(names) == 1, ran
-    return ", true>" in names[0] or "Lb1E" in names[0]
+    found = (re.search(r"kext_shrink_kernel<[^<>]+, (true|false), (true|false)>", names[0])
+             or re.search(r"kext_shrink_kernelI\w+?Lb([01])ELb([01])E", names[0]))
+    assert found, names[0]
+    return tuple(flag in ("true", "1") for flag in found.groups())
+
+
+def _kext_own_h(keys):
+    """Whether the K-extended GEMM that ran is the instantiation that computes h itself (KextMainloop<..., true>),
+    from its demangled name; None where the name does not say (mangled)."""
+    gemm = next(k for k in keys if "KextMainloop" in k)
+    start = gemm.find("KextMainloop<")
+    if start < 0:
+        return None
+    depth, at = 0, start + len("KextMainloop")
+    for at in range(at, len(gemm)):
+        depth += {"<": 1, ">": -1}.get(gemm[at], 0)
+        if depth == 0:
+            break
+    return gemm[:at].rstrip().endswith("true")
 
 
 @pytest.mark.gpu
@@ -340,7 +362,7 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
     parts = _shrink_parts(T, K, 384, len(offsets) - 1, R, sms)
     assert sms != 132 or parts == h200_parts  # the rule as the table above states it
     if sm90_built() and ran:
-        assert _shrink_split(ran) == (parts > 1), ran
+        assert _shrink_flags(ran) == (parts > 1, False), ran
     assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
 
 
@@ -486,6 +508,8 @@ def test_cuda_gemm_own_h_matches_the_oracle_and_the_shrink(case, dtype, monkeypa
     y, ran, again, by_shrink = _own_h_then_shrink(args, offsets, monkeypatch)
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
+    if sm90_built() and ran:  # the instantiations that make the choice on the GPU (not the choice itself)
+        assert _shrink_flags(ran)[1] and _kext_own_h(ran) in (True, None), ran
     assert torch.equal(y, again)
     assert _rel_err(y, by_shrink.double()) < TOLERANCE[dtype]
 

@@ -66,14 +66,15 @@ static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CT
 // session 29).
 // kSplit (where the GEMM leaves SMs free: shrink_parts): `parts` consecutive warps of a CTA share a task, each over
 // its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
-template <class T, bool kSplit>
+// kOwnExit (a.own_windows > 0): where the GEMM computes h itself, every warp exits at once.
+template <class T, bool kSplit, bool kOwnExit>
 __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
 #else
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (a.own_windows > 0) {  // at most 64 tokens: the GEMM computes h itself where at most own_windows slots are used
+  if constexpr (kOwnExit) {  // at most 64 tokens: the GEMM computes h itself where at most own_windows slots are used
     uint64_t bits = 0;
 #pragma unroll
     for (int i = lane; i < 64; i += 32) {
@@ -159,10 +160,11 @@ template <class T>
 void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
   const int parts = shrink_parts(p);
   const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
-  if (parts == 1) {
-    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
+  auto launch = [&](auto kernel) { kernel<<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts); };
+  if (args.own_windows > 0) {
+    parts == 1 ? launch(kext_shrink_kernel<T, false, true>) : launch(kext_shrink_kernel<T, true, true>);
   } else {
-    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
+    parts == 1 ? launch(kext_shrink_kernel<T, false, false>) : launch(kext_shrink_kernel<T, true, false>);
   }
 }
 

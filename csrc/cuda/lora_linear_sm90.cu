@@ -75,8 +75,9 @@ struct KextExtension {
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
 // and b_cols (the A operand). The producer (load) fills the stages; the consumers multiply whatever they hold, but
-// where the CTA computes h itself (mma_own_h: few slots used, the ping-pong tiles of up to 64 tokens).
-template <class Base>
+// where the CTA computes h itself (kOwnH, launched only where own_h_windows > 0, so that the other kernels stay as
+// they were: mma_own_h, few slots used, the ping-pong tiles of up to 64 tokens).
+template <class Base, bool kOwnH = false>
 struct KextMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -97,8 +98,7 @@ struct KextMainloop : Base {
   static constexpr int kBlockM = size<0>(TileShape{});
   static constexpr int kBlockK = size<2>(TileShape{});
   static constexpr int kTileN = size<1>(TileShape{});
-  // The own h: the ping-pong tiles of 64 W rows and up to 64 tokens (one consumer warpgroup a tile).
-  static constexpr bool kOwnH = kBlockM == 64 && kTileN <= 64;
+  static_assert(!kOwnH || (kBlockM == 64 && kTileN <= 64), "the own h: ping-pong tiles, one consumer warpgroup a tile");
   static_assert(size(ClusterShape{}) == 1, "the loads are not multicast");
   // With the own h, the slices of the producer's last 4 tiles for their consumers (mma_own_h): a consumer reads its
   // tile's entry after waiting for a stage of that tile, which the producer's store preceded, and the producer is
@@ -268,8 +268,8 @@ struct KextMainloop : Base {
     // The tile's slice for its consumer (mma_own_h), stored before the arrive of the tile's first stage.
     if constexpr (kOwnH) {
       if (elected) shared_tensors.tile_slices[tiles_loaded_ & 3] = int8_t(slice);
+      ++tiles_loaded_;
     }
-    ++tiles_loaded_;
 
     bool own = false;  // settled with the slot mask, before the first h block
     auto issue = [&](int kt, bool h_block, bool b_needed) {
@@ -318,15 +318,13 @@ struct KextMainloop : Base {
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
                           int thread_idx, TensorStorage& shared_tensors, Params const& p) {
-    // Ping-pong: the consumer warpgroups (1, 2) take the CTA's tiles in turn.
-    [[maybe_unused]] const int tile = 2 * tiles_multiplied_++ + int(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1;
     if constexpr (kOwnH) {
-      if (p.ext.own_windows > 0) {
-        settle_used(p, load_token_slots(p));
-        if (own_h(p)) {
-          mma_own_h(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p, tile);
-          return;
-        }
+      // Ping-pong: the consumer warpgroups (1, 2) take the CTA's tiles in turn.
+      const int tile = 2 * tiles_multiplied_++ + int(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1;
+      settle_used(p, load_token_slots(p));
+      if (own_h(p)) {
+        mma_own_h(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p, tile);
+        return;
       }
     }
     Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p);
@@ -485,12 +483,13 @@ struct KextMainloop : Base {
 // column of tiles). kWide: 128 W rows, cooperative (65-128 tokens, wide_tile). At 128 tokens the 64-row tile reads
 // x from L2 twice per W byte: with 705 MB of L2 reads for gate_up's 235 MB of W it ran at L2's pace (~7 TB/s, 98 us
 // per layer against cuBLAS's 71 with 256-row tiles; NOTES.md session 34).
-template <class T, int kTokens, bool kWide = false>
+// kOwnH: the mainloop that computes h itself where few slots are used (KextMainloop::mma_own_h).
+template <class T, int kTokens, bool kWide = false, bool kOwnH = false>
 struct KextGemm {
   using Tile = Shape<Int<kWide ? 128 : 64>, Int<kTokens>, _64>;
   using Collectives = DecodeCollectives<T, Tile, Shape<_1, _1, _1>, kWide>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
-                                                      KextMainloop<typename Collectives::Mainloop>,
+                                                      KextMainloop<typename Collectives::Mainloop, kOwnH>,
                                                       typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
@@ -551,9 +550,16 @@ template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{});
-    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{});
-    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{});
+    const bool own_h = p.own_h_windows > 0;  // kext_own_h_windows: up to the 64-token tile
+    if (p.t <= tile_tokens(0)) {
+      return own_h ? f(KextGemm<T, tile_tokens(0), false, true>{}) : f(KextGemm<T, tile_tokens(0)>{});
+    }
+    if (p.t <= tile_tokens(1)) {
+      return own_h ? f(KextGemm<T, tile_tokens(1), false, true>{}) : f(KextGemm<T, tile_tokens(1)>{});
+    }
+    if (p.t <= tile_tokens(2)) {
+      return own_h ? f(KextGemm<T, tile_tokens(2), false, true>{}) : f(KextGemm<T, tile_tokens(2)>{});
+    }
     if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
     return f(KextGemm<T, tile_tokens(3)>{});
   };
