@@ -287,7 +287,7 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
         _assert_oracle(y, args, offsets, with_bias)
         _assert_kext_ran(ran)
         if sm90_built() and ran:  # the own-h probe off: neither of its instantiations
-            assert not _shrink_flags(ran)[1] and _kext_own_h(ran) in (False, None), ran
+            assert not _shrink_flags(ran)[1] and not _kext_own_h(ran), ran
 
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
@@ -332,13 +332,16 @@ def _shrink_flags(ran) -> tuple:
     return tuple(flag in ("true", "1") for flag in found.groups())
 
 
-def _kext_own_h(keys):
+def _kext_own_h(keys) -> bool:
     """Whether the K-extended GEMM that ran is the instantiation that computes h itself (KextMainloop<..., true>),
-    from its demangled name; None where the name does not say (mangled)."""
+    from its name: mangled, as the profiler reports CUTLASS's kernels on the H200 ("...Lb1EEENS_8epilogue...", the
+    mainloop's last template argument before the epilogue's type), or demangled."""
     gemm = next(k for k in keys if "KextMainloop" in k)
     start = gemm.find("KextMainloop<")
     if start < 0:
-        return None
+        found = re.search(r"KextMainloopI.*Lb([01])EEENS_8epilogue", gemm)
+        assert found, gemm
+        return found.group(1) == "1"
     depth, at = 0, start + len("KextMainloop")
     for at in range(at, len(gemm)):
         depth += {"<": 1, ">": -1}.get(gemm[at], 0)
@@ -351,6 +354,7 @@ def _kext_own_h(keys):
 @pytest.mark.parametrize("case", list(SHRINK_CASES))
 def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_H", raising=False)
     T, K, L, R, slots, h200_parts = SHRINK_CASES[case]
     offsets = CUDA_SLICES["qkv"]
     args = _inputs(T, K=K, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
@@ -509,7 +513,7 @@ def test_cuda_gemm_own_h_matches_the_oracle_and_the_shrink(case, dtype, monkeypa
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
     if sm90_built() and ran:  # the instantiations that make the choice on the GPU (not the choice itself)
-        assert _shrink_flags(ran)[1] and _kext_own_h(ran) in (True, None), ran
+        assert _shrink_flags(ran)[1] and _kext_own_h(ran), ran
     assert torch.equal(y, again)
     assert _rel_err(y, by_shrink.double()) < TOLERANCE[dtype]
 
@@ -523,8 +527,11 @@ def test_cuda_gemm_own_h_with_many_tiles_a_cta(case, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     N = 384 * -(-(64 * 16 * sms // 3) // 384)  # a multiple of 384 past 5.3 tiles of 64 rows per SM
     args, offsets = _own_h_inputs(case, torch.bfloat16, N=N)
-    y, _, again, by_shrink = _own_h_then_shrink(args, offsets, monkeypatch)
+    y, ran, again, by_shrink = _own_h_then_shrink(args, offsets, monkeypatch)
     _assert_oracle(y, args, offsets)
+    _assert_kext_ran(ran)
+    if sm90_built() and ran:
+        assert _shrink_flags(ran)[1] and _kext_own_h(ran), ran
     assert torch.equal(y, again)
     assert _rel_err(y, by_shrink.double()) < TOLERANCE[torch.bfloat16]
 

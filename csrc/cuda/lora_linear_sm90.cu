@@ -583,6 +583,8 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if (p.num_slots < 1 || p.num_slots > kKextMaxSlots) return false;
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
   if (!kext_shrink_serves(p)) return false;
+  // The own h only where it serves: the shrink exits where the GEMM computes h, so both must agree on every call.
+  if (p.own_h_windows != 0 && p.own_h_windows != kext_own_h_windows(p)) return false;
   if (p.num_slices < 1 || p.num_slices > kKextMaxSlices) return false;
   if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 64)) return false;  // the 64-row W tiles
   const int64_t es = 2;
