@@ -456,8 +456,9 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, 
 
 # The GEMM's own h (LORA_OPS_CUDA_KEXT_H=gemm, KextMainloop::mma_own_h): (T, slice bounds, L, R, the slots some
 # row uses; the other rows take -1, L or a wild value). It serves where the used slots' A rows of every slice fit
-# 64 (S*R in 16s): 4 slots at one slice and rank 16, 1 at qkv's 3 slices (48 rows), at rank 32 over 2 slices and at
-# rank 64; past that the shrink computes h as before (five_slots, qkv_two_slots), the choice made on the GPU.
+# 64 (S*R in 16s): 4 slots at one slice and rank 16 or two slices and rank 8, 1 at qkv's 3 slices (48 rows), at
+# rank 32 over 2 slices and at rank 64; past that the shrink computes h as before (five_slots, qkv_two_slots), the
+# choice made on the GPU.
 OWN_H_CASES = {
     "one_slot_t1": (1, [0, 384], 8, 16, [5]),
     "one_slot_t32": (32, [0, 384], 8, 16, [3]),
@@ -469,6 +470,7 @@ OWN_H_CASES = {
     "qkv_two_slots_t16": (16, [0, 256, 320, 384], 4, 16, [1, 2]),
     "rank32_two_slices_t32": (32, [0, 192, 384], 4, 32, [3]),
     "rank64_t64": (64, [0, 384], 2, 64, [1]),
+    "rank8_two_slices_t32": (32, [0, 192, 384], 8, 8, [1, 4, 6]),  # a warp's 16 A rows: both slices of a slot
 }
 
 
