@@ -305,7 +305,7 @@ struct KextMainloop : Base {
   // ---- The GEMM's own h, where few slots are used (Extension::own_windows; the shrink then writes nothing). ----
   // The CTA computes h^T = A_stack . x^T itself, beside y's K blocks of x: A_stack is the 64 rows of A of the used
   // slots, all slices (row i: slot used_[i / (S*R)], A row i % (S*R)), loaded from L2 into registers by each
-  // thread for its own rows of the wgmma's A fragment, 3 K blocks ahead; one more wgmma (register A, x's stage as B)
+  // thread for its own rows of the wgmma's A fragment, 5-7 K blocks ahead; one more wgmma (register A, x's stage as B)
   // per x block. For each h block of the tile's slice that holds a used slot, the consumer then writes h (scaled,
   // rounded to the dtype, zero outside each row's own slot) into the stage's h box, which the producer left unread,
   // and multiplies it with the B box as before; the others are not multiplied. No shrink on the GEMM's SMs, no wait
@@ -352,7 +352,10 @@ struct KextMainloop : Base {
     auto a_block = make_tensor(make_gmem_ptr(static_cast<ElementA const*>(nullptr)),
                                make_layout(Shape<_64, Int<kBlockK>>{}, LayoutRight{}));
     using FragA = decltype(thr_h.partition_fragment_A(a_block));
-    constexpr int kDepth = 4;  // K blocks of A in registers: 3 in flight while one multiplies
+    // K blocks of A in registers, all but one in flight while it multiplies: 7 blocks ahead (~1.3 us of qkv's W
+    // stream a CTA at 32 tokens, against L2's latency under that stream), 5 at 64 tokens (7 spill there: 168
+    // registers a thread at 384 threads, setmaxnreg or not).
+    constexpr int kDepth = kTileN <= 32 ? 8 : 6;
     FragA a_frag[kDepth];
 
     // This thread's A rows (16 a warp, in one slot since S*R is a multiple of 16): warp w's rows 16w + g, + 8.
