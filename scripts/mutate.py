@@ -642,7 +642,7 @@ MUTATIONS: List[Mutation] = [
              "CUDA lora_linear GEMM, its own h: the h columns of unused slots keep the stage's x (times real B)",
              needs_gpu=True, tests=("tests/test_lora_linear.py",)),
     Mutation("kext-own-h-shrink-always-exits", "csrc/cuda/lora_linear_shrink.cu",
-             "    if (__popcll(used) <= a.own_windows) return;",
+             "    if (__popcll(warp_used_slots(slots, a.num_slots)) <= a.own_windows) return;",
              "    return;",
              "CUDA lora_linear shrink: exits wherever the GEMM's own h is on, also past its slots (h never written)",
              needs_gpu=True, tests=("tests/test_lora_linear.py",)),

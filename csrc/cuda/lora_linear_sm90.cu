@@ -7,8 +7,8 @@
 //      launched programmatically: its producer loads x's and W's K blocks at once (x was written before the shrink
 //      started) and waits for the shrink (griddepcontrol.wait) only before its first h block. The B blocks (64
 //      columns: 64 / R slots) of which no slot is used by a row are not read.
-//   Where few slots are used (own_h_windows, a probe: LORA_OPS_CUDA_KEXT_H=gemm) the GEMM computes h itself instead
-//   (KextMainloop::mma_own_h) and the shrink exits at once.
+//   Where few slots are used (kext_own_h_windows, a probe: LORA_OPS_CUDA_KEXT_H=gemm) the GEMM computes h itself
+//   instead (KextMainloop::mma_own_h) and the shrink exits at once.
 // Why this shape (csrc/cuda/NOTES.md, sessions 26-31): at decode the LoRA cost is the number of dependent launches
 // and the bytes read. The fold route's GEMM + expand read every used slot's A in the GEMM and B in a second kernel
 // that waits for the whole GEMM; here the expand is K blocks of the base GEMM, and the shrink runs under the GEMM's
@@ -75,7 +75,7 @@ struct KextExtension {
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
 // and b_cols (the A operand). The producer (load) fills the stages; the consumers multiply whatever they hold, but
-// where the CTA computes h itself (kOwnH, launched only where own_h_windows > 0, so that the other kernels stay as
+// where the CTA computes h itself (kOwnH, launched only where kext_own_h_windows > 0, so that the other kernels stay as
 // they were: mma_own_h, few slots used, the ping-pong tiles of up to 64 tokens).
 template <class Base, bool kOwnH = false>
 struct KextMainloop : Base {
@@ -218,13 +218,7 @@ struct KextMainloop : Base {
   }
   CUTLASS_DEVICE void settle_used(Params const& p, TokenSlots const& b) {  // warp-wide
     if (have_used_) return;
-    uint64_t bits = 0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kSlotWords; ++i) {
-      if (b.slot[i] >= 0 && b.slot[i] < p.ext.num_slots) bits |= uint64_t(1) << b.slot[i];
-    }
-    used_ = uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits))) |
-            uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits >> 32))) << 32;
+    used_ = warp_used_slots(b.slot, p.ext.num_slots);
     have_used_ = true;
   }
   // An h block whose slots no row uses: its B box is not read (the stage's barrier is told those bytes arrived),
@@ -531,7 +525,7 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   e.num_tokens = (int)p.t;
   for (int s = 0; s < p.num_slices; ++s) e.slice_end[s] = (int)p.slice_offsets[s + 1];
   e.token_slot = p.token_slot;
-  e.own_windows = (int)p.own_h_windows;
+  e.own_windows = (int)kext_own_h_windows(p);
   e.lora_a = static_cast<const T*>(p.lora_a);
   e.a_slot_stride = p.a_slot_stride;
   e.a_row_stride = p.a_row_stride;
@@ -553,16 +547,14 @@ template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    const bool own_h = p.own_h_windows > 0;  // kext_own_h_windows: up to the 64-token tile
-    if (p.t <= tile_tokens(0)) {
-      return own_h ? f(KextGemm<T, tile_tokens(0), false, true>{}) : f(KextGemm<T, tile_tokens(0)>{});
-    }
-    if (p.t <= tile_tokens(1)) {
-      return own_h ? f(KextGemm<T, tile_tokens(1), false, true>{}) : f(KextGemm<T, tile_tokens(1)>{});
-    }
-    if (p.t <= tile_tokens(2)) {
-      return own_h ? f(KextGemm<T, tile_tokens(2), false, true>{}) : f(KextGemm<T, tile_tokens(2)>{});
-    }
+    const bool own_h = kext_own_h_windows(p) > 0;  // at most the 64-token tile's tokens
+    auto pingpong = [&](auto tokens) {  // the 64-row tile, its own-h mainloop where the probe serves
+      constexpr int kTokens = decltype(tokens)::value;
+      return own_h ? f(KextGemm<T, kTokens, false, true>{}) : f(KextGemm<T, kTokens>{});
+    };
+    if (p.t <= tile_tokens(0)) return pingpong(std::integral_constant<int, tile_tokens(0)>{});
+    if (p.t <= tile_tokens(1)) return pingpong(std::integral_constant<int, tile_tokens(1)>{});
+    if (p.t <= tile_tokens(2)) return pingpong(std::integral_constant<int, tile_tokens(2)>{});
     if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
     return f(KextGemm<T, tile_tokens(3)>{});
   };
@@ -574,7 +566,9 @@ decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
 
 int64_t kext_own_h_windows(const LoraLinearParams& p) {
   const int64_t window_rows = p.num_slices * p.rank;  // a used slot's A rows, all slices
-  if (p.t > kLoraLinearTileTokens[2] || window_rows % 16 != 0 || window_rows > 64 || 64 % p.rank != 0) return 0;
+  if (!p.own_h || p.t > kLoraLinearTileTokens[2] || window_rows % 16 != 0 || window_rows > 64 || 64 % p.rank != 0) {
+    return 0;
+  }
   return 64 / window_rows;
 }
 
@@ -586,8 +580,6 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
   if (p.num_slots < 1 || p.num_slots > kKextMaxSlots) return false;
   if ((p.num_slots * p.rank) % 64 != 0 || p.num_slots * p.rank > INT_MAX / 8) return false;
   if (!kext_shrink_serves(p)) return false;
-  // The own h only where it serves: the shrink exits where the GEMM computes h, so both must agree on every call.
-  if (p.own_h_windows != 0 && p.own_h_windows != kext_own_h_windows(p)) return false;
   if (p.num_slices < 1 || p.num_slices > kKextMaxSlices) return false;
   if (!slices_end_on(p.slice_offsets + 1, p.num_slices, 64)) return false;  // the 64-row W tiles
   const int64_t es = 2;
