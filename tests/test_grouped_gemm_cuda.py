@@ -3,7 +3,9 @@ cases the grid does not reach: rows that are not 16-byte aligned (element-wise s
 NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CUDA-graph replay.
 
 `mma`: the 128 x 128 tile kernel for every input; `skinny`: the expand kernel where K <= 128, else the narrow
-tiles of the tile kernel (several column tiles where N > 128); `sm90`: the sm_90a CUTLASS kernel where it can take
+tiles of the tile kernel (several column tiles where N > 128); `skinny-pieces`: the same with the narrow tiles'
+x and w staged through each thread's pieces where N <= 32 and their rows are 16-byte aligned (the probe
+LORA_OPS_CUDA_GG_STAGING=pieces); `sm90`: the sm_90a CUTLASS kernel where it can take
 the input (contiguous segments, 16-byte aligned fp16/bf16 tensors: few of this grid's cases), the automatic choice
 elsewhere (test_grouped_gemm_sm90.py covers its own grid); `split`: the split-K shrink and its sum where they can
 take the input (N <= 128, x and w of one dtype, no k_sizes), the automatic choice elsewhere; `lora`: lora_expand's
@@ -17,8 +19,9 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
+import grid
 import test_grouped_gemm as gg
-from conftest import Impl
+from conftest import Impl, cuda_kernel_names
 from grid import GG_CASES, GG_LARGE_CASES
 
 pytestmark = pytest.mark.gpu
@@ -26,11 +29,13 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["mma", "skinny", "sm90", "split", "lora"])
+@pytest.fixture(params=["mma", "skinny", "skinny-pieces", "sm90", "split", "lora"])
 def kernel(request, monkeypatch):
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", request.param)
+    forced, _, staging = request.param.partition("-")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", forced)
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", staging or "tile")
     return request.param
 
 
@@ -235,3 +240,56 @@ def test_lora_path_sizes_and_empty_reductions(x_dtype, monkeypatch):
     empty = torch.isin(token_lora, torch.tensor([0, 2])).cuda()
     assert torch.equal(y[empty], problem.y[empty])
     assert y[~empty].isnan().all()
+
+
+# LoRA shrinks the narrow tiles' pieces stage (K > 128, N <= 32, 16-byte rows): K tails inside a piece, per-group
+# k_l and n_l, gathered and contiguous rows, invalid slots, w a slice of a NaN-padded pool, fp32 x (32-element K
+# steps: a 16-column w tile has pieces in half the threads), fp32 y, overwrite with alpha.
+PIECES_CASES = {
+    "rank16_tails": lambda g: (grid._slots(g, 300, [0, 1, 2, -1]), dict(K=1000, N=16, num_groups=3,
+                                                                         y_dtype=torch.float32, n_sizes=[16, 8, 5],
+                                                                         k_sizes=[1000, 333, 130])),
+    "rank32_overwrite": lambda g: (grid._slots(g, 260, [0, 2, 3]), dict(K=520, N=32, num_groups=4,
+                                                                        accumulate=False, alpha=0.5)),
+    "rank24_bad_slots": lambda g: (grid._grouped_runs([(0, 70), (-1, 9), (2, 65), (5, 12), (1, 3)]),
+                                   dict(K=264, N=24, num_groups=3, gathered=False)),
+    "rank8_padded_pool": lambda g: (grid._slots(g, 200, [1, 3]), dict(K=392, N=8, num_groups=4, pad=8,
+                                                                     n_sizes=[8, 8, 3, 8])),
+    "rank16_fp32_x": lambda g: (grid._slots(g, 150, [0, 1]), dict(K=1000, N=16, num_groups=2,
+                                                                 x_dtype=torch.float32, y_dtype=torch.float32,
+                                                                 k_sizes=[1000, 136])),
+}
+
+
+def _pieces_ran(names):
+    """Whether a narrow tile kernel staged by pieces ran (the kernel's last template argument: true, mangled Lb1E)."""
+    tiles = [n for n in names if "grouped_gemm_tile_kernel" in n]
+    return any("true>" in n or "Lb1E" in n for n in tiles)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(PIECES_CASES))
+def test_narrow_pieces_stage_lora_shrinks(name, dtype, monkeypatch):
+    """The probe LORA_OPS_CUDA_GG_STAGING=pieces on the shapes it takes, against the oracle with poisoned outputs;
+    the profiler shows the pieces' kernel ran."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "pieces")
+    problem = gg._problem(PIECES_CASES[name], _cuda(dtype), dtype, key=name)
+    report, names = cuda_kernel_names(lambda: _check(problem, dtype))
+    assert report == ""
+    assert _pieces_ran(names) or not names, names
+
+
+def test_pieces_probe_off_keeps_the_tile_staging(monkeypatch):
+    """With the probe unset the narrow tiles stage through stage_tile (the default kernels, unchanged)."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
+    monkeypatch.delenv("LORA_OPS_CUDA_GG_STAGING", raising=False)
+    problem = gg._problem(PIECES_CASES["rank16_tails"], _cuda(torch.bfloat16), torch.bfloat16, key="rank16_tails")
+    report, names = cuda_kernel_names(lambda: _check(problem, torch.bfloat16))
+    assert report == ""
+    assert any("grouped_gemm_tile_kernel" in n for n in names) or not names, names
+    assert not _pieces_ran(names), names

@@ -49,20 +49,6 @@ struct ExpandPlan {
   Access vec;
 };
 
-// A thread's 16-byte pieces of a ROWS x COLS tile of T: piece j is row r0() + j * kRowStep, columns [c(), c() +
-// kElems). Whole chunks of w and y are staged and stored through these, with the addresses of the tile's y rows
-// worked out once per tile (stage_tile and store_tile work out each piece's row, column and bounds per chunk: ~70
-// instructions a piece, most of the kernel's); a chunk that the group's last column cuts short, or a tensor
-// without 16-byte rows, goes through stage_tile/store_tile.
-template <class T, int ROWS, int COLS>
-struct Pieces {
-  static constexpr int kElems = 16 / sizeof(T), kChunks = COLS / kElems, kRowStep = kThreads / kChunks;
-  static constexpr int kCount = ROWS / kRowStep;
-  static_assert(COLS % kElems == 0 && kThreads % kChunks == 0 && ROWS % kRowStep == 0, "pieces tile the tile");
-  static __device__ __forceinline__ int r0() { return threadIdx.x / kChunks; }
-  static __device__ __forceinline__ int c() { return threadIdx.x % kChunks * kElems; }
-};
-
 template <class TX, class TW, class TY, int KT>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     grouped_gemm_expand_kernel(GroupedGemmParams p, ExpandPlan plan) {
@@ -98,8 +84,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     __syncthreads();
     auto y_row = [&](int64_t n0) { return [&, n0](int r) -> TY* { return s_y[r] ? s_y[r] + n0 : nullptr; }; };
-    using WP = Pieces<TW, kBN, KT>;
-    using YP = Pieces<TY, kBM, kBN>;
+    // Whole chunks of w and y go through the thread's pieces; a chunk the group's last column cuts short, or a
+    // tensor without 16-byte rows, through stage_tile/store_tile.
+    using WP = Pieces<TW, kBN, KT, kThreads>;
+    using YP = Pieces<TY, kBM, kBN, kThreads>;
+    static_assert(WP::kExact && YP::kExact, "every thread has its pieces");
     const int w_bytes = (int)clamp_index(k_l - WP::c(), 0, WP::kElems) * (int)sizeof(TW);  // the piece's valid bytes
     // Piece j's row of y (nullptr: no row), and the piece in the shared y tile of stage st.
     auto y_row_of = [&](int j) { return s_y[YP::r0() + j * YP::kRowStep]; };

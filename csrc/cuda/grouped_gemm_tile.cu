@@ -46,16 +46,22 @@ struct Layout {
   }
 };
 
+struct Empty {};
+
 struct TilePlan {
   int64_t units;      // tiles (upper bound) x column tiles
   int64_t col_tiles;  // ceil(N / BN)
   Access vec;
 };
 
-template <class TX, class TW, class TY, class S>
+// kPieces: where x and w have 16-byte aligned rows, their K tiles are staged through the thread's pieces (PieceRows:
+// row addresses once per tile) instead of stage_tile (each piece's row and bounds per stage).
+template <class TX, class TW, class TY, class S, bool kPieces>
 __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
     grouped_gemm_tile_kernel(GroupedGemmParams p, TilePlan plan) {
   using L = Layout<TX, TW, TY, S>;
+  using XRows = PieceRows<TX, S::BM, L::BK, L::XS, S::kThreads>;
+  using WRows = PieceRows<TW, S::BN, L::BK, L::WS, S::kThreads>;
   constexpr int MI = S::WM / 16, NI = S::WN / 8, kStages = L::kStages;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[S::BM];
@@ -73,7 +79,23 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
     if (n0 >= n_l || (k_l == 0 && p.accumulate)) continue;  // nothing to write
 
     const TW* w_slot = w + tile.slot * p.w_stride0;
+    // The pieces' row addresses (kPieces; an empty struct otherwise, so the default kernels stay as they were).
+    [[maybe_unused]] std::conditional_t<kPieces, XRows, Empty> x_rows;
+    [[maybe_unused]] std::conditional_t<kPieces, WRows, Empty> w_rows;
+    if constexpr (kPieces) {
+      if (plan.vec.x && plan.vec.w) {
+        x_rows.init([&](int r) -> const TX* { return s_rows[r] >= 0 ? x + s_rows[r] * p.x_row_stride : nullptr; });
+        w_rows.init([&](int i) -> const TW* { return n0 + i < n_l ? w_slot + (n0 + i) * p.w_stride1 : nullptr; });
+      }
+    }
     auto load_stage = [&](int st, int64_t k0) {
+      if constexpr (kPieces) {
+        if (plan.vec.x && plan.vec.w) {
+          x_rows.stage(L::xs(smem, st), k0, k_l - k0, x);
+          w_rows.stage(L::ws(smem, st), k0, k_l - k0, w);
+          return;
+        }
+      }
       stage_tile<TX, S::BM, L::BK, L::XS, S::kThreads>(
           L::xs(smem, st),
           [&](int r) -> const TX* { return s_rows[r] >= 0 ? x + s_rows[r] * p.x_row_stride + k0 : nullptr; },
@@ -118,19 +140,29 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
   }
 }
 
-template <class TX, class TW, class TY, class S>
+template <class TX, class TW, class TY, class S, bool kPieces = false>
 cudaError_t launch_shape(const GroupedGemmParams& p, cudaStream_t stream) {
   TilePlan plan{};
   plan.col_tiles = (p.n + S::BN - 1) / S::BN;
   plan.units = max_segment_tiles(p.seg, S::BM) * plan.col_tiles;
   plan.vec = access_of(p);
-  return launch(grouped_gemm_tile_kernel<TX, TW, TY, S>, plan.units, S::kThreads, Layout<TX, TW, TY, S>::bytes,
-                stream, p, plan);
+  return launch(grouped_gemm_tile_kernel<TX, TW, TY, S, kPieces>, plan.units, S::kThreads,
+                Layout<TX, TW, TY, S>::bytes, stream, p, plan);
+}
+
+// Pieces up to 32 columns (LoRA ranks up to 32): from 64 on, their row addresses spill at the register cap of
+// NarrowShape's CTAs per SM (ptxas, sm_80 and sm_90a).
+template <class TX, class TW, class TY, int BN>
+cudaError_t launch_narrow(const GroupedGemmParams& p, bool pieces, cudaStream_t stream) {
+  if constexpr (BN <= 32) {
+    if (pieces) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, stream);
+  }
+  return launch_shape<TX, TW, TY, NarrowShape<BN>, false>(p, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream) {
+cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, bool pieces, cudaStream_t stream) {
   return dispatch_types(p, [&](auto xt, auto wt, auto yt) {
     using TX = typename decltype(xt)::type;
     using TW = typename decltype(wt)::type;
@@ -142,10 +174,10 @@ cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cu
         return launch_shape<TX, TW, TY, WideShape>(p, stream);
       }
     }
-    if (p.n <= 16) return launch_shape<TX, TW, TY, NarrowShape<16>>(p, stream);
-    if (p.n <= 32) return launch_shape<TX, TW, TY, NarrowShape<32>>(p, stream);
-    if (p.n <= 64) return launch_shape<TX, TW, TY, NarrowShape<64>>(p, stream);
-    return launch_shape<TX, TW, TY, NarrowShape<kGroupedGemmNarrowMaxN>>(p, stream);
+    if (p.n <= 16) return launch_narrow<TX, TW, TY, 16>(p, pieces, stream);
+    if (p.n <= 32) return launch_narrow<TX, TW, TY, 32>(p, pieces, stream);
+    if (p.n <= 64) return launch_narrow<TX, TW, TY, 64>(p, pieces, stream);
+    return launch_narrow<TX, TW, TY, kGroupedGemmNarrowMaxN>(p, pieces, stream);
   });
 }
 
