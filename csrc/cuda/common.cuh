@@ -102,6 +102,23 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// A thread's 16-byte pieces of a ROWS x COLS tile of T staged by THREADS threads: piece j is row row(j) = r0() + j *
+// kRowStep, columns [c(), c() + kElems); rows past the tile (where kRowStep does not divide ROWS) have no piece.
+// Staging a tile through its pieces, with the rows' addresses worked out once per tile, costs a few instructions a
+// piece; stage_tile and store_tile (grouped_gemm.cuh) work out each piece's row, column and bounds per call (~70
+// instructions a piece, most of an issue-bound kernel's work: csrc/cuda/NOTES.md, grouped_gemm, session 19).
+template <class T, int ROWS, int COLS, int THREADS>
+struct Pieces {
+  static constexpr int kElems = 16 / sizeof(T), kChunks = COLS / kElems, kRowStep = THREADS / kChunks;
+  static constexpr int kCount = (ROWS + kRowStep - 1) / kRowStep;
+  static constexpr bool kExact = ROWS % kRowStep == 0;  // every thread has kCount pieces
+  static_assert(COLS % kElems == 0 && THREADS % kChunks == 0, "pieces tile the tile's columns");
+  static __device__ __forceinline__ int r0() { return threadIdx.x / kChunks; }
+  static __device__ __forceinline__ int c() { return threadIdx.x % kChunks * kElems; }
+  static __device__ __forceinline__ int row(int j) { return r0() + j * kRowStep; }
+  static __device__ __forceinline__ bool in_tile(int j) { return kExact || row(j) < ROWS; }
+};
+
 // The range [begin, end) of `total` items that member `rank` of `parts` takes.
 __host__ __device__ __forceinline__ void split_range(int64_t total, int64_t parts, int64_t rank, int64_t* begin,
                                                      int64_t* end) {

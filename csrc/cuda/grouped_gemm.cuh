@@ -200,23 +200,6 @@ __device__ __forceinline__ void store_tile(const T* src, RowPtr row_ptr, int64_t
   }
 }
 
-// A thread's 16-byte pieces of a ROWS x COLS tile of T staged by THREADS threads: piece j is row row(j) = r0() + j *
-// kRowStep, columns [c(), c() + kElems); rows past the tile (where kRowStep does not divide ROWS) have no piece.
-// Staging a tile through its pieces, with the rows' addresses worked out once per tile, costs a few instructions a
-// piece; stage_tile and store_tile work out each piece's row, column and bounds per call (~70 instructions a piece,
-// most of an issue-bound kernel's work: csrc/cuda/NOTES.md, grouped_gemm, session 19).
-template <class T, int ROWS, int COLS, int THREADS>
-struct Pieces {
-  static constexpr int kElems = 16 / sizeof(T), kChunks = COLS / kElems, kRowStep = THREADS / kChunks;
-  static constexpr int kCount = (ROWS + kRowStep - 1) / kRowStep;
-  static constexpr bool kExact = ROWS % kRowStep == 0;  // every thread has kCount pieces
-  static_assert(COLS % kElems == 0 && THREADS % kChunks == 0, "pieces tile the tile's columns");
-  static __device__ __forceinline__ int r0() { return threadIdx.x / kChunks; }
-  static __device__ __forceinline__ int c() { return threadIdx.x % kChunks * kElems; }
-  static __device__ __forceinline__ int row(int j) { return r0() + j * kRowStep; }
-  static __device__ __forceinline__ bool in_tile(int j) { return kExact || row(j) < ROWS; }
-};
-
 // An operand tile streamed along K (the x and w tiles of a K loop) through the thread's pieces: the rows' first
 // elements are found once per tile (init), each stage adds its K offset. For 16-byte aligned rows only.
 template <class T, int ROWS, int COLS, int STRIDE, int THREADS>

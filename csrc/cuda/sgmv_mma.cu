@@ -77,18 +77,6 @@ struct Smem {
   static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
 };
 
-// A thread's share of a tile copied in 16-byte chunks by kThreads threads, kChunksPerRow per row: the chunk col()
-// elements into rows first_row() + i * row_step, the same for every stage, so that the pipelined loads add one
-// offset to pointers made once per tile (v3 redid 64-bit index arithmetic, divisions included, for every chunk of
-// every stage).
-template <int kChunksPerRow, int kThreads>
-struct ChunkRows {
-  static constexpr int row_step = kThreads / kChunksPerRow;
-  static_assert(kThreads % kChunksPerRow == 0, "every thread keeps one chunk column");
-  static __device__ int first_row() { return threadIdx.x / kChunksPerRow; }
-  static __device__ int col(int elems_per_chunk) { return threadIdx.x % kChunksPerRow * elems_per_chunk; }
-};
-
 template <class T, class TY, int RT>
 __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     sgmv_mma_kernel(SgmvParams p, MmaPlan plan) {
@@ -119,37 +107,37 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // ---------------- shrink: h = X A^T ----------------
   // X and A tiles share one chunk column (kc) per thread; a row outside the tile's rows or the slot's true rank
   // (or a slice past the group) has a null source and is zero-filled.
-  using KRows = ChunkRows<kBK / 8, kThreads>;
-  static_assert(kTileRows % KRows::row_step == 0 && RT % KRows::row_step == 0, "X and A rows split evenly");
-  const int kc = KRows::col(8);
-  const T* x_src[kTileRows / KRows::row_step];
+  using KRows = Pieces<T, kTileRows, kBK, kThreads>;  // A's RT rows take the same row step
+  static_assert(kTileRows % KRows::kRowStep == 0 && RT % KRows::kRowStep == 0, "X and A rows split evenly");
+  const int kc = KRows::c();
+  const T* x_src[kTileRows / KRows::kRowStep];
 #pragma unroll
-  for (int i = 0; i < kTileRows / KRows::row_step; ++i) {
-    const int64_t row = s_rows[KRows::first_row() + i * KRows::row_step];
+  for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
+    const int64_t row = s_rows[KRows::r0() + i * KRows::kRowStep];
     x_src[i] = row >= 0 ? x + row * p.x_row_stride + kc : nullptr;
   }
-  const T* a_src[RT / KRows::row_step];
+  const T* a_src[RT / KRows::kRowStep];
 #pragma unroll
-  for (int i = 0; i < RT / KRows::row_step; ++i) {
-    const int rr = KRows::first_row() + i * KRows::row_step, sl = rr / rp, j = rr % rp;
+  for (int i = 0; i < RT / KRows::kRowStep; ++i) {
+    const int rr = KRows::r0() + i * KRows::kRowStep, sl = rr / rp, j = rr % rp;
     a_src[i] = s0 + sl < s1 && j < rank ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + kc
                                         : nullptr;
   }
   auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
   auto as = [&](int st) { return xs(st) + kTileRows * (kBK + kPad); };
   auto load_shrink = [&](int st, int64_t k0) {
-    T* X = xs(st) + KRows::first_row() * (kBK + kPad) + kc;
-    T* A = as(st) + KRows::first_row() * (kBK + kPad) + kc;
+    T* X = xs(st) + KRows::r0() * (kBK + kPad) + kc;
+    T* A = as(st) + KRows::r0() * (kBK + kPad) + kc;
     const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;
 #pragma unroll
-    for (int i = 0; i < kTileRows / KRows::row_step; ++i) {
+    for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
       const bool ok = x_src[i] && bytes;
-      cp_async16(X + i * KRows::row_step * (kBK + kPad), ok ? x_src[i] + k0 : x, ok ? bytes : 0);
+      cp_async16(X + i * KRows::kRowStep * (kBK + kPad), ok ? x_src[i] + k0 : x, ok ? bytes : 0);
     }
 #pragma unroll
-    for (int i = 0; i < RT / KRows::row_step; ++i) {
+    for (int i = 0; i < RT / KRows::kRowStep; ++i) {
       const bool ok = a_src[i] && bytes;
-      cp_async16(A + i * KRows::row_step * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
+      cp_async16(A + i * KRows::kRowStep * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
     }
   };
   float h[kWarpRanks / 8][4] = {};
@@ -194,9 +182,9 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
   // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
   // chunk is past the slot's rank or the group's slices).
-  using BRows = ChunkRows<RT / 8, kThreads>;
-  static_assert(kBN % BRows::row_step == 0, "B rows split evenly");
-  const int j8 = BRows::col(8), b_slice = j8 / rp, b_j = j8 % rp;
+  using BRows = Pieces<T, kBN, RT, kThreads>;
+  static_assert(kBN % BRows::kRowStep == 0, "B rows split evenly");
+  const int j8 = BRows::c(), b_slice = j8 / rp, b_j = j8 % rp;
   const bool b_used = s0 + b_slice < s1 && b_j < rank;
   const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
   const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
@@ -204,30 +192,30 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
   // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
   constexpr int kYVec = 16 / sizeof(TY);
-  using YRows = ChunkRows<kBN / kYVec, kThreads>;
-  static_assert(kTileRows % YRows::row_step == 0, "y rows split evenly");
-  const int yc = YRows::col(kYVec);
+  using YRows = Pieces<TY, kTileRows, kBN, kThreads>;
+  static_assert(kTileRows % YRows::kRowStep == 0, "y rows split evenly");
+  const int yc = YRows::c();
   // Made from the tile's rows at each use, not kept: the expand's registers hold acc, h and the B copy state.
   auto y_row = [&](int i) -> TY* {
-    const int64_t row = s_rows[YRows::first_row() + i * YRows::row_step];
+    const int64_t row = s_rows[YRows::r0() + i * YRows::kRowStep];
     return row >= 0 ? y + row * p.y_row_stride + yc : nullptr;
   };
   auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
   auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
   auto load_expand = [&](int st, int64_t n0) {
-    T* B = bs(st) + BRows::first_row() * (RT + kPad) + j8;
+    T* B = bs(st) + BRows::r0() * (RT + kPad) + j8;
 #pragma unroll
-    for (int i = 0; i < kBN / BRows::row_step; ++i) {
-      const int64_t n = n0 + BRows::first_row() + i * BRows::row_step;
+    for (int i = 0; i < kBN / BRows::kRowStep; ++i) {
+      const int64_t n = n0 + BRows::r0() + i * BRows::kRowStep;
       const bool ok = n >= b_lo && n < b_hi;
-      cp_async16(B + i * BRows::row_step * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
+      cp_async16(B + i * BRows::kRowStep * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
     }
-    TY* Y = ys(st) + YRows::first_row() * (kBN + L::kYPad) + yc;
+    TY* Y = ys(st) + YRows::r0() * (kBN + L::kYPad) + yc;
     const bool in = n0 + yc + kYVec <= c_end;  // see the write-back
 #pragma unroll
-    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
+    for (int i = 0; i < kTileRows / YRows::kRowStep; ++i) {
       TY* row = in ? y_row(i) : nullptr;
-      cp_async16(Y + i * YRows::row_step * (kBN + L::kYPad), row ? row + n0 : y, row ? 16 : 0);
+      cp_async16(Y + i * YRows::kRowStep * (kBN + L::kYPad), row ? row + n0 : y, row ? 16 : 0);
     }
   };
   int64_t nt_begin, nt_end;
@@ -382,11 +370,11 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
     // Slices start and end on multiples of 8 columns (sgmv_mma_supported): a chunk is all in or all out.
     const int64_t n0 = n_first + (int64_t)nt * kBN;
     if (n0 + yc + kYVec > c_end) continue;
-    const TY* src = Y + YRows::first_row() * (kBN + L::kYPad) + yc;
+    const TY* src = Y + YRows::r0() * (kBN + L::kYPad) + yc;
 #pragma unroll
-    for (int i = 0; i < kTileRows / YRows::row_step; ++i) {
+    for (int i = 0; i < kTileRows / YRows::kRowStep; ++i) {
       if (TY* row = y_row(i)) {
-        const TY* chunk = src + i * YRows::row_step * (kBN + L::kYPad);
+        const TY* chunk = src + i * YRows::kRowStep * (kBN + L::kYPad);
         *reinterpret_cast<uint4*>(row + n0) = *reinterpret_cast<const uint4*>(chunk);
       }
     }
