@@ -19,7 +19,8 @@
 #              fold-cuda), AB_ARGS (more bench arguments, e.g. --between-modules); every arm's output to
 #              $OUT/envab.log (not in the default; revisions: scripts/ab.sh)
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
-# folder).
+# folder). The bench times vLLM's LoRA ops beside ours where build/peers/vllm is carried (scripts/make_vllm_peer.sh,
+# run where a registry is reachable).
 # Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [routes] [mutate]
 #        [-- bench args]
 set -uo pipefail

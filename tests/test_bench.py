@@ -597,8 +597,8 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     from lora_ops.bench import decode_step
 
     ran = []
-    monkeypatch.setattr(decode_step, "bench_step", lambda model, step, *rest: ran.append((model.name, step)) or
-                        _stand_in_step(model, step, *rest))
+    monkeypatch.setattr(decode_step, "bench_step", lambda model, step, *rest, only=None: ran.append((model.name, step))
+                        or only == routes.NAMES and _stand_in_step(model, step, *rest))  # lora_ops' routes alone
     path = str(tmp_path / "routes.json")
     failures = []
     models = ["llama3-8b", "llama3-70b-tp8"]
@@ -636,9 +636,11 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     records = []
     for name, step in ran:
         _stand_in_step(decode_step.MODELS[name], step, "cuda", records, [], None)
-    # an earlier record of a route at a sample step (the issue rows run first): the sweep's own counts
+    # an earlier record of a route at a sample step (the issue rows run first): the sweep's own counts; and a
+    # peer's record (a run's vllm route), faster than every route: no table chooses a peer
     stale = dict(next(r for r in records if r["backend"] == "fold-triton"), us=1.0)
-    results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[], records=[stale] + records)
+    peer = dict(records[0], backend="vllm", us=0.5)
+    results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[], records=[stale] + records + [peer])
     (tmp_path / "run.json").write_text(json.dumps(results))
     assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json"),
                         "--routes-models", ",".join(models)]) == 0
@@ -658,7 +660,7 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     (tmp_path / "run.json").write_text(json.dumps(results))
     with pytest.raises(SystemExit):  # the default's three models: qwen2-7b has no sweep in the run
         report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
-    failing = lambda model, step, device, records, failures, *rest: failures.append("fold-cuda raised")
+    failing = lambda model, step, device, records, failures, *rest, **kw: failures.append("fold-cuda raised")
     monkeypatch.setattr(decode_step, "bench_step", failing)
     (tmp_path / "routes.json").unlink()
     decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),

@@ -17,6 +17,10 @@ adapter of a 32-slot pool. Routes:
                the serving layer's kext route runs it: on the modules lora_linear's kernels serve; the others
                (e.g. the 70B shard's o_proj, K = 1024: fewer K blocks than the GEMM's stages) take the committed
                routes table's fallback for the step, as the serving layer does.
+- vllm:        a peer, where its copy is built (lora_ops.bench.peers): the base GEMM, then vLLM's lora_shrink and
+               lora_expand as vLLM runs them, in vLLM's layout of each module's pool. Its metadata is prepared
+               before the step is captured (it syncs the host), as vLLM prepares it before replaying a graph; the
+               lora_ops routes build their segments inside the step.
 
 Every route reads the adapter pool's layout of the serving layer (ModuleSlots): [W; A of every slot] as one
 matrix, lora_b [L, N, R], and for the kext route B of every slot as columns [N, L·R] (b_cols, a copy).
@@ -47,6 +51,7 @@ import lora_ops
 from lora_ops import backends, reference, testing
 from lora_ops import routes as route_table
 
+from . import peers
 from .timing import capture, time_interleaved, time_loop
 
 POOL_SLOTS = 32
@@ -245,6 +250,19 @@ class Setup:
                                                                 self.token_lora, self.scales, m.slice_offsets)
         return [self.build_segments] + self.module_calls(one, module)
 
+    def vllm_calls(self, ops) -> List[Callable[[], None]]:
+        """The vllm peer's step: vLLM's metadata and its layout of every module's pool, made here, before the
+        capture; then per module the base GEMM and vLLM's add_lora_linear."""
+        batch = peers.VllmBatch(ops, self.token_lora, POOL_SLOTS)
+        layouts = {id(m): peers.VllmLayout(m.lora_a, m.lora_b, self.ranks, self.scales, 1.0, m.offsets)
+                   for layer in self.layers for m in layer}
+
+        def one(m, n):
+            self.write_input(n)
+            torch.mm(self.x[n], m.w.t(), out=self.y[n])
+            peers.add_lora_linear(ops, self.y[n], self.x[n], layouts[id(m)], batch)
+        return self.module_calls(one, None)
+
     # ---- parts of the routes alone, to place the time (not routes: their outputs are not checked) ----
     def fold_gemm_calls(self, module: Optional[str] = None) -> List[Callable[[], None]]:
         return self.module_calls(lambda m, n: torch.mm(self.x[n], m.w_cat.t(), out=self.out[n]), module)
@@ -289,7 +307,7 @@ class Setup:
 
 
 def routes() -> Dict[str, Tuple[str, Callable]]:
-    """route name -> (kind, op) for every available backend."""
+    """route name -> (kind, op) for every available backend, and on CUDA the peers that are built (kind "peer")."""
     out = {}
     if backends.cuda_served_by.get("sgmv") == "cuda":
         out["sgmv-cuda"] = ("sgmv", torch.ops.lora_ops.sgmv.default)
@@ -300,6 +318,9 @@ def routes() -> Dict[str, Tuple[str, Callable]]:
         import lora_ops.triton as lt
         out["sgmv-triton"] = ("sgmv", lt.sgmv)
         out["fold-triton"] = ("fold", lt.lora_expand)
+    vllm_ops = peers.vllm_ops()[0] if torch.cuda.is_available() else None
+    if vllm_ops is not None:
+        out["vllm"] = ("peer", vllm_ops)
     return out
 
 
@@ -338,8 +359,12 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             continue
         try:
             calls = s.sgmv_calls(op) if kind == "sgmv" else s.fold_calls(name, op) if kind == "fold" else \
-                s.kext_calls(name, op)
-            for f in calls[:1 + len(s.names)]:  # the preamble and the first layer, eagerly: the checked outputs
+                s.vllm_calls(op) if kind == "peer" else s.kext_calls(name, op)
+            if kind == "peer":  # the whole step once: vLLM fills its pointer tables on first use (not capturable)
+                for f in calls:
+                    f()
+            preamble = 0 if kind == "peer" else 1  # build_segments
+            for f in calls[:preamble + len(s.names)]:  # the first layer, eagerly: the checked outputs
                 f()
             outs = s.outputs(name)
             first_err = max(_rel(outs[n], ref[n][1]) for n in s.names)
@@ -404,7 +429,7 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, r
         parts[f"fold-gemm-fold_linear-{module}"] = s.fold_linear_calls(module)
         parts[f"base-{module}"] = s.base_calls(module)
     for name, (kind, op) in routes().items():
-        if name not in recorded:  # the routes timed and right in this step
+        if name not in recorded or kind == "peer":  # the lora_ops routes timed and right in this step
             continue
         backend = name.split("-")[1]
         if kind == "sgmv":
@@ -454,8 +479,8 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
     ValueError unless every route and backend was timed at every sample step (a run of some routes, --impls, makes
     no table)."""
     timed: Dict[Tuple[str, int, int, int], Dict[str, float]] = {}
-    for r in records:
-        if r.get("op") == "decode_step":
+    for r in records:  # the base and lora_ops' routes: a peer's time (the vllm route) is no route of a table
+        if r.get("op") == "decode_step" and (r["backend"] == "base" or r["backend"] in route_table.NAMES):
             timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
     tables = []
     for model in models:
@@ -499,7 +524,8 @@ def write_routes(path: str, device, records, failures, log, meta: dict, models: 
         for mixes in route_table.CLASS_MIXES:
             for rank, adapters in mixes:
                 for T in route_table.REGIME_SAMPLES:
-                    bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log)
+                    bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log,
+                               only=route_table.NAMES)  # lora_ops' routes: a table chooses among them
     try:
         table = routes_table(records[first:], meta, models)
     except ValueError as exc:

@@ -1,5 +1,6 @@
 """The op bench: sgmv, lora_expand, grouped_gemm and build_segments on every available backend against baselines
-(docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present.
+(docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present, and
+for sgmv on CUDA vLLM's Triton LoRA ops where its peer is built (lora_ops.bench.peers).
 
 Every implementation is checked against the float64 oracle on the first and last input sets before it is timed,
 and on CUDA so is one replay of the graph that is timed; a wrong or crashing implementation of lora_ops (or a
@@ -26,6 +27,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, routes, testing
 
+from . import peers
 from .timing import MIN_CALLS, time_cpu, time_cuda
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
@@ -101,6 +103,7 @@ class Problem:
             self.rows_by_slot = [(s, (token_lora == s).nonzero().flatten().to(device)) for s in slots]
         self.offsets = offsets
         self.case = case
+        self.peer = {}  # the peers' own layouts and metadata of this set, made on their first (eager) call
 
     def args(self, y):
         return self.p.args(y)
@@ -193,12 +196,25 @@ def grouped_mm(pb: Problem, y):
         y[:, lo:hi].index_add_(0, idx, (d * coef).to(y.dtype))
 
 
+def vllm(pb: Problem, y):
+    """vLLM's Triton LoRA ops, lora_shrink then lora_expand, in vLLM's layout (lora_ops.bench.peers)."""
+    ops = peers.vllm_ops()[0]
+    if "vllm" not in pb.peer:
+        p = pb.p
+        pb.peer["vllm"] = (peers.VllmLayout(p.lora_a, p.lora_b, p.lora_ranks, p.lora_scales, p.scale, pb.offsets),
+                           peers.VllmBatch(ops, pb.token_lora, pb.case.pool_slots))
+    layout, batch = pb.peer["vllm"]
+    peers.add_lora_linear(ops, y, pb.p.x, layout, batch)
+
+
 def implementations(device) -> Dict[str, Callable]:
     impls = _our_implementations(device, "sgmv")
     impls["torch_loop"] = torch_loop
     impls["gather_bmm"] = gather_bmm
     if device != "cpu" and hasattr(torch, "_grouped_mm"):
         impls["grouped_mm"] = grouped_mm
+    if device != "cpu" and peers.vllm_ops()[0] is not None:
+        impls["vllm"] = vllm
     return impls
 
 
