@@ -66,7 +66,8 @@ def _misaligned(t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("K, N", [(72, 200), (264, 40), (264, 200)], ids=["short_k", "few_cols", "general"])
+@pytest.mark.parametrize("K, N", [(72, 200), (264, 40), (264, 24), (264, 200)],
+                         ids=["short_k", "few_cols", "rank_cols", "general"])
 @pytest.mark.parametrize("which", ["x", "w", "y"])
 @pytest.mark.parametrize("k_sizes", [True, False], ids=["k_sizes", "no_k_sizes"])
 def test_unaligned_rows_take_element_loads(kernel, dtype, K, N, which, k_sizes):
@@ -244,20 +245,29 @@ def test_lora_path_sizes_and_empty_reductions(x_dtype, monkeypatch):
 
 # LoRA shrinks the narrow tiles' pieces stage (K > 128, N <= 32, 16-byte rows): K tails inside a piece, per-group
 # k_l and n_l, gathered and contiguous rows, invalid slots, w a slice of a NaN-padded pool, fp32 x (32-element K
-# steps: a 16-column w tile has pieces in half the threads), fp32 y, overwrite with alpha.
+# steps: a 16-column w tile has pieces in half the threads), fp32 y, overwrite with alpha. Over the three dtypes they
+# run each of the 18 pieces kernels: (x, w, y) of (w, w, w), (w, w, fp32), (fp32, w, w), (fp32, w, fp32) for a
+# 16-bit w and fp32 throughout, at 16 and 32 columns.
 PIECES_CASES = {
     "rank16_tails": lambda g: (grid._slots(g, 300, [0, 1, 2, -1]), dict(K=1000, N=16, num_groups=3,
                                                                          y_dtype=torch.float32, n_sizes=[16, 8, 5],
                                                                          k_sizes=[1000, 333, 130])),
     "rank32_overwrite": lambda g: (grid._slots(g, 260, [0, 2, 3]), dict(K=520, N=32, num_groups=4,
                                                                         accumulate=False, alpha=0.5)),
-    "rank24_bad_slots": lambda g: (grid._grouped_runs([(0, 70), (-1, 9), (2, 65), (5, 12), (1, 3)]),
-                                   dict(K=264, N=24, num_groups=3, gathered=False)),
+    "rank32_fp32_y": lambda g: (grid._slots(g, 200, [0, 1]), dict(K=300, N=32, num_groups=2, y_dtype=torch.float32,
+                                                                 n_sizes=[32, 17])),
+    "rank24_bad_slots_fp32_x": lambda g: (grid._grouped_runs([(0, 70), (-1, 9), (2, 65), (5, 12), (1, 3)]),
+                                          dict(K=264, N=24, num_groups=3, gathered=False, x_dtype=torch.float32)),
+    "rank20_fp32_x_and_y": lambda g: (grid._slots(g, 140, [0, 2]), dict(K=200, N=20, num_groups=3,
+                                                                       x_dtype=torch.float32,
+                                                                       y_dtype=torch.float32)),
     "rank8_padded_pool": lambda g: (grid._slots(g, 200, [1, 3]), dict(K=392, N=8, num_groups=4, pad=8,
                                                                      n_sizes=[8, 8, 3, 8])),
-    "rank16_fp32_x": lambda g: (grid._slots(g, 150, [0, 1]), dict(K=1000, N=16, num_groups=2,
-                                                                 x_dtype=torch.float32, y_dtype=torch.float32,
-                                                                 k_sizes=[1000, 136])),
+    "rank12_fp32_x": lambda g: (grid._slots(g, 150, [0, 1]), dict(K=1000, N=12, num_groups=2,
+                                                                 x_dtype=torch.float32, k_sizes=[1000, 136])),
+    "rank16_fp32_x_and_y": lambda g: (grid._slots(g, 150, [0, 1]), dict(K=1000, N=16, num_groups=2,
+                                                                       x_dtype=torch.float32,
+                                                                       y_dtype=torch.float32, k_sizes=[1000, 136])),
 }
 
 
@@ -271,7 +281,7 @@ def _pieces_ran(names):
 @pytest.mark.parametrize("name", list(PIECES_CASES))
 def test_narrow_pieces_stage_lora_shrinks(name, dtype, monkeypatch):
     """The probe LORA_OPS_CUDA_GG_STAGING=pieces on the shapes it takes, against the oracle with poisoned outputs;
-    the profiler shows the pieces' kernel ran."""
+    the profiler shows the pieces' kernel ran (launched only where the rows are aligned, it stages by pieces alone)."""
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
@@ -280,6 +290,33 @@ def test_narrow_pieces_stage_lora_shrinks(name, dtype, monkeypatch):
     report, names = cuda_kernel_names(lambda: _check(problem, dtype))
     assert report == ""
     assert _pieces_ran(names) or not names, names
+
+
+@pytest.mark.parametrize("which", ["x", "w"])
+def test_pieces_leave_unaligned_rows_to_the_tile_staging(which, monkeypatch):
+    """With the probe on, x or w whose rows are not 16-byte aligned take the kernel without pieces (cp.async of 16
+    bytes needs aligned sources), and the result is right."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "pieces")
+    problem = gg._problem(PIECES_CASES["rank16_tails"], _cuda(torch.bfloat16), torch.bfloat16, key="rank16_tails")
+    setattr(problem, which, _misaligned(getattr(problem, which)))
+    report, names = cuda_kernel_names(lambda: _check(problem, torch.bfloat16))
+    assert report == ""
+    assert any("grouped_gemm_tile_kernel" in n for n in names) or not names, names
+    assert not _pieces_ran(names), names
+
+
+def test_a_bad_staging_value_is_an_error_on_every_path(monkeypatch):
+    """LORA_OPS_CUDA_GG_STAGING is read on every call, not only where the narrow tiles run: a typo is an error."""
+    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
+        pytest.skip("the CUDA grouped_gemm kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "mma")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "piece")
+    problem = gg._problem(PIECES_CASES["rank32_overwrite"], _cuda(torch.bfloat16), torch.bfloat16, key="bad_value")
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_GG_STAGING"):
+        lora_ops.ops.grouped_gemm(*problem.args(problem.y.clone()))
 
 
 def test_pieces_probe_off_keeps_the_tile_staging(monkeypatch):

@@ -54,8 +54,8 @@ struct TilePlan {
   Access vec;
 };
 
-// kPieces: where x and w have 16-byte aligned rows, their K tiles are staged through the thread's pieces (PieceRows:
-// row addresses once per tile) instead of stage_tile (each piece's row and bounds per stage).
+// kPieces (launched only where x and w have 16-byte aligned rows): their K tiles are staged through the thread's
+// pieces (PieceRows: row addresses once per tile) instead of stage_tile (each piece's row and bounds per stage).
 template <class TX, class TW, class TY, class S, bool kPieces>
 __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
     grouped_gemm_tile_kernel(GroupedGemmParams p, TilePlan plan) {
@@ -83,18 +83,14 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
     [[maybe_unused]] std::conditional_t<kPieces, XRows, Empty> x_rows;
     [[maybe_unused]] std::conditional_t<kPieces, WRows, Empty> w_rows;
     if constexpr (kPieces) {
-      if (plan.vec.x && plan.vec.w) {
-        x_rows.init([&](int r) -> const TX* { return s_rows[r] >= 0 ? x + s_rows[r] * p.x_row_stride : nullptr; });
-        w_rows.init([&](int i) -> const TW* { return n0 + i < n_l ? w_slot + (n0 + i) * p.w_stride1 : nullptr; });
-      }
+      x_rows.init([&](int r) -> const TX* { return s_rows[r] >= 0 ? x + s_rows[r] * p.x_row_stride : nullptr; });
+      w_rows.init([&](int i) -> const TW* { return n0 + i < n_l ? w_slot + (n0 + i) * p.w_stride1 : nullptr; });
     }
     auto load_stage = [&](int st, int64_t k0) {
       if constexpr (kPieces) {
-        if (plan.vec.x && plan.vec.w) {
-          x_rows.stage(L::xs(smem, st), k0, k_l - k0, x);
-          w_rows.stage(L::ws(smem, st), k0, k_l - k0, w);
-          return;
-        }
+        x_rows.stage(L::xs(smem, st), k0, k_l - k0, x);
+        w_rows.stage(L::ws(smem, st), k0, k_l - k0, w);
+        return;
       }
       stage_tile<TX, S::BM, L::BK, L::XS, S::kThreads>(
           L::xs(smem, st),
@@ -150,12 +146,13 @@ cudaError_t launch_shape(const GroupedGemmParams& p, cudaStream_t stream) {
                 Layout<TX, TW, TY, S>::bytes, stream, p, plan);
 }
 
-// Pieces up to 32 columns (LoRA ranks up to 32): from 64 on, their row addresses spill at the register cap of
-// NarrowShape's CTAs per SM (ptxas, sm_80 and sm_90a).
+// Pieces where x and w have 16-byte aligned rows, up to 32 columns (LoRA ranks up to 32): from 64 on, their row
+// addresses spill at the register cap of NarrowShape's CTAs per SM (ptxas, sm_80 and sm_90a).
 template <class TX, class TW, class TY, int BN>
 cudaError_t launch_narrow(const GroupedGemmParams& p, bool pieces, cudaStream_t stream) {
   if constexpr (BN <= 32) {
-    if (pieces) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, stream);
+    const Access vec = access_of(p);
+    if (pieces && vec.x && vec.w) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, stream);
   }
   return launch_shape<TX, TW, TY, NarrowShape<BN>, false>(p, stream);
 }

@@ -244,6 +244,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
                        double alpha, bool accumulate) {
   const c10::cuda::CUDAGuard guard(y.device());
   const GroupedGemmKernel preferred = preferred_grouped_gemm_kernel();  // a forced C++ kernel bypasses the table
+  const bool pieces_probe = grouped_gemm_staged_by_pieces();  // read on every call: a bad value is always an error
   if (preferred == GroupedGemmKernel::Auto && table_dtype(w) &&
       op_table::says_triton(Op::GroupedGemm, {positions_of(y, token_indices), size_or_zero(w, 1),
                                               size_or_zero(w, 2)})) {
@@ -313,8 +314,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
     return;
   }
-  const bool pieces = skinny && grouped_gemm_staged_by_pieces();
-  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, pieces, stream));
+  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, skinny && pieces_probe, stream));
 }
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
