@@ -5,32 +5,33 @@
 # triton_utils, next_power_of_2, async_tensor_h2d and direct_register_custom_op, which registers the ops as
 # torch.ops.vllm.* as vLLM does). Needs a package registry (pip download) or a wheel given as WHEEL; copy DEST to
 # the GPU machine (the device tool's `carry`) and point LORA_OPS_VLLM_PEER at it (default: build/peers/vllm).
-# Usage: bash scripts/make_vllm_peer.sh [DEST] (VLLM_VERSION=0.33.0, WHEEL=path/to/vllm-*.whl to skip the download)
+# Usage: bash scripts/make_vllm_peer.sh [DEST] (VLLM_VERSION=0.33.0, or WHEEL=path/to/vllm-*.whl without a download)
 set -euo pipefail
+# DEST and WHEEL as given, relative to where this is run; DEST is replaced whole, so a wheel is refused there
+DEST=$(realpath -m "${1:-$(dirname "$0")/../build/peers/vllm}")
+case "$DEST" in *.whl) echo "make_vllm_peer.sh: DEST $DEST is a wheel; give it as WHEEL=" >&2; exit 2 ;; esac
+wheel=${WHEEL:+$(realpath "$WHEEL")}
 cd "$(dirname "$0")/.."
-DEST=${1:-build/peers/vllm}
-VERSION=${VLLM_VERSION:-0.33.0}
 PY=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-wheel=${WHEEL:-}
 if [ -z "$wheel" ]; then
-  $PY -m pip download -q --no-deps --only-binary=:all: -d "$work" "vllm==$VERSION"
+  $PY -m pip download -q --no-deps --only-binary=:all: -d "$work" "vllm==${VLLM_VERSION:-0.33.0}"
   wheel=$(ls "$work"/vllm-*.whl)
 fi
 ops=vllm/lora/ops/triton_ops
 rm -rf "$DEST"
 mkdir -p "$DEST"
-$PY - "$wheel" "$DEST" "$ops" <<'EOF'
+VERSION=$($PY - "$wheel" "$DEST" "$ops" <<'EOF'
 import sys, zipfile
 wheel, dest, ops = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z:
     for name in ("lora_shrink_op", "lora_expand_op", "kernel_utils", "lora_kernel_metadata", "utils"):
         z.extract(f"{ops}/{name}.py", dest)
-    version = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    meta = z.read(version).decode()
-    print(next(line for line in meta.splitlines() if line.startswith("Version:")))
+    meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    print(next(line for line in meta.splitlines() if line.startswith("Version:")).split(":", 1)[1].strip())
 EOF
+)
 write() { mkdir -p "$(dirname "$DEST/$1")"; cat > "$DEST/$1"; }
 write vllm/__init__.py <<EOF
 """Stand-ins for the vllm modules that vLLM $VERSION's Triton LoRA ops import (scripts/make_vllm_peer.sh)."""
@@ -129,5 +130,6 @@ $PY - "$DEST" <<'EOF'
 import sys
 sys.path.insert(0, sys.argv[1])
 from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink  # noqa: F401 (imports cleanly)
-print(f"vLLM peer at {sys.argv[1]}: lora_shrink, lora_expand, LoRAKernelMeta")
+import vllm
+print(f"vLLM {vllm.__version__} peer at {sys.argv[1]}: lora_shrink, lora_expand, LoRAKernelMeta")
 EOF

@@ -1,6 +1,9 @@
 """The bench's vLLM peer (lora_ops.bench.peers): its layout of a pool and its calls against the float64 oracle, through
 a stand-in of vLLM's ops by their documented semantics (every run), and through vLLM's own kernels where the peer is
-built (scripts/make_vllm_peer.sh; on the CPU in fp16 under Triton's interpreter, whose bf16 loads are wrong)."""
+built (scripts/make_vllm_peer.sh; on the CPU in fp16 under Triton's interpreter, whose bf16 tl.dot is wrong)."""
+import sys
+import types
+
 import pytest
 import torch
 
@@ -49,13 +52,15 @@ class VllmSemantics:
             col += n
 
 
-def _problem(dtype, device):
-    """Three slices of a pool whose adapters have rank 8 of its 16, per-slot scales, a scale of 0.5 and rows
-    without an adapter."""
-    case = ops.Case(12, 3, 8, K=64, N=48, slices=3, pool_rank=16, pool_slots=4)
+def _problem(dtype, device, T=12, slices=3, N=48, offsets=None):
+    """Slices of a pool whose adapters have rank 8 of its 16, per-slot scales, a scale of 0.5 and rows without an
+    adapter; `offsets`: the slices' own widths (qkv-like), instead of equal ones."""
+    case = ops.Case(T, 3, 8, K=64, N=N, slices=slices, pool_rank=16, pool_slots=4)
     pb = ops.Problem(case, dtype, device, seed=3)
     pb.p.scale = 0.5
     pb.token_lora[::5] = -1
+    if offsets is not None:
+        pb.offsets = pb.p.slice_offsets = offsets
     return pb
 
 
@@ -83,35 +88,107 @@ def test_vllm_layout_and_calls_give_the_oracles_delta(monkeypatch):
     assert _check(pb, torch.float32) == ""
 
 
+def _tiny_step(decode_step, monkeypatch, peer, parts=False):
+    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", torch.ops.lora_ops.sgmv.default),
+                                                        "vllm": ("peer", peer)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
+    records, failures = [], []
+    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print,
+                           parts=parts)
+    return records, failures
+
+
 def test_the_decode_step_times_the_peer_after_a_whole_eager_step(monkeypatch):
     """The decode step's vllm route: checked against the oracle like the routes, its whole step run once eagerly
-    before the capture (vLLM fills its pointer tables on first use), its metadata made outside the step."""
+    before the capture (vLLM fills its pointer tables on first use), its metadata made outside the step and timed
+    on its own (meta_us); --parts leaves the peer out."""
     fake = VllmSemantics()
     seen = []
     decode_step = _replay_eagerly(monkeypatch, on_capture=lambda calls: seen.append((len(calls), fake.shrinks)))
-    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", torch.ops.lora_ops.sgmv.default),
-                                                        "vllm": ("peer", fake)})
-    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
-    records, failures = [], []
-    decode_step.bench_step(model, decode_step.Step(T=6, adapters=3, rank=4), "cpu", records, failures, print)
+    records, failures = _tiny_step(decode_step, monkeypatch, fake)
     assert not failures
     assert [r["backend"] for r in records] == ["base", "sgmv-cpu", "vllm"]
     assert all(r["err"] < 2e-2 for r in records)
+    assert records[-1]["meta_us"] > 0 and all("meta_us" not in r for r in records[:-1])
     # the base's capture, the sgmv route's (build_segments and 12 modules), the peer's: 12 modules, after the whole
     # step and the first layer again ran eagerly
     assert seen[-1] == (12, 12 + 4)
+    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
+    records, failures = _tiny_step(decode_step, monkeypatch, fake, parts=True)
+    assert not failures and not any("vllm" in r["backend"] for r in records if r["op"] == "decode_step_part")
+
+
+def test_a_wrong_or_failing_peer_is_logged_not_a_failure(monkeypatch):
+    """A peer is measured, not trusted: wrong against the oracle or raising, it is left out of the records and the
+    run's failures (which would withhold the op and routes tables)."""
+    class Wrong(VllmSemantics):
+        def lora_expand(self, buffer, *rest, **kw):
+            super().lora_expand(buffer * 2, *rest, **kw)
+
+    class Raising(VllmSemantics):
+        def lora_shrink(self, *args):
+            raise RuntimeError("no kernel")
+
+    decode_step = _replay_eagerly(monkeypatch)
+    for peer in (Wrong(), Raising()):
+        records, failures = _tiny_step(decode_step, monkeypatch, peer)
+        assert not failures and [r["backend"] for r in records] == ["base", "sgmv-cpu"]
+    # the op bench: a record saying why, no failure
+    monkeypatch.setattr(peers, "vllm_ops", lambda: (Wrong(), ""))
+    records, failures = [], []
+    pb = _problem(torch.float32, "cpu")
+    ops._measure("sgmv", {"T": 12}, {"vllm": ops.vllm}, [pb], lambda b: b.p.y,
+                 lambda b: reference.sgmv(*b.p.args()), torch.float32, pb.min_bytes(), None, "cpu", None, records,
+                 failures, print)
+    assert not failures and records[0]["backend"] == "vllm" and records[0]["unavailable"].startswith("wrong")
+
+
+def test_the_peer_is_a_route_on_cuda_only_and_off_by_its_variable(monkeypatch):
+    """routes() offers the vllm peer where CUDA is (Triton's interpreter would take hours over a model's step), and
+    LORA_OPS_VLLM_PEER=off leaves it out."""
+    from lora_ops.bench import decode_step
+
+    fake = VllmSemantics()
+    monkeypatch.setattr(peers, "vllm_ops", lambda: (fake, ""))
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert ("vllm" in decode_step.routes()) == cuda
+    monkeypatch.undo()
+    monkeypatch.setenv("LORA_OPS_VLLM_PEER", "off")
+    peers.vllm_ops.cache_clear()
+    try:
+        assert peers.vllm_ops() == (None, "the vLLM peer is off (LORA_OPS_VLLM_PEER=off)")
+    finally:
+        peers.vllm_ops.cache_clear()
+
+
+def test_release_empties_vllms_pointer_caches(monkeypatch):
+    """vLLM keeps every weight list it saw (its caches, keyed by data_ptr); release() empties them."""
+    utils = types.SimpleNamespace(_LORA_A_PTR_DICT={1: "a"}, _LORA_B_PTR_DICT={2: "b"})
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils", utils)
+    peers.release()
+    assert utils._LORA_A_PTR_DICT == {} and utils._LORA_B_PTR_DICT == {}
+
+
+SHAPES = {"three_slices": {}, "one_slice": dict(slices=1, N=40),
+          "qkv_like": dict(T=40, N=64, offsets=[0, 32, 48, 64])}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_vllm_peer_matches_the_oracle(device, dtype):
-    """vLLM's own kernels through the peer, where it is built."""
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_vllm_peer_matches_the_oracle(device, dtype, shape):
+    """vLLM's own kernels through the peer, where it is built: equal slices, one slice (vLLM's single-pointer
+    path), unequal slices (its per-slice strides and sizes)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("the peer's kernels run on the GPU where there is one")
     if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter loads bf16 wrongly (vLLM's shrink gave values of ~1e10)")
+        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (vLLM's shrink gave values of ~1e10)")
     if peers.vllm_ops()[0] is None:
         pytest.skip(peers.vllm_ops()[1])
-    assert _check(_problem(dtype, device), dtype) == ""
+    try:
+        assert _check(_problem(dtype, device, **SHAPES[shape]), dtype) == ""
+    finally:
+        peers.release()

@@ -13,7 +13,7 @@ import torch
 
 from lora_ops import backends, op_table, routes
 
-from . import decode_step, ops, report
+from . import decode_step, ops, peers, report
 from .timing import copy_bandwidth_tbps, launch_floor_us
 
 
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
         floor_us = launch_floor_us(device)
         records.append(dict(op="launch_floor", backend="torch", mode="graph", us=round(floor_us, 3)))
         log(f"graph replay of a one-element add (per-kernel floor): {floor_us:.2f} us")
+        vllm_ops, why = peers.vllm_ops()
+        log("peer vllm: vLLM's Triton LoRA ops" if vllm_ops is not None else f"peer vllm: none ({why})")
     # Each backend is timed alone: the C++ kernels without the op table that hands some regimes to Triton.
     if run_ops:
         if device != "cpu":

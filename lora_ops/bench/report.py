@@ -23,6 +23,7 @@ from typing import Dict, List
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 OURS = ("cuda", "cuda-rows", "triton", "triton-rows")  # -rows: lora_expand's rows form
 BASELINES = ("grouped_mm", "torch_loop", "gather_bmm")
+PEERS = ("vllm",)  # other projects' kernels in the same harness (lora_ops.bench.peers)
 
 
 def write(result: dict, out: str) -> None:
@@ -72,7 +73,7 @@ def _decode_table(records: List[dict]) -> List[str]:
     rows = [r for r in records if r["op"] == "decode_step"]
     if not rows:
         return []
-    routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton", "kext-cuda")
+    routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton", "kext-cuda") + PEERS
               if any(r["backend"] == b for r in rows)]
     out = ["| model | T | adapters | rank | base step | floor | fold floor | serving default | " + " | ".join(routes)
            + " |", "|---|---|---|---|---|---|---|---|" + "---|" * len(routes)]
@@ -114,7 +115,7 @@ def _op_table(records: List[dict]) -> List[str]:
     cases: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
         cases.setdefault(key(r), {})[r["backend"]] = r
-    names = [n for n in OURS + BASELINES if any(n in by for by in cases.values())]
+    names = [n for n in OURS + BASELINES + PEERS if any(n in by for by in cases.values())]
     out = ["| T | adapters | rank (pool) | K × N, slices | " + " | ".join(names) + " | fastest |",
            "|---|---|---|---|" + "---|" * (len(names) + 1)]
     for (T, a, r, R, K, N, S), by in cases.items():
@@ -139,7 +140,7 @@ def _expand_table(records: List[dict]) -> List[str]:
     cases: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
         cases.setdefault(key(r), {})[r["backend"]] = r
-    names = [n for n in OURS + BASELINES if any(n in by for by in cases.values())]
+    names = [n for n in OURS + BASELINES + PEERS if any(n in by for by in cases.values())]
     out = ["| T | adapters | rank (pool) | N, slices | " + " | ".join(names) + " | fastest |",
            "|---|---|---|---|" + "---|" * (len(names) + 1)]
     for (T, a, r, R, N, S), by in cases.items():
@@ -176,7 +177,7 @@ def _grouped_gemm_table(records: List[dict]) -> List[str]:
     cases = _grouped_gemm_rows(records)
     if not cases:
         return []
-    names = [n for n in OURS + BASELINES if any(n in by for by in cases.values())]
+    names = [n for n in OURS + BASELINES + PEERS if any(n in by for by in cases.values())]
     out = ["| case | G × M, K × N | w / x / y | memory floor | " + " | ".join(names) + " | fastest |",
            "|---|---|---|---|" + "---|" * (len(names) + 1)]
     for (shape, G, T, K, N, w, x, y, acc), by in cases.items():
@@ -240,7 +241,7 @@ def _claims(records: List[dict]) -> List[str]:
     out = []
     if cases:
         out.append(f"- lora_ops (CUDA or Triton) is the fastest implementation on {len(ours_best)} of {len(cases)} "
-                   "op cases" + ("." if not lost else ", and slower than a baseline on: " + "; ".join(
+                   "op cases" + ("." if not lost else ", and slower than a baseline or peer on: " + "; ".join(
                        f"T={c[0]}, {c[1]} adapters, rank {c[2]} ({w})" for c, w in lost) + "."))
     both = [by for by in cases.values() if "cuda" in by and "triton" in by]
     if both:
