@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lora_ops import reference, testing
-from lora_ops.bench import ops, peers
+from lora_ops.bench import ops, peers, report
 
 from test_bench import _replay_eagerly
 
@@ -192,3 +192,20 @@ def test_vllm_peer_matches_the_oracle(device, dtype, shape):
         assert _check(_problem(dtype, device, **SHAPES[shape]), dtype) == ""
     finally:
         peers.release()
+
+
+def test_the_readme_section_shows_the_peer():
+    """The report's sgmv table has the vllm column and names it where it is fastest, its claims say so, and the
+    decode table has its route."""
+    sgmv = lambda backend, us, pct=None: dict(op="sgmv", backend=backend, mode="graph", T=32, adapters=32, rank=16,
+                                            pool_rank=16, K=4096, N=4096, slices=1, us=us, pct_roofline=pct)
+    step = lambda backend, us, pct: dict(op="decode_step", model="llama3-8b", T=32, adapters=32, rank=16,
+                                         backend=backend, us=us, base_us=100.0, overhead_pct=pct, floor_pct=19.0,
+                                         fold_floor_pct=27.0, err=1e-3)
+    records = [sgmv("cuda", 9.0, 30.0), sgmv("triton", 11.0, 25.0), sgmv("vllm", 8.0),
+               step("base", 100.0, 0.0), step("fold-cuda", 120.0, 20.0), dict(step("vllm", 150.0, 50.0), meta_us=40.0)]
+    text = report.readme_section(dict(gpu="test GPU", date="d", git_sha="abcdef0", torch="2.x", copy_tbps=4.2,
+                                      records=records))
+    assert "| cuda | triton | vllm | fastest |" in text and "| 9.0 (30%) | 11.0 (25%) | 8.0 | vllm |" in text
+    assert "slower than a baseline or peer on: T=32, 32 adapters, rank 16 (vllm)" in text
+    assert "| fold-cuda | vllm |" in text and "| **+20%** | +50% |" in text
