@@ -543,7 +543,7 @@ MUTATIONS: List[Mutation] = [
              "        if (i == 1) {  // x has landed with the first chunk\n",
              "CUDA grouped_gemm expand: a tile's first chunk multiplies x fragments not yet loaded", needs_gpu=True,
              tests=("tests/test_grouped_gemm_cuda.py",)),
-    # ==== session 39: the narrow tiles' pieces (LORA_OPS_CUDA_GG_STAGING=pieces) ====
+    # ==== session 39: the narrow tiles' pieces ====
     Mutation("cuda-gg-pieces-tail-unclipped", "csrc/cuda/grouped_gemm.cuh",
              "    const int bytes = (int)clamp_index(valid_cols - P::c(), 0, P::kElems) * (int)sizeof(T);",
              "    const int bytes = 16;",
@@ -555,8 +555,8 @@ MUTATIONS: List[Mutation] = [
              "CUDA grouped_gemm narrow tiles, pieces: every piece of a thread stages its first piece's row",
              needs_gpu=True, tests=("tests/test_grouped_gemm_cuda.py",)),
     Mutation("cuda-gg-pieces-unaligned-w", "csrc/cuda/grouped_gemm_tile.cu",
-             "    if (pieces && vec.x && vec.w) return",
-             "    if (pieces && vec.x) return",
+             "    if (vec.x && vec.w) return",
+             "    if (vec.x) return",
              "CUDA grouped_gemm narrow tiles, pieces: launched for w rows that are not 16-byte aligned", needs_gpu=True,
              tests=("tests/test_grouped_gemm_cuda.py",)),
     Mutation("report-routes-despite-failures", "lora_ops/bench/report.py",

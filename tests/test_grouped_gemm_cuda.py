@@ -3,9 +3,8 @@ cases the grid does not reach: rows that are not 16-byte aligned (element-wise s
 NaN alpha, fp32 x with half weights at fp32 accuracy, bitwise determinism and CUDA-graph replay.
 
 `mma`: the 128 x 128 tile kernel for every input; `skinny`: the expand kernel where K <= 128, else the narrow
-tiles of the tile kernel (several column tiles where N > 128); `skinny-pieces`: the same with the narrow tiles'
-x and w staged through each thread's pieces where N <= 32 and their rows are 16-byte aligned (the probe
-LORA_OPS_CUDA_GG_STAGING=pieces); `sm90`: the sm_90a CUTLASS kernel where it can take
+tiles of the tile kernel (several column tiles where N > 128; up to N = 32 with 16-byte aligned x and w rows
+staged through each thread's pieces); `sm90`: the sm_90a CUTLASS kernel where it can take
 the input (contiguous segments, 16-byte aligned fp16/bf16 tensors: few of this grid's cases), the automatic choice
 elsewhere (test_grouped_gemm_sm90.py covers its own grid); `split`: the split-K shrink and its sum where they can
 take the input (N <= 128, x and w of one dtype, no k_sizes), the automatic choice elsewhere; `lora`: lora_expand's
@@ -29,13 +28,11 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["mma", "skinny", "skinny-pieces", "sm90", "split", "lora"])
+@pytest.fixture(params=["mma", "skinny", "sm90", "split", "lora"])
 def kernel(request, monkeypatch):
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
-    forced, _, staging = request.param.partition("-")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", forced)
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", staging or "tile")
+    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", request.param)
     return request.param
 
 
@@ -254,7 +251,7 @@ PIECES_CASES = {
                                                                          k_sizes=[1000, 333, 130])),
     "rank32_overwrite": lambda g: (grid._slots(g, 260, [0, 2, 3]), dict(K=520, N=32, num_groups=4,
                                                                         accumulate=False, alpha=0.5)),
-    "rank32_fp32_y": lambda g: (grid._slots(g, 200, [0, 1]), dict(K=300, N=32, num_groups=2, y_dtype=torch.float32,
+    "rank32_fp32_y": lambda g: (grid._slots(g, 200, [0, 1]), dict(K=296, N=32, num_groups=2, y_dtype=torch.float32,
                                                                  n_sizes=[32, 17])),
     "rank24_bad_slots_fp32_x": lambda g: (grid._grouped_runs([(0, 70), (-1, 9), (2, 65), (5, 12), (1, 3)]),
                                           dict(K=264, N=24, num_groups=3, gathered=False, x_dtype=torch.float32)),
@@ -280,12 +277,11 @@ def _pieces_ran(names):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(PIECES_CASES))
 def test_narrow_pieces_stage_lora_shrinks(name, dtype, monkeypatch):
-    """The probe LORA_OPS_CUDA_GG_STAGING=pieces on the shapes it takes, against the oracle with poisoned outputs;
-    the profiler shows the pieces' kernel ran (launched only where the rows are aligned, it stages by pieces alone)."""
+    """The narrow tiles' pieces on the shapes they take, against the oracle with poisoned outputs; the profiler shows
+    the pieces' kernel ran (launched only where the rows are aligned, it stages by pieces alone)."""
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "pieces")
     problem = gg._problem(PIECES_CASES[name], _cuda(dtype), dtype, key=name)
     report, names = cuda_kernel_names(lambda: _check(problem, dtype))
     assert report == ""
@@ -294,12 +290,11 @@ def test_narrow_pieces_stage_lora_shrinks(name, dtype, monkeypatch):
 
 @pytest.mark.parametrize("which", ["x", "w"])
 def test_pieces_leave_unaligned_rows_to_the_tile_staging(which, monkeypatch):
-    """With the probe on, x or w whose rows are not 16-byte aligned take the kernel without pieces (cp.async of 16
-    bytes needs aligned sources), and the result is right."""
+    """x or w whose rows are not 16-byte aligned take the narrow kernel without pieces (cp.async of 16 bytes needs
+    aligned sources), and the result is right."""
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "pieces")
     problem = gg._problem(PIECES_CASES["rank16_tails"], _cuda(torch.bfloat16), torch.bfloat16, key="rank16_tails")
     setattr(problem, which, _misaligned(getattr(problem, which)))
     report, names = cuda_kernel_names(lambda: _check(problem, torch.bfloat16))
@@ -308,24 +303,13 @@ def test_pieces_leave_unaligned_rows_to_the_tile_staging(which, monkeypatch):
     assert not _pieces_ran(names), names
 
 
-def test_a_bad_staging_value_is_an_error_on_every_path(monkeypatch):
-    """LORA_OPS_CUDA_GG_STAGING is read on every call, not only where the narrow tiles run: a typo is an error."""
-    if backends.cuda_served_by.get("grouped_gemm") != "cuda":
-        pytest.skip("the CUDA grouped_gemm kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "mma")
-    monkeypatch.setenv("LORA_OPS_CUDA_GG_STAGING", "piece")
-    problem = gg._problem(PIECES_CASES["rank32_overwrite"], _cuda(torch.bfloat16), torch.bfloat16, key="bad_value")
-    with pytest.raises(ValueError, match="LORA_OPS_CUDA_GG_STAGING"):
-        lora_ops.ops.grouped_gemm(*problem.args(problem.y.clone()))
-
-
-def test_pieces_probe_off_keeps_the_tile_staging(monkeypatch):
-    """With the probe unset the narrow tiles stage through stage_tile (the default kernels, unchanged)."""
+def test_wider_narrow_tiles_keep_the_tile_staging(monkeypatch):
+    """From 33 columns the narrow tiles stage through stage_tile (the pieces' row addresses would spill there)."""
     if backends.cuda_served_by.get("grouped_gemm") != "cuda":
         pytest.skip("the CUDA grouped_gemm kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
-    monkeypatch.delenv("LORA_OPS_CUDA_GG_STAGING", raising=False)
-    problem = gg._problem(PIECES_CASES["rank16_tails"], _cuda(torch.bfloat16), torch.bfloat16, key="rank16_tails")
+    case = lambda g: (grid._slots(g, 200, [0, 1]), dict(K=520, N=48, num_groups=2, y_dtype=torch.float32))
+    problem = gg._problem(case, _cuda(torch.bfloat16), torch.bfloat16, key="rank48")
     report, names = cuda_kernel_names(lambda: _check(problem, torch.bfloat16))
     assert report == ""
     assert any("grouped_gemm_tile_kernel" in n for n in names) or not names, names

@@ -56,11 +56,10 @@ cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cuda
 
 // grouped_gemm, K loop over tiles of positions x columns of one group, on tensor cores (fp16/bf16 w) or FMA
 // (fp32 w); any alignment. `narrow`: 64-row tiles holding every column of an N <= kGroupedGemmNarrowMaxN problem
-// (a LoRA shrink streams x once; larger N takes several column tiles); otherwise 128 x 128 tiles. `pieces` (narrow
-// only; a probe, LORA_OPS_CUDA_GG_STAGING=pieces): up to N = 32, x and w with 16-byte aligned rows are staged
-// through each thread's pieces, their row addresses found once per tile.
+// (a LoRA shrink streams x once; larger N takes several column tiles; up to N = 32, x and w with 16-byte aligned
+// rows are staged through each thread's pieces, their row addresses found once per tile); otherwise 128 x 128 tiles.
 constexpr int kGroupedGemmNarrowMaxN = 128;
-cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, bool pieces, cudaStream_t stream);
+cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream);
 
 // grouped_gemm with few positions and n <= kGroupedGemmNarrowMaxN (the LoRA shrink at decode), x and w of one
 // dtype, no k_sizes (grouped_gemm_split.cu): the sgmv's split-K shrink (launch_sgmv_shrink on

@@ -230,21 +230,12 @@ GroupedGemmKernel preferred_grouped_gemm_kernel() {
   return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split", "lora"});
 }
 
-// LORA_OPS_CUDA_GG_STAGING=pieces (a probe): the narrow tiles stage x and w through each thread's pieces (row
-// addresses once per tile); unset or "tile": stage_tile, each piece's row and bounds per stage.
-enum class GroupedGemmStaging { Auto, Tile, Pieces };
-bool grouped_gemm_staged_by_pieces() {
-  return preferred_kernel<GroupedGemmStaging>("LORA_OPS_CUDA_GG_STAGING", {"tile", "pieces"}) ==
-         GroupedGemmStaging::Pieces;
-}
-
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                        const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                        const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
                        double alpha, bool accumulate) {
   const c10::cuda::CUDAGuard guard(y.device());
   const GroupedGemmKernel preferred = preferred_grouped_gemm_kernel();  // a forced C++ kernel bypasses the table
-  const bool pieces_probe = grouped_gemm_staged_by_pieces();  // read on every call: a bad value is always an error
   if (preferred == GroupedGemmKernel::Auto && table_dtype(w) &&
       op_table::says_triton(Op::GroupedGemm, {positions_of(y, token_indices), size_or_zero(w, 1),
                                               size_or_zero(w, 2)})) {
@@ -314,7 +305,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
     C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
     return;
   }
-  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, skinny && pieces_probe, stream));
+  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
 }
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
