@@ -300,6 +300,13 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
     f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y, so
     its replay is not checked; its records say timed_alone=True)."""
     timed_alone = timed_alone or {}
+
+    def wrong(name: str, detail: str) -> None:
+        """A wrong result: a failure of the run, but for a peer (measured, not trusted), a record saying so."""
+        if name in peers.PEERS:
+            records.append(dict(op=op, backend=name, mode="graph", us=None, unavailable=f"wrong{detail}", **row))
+        else:
+            failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle{detail}")
     refs = {i: oracle(sets[i]) for i in sorted({0, len(sets) - 1})}  # two sets: the oracle is slow on big cases
     for name, fn in impls.items():
         try:
@@ -313,10 +320,7 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
             log(f"  {name:<11} {'FAILED' if name in OURS else 'unavailable'}: {msg}")
             continue
         if bad:
-            if name in peers.PEERS:  # measured, not trusted: recorded, and the run goes on
-                records.append(dict(op=op, backend=name, mode="graph", us=None, unavailable=f"wrong: {bad}", **row))
-            else:
-                failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle: {bad}")
+            wrong(name, f": {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
         check = None
@@ -332,11 +336,7 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
             try:
                 us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph, check=check if graph else None)
             except WrongReplay as exc:
-                if name in peers.PEERS:
-                    records.append(dict(op=op, backend=name, mode="graph", us=None,
-                                        unavailable=f"wrong after a graph replay: {exc}", **row))
-                else:
-                    failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle after a graph replay, {exc}")
+                wrong(name, f" after a graph replay, {exc}")
                 log(f"  {name:<11} graph replay WRONG vs float64 oracle, {exc}; not timed")
                 break
             except Exception as exc:  # e.g. a baseline that syncs cannot be captured
