@@ -22,20 +22,6 @@ namespace lora_ops::cuda {
 
 constexpr unsigned kAll = 0xffffffffu;  // every lane of a warp (the *_sync intrinsics' mask)
 
-// The slots in [0, num_slots) (at most 64) among each lane's kCount slot values, OR'd over the warp: the used slots
-// of up to 32 * kCount rows (lora_linear's GEMM skips the B blocks of the others; where few are used, it computes h
-// itself and its shrink exits: both sides read this one rule).
-template <int kCount>
-__device__ __forceinline__ uint64_t warp_used_slots(const int32_t (&slot)[kCount], int num_slots) {
-  uint64_t bits = 0;
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) {
-    if (slot[i] >= 0 && slot[i] < num_slots) bits |= uint64_t(1) << slot[i];
-  }
-  return uint64_t(__reduce_or_sync(kAll, uint32_t(bits))) | uint64_t(__reduce_or_sync(kAll, uint32_t(bits >> 32)))
-                                                                 << 32;
-}
-
 template <DType D> struct ElemOf;
 template <> struct ElemOf<DType::F16> { using type = __half; };
 template <> struct ElemOf<DType::BF16> { using type = __nv_bfloat16; };

@@ -120,7 +120,6 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
 // twice the W tiles for the SMs of a narrow layer).
 enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
-enum class KextH { Auto, Shrink, Gemm };  // who computes h at few slots (LORA_OPS_CUDA_KEXT_H=shrink|gemm)
 
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
@@ -143,7 +142,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  bool own_h;  // the GEMM computes h itself where few slots are used (LORA_OPS_CUDA_KEXT_H=gemm, a probe)
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
@@ -154,10 +152,6 @@ constexpr int64_t kLoraLinearTileTokens[] = {16, 32, 64, kLoraLinearMaxTokens};
 // at most 4 slices and 64 slots, 16-byte aligned rows, and CUTLASS's host checks for T's tile (at least as many K
 // blocks of x as pipeline stages). The launch requires it (it does not check again: decode calls it per layer).
 bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_minor);
-// With own_h, the most used slots at which the K-extended GEMM computes h itself and the shrink exits (its tiles of up
-// to 64 tokens): 64 A rows hold every slice's rows of that many slots, each slot's in whole 16-row warps, and an h
-// block whole slots; else (and without own_h) 0. Both kernels' choice follows it, so they agree on every call.
-int64_t kext_own_h_windows(const LoraLinearParams& p);
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream);
 // Its shrink alone (csrc/cuda/lora_linear_shrink.cu, sm_90): the sizes it serves beyond the checks above, its launch.
 bool kext_shrink_serves(const LoraLinearParams& p);

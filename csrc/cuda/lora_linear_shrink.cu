@@ -2,8 +2,6 @@
 // that a change here does not recompile the CUTLASS kernels):
 //   h[t, j*L*R + s*R + r] = round(scale[s] * x[t] . A[s][j*R + r]) for row t's slot s, zeros in every other slot's
 //   window and in every window of a row without a slot (-1 or >= L). It lets its dependents launch at its start.
-//   Where the GEMM computes h itself (kext_own_h_windows: at most that many slots used, up to 64 tokens), every warp
-//   sees so in token_slot (warp_used_slots, the GEMM's rule) and exits, having written nothing.
 // A warp per rank row of a row of x, CTAs of 32 warps (packed into few SMs, leaving the others to the GEMM's x
 // blocks), over all of K, so each h value is one warp's sum in a fixed order: deterministic; where the GEMM leaves
 // SMs free (up to 64 tokens), 2-8 warps per rank row, each over a part of K, summed in order. What lost to it
@@ -33,7 +31,6 @@ struct ShrinkArgs {
   void* h;
   int64_t x_stride, a_slot_stride, a_row_stride;
   int t, k, num_slices, rank, num_slots;
-  int own_windows;  // kext_own_h_windows
   uint32_t opaque_zero;  // always 0, passed from the host so that no compiler can fold it (below)
 };
 
@@ -66,19 +63,13 @@ static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CT
 // session 29).
 // kSplit (where the GEMM leaves SMs free: shrink_parts): `parts` consecutive warps of a CTA share a task, each over
 // its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
-// kOwnExit (a.own_windows > 0): where the GEMM computes h itself, every warp exits at once.
-template <class T, bool kSplit, bool kOwnExit>
+template <class T, bool kSplit>
 __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
 #else
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if constexpr (kOwnExit) {  // at most 64 tokens: the GEMM computes h itself where at most own_windows slots are used
-    const int32_t slots[2] = {lane < a.t ? a.token_slot[lane] : -1, lane + 32 < a.t ? a.token_slot[lane + 32] : -1};
-    // every warp of the CTA alike: before the split's barrier
-    if (__popcll(warp_used_slots(slots, a.num_slots)) <= a.own_windows) return;
-  }
   const int unit = blockIdx.x * kShrinkWarps + warp;
   const int task = kSplit ? unit / parts : unit, part = kSplit ? unit % parts : 0;
   const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
@@ -154,11 +145,10 @@ template <class T>
 void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
   const int parts = shrink_parts(p);
   const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
-  auto launch = [&](auto kernel) { kernel<<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts); };
-  if (args.own_windows > 0) {
-    parts == 1 ? launch(kext_shrink_kernel<T, false, true>) : launch(kext_shrink_kernel<T, true, true>);
+  if (parts == 1) {
+    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
   } else {
-    parts == 1 ? launch(kext_shrink_kernel<T, false, false>) : launch(kext_shrink_kernel<T, true, false>);
+    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
   }
 }
 
@@ -171,7 +161,7 @@ bool kext_shrink_serves(const LoraLinearParams& p) {
 cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {
   const ShrinkArgs args{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                         p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
-                        (int)kext_own_h_windows(p), /*opaque_zero=*/0u};
+                        /*opaque_zero=*/0u};
   if (p.dtype == DType::BF16) {
     launch_shrink<__nv_bfloat16>(p, args, stream);
   } else {

@@ -7,8 +7,6 @@
 //      launched programmatically: its producer loads x's and W's K blocks at once (x was written before the shrink
 //      started) and waits for the shrink (griddepcontrol.wait) only before its first h block. The B blocks (64
 //      columns: 64 / R slots) of which no slot is used by a row are not read.
-//   Where few slots are used (kext_own_h_windows, a probe: LORA_OPS_CUDA_KEXT_H=gemm) the GEMM computes h itself
-//   instead (KextMainloop::mma_own_h) and the shrink exits at once.
 // Why this shape (csrc/cuda/NOTES.md, sessions 26-31): at decode the LoRA cost is the number of dependent launches
 // and the bytes read. The fold route's GEMM + expand read every used slot's A in the GEMM and B in a second kernel
 // that waits for the whole GEMM; here the expand is K blocks of the base GEMM, and the shrink runs under the GEMM's
@@ -65,19 +63,11 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
-  // The GEMM's own h (KextMainloop::mma_own_h) where at most own_windows slots are used (0: never): A [L, S*R, K]
-  // and the slots' scales, as the shrink reads them.
-  int own_windows = 0;
-  ElementA const* lora_a = nullptr;
-  int64_t a_slot_stride = 0, a_row_stride = 0;
-  const float* scales = nullptr;
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
-// and b_cols (the A operand). The producer (load) fills the stages; the consumers multiply whatever they hold, but
-// where the CTA computes h itself (kOwnH, launched only where kext_own_h_windows > 0, so that the other kernels stay as
-// they were: mma_own_h, few slots used, the ping-pong tiles of up to 64 tokens).
-template <class Base, bool kOwnH = false>
+// and b_cols (the A operand). Only the producer (load) differs; the consumers multiply whatever the stages hold.
+template <class Base>
 struct KextMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -86,28 +76,18 @@ struct KextMainloop : Base {
   using typename Base::TileShape;
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
+  using typename Base::TensorStorage;
   using typename Base::SmemLayoutA;
   using typename Base::SmemLayoutB;
   using typename Base::GmemTiledCopyA;
   using typename Base::GmemTiledCopyB;
   using typename Base::InternalElementA;
   using typename Base::InternalElementB;
-  using typename Base::TiledMma;
   using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
   using Extension = KextExtension<ElementA, StrideA, ElementB, StrideB>;
   static constexpr int kBlockM = size<0>(TileShape{});
   static constexpr int kBlockK = size<2>(TileShape{});
-  static constexpr int kTileN = size<1>(TileShape{});
-  static_assert(!kOwnH || (kBlockM == 64 && kTileN <= 64), "the own h: ping-pong tiles, one consumer warpgroup a tile");
   static_assert(size(ClusterShape{}) == 1, "the loads are not multicast");
-  // With the own h, the slices of the producer's last 4 tiles for their consumers (mma_own_h): a consumer reads its
-  // tile's entry after waiting for a stage of that tile, which the producer's store preceded, and the producer is
-  // less than a tile ahead of the consumers (at least as many x blocks as stages). In the storage CUTLASS lays out:
-  // a static __shared__ array would shift the dynamic shared memory off TMA's 128-byte alignment.
-  struct OwnHTensorStorage : Base::TensorStorage {
-    int8_t tile_slices[4];
-  };
-  using TensorStorage = std::conditional_t<kOwnH, OwnHTensorStorage, typename Base::TensorStorage>;
 
   struct Arguments {
     ElementA const* ptr_A;  // W [M, k_x]
@@ -218,7 +198,13 @@ struct KextMainloop : Base {
   }
   CUTLASS_DEVICE void settle_used(Params const& p, TokenSlots const& b) {  // warp-wide
     if (have_used_) return;
-    used_ = warp_used_slots(b.slot, p.ext.num_slots);
+    uint64_t bits = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kSlotWords; ++i) {
+      if (b.slot[i] >= 0 && b.slot[i] < p.ext.num_slots) bits |= uint64_t(1) << b.slot[i];
+    }
+    used_ = uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits))) |
+            uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits >> 32))) << 32;
     have_used_ = true;
   }
   // An h block whose slots no row uses: its B box is not read (the stage's barrier is told those bytes arrived),
@@ -259,13 +245,7 @@ struct KextMainloop : Base {
     int slice = 0;
     while (slice + 1 < p.ext.num_slices && row0 >= p.ext.slice_end[slice]) ++slice;
     const int h_tile0 = slice * p.slice_h_tiles;
-    // The tile's slice for its consumer (mma_own_h), stored before the arrive of the tile's first stage.
-    if constexpr (kOwnH) {
-      if (elected) shared_tensors.tile_slices[tiles_loaded_ & 3] = int8_t(slice);
-      ++tiles_loaded_;
-    }
 
-    bool own = false;  // settled with the slot mask, before the first h block
     auto issue = [&](int kt, bool h_block, bool b_needed) {
       pipeline.producer_acquire(smem_pipe_write);
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
@@ -277,10 +257,7 @@ struct KextMainloop : Base {
         const int kb = kt - p.k_x_tiles;
         if (b_needed) copy(p.tma_load_b_cols.with(*barrier, 0), tBgB(_, _, _, kb), tBsA(_, _, _, stage));
         else cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
-        // With its own h the consumer writes the h block into the stage itself.
-        using Barrier = cutlass::arch::ClusterTransactionBarrier;
-        if (own) Barrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesNK);
-        else copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kb), tHsB(_, _, _, stage));
+        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, h_tile0 + kb), tHsB(_, _, _, stage));
       }
       ++smem_pipe_write;
     };
@@ -290,207 +267,28 @@ struct KextMainloop : Base {
     }
     __syncwarp();
     settle_used(p, slots);
-    own = own_h(p);
     if (!elected) return;
     if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
     for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
   }
 
-  // ---- The GEMM's own h, where few slots are used (Extension::own_windows; the shrink then writes nothing). ----
-  // The CTA computes h^T = A_stack . x^T itself, beside y's K blocks of x: A_stack is the 64 rows of A of the used
-  // slots, all slices (row i: slot used_[i / (S*R)], A row i % (S*R)), loaded from L2 into registers by each
-  // thread for its own rows of the wgmma's A fragment, 5-7 K blocks ahead; one more wgmma (register A, x's stage as B)
-  // per x block. For each h block of the tile's slice that holds a used slot, the consumer then writes h (scaled,
-  // rounded to the dtype, zero outside each row's own slot) into the stage's h box, which the producer left unread,
-  // and multiplies it with the B box as before; the others are not multiplied. No shrink on the GEMM's SMs, no wait
-  // for it: at one adapter the shrink's SMs were the kext route's excess (NOTES.md session 35).
-  // Whether this CTA computes h (warp-wide, after settle_used): the same rule as the shrink's exit.
-  CUTLASS_DEVICE bool own_h(Params const& p) const {
-    return kOwnH && p.ext.own_windows > 0 && __popcll(used_) <= p.ext.own_windows;
-  }
-
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
-                          int thread_idx, TensorStorage& shared_tensors, Params const& p) {
-    if constexpr (kOwnH) {
-      // Ping-pong: the consumer warpgroups (1, 2) take the CTA's tiles in turn.
-      const int tile = 2 * tiles_multiplied_++ + int(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1;
-      settle_used(p, load_token_slots(p));
-      if (own_h(p)) {
-        mma_own_h(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p, tile);
-        return;
-      }
-    }
-    Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p);
-  }
-
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma_own_h(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                                int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& p,
-                                int tile) {
-    using ElementS = typename TiledMma::ValTypeB;  // the stages' element type
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    TiledMma tiled_mma;
-    auto thr_mma = tiled_mma.get_slice(0);  // the SS operands' descriptors: the same for every thread
-    Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
-    Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
-    // h^T [64 A rows, tokens]: A from registers, B = x's stage.
-    using HMma = decltype(make_tiled_mma(GMMA::rs_op_selector<ElementA, ElementB, float, Shape<_64, Int<kTileN>, _16>,
-                                                              GMMA::Major::K, GMMA::Major::K>()));
-    HMma h_mma;
-    auto thr_h = h_mma.get_slice(thread_idx);
-    Tensor tHrB = thr_h.make_fragment_B(thr_h.partition_B(sB));
-    Tensor h_acc = partition_fragment_C(h_mma, Shape<_64, Int<kTileN>>{});
-    Tensor h_coord = thr_h.partition_C(make_identity_tensor(Shape<_64, Int<kTileN>>{}));  // (A row, token) a value
-    auto a_block = make_tensor(make_gmem_ptr(static_cast<ElementA const*>(nullptr)),
-                               make_layout(Shape<_64, Int<kBlockK>>{}, LayoutRight{}));
-    using FragA = decltype(thr_h.partition_fragment_A(a_block));
-    // K blocks of A in registers, all but one in flight while it multiplies: 7 blocks ahead (~1.3 us of qkv's W
-    // stream a CTA at 32 tokens, against L2's latency under that stream), 5 at 64 tokens (7 spill there: 168
-    // registers a thread at 384 threads, setmaxnreg or not).
-    constexpr int kDepth = kTileN <= 32 ? 8 : 6;
-    FragA a_frag[kDepth];
-
-    // This thread's A rows (16 a warp, in one slot since S*R is a multiple of 16): warp w's rows 16w + g, + 8.
-    const int lane = thread_idx % 32, warp = thread_idx / 32 % 4, g = lane / 4, t4 = lane % 4;
-    const int window_rows = p.ext.num_slices * p.ext.rank, window = 16 * warp / window_rows;
-    int slot = -1;
-    if (window < __popcll(used_)) {
-      uint64_t rest = used_;
-      for (int w = 0; w < window; ++w) rest &= rest - 1;
-      slot = __ffsll(rest) - 1;
-    }
-    ElementA const* a_row = slot < 0 ? nullptr
-                                     : p.ext.lora_a + slot * p.ext.a_slot_stride +
-                                           int64_t(16 * warp % window_rows + g) * p.ext.a_row_stride + 2 * t4;
-    const int64_t a_row8 = 8 * p.ext.a_row_stride;
-    auto load_a = [&](FragA& frag, int kt) {  // registers a0..a3 of each K step: rows g, g + 8 at k, k + 8
-      Tensor words = recast<uint32_t>(frag);
-      if (a_row == nullptr) {  // a warp past the used slots multiplies zeros
-        clear(words);
-        return;
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int step = 0; step < kBlockK / 16; ++step) {
-        const ElementA* at = a_row + kt * kBlockK + 16 * step;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          words(4 * step + i) = __ldg(reinterpret_cast<const uint32_t*>(at + (i & 1) * a_row8 + (i >> 1) * 8));
-        }
-      }
-    };
-    // Which of this thread's h^T values belong to their token's own slot, and the slot's scale.
-    uint32_t own_slot_values = 0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < size(h_acc); ++v) {
-      const int token = get<1>(h_coord(v));
-      if (slot >= 0 && token < p.ext.num_tokens && __ldg(p.ext.token_slot + token) == slot) own_slot_values |= 1u << v;
-    }
-    const float coef = slot >= 0 ? __ldg(p.ext.scales + slot) : 0.f;
-    static_assert(size(decltype(h_acc){}) <= 32, "a bit per value");
-
-    const int x_tiles = k_tile_count < p.k_x_tiles ? k_tile_count : p.k_x_tiles;
-    CUTLASS_PRAGMA_UNROLL
-    for (int u = 0; u < kDepth - 1; ++u) {
-      if (u < x_tiles) load_a(a_frag[u], u);
-    }
-    clear(accum);
-    clear(h_acc);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    h_mma.accumulate_ = GMMA::ScaleOut::One;
-    PipelineState smem_pipe_release = smem_pipe_read;
-    // Block kt's wgmmas, committed as one group (none where `multiply` is false); then the previous block's stage
-    // is released once its group is done (the last one by mma_tail).
-    auto finish = [&](int kt) {
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accum);
-      warpgroup_fence_operand(h_acc);
-      if (kt > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
-    };
-    for (int k0 = 0; k0 < x_tiles; k0 += kDepth) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int u = 0; u < kDepth; ++u) {
-        const int kt = k0 + u;
-        if (kt < x_tiles) {
-          pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-          const int stage = smem_pipe_read.index();
-          warpgroup_fence_operand(accum);
-          warpgroup_fence_operand(h_acc);
-          warpgroup_fence_operand(a_frag[u]);
-          warpgroup_arrive();
-          cute::gemm(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), accum);
-          cute::gemm(h_mma, a_frag[u], tHrB(_, _, _, stage), h_acc);
-          finish(kt);
-          // Block kt - 1's wgmmas are done: its registers take block kt + kDepth - 1.
-          if (kt + kDepth - 1 < x_tiles) load_a(a_frag[(u + kDepth - 1) % kDepth], kt + kDepth - 1);
-        }
-      }
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(h_acc);
-
-    const int slice = shared_tensors.tile_slices[tile & 3];  // its first stage was waited for above
-    const int rank = p.ext.rank;
-    for (int kt = x_tiles; kt < k_tile_count; ++kt) {
-      const int kb = kt - p.k_x_tiles;
-      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-      const int stage = smem_pipe_read.index();
-      const bool multiply = !skipped(p, kt);
-      if (multiply) {
-        // The h box [tokens, 64 columns of the slice's L*R] (column c: slot (64 kb + c) / R): value (A row i, token)
-        // goes to column slot*R + i % R - 64 kb where A row i is of the slice; every column of an unused slot is zero,
-        // written by the thread holding A row i = c (each (token, column) has one writer).
-        Tensor h_box = sB(_, _, stage);
-        CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < size(h_acc); ++v) {
-          const int i = get<0>(h_coord(v)), token = get<1>(h_coord(v)), q = i % window_rows;
-          if (slot >= 0 && q / rank == slice) {
-            const int col = slot * rank + q % rank - kBlockK * kb;
-            if (col >= 0 && col < kBlockK) {
-              h_box(token, col) = ElementS(own_slot_values >> v & 1 ? coef * h_acc(v) : 0.f);
-            }
-          }
-          if (!(used_ >> ((kBlockK * kb + i) / rank) & 1)) h_box(token, i) = ElementS(0.f);
-        }
-        cutlass::arch::fence_view_async_shared();  // the writes, before the wgmma's async reads
-        cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup,
-                                                     int(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1);
-        warpgroup_fence_operand(accum);
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), accum);
-      }
-      finish(kt);
-    }
-    warpgroup_fence_operand(accum);
-  }
-
  private:
   uint64_t used_ = 0;  // the slots some row uses, once per CTA
   bool have_used_ = false;
-  int tiles_loaded_ = 0, tiles_multiplied_ = 0;  // this CTA's tiles so far, the producer's and a consumer's
 };
 
 // Tiles of 64 W rows x kTokens tokens x 64 K, ping-pong, clusters of one CTA: the probe's (W read once per CTA
 // column of tiles). kWide: 128 W rows, cooperative (65-128 tokens, wide_tile). At 128 tokens the 64-row tile reads
 // x from L2 twice per W byte: with 705 MB of L2 reads for gate_up's 235 MB of W it ran at L2's pace (~7 TB/s, 98 us
 // per layer against cuBLAS's 71 with 256-row tiles; NOTES.md session 34).
-// kOwnH: the mainloop that computes h itself where few slots are used (KextMainloop::mma_own_h).
-template <class T, int kTokens, bool kWide = false, bool kOwnH = false>
+template <class T, int kTokens, bool kWide = false>
 struct KextGemm {
   using Tile = Shape<Int<kWide ? 128 : 64>, Int<kTokens>, _64>;
   using Collectives = DecodeCollectives<T, Tile, Shape<_1, _1, _1>, kWide>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
-                                                      KextMainloop<typename Collectives::Mainloop, kOwnH>,
+                                                      KextMainloop<typename Collectives::Mainloop>,
                                                       typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(sizeof(typename Kernel::SharedStorage) <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
-                "the stages and the own h's tile slices fit (KextMainloop::OwnHTensorStorage)");
 };
 
 // Whether 65-128 tokens take the 128-row tile (KextTile): slice bounds on 128 rows (a W tile lies in one slice),
@@ -525,11 +323,6 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   e.num_tokens = (int)p.t;
   for (int s = 0; s < p.num_slices; ++s) e.slice_end[s] = (int)p.slice_offsets[s + 1];
   e.token_slot = p.token_slot;
-  e.own_windows = (int)kext_own_h_windows(p);
-  e.lora_a = static_cast<const T*>(p.lora_a);
-  e.a_slot_stride = p.a_slot_stride;
-  e.a_row_stride = p.a_row_stride;
-  e.scales = p.scales;
   args.epilogue.thread.alpha = 1.f;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.ptr_C = nullptr;
@@ -547,14 +340,9 @@ template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    const bool own_h = kext_own_h_windows(p) > 0;  // at most the 64-token tile's tokens
-    auto pingpong = [&](auto tokens) {  // the 64-row tile, its own-h mainloop where the probe serves
-      constexpr int kTokens = decltype(tokens)::value;
-      return own_h ? f(KextGemm<T, kTokens, false, true>{}) : f(KextGemm<T, kTokens>{});
-    };
-    if (p.t <= tile_tokens(0)) return pingpong(std::integral_constant<int, tile_tokens(0)>{});
-    if (p.t <= tile_tokens(1)) return pingpong(std::integral_constant<int, tile_tokens(1)>{});
-    if (p.t <= tile_tokens(2)) return pingpong(std::integral_constant<int, tile_tokens(2)>{});
+    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{});
+    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{});
+    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{});
     if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
     return f(KextGemm<T, tile_tokens(3)>{});
   };
@@ -563,14 +351,6 @@ decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
 
 }  // namespace
 #endif  // LORA_OPS_GG_SM90
-
-int64_t kext_own_h_windows(const LoraLinearParams& p) {
-  const int64_t window_rows = p.num_slices * p.rank;  // a used slot's A rows, all slices
-  if (!p.own_h || p.t > kLoraLinearTileTokens[2] || window_rows % 16 != 0 || window_rows > 64 || 64 % p.rank != 0) {
-    return 0;
-  }
-  return 64 / window_rows;
-}
 
 bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_minor) {
   if (!grouped_gemm_sm90_built() || cc_major != 9 || cc_minor != 0) return false;  // sm_90a code runs on 9.0 only

@@ -378,8 +378,6 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   const int device = weight.get_device();
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
-  // LORA_OPS_CUDA_KEXT_H=gemm (a probe): the GEMM computes h itself where few slots are used; unset: the shrink.
-  p.own_h = preferred_kernel<cuda::KextH>("LORA_OPS_CUDA_KEXT_H", {"shrink", "gemm"}) == cuda::KextH::Gemm;
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
