@@ -345,6 +345,30 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sms_mode", ["split", "gemm"])
+def test_cuda_kernels_on_their_own_sms_give_the_default_product(sms_mode, monkeypatch):
+    """LORA_OPS_CUDA_KEXT_SMS (a probe, kext_grids): the GEMM's grid leaving the shrink its SMs, and with split the
+    shrink's grid capped so that it loops over its blocks (48 blocks here, on sms - ceil(tiles / 4) CTAs: 32 of them
+    on 132 SMs), give the default's product bit for bit, and the oracle's. Before the probe's call a freed block of
+    NaN the size of the op's h buffer (the caching allocator usually hands it out again for h): a block of h the
+    shrink leaves unwritten cannot pass for the default's."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SMS", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    N = 64 * (3 * sms + 1)  # 64-row W tiles: 4 a CTA on every SM
+    offsets = [0, 64 * sms, 128 * sms, N]
+    args = _inputs(32, K=1536, N=N, L=4, R=16, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                   key=f"sms-{sms_mode}")
+    torch.full((32, 3 * 4 * 16), float("nan"), dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_SMS", sms_mode)
+    y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
+    _assert_oracle(y, args, offsets)
+    _assert_kext_ran(ran)
+    monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SMS")
+    assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [65, 100, 128])  # the 128-row tile's token tile with 63, 28 and no empty rows
 @pytest.mark.parametrize("slices", ["one", "qkv128"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

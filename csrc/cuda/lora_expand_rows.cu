@@ -496,16 +496,18 @@ __global__ void __launch_bounds__(32 * kWarps, kSteps == 1 ? 4 : 3)
 template <class TY, int kSteps, RunsPipeline kPipeline = RunsPipeline::None>
 constexpr int kRunsCtasPerSm = kSteps == 1 ? (sizeof(TY) == 2 && kPipeline == RunsPipeline::None ? 4 : 3) : 2;
 
-template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline>
+// kPositions: a warp's positions (the mma's N is 8: at 4, its other 4 columns are rows outside every run).
+template <class TB, class TH, class TY, int kSteps, RunsPipeline kPipeline, int kPositions = kRunPositions>
 __global__ void __launch_bounds__(32 * kWarps, kRunsCtasPerSm<TY, kSteps, kPipeline>)
     expand_runs_kernel(ExpandParams p, int passes) {
+  static_assert(kPositions >= 1 && kPositions <= kRunPositions, "a warp's positions are the mma's N columns");
   int slice, n0, n1;
   if (!cta_columns(p, passes, &slice, &n0, &n1)) return;
-  // Lane i < 8 holds position pos0 + i's metadata (none past the positions and on the other lanes).
+  // Lane i < kPositions holds position pos0 + i's metadata (none past the positions and on the other lanes).
   const int lane = threadIdx.x & 31;
-  const int64_t stride = (int64_t)gridDim.y * kWarps * kRunPositions;
-  int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kRunPositions;
-  auto mine = [&] { return lane < kRunPositions && pos0 + lane < p.seg.positions; };
+  const int64_t stride = (int64_t)gridDim.y * kWarps * kPositions;
+  int64_t pos0 = ((int64_t)blockIdx.y * kWarps + (threadIdx.x >> 5)) * kPositions;
+  auto mine = [&] { return lane < kPositions && pos0 + lane < p.seg.positions; };
   auto lane_meta = [&] { return mine() ? derive(p, read_meta(p, pos0 + lane), pos0 + lane) : RowMeta{}; };
   RowMeta m;
   if constexpr (kGuesses<kSteps>) m = lane_meta();
@@ -588,13 +590,19 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs: {
+    case ExpandKernel::Runs:
+    case ExpandKernel::Runs4: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
         if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
           // else the unpipelined kernel's 4 CTAs per SM pay (gate_up at 128 tokens: 448 two-pass CTAs in one wave,
           // 1.13 waves at 3 per SM)
           bool launched = false;
+          if (kernel == ExpandKernel::Runs4) {  // the probe: 4 positions a warp, twice the warps, where they fit
+            const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy, 4>>(
+                p, (p.seg.positions + kWarps * 4 - 1) / (kWarps * 4), pdl, stream, &launched);
+            if (launched || err != cudaSuccess) return err;
+          }
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
