@@ -460,7 +460,7 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
 @pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384),
-                                      ("runs4", 64)])
+                                      ("runs4", 64), ("runs4", 4096)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
@@ -469,7 +469,8 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     call's without the race. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
     first warps a second position after a redo. The runs kernel runs pipelined at 64 positions (its grid fits at
-    once) and not at 16384."""
+    once) and not at 16384; with runs4 (a probe) on 4 positions a warp at 64, on 8 at 4096 (where only the grid of
+    8 fits at once)."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:

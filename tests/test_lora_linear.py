@@ -5,6 +5,7 @@ programmatically) where they serve, named through the profiler, against the orac
 deterministic, under CUDA-graph replay, memory-safe for any slot values, and the composition wherever they do not
 serve."""
 import os
+import re
 import subprocess
 import sys
 
@@ -317,12 +318,15 @@ def _shrink_parts(T, K, N, S, R, sms) -> int:
     return parts
 
 
-def _shrink_split(ran) -> bool:
-    """Whether the kext_shrink_kernel<T, kSplit> that ran is the K split's, from its name (demangled: "<T, true>";
-    mangled: "Lb1E")."""
+def _shrink_flags(ran) -> tuple:
+    """(kSplit, kLoop) of the kext_shrink_kernel<T, kSplit, kLoop> that ran (the K split's; the grid looping over
+    its blocks), from its name (demangled: "<T, true, false>"; mangled: "...Lb1ELb0E")."""
     names = [k for k in ran if "kext_shrink_kernel" in k]
     assert len(names) == 1, ran
-    return ", true>" in names[0] or "Lb1E" in names[0]
+    found = (re.search(r"kext_shrink_kernel<[^<>]+, (true|false), (true|false)>", names[0])
+             or re.search(r"kext_shrink_kernelI\w+?Lb([01])ELb([01])E", names[0]))
+    assert found, names[0]
+    return tuple(flag in ("true", "1") for flag in found.groups())
 
 
 @pytest.mark.gpu
@@ -340,7 +344,7 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
     parts = _shrink_parts(T, K, 384, len(offsets) - 1, R, sms)
     assert sms != 132 or parts == h200_parts  # the rule as the table above states it
     if sm90_built() and ran:
-        assert _shrink_split(ran) == (parts > 1), ran
+        assert _shrink_flags(ran) == (parts > 1, False), ran
     assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
 
 
@@ -364,6 +368,8 @@ def test_cuda_kernels_on_their_own_sms_give_the_default_product(sms_mode, monkey
     y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(*args[:6], offsets))
     _assert_oracle(y, args, offsets)
     _assert_kext_ran(ran)
+    if sm90_built() and ran and sms == 132:  # split: 48 blocks on 32 CTAs beside 100 GEMM CTAs; gemm: 48 beside 84
+        assert _shrink_flags(ran) == (False, sms_mode == "split"), ran
     monkeypatch.delenv("LORA_OPS_CUDA_KEXT_SMS")
     assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))
 

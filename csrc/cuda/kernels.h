@@ -125,7 +125,7 @@ enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of t
 // lora_linear_sm90.cu). Auto: as the block scheduler places them (a GEMM CTA, the whole register file, cannot start
 // on an SM a shrink CTA holds). Split: the GEMM's persistent grid leaves the shrink's CTAs their SMs, the shrink
 // capped to the SMs the fewest GEMM CTAs at its tiles per CTA leave. Gemm: the GEMM's grid leaves the shrink its
-// SMs, whatever its tiles per CTA become.
+// SMs, whatever its tiles per CTA become, where the shrink takes at most half of them.
 enum class KextSms { Auto, Split, Gemm };
 
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a

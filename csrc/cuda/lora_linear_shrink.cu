@@ -121,21 +121,22 @@ __device__ __forceinline__ void shrink_unit(const ShrinkArgs& a, int parts, int 
   for (int s = lane; s < a.num_slots; s += 32) row[s * a.rank] = from_f32<T>(s == slot ? sum * scale : 0.f);
 }
 
-// blocks: the work in blocks of kShrinkWarps units; a grid of fewer CTAs (kext_grids) loops over them, without the
-// K split (its barrier and its shared sums serve one block a CTA).
-template <class T, bool kSplit>
+// A CTA per block of kShrinkWarps units; kLoop (a grid capped below its blocks: kext_grids): the CTAs loop over
+// the `blocks`, without the K split (its barrier and its shared sums serve one block a CTA).
+template <class T, bool kSplit, bool kLoop>
 __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts, int blocks) {
+  static_assert(!(kSplit && kLoop), "the K split's CTAs take one block each");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
 #else
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if constexpr (kSplit) {
-    shrink_unit<T, true>(a, parts, blockIdx.x * kShrinkWarps + warp, warp, lane);
-  } else {
+  if constexpr (kLoop) {
     for (int block = blockIdx.x; block < blocks; block += gridDim.x) {
       shrink_unit<T, false>(a, 1, block * kShrinkWarps + warp, warp, lane);
     }
+  } else {
+    shrink_unit<T, kSplit>(a, parts, blockIdx.x * kShrinkWarps + warp, warp, lane);
   }
 #endif
 }
@@ -161,11 +162,12 @@ template <class T>
 void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, int64_t max_ctas, cudaStream_t stream) {
   const int parts = shrink_parts(p);
   const int blocks = (int)shrink_blocks(p, parts);
-  if (parts == 1) {
-    const unsigned ctas = unsigned(max_ctas > 0 ? std::min<int64_t>(blocks, max_ctas) : blocks);
-    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1, blocks);
+  if (parts > 1) {
+    kext_shrink_kernel<T, true, false><<<unsigned(blocks), kShrinkWarps * 32, 0, stream>>>(args, parts, blocks);
+  } else if (max_ctas > 0 && max_ctas < blocks) {
+    kext_shrink_kernel<T, false, true><<<unsigned(max_ctas), kShrinkWarps * 32, 0, stream>>>(args, 1, blocks);
   } else {
-    kext_shrink_kernel<T, true><<<unsigned(blocks), kShrinkWarps * 32, 0, stream>>>(args, parts, blocks);
+    kext_shrink_kernel<T, false, false><<<unsigned(blocks), kShrinkWarps * 32, 0, stream>>>(args, 1, blocks);
   }
 }
 
