@@ -264,7 +264,7 @@ def _edge_check_form(name: str) -> str:
 # The rows and runs kernels serve the rows forms only, the segments kernel the segment form only: forced on the
 # other form they leave the automatic choice, which the other kernels' runs already cover
 # (test_lora_expand_cuda_kernel_choice checks that fallback).
-ROWS_KERNELS = ("rows", "runs", "runs4")  # runs4: the runs kernel on 4 positions a warp where it fits (a probe)
+ROWS_KERNELS = ("rows", "runs")
 KERNEL_FORMS = [(k, f) for k in ("positions", "tiles", "segments") + ROWS_KERNELS for f in FORMS
                 if (f == "segments") == (k not in ROWS_KERNELS) or k in ("positions", "tiles")]
 
@@ -459,8 +459,8 @@ def test_lora_expand_compiles_without_breaks_or_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("written", ["token_indices", "slots", "ranks", "scales"])
-@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 16384),
-                                      ("runs4", 64), ("runs4", 4096)])
+@pytest.mark.parametrize("kernel,T", [("rows", 32), ("runs", 64), ("rows", 4 * 65535 + 8), ("runs", 4096),
+                                      ("runs", 16384)])
 def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, written, monkeypatch):
     """The rows and runs kernels guess each position's row, slot, rank and scale before the programmatic-launch
     wait and check the guess after it (lora_expand_rows.cu). Here the kernel right before the op lets it launch at
@@ -468,9 +468,8 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     slots or none, ranks 0, other scales): y must be the product of the metadata as written, bitwise the same
     call's without the race. The large T make each CTA take two 128-column passes (N = 256 past one wave of
     one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
-    first warps a second position after a redo. The runs kernel runs pipelined at 64 positions (its grid fits at
-    once) and not at 16384; with runs4 (a probe) on 4 positions a warp at 64, on 8 at 4096 (where only the grid of
-    8 fits at once)."""
+    first warps a second position after a redo. The runs kernel runs pipelined where its grid fits at once: on 4
+    positions a warp at 64, on 8 at 4096 (where only the grid of 8 fits), and not at 16384."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -498,12 +497,12 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
                 meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
-    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel.rstrip('4')}_kernel" in k]
+    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel}_kernel" in k]
     assert len(ran) == 1, ran
-    if kernel.startswith("runs"):  # pipelined (3 CTAs per SM) where its one-pass grid (column blocks x groups of 4
-        # warps) fits, with runs4 on 4 positions a warp where that grid fits
+    if kernel == "runs":  # pipelined (3 CTAs per SM) where its one-pass grid (column blocks x groups of 4 warps)
+        # fits, on 4 positions a warp where that grid fits
         fits = {p: (N // 128) * -(-T // (4 * p)) <= 3 * sms for p in (4, 8)}
-        pipeline = (1, 4) if kernel == "runs4" and fits[4] else (1, 8) if fits[8] else (0, 8)
+        pipeline = (1, 4) if fits[4] else (1, 8) if fits[8] else (0, 8)
         assert _runs_pipeline(ran[0]) == pipeline, ran
     expected = args(final)
     with op_table.disabled():
@@ -525,16 +524,15 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel, positions", [("runs", 8), ("runs4", 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_pipelined_runs_kernel_with_many_runs_a_warp(dtype, kernel, positions, monkeypatch):
-    """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 8 positions span 3-8 runs), true
+def test_pipelined_runs_kernel_with_many_runs_a_warp(dtype, monkeypatch):
+    """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 4 positions span 2-4 runs), true
     ranks 1-16 (the checked loads), a last pass of 72 columns, slots past the pool and rows of none: the pipelined
-    runs kernel (with runs4, on 4 positions a warp: 24 warps) named by its instantiation,
-    against the oracle."""
+    runs kernel on 4 positions a warp (24 warps, its grid fits at once) named by its instantiation, against the
+    oracle."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")
     gen = case_generator(f"many-runs-runs-{dtype}")
     T, L, N, R = 96, 40, 328, 16
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
@@ -545,7 +543,7 @@ def test_pipelined_runs_kernel_with_many_runs_a_warp(dtype, kernel, positions, m
     on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     before = on_gpu[0].clone()
     ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_runs_kernel" in k]
-    assert len(ran) == 1 and _runs_pipeline(ran[0]) == (1, positions), ran
+    assert len(ran) == 1 and _runs_pipeline(ran[0]) == (1, 4), ran
     on_gpu[0] = before.clone()
     with op_table.disabled():
         lora_ops.ops.lora_expand(*on_gpu)

@@ -29,13 +29,12 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // predecessor.) The tensor-core kernels (lora_expand_rows.cu, below) where they serve; otherwise two kernels
 // (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the
 // one preferred. The order of the values after Auto is the order LORA_OPS_CUDA_EXPAND_KERNEL names them in.
-// Runs4 (a probe): as Runs, with 4 positions a warp where that grid, pipelined, fits at once.
-enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments, Runs4 };
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 
 // lora_expand on tensor cores (lora_expand_rows.cu), no shared memory, no barrier. The rows form: one warp per
-// position (the rows kernel), or per 8 positions that share B within each run of one slot (the runs kernel). The
+// position (the rows kernel), or per 4 or 8 positions that share B within each run of one slot (the runs kernel). The
 // segment form: one warp per tile of up to 8 positions of one segment (the segments kernel), which loads its slot's
 // B once. They serve fp16/bf16 B with h of B's dtype (8-byte-aligned rows) or bf16 B with float32 h of one split
 // (16-byte-aligned rows), ranks in fours (mma_kernels_serve);
@@ -121,12 +120,6 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
 // twice the W tiles for the SMs of a narrow layer).
 enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
-// How lora_linear's two kernels share the SMs (LORA_OPS_CUDA_KEXT_SMS=split|gemm, a probe; kext_grids in
-// lora_linear_sm90.cu). Auto: as the block scheduler places them (a GEMM CTA, the whole register file, cannot start
-// on an SM a shrink CTA holds). Split: the GEMM's persistent grid leaves the shrink's CTAs their SMs, the shrink
-// capped to the SMs the fewest GEMM CTAs at its tiles per CTA leave. Gemm: the GEMM's grid leaves the shrink its
-// SMs, whatever its tiles per CTA become, where the shrink takes at most half of them.
-enum class KextSms { Auto, Split, Gemm };
 
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
@@ -149,7 +142,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  KextSms sms;  // LORA_OPS_CUDA_KEXT_SMS (a probe)
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to
@@ -163,10 +155,7 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream);
 // Its shrink alone (csrc/cuda/lora_linear_shrink.cu, sm_90): the sizes it serves beyond the checks above, its launch.
 bool kext_shrink_serves(const LoraLinearParams& p);
-// Its CTAs (32 warps each) when each takes one block of work; launched with at most max_ctas (> 0), the grid loops
-// over the blocks (not where the K split applies, whose CTAs always fit beside the GEMM's).
-int64_t kext_shrink_ctas(const LoraLinearParams& p);
-cudaError_t launch_kext_shrink(const LoraLinearParams& p, int64_t max_ctas, cudaStream_t stream);
+cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream);
 
 // The largest num_slots whose histograms fit the kernel's shared memory. One kernel for sm_80 and sm_90.
 int64_t build_segments_max_slots();

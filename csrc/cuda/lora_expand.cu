@@ -410,7 +410,6 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   const bool automatic = preferred != ExpandKernel::Positions && preferred != ExpandKernel::Tiles;
   if (automatic && cc_major >= 8 && mma_kernels_serve(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
     if (p.seg.indptr) return launch_lora_expand_mma(p, ExpandKernel::Segments, cc_major, stream);
-    if (preferred == ExpandKernel::Runs4) return launch_lora_expand_mma(p, ExpandKernel::Runs4, cc_major, stream);
     const bool runs = preferred == ExpandKernel::Runs || (preferred != ExpandKernel::Rows && runs_kernel_pays(p));
     return launch_lora_expand_mma(p, runs ? ExpandKernel::Runs : ExpandKernel::Rows, cc_major, stream);
   }

@@ -3,7 +3,8 @@
 // columns and 16 ranks (the 16 columns are the mma's M, the ranks its K):
 // - rows (the rows form: each position's slot given, no segments): a warp per position, whose h fills all 8 of the
 //   mma's N (every column of the result is the row's), so a lane's C fragment holds two adjacent columns of y;
-// - runs (the rows form): a warp per 8 consecutive positions as the mma's N, B loaded once per run of one slot;
+// - runs (the rows form): a warp per 8 consecutive positions as the mma's N (4, the other 4 columns empty, where
+//   that grid fits at once), B loaded once per run of one slot;
 // - segments (the segment form): a warp per tile of up to 8 positions of one segment (warp_find_tile), one run.
 // No shared memory and no barrier. After the programmatic-launch wait a warp's chain is its slot (the segments
 // kernel: the walk), then B, h and y at once, then the mma and the store; the rows and runs kernels, launched
@@ -590,19 +591,18 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs:
-    case ExpandKernel::Runs4: {
+    case ExpandKernel::Runs: {
       const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
         if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
           // else the unpipelined kernel's 4 CTAs per SM pay (gate_up at 128 tokens: 448 two-pass CTAs in one wave,
-          // 1.13 waves at 3 per SM)
+          // 1.13 waves at 3 per SM). First on 4 positions a warp where that grid fits: half the runs in a warp's
+          // chain, twice the warps (llama3-8b decode step at T=64/32 -3.1 points, T=128/32 -0.3 to -1.0; NOTES.md
+          // session 40).
           bool launched = false;
-          if (kernel == ExpandKernel::Runs4) {  // the probe: 4 positions a warp, twice the warps, where they fit
-            const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy, 4>>(
-                p, (p.seg.positions + kWarps * 4 - 1) / (kWarps * 4), pdl, stream, &launched);
-            if (launched || err != cudaSuccess) return err;
-          }
+          const cudaError_t err4 = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy, 4>>(
+              p, (p.seg.positions + kWarps * 4 - 1) / (kWarps * 4), pdl, stream, &launched);
+          if (launched || err4 != cudaSuccess) return err4;
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;

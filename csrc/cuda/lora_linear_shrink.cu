@@ -64,7 +64,13 @@ static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CT
 // kSplit (where the GEMM leaves SMs free: shrink_parts): `parts` consecutive warps of a CTA share a task, each over
 // its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
 template <class T, bool kSplit>
-__device__ __forceinline__ void shrink_unit(const ShrinkArgs& a, int parts, int unit, int warp, int lane) {
+__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return;
+#else
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int unit = blockIdx.x * kShrinkWarps + warp;
   const int task = kSplit ? unit / parts : unit, part = kSplit ? unit % parts : 0;
   const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
   if (!kSplit && t >= a.t) return;  // the split kernel's warps all reach its barrier
@@ -119,25 +125,6 @@ __device__ __forceinline__ void shrink_unit(const ShrinkArgs& a, int parts, int 
   const float scale = has_slot ? a.scales[slot] : 0.f;  // loaded once, not after each store to h
   T* row = static_cast<T*>(a.h) + int64_t(t) * a.num_slices * LR + int64_t(j) * LR + r;
   for (int s = lane; s < a.num_slots; s += 32) row[s * a.rank] = from_f32<T>(s == slot ? sum * scale : 0.f);
-}
-
-// A CTA per block of kShrinkWarps units; kLoop (a grid capped below its blocks: kext_grids): the CTAs loop over
-// the `blocks`, without the K split (its barrier and its shared sums serve one block a CTA).
-template <class T, bool kSplit, bool kLoop>
-__global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts, int blocks) {
-  static_assert(!(kSplit && kLoop), "the K split's CTAs take one block each");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  return;
-#else
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if constexpr (kLoop) {
-    for (int block = blockIdx.x; block < blocks; block += gridDim.x) {
-      shrink_unit<T, false>(a, 1, block * kShrinkWarps + warp, warp, lane);
-    }
-  } else {
-    shrink_unit<T, kSplit>(a, parts, blockIdx.x * kShrinkWarps + warp, warp, lane);
-  }
 #endif
 }
 
@@ -154,20 +141,14 @@ int shrink_parts(const LoraLinearParams& p) {
   return parts;
 }
 
-int64_t shrink_blocks(const LoraLinearParams& p, int parts) {
-  return (p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps;
-}
-
 template <class T>
-void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, int64_t max_ctas, cudaStream_t stream) {
+void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
   const int parts = shrink_parts(p);
-  const int blocks = (int)shrink_blocks(p, parts);
-  if (parts > 1) {
-    kext_shrink_kernel<T, true, false><<<unsigned(blocks), kShrinkWarps * 32, 0, stream>>>(args, parts, blocks);
-  } else if (max_ctas > 0 && max_ctas < blocks) {
-    kext_shrink_kernel<T, false, true><<<unsigned(max_ctas), kShrinkWarps * 32, 0, stream>>>(args, 1, blocks);
+  const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
+  if (parts == 1) {
+    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
   } else {
-    kext_shrink_kernel<T, false, false><<<unsigned(blocks), kShrinkWarps * 32, 0, stream>>>(args, 1, blocks);
+    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
   }
 }
 
@@ -177,16 +158,14 @@ bool kext_shrink_serves(const LoraLinearParams& p) {
   return p.t * p.num_slices * p.rank * kMaxShrinkParts <= INT_MAX;  // the kernel's warp index is an int
 }
 
-int64_t kext_shrink_ctas(const LoraLinearParams& p) { return shrink_blocks(p, shrink_parts(p)); }
-
-cudaError_t launch_kext_shrink(const LoraLinearParams& p, int64_t max_ctas, cudaStream_t stream) {
+cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {
   const ShrinkArgs args{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                         p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                         /*opaque_zero=*/0u};
   if (p.dtype == DType::BF16) {
-    launch_shrink<__nv_bfloat16>(p, args, max_ctas, stream);
+    launch_shrink<__nv_bfloat16>(p, args, stream);
   } else {
-    launch_shrink<__half>(p, args, max_ctas, stream);
+    launch_shrink<__half>(p, args, stream);
   }
   return cudaGetLastError();
 }

@@ -333,27 +333,6 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   return args;
 }
 
-// The shrink's CTAs and the GEMM's persistent grid (0: CUTLASS's, one CTA per SM up to its tiles) by KextSms, where
-// the two together want more than the SMs (the GEMM's tiles: one column of tokens, as T fits the token tile).
-struct KextGrids {
-  int64_t shrink_ctas;
-  int gemm_sms;
-};
-
-template <class G>
-KextGrids kext_grids(const LoraLinearParams& p) {
-  constexpr int64_t kRows = decltype(size<0>(typename G::Tile{}))::value;
-  const int64_t shrink = kext_shrink_ctas(p), tiles = (p.n + kRows - 1) / kRows, sms = p.sm_count;
-  if (p.sms == KextSms::Auto || sms <= 1 || tiles + shrink <= sms) return {shrink, 0};
-  if (p.sms == KextSms::Gemm) return shrink <= sms / 2 ? KextGrids{shrink, int(sms - shrink)} : KextGrids{shrink, 0};
-  // Split: the fewest GEMM CTAs at its tiles per CTA; the shrink on the SMs they leave, in at most two rounds.
-  const int64_t per_cta = (tiles + sms - 1) / sms, fewest = (tiles + per_cta - 1) / per_cta;
-  if (sms - shrink >= fewest) return {shrink, int(sms - shrink)};
-  const int64_t left = sms - fewest;
-  if (left < 1 || shrink > 2 * left) return {shrink, 0};
-  return {left, int(fewest)};
-}
-
 constexpr int tile_tokens(int i) { return static_cast<int>(kLoraLinearTileTokens[i]); }
 static_assert(sizeof(kLoraLinearTileTokens) / sizeof(kLoraLinearTileTokens[0]) == 4, "kext_dispatch's four tiles");
 
@@ -404,10 +383,8 @@ cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stre
 #if defined(LORA_OPS_GG_SM90)
   return kext_dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
-    auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
-    const KextGrids grids = kext_grids<G>(p);
-    if (grids.gemm_sms > 0) args.hw_info.sm_count = grids.gemm_sms;
-    if (const cudaError_t err = launch_kext_shrink(p, grids.shrink_ctas, stream); err != cudaSuccess) return err;
+    const auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
+    if (const cudaError_t err = launch_kext_shrink(p, stream); err != cudaSuccess) return err;
     return run_cutlass<G>(args, nullptr, stream, /*programmatic=*/true);
   });
 #else

@@ -87,10 +87,10 @@ SgmvKernel preferred_sgmv_kernel() {
 // the decode sgmv's second step; rows, runs: the rows form's tensor-core kernels, segments: the segment form's,
 // where they serve, else the automatic choice); unset or "auto": the tensor-core kernels where they serve (the
 // segments kernel given segments; given rows, the runs kernel where it pays, else the rows kernel), else by the
-// number of positions. runs4 (a probe): as runs, with 4 positions a warp where its pipelined grid fits at once.
+// number of positions.
 cuda::ExpandKernel preferred_expand_kernel() {
   return preferred_kernel<cuda::ExpandKernel>("LORA_OPS_CUDA_EXPAND_KERNEL",
-                                              {"positions", "tiles", "rows", "runs", "segments", "runs4"});
+                                              {"positions", "tiles", "rows", "runs", "segments"});
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
@@ -378,7 +378,6 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   const int device = weight.get_device();
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
-  p.sms = preferred_kernel<cuda::KextSms>("LORA_OPS_CUDA_KEXT_SMS", {"split", "gemm"});
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
