@@ -42,8 +42,8 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
 // the runs kernel where runs_kernel_pays, the rows kernel elsewhere.
 bool mma_kernels_serve(const ExpandParams& p);
 // Positions ordered through token_indices (build_segments' order puts a slot's rows together) and at least
-// kRunsMinPositionsPerSlot per pool slot: even with every slot present, a warp's 8 positions then span ~4 runs or
-// fewer (csrc/cuda/NOTES.md). The order is taken on trust: token_indices in another order is served exactly, at up
+// kRunsMinPositionsPerSlot per pool slot: even with every slot present, a warp's 8 (or 4) positions then span ~4
+// runs or fewer (csrc/cuda/NOTES.md). The order is taken on trust: token_indices in another order is served exactly, at up
 // to 8 serial runs per warp (forced at 32 positions over 32 slots: the step +42% against the rows kernel's +27%).
 constexpr int64_t kRunsMinPositionsPerSlot = 2;
 bool runs_kernel_pays(const ExpandParams& p);

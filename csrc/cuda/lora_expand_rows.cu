@@ -27,7 +27,8 @@ constexpr int kWarps = 4;                  // warps per CTA, each on its own pos
 constexpr int kTiles = 8;                  // 16-column mma tiles per pass of a warp: 128 columns
 constexpr int kPassCols = 16 * kTiles;
 constexpr int kMaxPasses = 2;              // passes per CTA, chosen per call (launch_kernel)
-constexpr int kRunPositions = 8;           // positions per warp of the runs and segments kernels: the mma's N
+constexpr int kRunPositions = 8;           // the mma's N: positions per warp of the segments kernel, up to it of the
+                                           // runs kernel (kPositions)
 
 // How the runs kernel overlaps the trips of a warp's runs (expand_runs).
 enum class RunsPipeline { None, Copy };
@@ -441,8 +442,8 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 }
 
 // Grid: (column blocks of `passes` passes, groups of kWarps warps); CTAs loop over groups past the grid's limit.
-// A warp takes one position (rows kernel), kRunPositions (runs kernel) or a tile of up to kRunPositions positions
-// of one segment (segments kernel).
+// A warp takes one position (rows kernel), kPositions (runs kernel: 4 or kRunPositions) or a tile of up to
+// kRunPositions positions of one segment (segments kernel).
 //
 // The rows and runs kernels, where they are launched programmatically (kGuesses), load their first positions'
 // metadata before the wait: after a kernel that lets its dependents start early (fold_linear's GEMM), its two
