@@ -148,9 +148,11 @@ if want mutate; then
   step mutate
   # MUTATE_ONLY="id ..." runs only those planted bugs. In place (this machine's tree is a copy): a C++ bug
   # recompiles its one file with the build's objects, where a scratch copy would first compile the whole extension.
+  # Each verdict reaches $OUT/mutate-progress.log as it is printed, so a run cut off by the call's time limit still
+  # says what it caught (mutate-gpu.log, the report, is written at the end).
   $PY scripts/mutate.py --gpu --fast --in-place --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" \
     ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
-    | grep -v "^not run" | tail -8
+    | grep --line-buffered -v "^not run" | tee "$OUT/mutate-progress.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if want envab; then
