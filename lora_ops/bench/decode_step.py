@@ -352,6 +352,13 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     writer = ", an input writer before each module" if between else ""
     log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%, "
         f"the fold route's +{fold_floor:.1f}% (every slot's A){writer}")
+    def fail(name: str, what: str, message: str) -> None:
+        """A route that raised or was wrong: logged, and a failure of the run unless it is a peer (measured, not
+        trusted)."""
+        if name not in peers.PEERS:
+            failures.append(f"decode_step {name} {row}: {message}")
+        log(f"  {name:<12} {what}")
+
     base_calls = s.base_calls()
     graphs = {"base": capture(base_calls)}
     checked, calls = {}, []
@@ -372,9 +379,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
             graphs[name] = capture(calls)
             checked[name] = first_err
         except Exception as exc:
-            if kind != "peer":  # a peer is measured, not trusted: logged, and the run goes on
-                failures.append(f"decode_step {name} {row}: raised {type(exc).__name__}: {exc}")
-            log(f"  {name:<12} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
+            fail(name, f"FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}",
+                 f"raised {type(exc).__name__}: {exc}")
     ms = time_interleaved({name: g.replay for name, g in graphs.items()}, min_ms=100)
 
     def last_layer_err(name: str, which: int) -> float:  # its graph replayed last: the step's final outputs
@@ -397,14 +403,12 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         try:
             err = max(first_err, last_layer_err(name, 1))
         except Exception as exc:
-            if name not in peers.PEERS:
-                failures.append(f"decode_step {name} {row}: its graph's replay raised {type(exc).__name__}: {exc}")
-            log(f"  {name:<12} FAILED on replay: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}")
+            fail(name, f"FAILED on replay: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}",
+                 f"its graph's replay raised {type(exc).__name__}: {exc}")
             continue
         if not err <= 2 * max(base_err, 1e-3):
-            if name not in peers.PEERS:
-                failures.append(f"decode_step {name} {row}: relative error {err:.2e} vs the float64 oracle")
-            log(f"  {name:<12} WRONG: relative error {err:.2e} vs the float64 oracle; not recorded")
+            fail(name, f"WRONG: relative error {err:.2e} vs the float64 oracle; not recorded",
+                 f"relative error {err:.2e} vs the float64 oracle")
             continue
         overhead = 100.0 * (ms[name] - base_ms) / base_ms
         recorded.append(name)

@@ -20,10 +20,11 @@ import re
 import sys
 from typing import Dict, List
 
+from .peers import PEERS  # other projects' kernels in the same harness
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 OURS = ("cuda", "cuda-rows", "triton", "triton-rows")  # -rows: lora_expand's rows form
 BASELINES = ("grouped_mm", "torch_loop", "gather_bmm")
-PEERS = ("vllm",)  # other projects' kernels in the same harness (lora_ops.bench.peers)
 
 
 def write(result: dict, out: str) -> None:
