@@ -138,11 +138,11 @@ __global__ void __launch_bounds__(S::kThreads, S::MIN_CTAS)
 }
 
 template <class TX, class TW, class TY, class S, bool kPieces = false>
-cudaError_t launch_shape(const GroupedGemmParams& p, cudaStream_t stream) {
+cudaError_t launch_shape(const GroupedGemmParams& p, const Access& vec, cudaStream_t stream) {
   TilePlan plan{};
   plan.col_tiles = (p.n + S::BN - 1) / S::BN;
   plan.units = max_segment_tiles(p.seg, S::BM) * plan.col_tiles;
-  plan.vec = access_of(p);
+  plan.vec = vec;
   return launch(grouped_gemm_tile_kernel<TX, TW, TY, S, kPieces>, plan.units, S::kThreads,
                 Layout<TX, TW, TY, S>::bytes, stream, p, plan);
 }
@@ -151,32 +151,32 @@ cudaError_t launch_shape(const GroupedGemmParams& p, cudaStream_t stream) {
 // addresses spill at the register cap of NarrowShape's CTAs per SM (ptxas, sm_80 and sm_90a). H200, the LoRA
 // shrink (8 x 2048 rows, K = 4096, n = 16, fp32 y): 72.8 -> 42.8 us; at 8 x 512 rows 67.5 -> 23.1 (NOTES.md).
 template <class TX, class TW, class TY, int BN>
-cudaError_t launch_narrow(const GroupedGemmParams& p, cudaStream_t stream) {
+cudaError_t launch_narrow(const GroupedGemmParams& p, const Access& vec, cudaStream_t stream) {
   if constexpr (BN <= 32) {
-    const Access vec = access_of(p);
-    if (vec.x && vec.w) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, stream);
+    if (vec.x && vec.w) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, vec, stream);
   }
-  return launch_shape<TX, TW, TY, NarrowShape<BN>, false>(p, stream);
+  return launch_shape<TX, TW, TY, NarrowShape<BN>, false>(p, vec, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream) {
+  const Access vec = access_of(p);
   return dispatch_types(p, [&](auto xt, auto wt, auto yt) {
     using TX = typename decltype(xt)::type;
     using TW = typename decltype(wt)::type;
     using TY = typename decltype(yt)::type;
     if (!narrow) {
       if constexpr (std::is_same_v<TW, float>) {
-        return launch_shape<TX, TW, TY, WideShapeFma>(p, stream);
+        return launch_shape<TX, TW, TY, WideShapeFma>(p, vec, stream);
       } else {
-        return launch_shape<TX, TW, TY, WideShape>(p, stream);
+        return launch_shape<TX, TW, TY, WideShape>(p, vec, stream);
       }
     }
-    if (p.n <= 16) return launch_narrow<TX, TW, TY, 16>(p, stream);
-    if (p.n <= 32) return launch_narrow<TX, TW, TY, 32>(p, stream);
-    if (p.n <= 64) return launch_narrow<TX, TW, TY, 64>(p, stream);
-    return launch_narrow<TX, TW, TY, kGroupedGemmNarrowMaxN>(p, stream);
+    if (p.n <= 16) return launch_narrow<TX, TW, TY, 16>(p, vec, stream);
+    if (p.n <= 32) return launch_narrow<TX, TW, TY, 32>(p, vec, stream);
+    if (p.n <= 64) return launch_narrow<TX, TW, TY, 64>(p, vec, stream);
+    return launch_narrow<TX, TW, TY, kGroupedGemmNarrowMaxN>(p, vec, stream);
   });
 }
 

@@ -593,7 +593,9 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
     case ExpandKernel::Runs: {
-      const int64_t groups = (p.seg.positions + kWarps * kRunPositions - 1) / (kWarps * kRunPositions);
+      // CTAs of kWarps warps over the positions, `per_warp` of them a warp
+      auto groups_of = [&](int per_warp) { return (p.seg.positions + kWarps * per_warp - 1) / (kWarps * per_warp); };
+      const int64_t groups = groups_of(kRunPositions);
       if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {  // else 3 CTAs per SM spill the second trip
         if (p.max_rank <= 16) {  // every run one trip: the pipelined kernel, where its one-pass grid fits at once,
           // else the unpipelined kernel's 4 CTAs per SM pay (gate_up at 128 tokens: 448 two-pass CTAs in one wave,
@@ -602,7 +604,7 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           // session 40).
           bool launched = false;
           const cudaError_t err4 = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy, 4>>(
-              p, (p.seg.positions + kWarps * 4 - 1) / (kWarps * 4), pdl, stream, &launched);
+              p, groups_of(4), pdl, stream, &launched);
           if (launched || err4 != cudaSuccess) return err4;
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
