@@ -120,9 +120,6 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // rows) where the layer has a 128-row W tile per SM or more and slice bounds on 128 rows, else 64 x 128 (ping-pong:
 // twice the W tiles for the SMs of a narrow layer).
 enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
-// Where the kext shrink's warps read x (probe, LORA_OPS_CUDA_KEXT_SHRINK_X=shared): Global, each warp its row from L2;
-// Shared, the CTA's rows copied once into shared memory (lora_linear_shrink.cu).
-enum class KextShrinkX { Global, Shared };
 
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
@@ -145,7 +142,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  KextShrinkX shrink_x;  // LORA_OPS_CUDA_KEXT_SHRINK_X
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to

@@ -63,11 +63,7 @@ static_assert(kShrinkWarps % kMaxShrinkParts == 0, "a task's parts lie in one CT
 // session 29).
 // kSplit (where the GEMM leaves SMs free: shrink_parts): `parts` consecutive warps of a CTA share a task, each over
 // its part of K; the task's first warp sums their parts in order (deterministic) and writes h.
-// kXShared (probe, LORA_OPS_CUDA_KEXT_SHRINK_X=shared): the CTA's rows of x (the 2 to 5 tokens its warps' tasks
-// span) are copied once into shared memory, while the warps load their rows' slots, and the warps read x from there:
-// x's requests through L2 drop from one row per warp (rank x slices times a row's bytes per token, half of what the
-// shrink asks of L2) to one per CTA, with the same warps and trips.
-template <class T, bool kSplit, bool kXShared>
+template <class T, bool kSplit>
 __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const ShrinkArgs a, int parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   return;
@@ -77,33 +73,15 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
   const int unit = blockIdx.x * kShrinkWarps + warp;
   const int task = kSplit ? unit / parts : unit, part = kSplit ? unit % parts : 0;
   const int r = task % a.rank, j = task / a.rank % a.num_slices, t = task / (a.rank * a.num_slices);
-  const int chunks = a.k / 8;  // 16-byte chunks of a row
-  extern __shared__ uint4 x_shared[];  // kXShared: rows t_first.. of x, `chunks` apart
-  const int units_per_row = a.rank * a.num_slices * parts;
-  const int t_first = kXShared ? blockIdx.x * kShrinkWarps / units_per_row : 0;
-  if constexpr (kXShared) {
-    const int rows = min(a.t, (blockIdx.x * kShrinkWarps + kShrinkWarps - 1) / units_per_row + 1) - t_first;
-    for (int i = threadIdx.x; i < rows * chunks; i += kShrinkWarps * 32) {
-      const int row = i / chunks;
-      cp_async16(x_shared + i, static_cast<const T*>(a.x) + int64_t(t_first + row) * a.x_stride + (i - row * chunks) * 8,
-                 16);
-    }
-    cp_async_commit();
-  }
-  if (!kSplit && !kXShared && t >= a.t) return;  // the split and shared-x kernels' warps all reach their barriers
+  if (!kSplit && t >= a.t) return;  // the split kernel's warps all reach its barrier
   const int slot = t < a.t ? a.token_slot[t] : -1;
-  if constexpr (kXShared) {
-    cp_async_wait<0>();
-    __syncthreads();
-    if (!kSplit && t >= a.t) return;
-  }
   const bool has_slot = slot >= 0 && slot < a.num_slots;
+  const int chunks = a.k / 8;  // 16-byte chunks of a row
   const int per_part = kSplit ? (chunks + parts - 1) / parts : chunks;
   const int begin = part * per_part, end = min(chunks, begin + per_part);
   float sum = 0.f;
   if (has_slot) {
-    const uint4* xr = kXShared ? x_shared + (t - t_first) * chunks
-                               : reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
+    const uint4* xr = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + t * a.x_stride);
     const uint4* ar = reinterpret_cast<const uint4*>(static_cast<const T*>(a.lora_a) + slot * a.a_slot_stride +
                                                      int64_t(j * a.rank + r) * a.a_row_stride);
     for (int c0 = begin + lane; c0 < end; c0 += 32 * kShrinkBatch) {
@@ -111,7 +89,7 @@ __global__ void __launch_bounds__(kShrinkWarps * 32) kext_shrink_kernel(const Sh
 #pragma unroll
       for (int i = 0; i < kShrinkBatch; ++i) {
         const int c = min(c0 + 32 * i, end - 1);
-        xv[i] = kXShared ? xr[c] : load_nc(xr + c);
+        xv[i] = load_nc(xr + c);
         av[i] = load_nc(ar + c);
       }
       uint32_t joined = 0;
@@ -163,36 +141,15 @@ int shrink_parts(const LoraLinearParams& p) {
   return parts;
 }
 
-// The shared-x kernel's shared memory: the most rows of x a CTA's tasks span (ceil(warps / tasks a row) + 1, at most
-// t), whole rows; 0 where that passes kMaxSharedX (then x is read from L2).
-constexpr size_t kMaxSharedX = 96 << 10;
-size_t shared_x_bytes(const LoraLinearParams& p, int parts) {
-  if (p.shrink_x != KextShrinkX::Shared) return 0;
-  const int64_t units_per_row = p.num_slices * p.rank * parts;
-  const int64_t rows = std::min<int64_t>(p.t, (kShrinkWarps + units_per_row - 1) / units_per_row + 1);
-  const size_t bytes = size_t(rows) * size_t(p.k) * 2;
-  return bytes <= kMaxSharedX ? bytes : 0;
-}
-
-template <class T, bool kSplit>
-cudaError_t launch_shrink_x(const ShrinkArgs& args, unsigned ctas, int parts, size_t x_bytes, cudaStream_t stream) {
-  if (x_bytes == 0) {
-    kext_shrink_kernel<T, kSplit, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
-    return cudaSuccess;
-  }
-  auto kernel = kext_shrink_kernel<T, kSplit, true>;
-  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, x_bytes); err != cudaSuccess) return err;
-  kernel<<<ctas, kShrinkWarps * 32, x_bytes, stream>>>(args, parts);
-  return cudaSuccess;
-}
-
 template <class T>
-cudaError_t launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
+void launch_shrink(const LoraLinearParams& p, const ShrinkArgs& args, cudaStream_t stream) {
   const int parts = shrink_parts(p);
   const unsigned ctas = unsigned((p.t * p.num_slices * p.rank * parts + kShrinkWarps - 1) / kShrinkWarps);
-  const size_t x_bytes = shared_x_bytes(p, parts);
-  return parts == 1 ? launch_shrink_x<T, false>(args, ctas, 1, x_bytes, stream)
-                    : launch_shrink_x<T, true>(args, ctas, parts, x_bytes, stream);
+  if (parts == 1) {
+    kext_shrink_kernel<T, false><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, 1);
+  } else {
+    kext_shrink_kernel<T, true><<<ctas, kShrinkWarps * 32, 0, stream>>>(args, parts);
+  }
 }
 
 }  // namespace
@@ -205,9 +162,12 @@ cudaError_t launch_kext_shrink(const LoraLinearParams& p, cudaStream_t stream) {
   const ShrinkArgs args{p.x, p.lora_a, p.token_slot, p.scales, p.h, p.x_row_stride, p.a_slot_stride,
                         p.a_row_stride, (int)p.t, (int)p.k, (int)p.num_slices, (int)p.rank, (int)p.num_slots,
                         /*opaque_zero=*/0u};
-  const cudaError_t err =
-      p.dtype == DType::BF16 ? launch_shrink<__nv_bfloat16>(p, args, stream) : launch_shrink<__half>(p, args, stream);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  if (p.dtype == DType::BF16) {
+    launch_shrink<__nv_bfloat16>(p, args, stream);
+  } else {
+    launch_shrink<__half>(p, args, stream);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace lora_ops::cuda

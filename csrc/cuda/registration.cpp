@@ -378,7 +378,6 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   const int device = weight.get_device();
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
-  p.shrink_x = preferred_kernel<cuda::KextShrinkX>("LORA_OPS_CUDA_KEXT_SHRINK_X", {"shared"});
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
