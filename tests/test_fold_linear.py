@@ -207,6 +207,31 @@ def test_unknown_kernel_name_is_an_error(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [80, 128, 300])
+def test_cublaslt_probe_past_64_tokens(T, monkeypatch):
+    """LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): at::linear on cuBLASLt past 64 tokens: the product, bitwise the
+    same on every call and under graph replay, and the process's preferred BLAS library as it was; a bad value
+    is an error naming the variable."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "cublaslt")
+    before = torch.backends.cuda.preferred_blas_library()
+    x, w, _ = _inputs(T, 1024, 2048 + 512, torch.bfloat16, "cuda", key="lt")
+    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
+    _assert_product(y, x, w)
+    assert not _ran_cutlass(ran), ran
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert all(torch.equal(y, lora_ops.fold_linear(x, w)) for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lora_ops.fold_linear(x, w)
+    graph.replay()
+    assert torch.equal(captured, y)
+    monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "lt")
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_FOLD_BLAS = 'lt'"):
+        lora_ops.fold_linear(x, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [8, 32, 48, 80])  # 80: at::linear's GEMM before the expand
 def test_deterministic_and_graph_replay(T, monkeypatch):
     """Bitwise the same result on every call (no split-K); then the fold route's pair, fold_linear and the CUDA

@@ -313,6 +313,11 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 // kFoldLinearMaxTokens tokens where they serve, at::linear elsewhere (and with a bias: the fold route's bias_cat is
 // rare, e.g. Qwen2's qkv, and cuBLAS adds it in its epilogue).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
+// LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): fold_linear's at::linear (past kFoldLinearMaxTokens tokens) on cuBLASLt
+// instead of cuBLAS. At T=128 cuBLAS's choice for the fold route's concatenated shapes costs ~4.5 us a llama3-8b
+// layer over their A bytes (qkv, down) and its narrow layers stream W at 56-75% of the copy bandwidth (NOTES.md,
+// session 41); cuBLASLt's heuristics may choose otherwise.
+enum class FoldBlas { Default, Cublaslt };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
@@ -349,6 +354,15 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
         return y;
       }
     }
+  }
+  if (preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt"}) == FoldBlas::Cublaslt) {
+    // The process's preferred library for this one call, restored however it ends.
+    struct PreferredBlas {
+      at::BlasBackend was = at::globalContext().blasPreferredBackend();
+      PreferredBlas() { at::globalContext().setBlasPreferredBackend(at::BlasBackend::Cublaslt); }
+      ~PreferredBlas() { at::globalContext().setBlasPreferredBackend(was); }
+    } lt;
+    return at::linear(x, weight, bias);
   }
   return at::linear(x, weight, bias);
 }
