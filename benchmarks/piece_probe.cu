@@ -1,0 +1,204 @@
+// What a CTA-tiled, cp.async-staged stream of y reaches on this GPU by the shape of its chunks (a standalone probe,
+// no lora_ops). grouped_gemm's LoRA expand (K = 16) and the prefill sgmv's expand read and write y [16384, 4096]
+// bf16 in chunks of 64 rows x 64 columns (128-byte row pieces), and stay at 74-77% of the copy bandwidth while torch's
+// elementwise y.add_ reaches 98% (csrc/cuda/NOTES.md, grouped_gemm sessions 13-27; sgmv prefill sessions 25-29).
+// The probe keeps everything of those kernels but the math: 64-row tiles of 2048 columns per CTA (512 CTAs,
+// ~4 per SM, all resident), 32 chunks of 8 KB each, a 4-stage cp.async pipeline, one barrier per chunk, 16-byte
+// stores. Only the chunk's shape changes, ROWS x COLS = 4096 elements: 64 x 64 (the kernels' shape, 128-byte row
+// pieces) to 2 x 2048 (4 KB pieces), walked row block by row block (a row's next piece is the next chunk's) or
+// column block by column block. If the long pieces approach y.add_'s rate, the kernels' 26% is DRAM page locality
+// and they want a chunk of few rows and many columns (B for the CTA's columns kept in shared memory, so that the
+// fewer rows per chunk do not multiply B's reads); if every shape stays near 75%, it is not, and the loss is the
+// pipeline's own. Read-only variants (no store) ask the same of the prefill sgmv's shrink, which reads x in 64-row x
+// 128-byte pieces.
+// Build and run (any sm_80+ GPU): nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/piece_probe.cu -o /tmp/piece_probe
+// && /tmp/piece_probe
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#define CHECK(call)                                                                                   \
+  do {                                                                                                \
+    const cudaError_t err_ = (call);                                                                  \
+    if (err_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));            \
+      std::exit(1);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+namespace {
+
+constexpr int kRows = 16384, kCols = 4096;  // y, bf16
+constexpr int kTileRows = 64, kTileCols = 2048;
+constexpr int kThreads = 128;
+constexpr int kChunkElems = 4096;  // 8 KB of bf16 per chunk, whatever its shape
+constexpr int kStages = 4;
+constexpr int kPieces = kChunkElems * 2 / 16 / kThreads;  // 16-byte pieces per thread and chunk
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
+// order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
+// kWrite: y += 1 written back (the expand); else the chunk is summed into a checksum (the shrink's reads).
+template <int ROWS, bool kRowMajor, bool kWrite>
+__global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float* checksum) {
+  constexpr int COLS = kChunkElems / ROWS;
+  constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
+  constexpr int kChunks = kRowBlocks * kColBlocks;
+  constexpr int kRowPieces = COLS / 8;  // 16-byte pieces in one row of a chunk
+  __shared__ __align__(16) __nv_bfloat16 stage[kStages][kChunkElems];
+  const int tiles_per_row = kCols / kTileCols;
+  const int64_t row0 = (int64_t)(blockIdx.x / tiles_per_row) * kTileRows;
+  const int col0 = (blockIdx.x % tiles_per_row) * kTileCols;
+  auto chunk_origin = [&](int c, int64_t* r, int* col) {
+    const int rb = kRowMajor ? c / kColBlocks : c % kRowBlocks;
+    const int cb = kRowMajor ? c % kColBlocks : c / kRowBlocks;
+    *r = row0 + rb * ROWS;
+    *col = col0 + cb * COLS;
+  };
+  auto piece_at = [&](int c, int j) {  // this thread's piece j of chunk c, in y
+    int64_t r;
+    int col;
+    chunk_origin(c, &r, &col);
+    const int p = threadIdx.x + j * kThreads;
+    return y + (r + p / kRowPieces) * kCols + col + (p % kRowPieces) * 8;
+  };
+  auto load = [&](int c) {
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) cp_async16(&stage[c % kStages][(threadIdx.x + j * kThreads) * 8], piece_at(c, j));
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    load(s);
+    cp_async_commit();
+  }
+  float sum = 0.f;
+  for (int c = 0; c < kChunks; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
+    if (c + kStages - 1 < kChunks) load(c + kStages - 1);
+    cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      uint4 v = *reinterpret_cast<const uint4*>(&stage[c % kStages][(threadIdx.x + j * kThreads) * 8]);
+      if constexpr (kWrite) {
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+        const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
+        *reinterpret_cast<uint4*>(piece_at(c, j)) = v;
+      } else {
+        sum += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (!kWrite && sum == 1234.5f) checksum[blockIdx.x] = sum;  // keeps the reads; never true for the fill below
+}
+
+// torch's y.add_(1) alike: grid-stride, one 16-byte piece per thread and step (the elementwise baseline).
+__global__ void add_one(__nv_bfloat16* y, int64_t pieces) {
+  const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pieces; i += (int64_t)gridDim.x * blockDim.x) {
+    uint4 v = reinterpret_cast<const uint4*>(y)[i];
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
+    reinterpret_cast<uint4*>(y)[i] = v;
+  }
+}
+
+template <class Launch>
+float time_us(Launch&& launch, int iters = 20) {
+  for (int i = 0; i < 3; ++i) launch();
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  CHECK(cudaEventRecord(start));
+  for (int i = 0; i < iters; ++i) launch();
+  CHECK(cudaEventRecord(stop));
+  CHECK(cudaEventSynchronize(stop));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CHECK(cudaGetLastError());
+  return 1e3f * ms / iters;
+}
+
+// Whether one pass of the rmw kernel over zeros leaves every element of y at exactly 1 (each touched once).
+template <int ROWS, bool kRowMajor>
+bool touches_each_once(__nv_bfloat16* y, int ctas) {
+  const size_t n = (size_t)kRows * kCols;
+  CHECK(cudaMemset(y, 0, n * 2));
+  chunk_stream<ROWS, kRowMajor, true><<<ctas, kThreads>>>(y, nullptr);
+  CHECK(cudaDeviceSynchronize());
+  uint16_t* host = static_cast<uint16_t*>(std::malloc(n * 2));
+  CHECK(cudaMemcpy(host, y, n * 2, cudaMemcpyDeviceToHost));
+  bool ok = true;
+  for (size_t i = 0; i < n && ok; ++i) ok = host[i] == 0x3f80;  // bf16 1.0
+  std::free(host);
+  return ok;
+}
+
+template <int ROWS, bool kRowMajor, bool kWrite>
+void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
+  const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
+  if (kWrite && !touches_each_once<ROWS, kRowMajor>(y, ctas)) {
+    std::printf("%d-row chunks, %s order: not every element written once\n", ROWS, kRowMajor ? "row" : "col");
+    std::exit(1);
+  }
+  const float us = time_us([&] { chunk_stream<ROWS, kRowMajor, kWrite><<<ctas, kThreads>>>(y, checksum); });
+  const double bytes = (kWrite ? 2.0 : 1.0) * kRows * (double)kCols * 2;
+  const double gbs = bytes / us * 1e-3;
+  std::printf("%-5s %2d x %4d (%4d-byte pieces), %s order: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n",
+              kWrite ? "rmw" : "read", ROWS, kChunkElems / ROWS, kChunkElems / ROWS * 2,
+              kRowMajor ? "row-block" : "col-block", us, gbs, 100.0 * gbs / copy_gbs);
+}
+
+template <bool kRowMajor, bool kWrite>
+void run_shapes(__nv_bfloat16* y, float* checksum, double copy_gbs) {
+  run_shape<64, kRowMajor, kWrite>(y, checksum, copy_gbs);
+  run_shape<32, kRowMajor, kWrite>(y, checksum, copy_gbs);
+  run_shape<16, kRowMajor, kWrite>(y, checksum, copy_gbs);
+  run_shape<8, kRowMajor, kWrite>(y, checksum, copy_gbs);
+  run_shape<4, kRowMajor, kWrite>(y, checksum, copy_gbs);
+  run_shape<2, kRowMajor, kWrite>(y, checksum, copy_gbs);
+}
+
+}  // namespace
+
+int main() {
+  const size_t bytes = (size_t)kRows * kCols * 2;
+  __nv_bfloat16 *y = nullptr, *other = nullptr;
+  float* checksum = nullptr;
+  CHECK(cudaMalloc(&y, bytes));
+  CHECK(cudaMalloc(&other, bytes));
+  CHECK(cudaMalloc(&checksum, sizeof(float) * (kRows / kTileRows) * (kCols / kTileCols)));
+  CHECK(cudaMemset(y, 0, bytes));
+  CHECK(cudaMemset(other, 0, bytes));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const float copy_us = time_us([&] { CHECK(cudaMemcpyAsync(other, y, bytes, cudaMemcpyDeviceToDevice)); });
+  const double copy_gbs = 2.0 * bytes / copy_us * 1e-3;
+  std::printf("%s, %d SMs; y %d x %d bf16 (%.0f MB); copy %.1f us = %.0f GB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, kRows, kCols, bytes / 1e6, copy_us, copy_gbs);
+  const int64_t pieces = (int64_t)bytes / 16;
+  const float add_us = time_us([&] { add_one<<<prop.multiProcessorCount * 16, 256>>>(y, pieces); });
+  std::printf("rmw   elementwise y += 1 (grid-stride):      %7.1f us  %6.0f GB/s  %5.1f%% of copy\n", add_us,
+              2.0 * bytes / add_us * 1e-3, 100.0 * (2.0 * bytes / add_us * 1e-3) / copy_gbs);
+  run_shapes<true, true>(y, checksum, copy_gbs);
+  run_shapes<false, true>(y, checksum, copy_gbs);
+  run_shapes<true, false>(y, checksum, copy_gbs);
+  CHECK(cudaFree(y));
+  CHECK(cudaFree(other));
+  CHECK(cudaFree(checksum));
+  return 0;
+}
