@@ -159,6 +159,64 @@ def test_ops_bump_the_version_of_y():
         loss.backward()
 
 
+def _overlapping_outputs():
+    """(op, make_args, the argument y shares memory with): y a shifted window of x's rows, x itself, a window of w,
+    of h."""
+    def sgmv_shifted():
+        args, buf = sgmv_args(), torch.randn(5, 16)
+        return dict(args, x=buf[:4], y=buf[1:, :12])
+
+    def gg_y_is_x():
+        args = gg_args(K=16, N=16)
+        return dict(args, y=args["x"])
+
+    def gg_window_of_w():
+        args = gg_args()
+        return dict(args, y=args["w"][1, :4, :12])
+
+    def expand_shifted():
+        args, buf = _expand_args(), torch.randn(5, 12)
+        return dict(args, y=buf[1:], h=buf[:-1].view(4, 3, 4))
+
+    return [("sgmv", sgmv_shifted, "x"), ("grouped_gemm", gg_y_is_x, "x"), ("grouped_gemm", gg_window_of_w, "w"),
+            ("lora_expand", expand_shifted, "h")]
+
+
+@pytest.mark.parametrize("op,make_args,name", _overlapping_outputs(), ids=lambda v: getattr(v, "__name__", str(v)))
+def test_output_sharing_memory_with_an_input_is_refused(op, make_args, name):
+    """y is written in place while the op reads its inputs: parts of one call would read what others wrote (a
+    wrong, order-dependent answer), so y overlapping an input is an error naming it, on every backend."""
+    for mod in _backends():
+        with pytest.raises(ValueError, match=rf"lora_ops\.{op}: y shares memory with {name}; the output must not "
+                                             r"overlap an input"):
+            getattr(mod, op)(**make_args())
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_output_beside_an_input_in_one_buffer_is_accepted(T):
+    """One buffer holding y and an input side by side is not an overlap: the fold route's y = out[:, :N] and
+    h = out[:, N:] (each row's columns disjoint), and rows of one buffer split between x and y. Each result is
+    the one with separate tensors."""
+    L, R, N = 3, 4, 12
+    out = torch.randn(T, N + L * R)
+    args = _expand_args()
+    seg = dict(seg_indptr=torch.tensor([0, T], dtype=torch.int32), seg_lora=torch.tensor([1], dtype=torch.int32))
+    y, h = out[:, :N], out[:, N:].view(T, L, R)
+    expected = y.clone()
+    lora_ops.lora_expand(expected, h.clone(), args["lora_b"], **seg)
+    lora_ops.lora_expand(y, h, args["lora_b"], **seg)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out[:, N:], h.reshape(T, -1), rtol=0, atol=0)  # h untouched
+
+    args, buf = sgmv_args(), torch.randn(8, 16)
+    x, y = buf[:4], buf[4:, :12]
+    x.copy_(args["x"])
+    expected = y.clone()
+    lora_ops.sgmv(**dict(args, y=expected))
+    lora_ops.sgmv(**dict(args, x=x, y=y))
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
 def test_lora_expand_row_extent_names_y():
     args = {k: v.to("meta") for k, v in _expand_args().items()}
     args.update(y=torch.zeros(2 ** 31, 12, device="meta"), h=torch.zeros(2 ** 31, 3, 4, device="meta"))

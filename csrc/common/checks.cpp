@@ -5,9 +5,12 @@
 #include <c10/core/SymInt.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace lora_ops {
@@ -89,6 +92,69 @@ void check_output_rows(const char* op, const at::Tensor& y) {
   TORCH_CHECK_VALUE(holds(y.sym_size(0).sym_le(1) | y.sym_size(1).sym_eq(0) | y.sym_stride(0).sym_ge(y.sym_size(1))),
                     op, ": y rows overlap in memory (row stride ", num(y.sym_stride(0)), " < ", num(y.sym_size(1)),
                     " columns); pass a tensor whose rows are disjoint");
+}
+
+// The tensor an optional holds, or an undefined one.
+const at::Tensor& opt_or_undefined(const std::optional<at::Tensor>& t) {
+  static const at::Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
+
+// Bytes [lo, hi) of t's storage that t's dimensions from `first` on span, from t's first element (in bytes).
+struct ByteSpan {
+  int64_t lo, hi;
+};
+ByteSpan byte_span(const at::Tensor& t, int64_t first, int64_t origin) {
+  int64_t lo = origin, hi = origin;
+  for (int64_t d = first; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d) * (int64_t)t.element_size();
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi + (int64_t)t.element_size()};
+}
+
+// Whether a and b may share a byte of memory: not where their storages differ or their spans are disjoint, nor
+// where both repeat with one outer (row) stride S and their footprints within a period of S are disjoint, e.g. the
+// fold route's y = out[:, :N] and h = out[:, N:] (of one [T, N + L*S*R] buffer); otherwise yes (a layout too
+// irregular to tell is refused rather than risked).
+bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage() ||
+      !a.storage().is_alias_of(b.storage())) {
+    return false;
+  }
+  const int64_t a0 = a.storage_offset() * (int64_t)a.element_size(), b0 = b.storage_offset() * (int64_t)b.element_size();
+  const ByteSpan sa = byte_span(a, 0, a0), sb = byte_span(b, 0, b0);
+  if (sa.hi <= sb.lo || sb.hi <= sa.lo) return false;
+  const int64_t period = a.dim() > 0 ? a.stride(0) * (int64_t)a.element_size() : 0;
+  if (a.dim() < 2 || b.dim() < 2 || period <= 0 || b.stride(0) * (int64_t)b.element_size() != period) return true;
+  // Each row's footprint within one period, as [lo, hi) with 0 <= lo < period (hi may pass period: it wraps).
+  auto row = [&](const at::Tensor& t, int64_t origin) {
+    ByteSpan r = byte_span(t, 1, origin);
+    const int64_t shift = r.lo - ((r.lo % period) + period) % period;
+    return ByteSpan{r.lo - shift, r.hi - shift};
+  };
+  const ByteSpan ra = row(a, a0), rb = row(b, b0);
+  if (ra.hi - ra.lo > period || rb.hi - rb.lo > period) return true;  // a row wider than the period
+  // Disjoint on the circle of one period: b's footprint, moved by whole periods, misses a's.
+  auto misses = [&](const ByteSpan& x, const ByteSpan& y) {
+    for (int64_t k = -1; k <= 1; ++k) {
+      if (y.lo + k * period < x.hi && x.lo < y.hi + k * period) return false;
+    }
+    return true;
+  };
+  return !misses(ra, rb);
+}
+
+// y, written in place, must not share memory with what the op reads, or one part's writes would feed another's
+// reads: a silently wrong, order-dependent answer (the CPU's blocks, the GPU's column tiles and slice groups). Real
+// tensors only: a Meta or fake tensor has no memory, and the real call checks again.
+void check_output_disjoint(const char* op, const at::Tensor& y,
+                           std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  if (y.is_meta()) return;
+  for (const auto& [name, t] : inputs) {
+    TORCH_CHECK_VALUE(!t->defined() || !may_share_memory(y, *t), op, ": y shares memory with ", name,
+                      "; the output must not overlap an input");
+  }
 }
 
 // Index values live on the device as int32 (saturated from int64, see kernel_index). A size they are compared
@@ -334,6 +400,10 @@ SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, co
                                     const std::optional<at::Tensor>& lora_scales,
                                     at::OptionalIntArrayRef slice_offsets) {
   check_sgmv_host(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets);
+  check_output_disjoint("lora_ops.sgmv", y,
+                        {{"x", &x}, {"lora_a", &lora_a}, {"lora_b", &lora_b}, {"seg_indptr", &seg_indptr},
+                         {"seg_lora", &seg_lora}, {"token_indices", &opt_or_undefined(token_indices)},
+                         {"lora_ranks", &opt_or_undefined(lora_ranks)}, {"lora_scales", &opt_or_undefined(lora_scales)}});
   return slot_index_tensors(y, x.size(0), lora_a.size(0), lora_a.size(1) / num_slices(slice_offsets), seg_indptr,
                             seg_lora, token_indices, lora_ranks);
 }
@@ -411,6 +481,10 @@ SgmvIndexTensors lora_expand_index_tensors(const at::Tensor& y, const at::Tensor
                                            const std::optional<at::Tensor>& lora_scales,
                                            at::OptionalIntArrayRef slice_offsets) {
   check_lora_expand_host(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets);
+  check_output_disjoint("lora_ops.lora_expand", y,
+                        {{"h", &h}, {"lora_b", &lora_b}, {"seg_indptr", &opt_or_undefined(seg_indptr)},
+                         {"seg_lora", &seg_lora}, {"token_indices", &opt_or_undefined(token_indices)},
+                         {"lora_ranks", &opt_or_undefined(lora_ranks)}, {"lora_scales", &opt_or_undefined(lora_scales)}});
   return slot_index_tensors(y, y.size(0), lora_b.size(0), lora_b.size(2), seg_indptr, seg_lora, token_indices,
                             lora_ranks);
 }
@@ -498,6 +572,10 @@ GroupedGemmIndexTensors grouped_gemm_index_tensors(const at::Tensor& y, const at
                                                    const std::optional<at::Tensor>& n_sizes,
                                                    const std::optional<at::Tensor>& k_sizes) {
   check_grouped_gemm_host(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+  check_output_disjoint("lora_ops.grouped_gemm", y,
+                        {{"x", &x}, {"w", &w}, {"seg_indptr", &seg_indptr}, {"seg_weight", &seg_weight},
+                         {"token_indices", &opt_or_undefined(token_indices)}, {"n_sizes", &opt_or_undefined(n_sizes)},
+                         {"k_sizes", &opt_or_undefined(k_sizes)}});
   if (debug_checks_apply(y)) {
     debug_validate_segments(seg_indptr, seg_weight, token_indices, x.size(0), w.size(0), "seg_weight");
     debug_validate_sizes("n_sizes", n_sizes, "N", y.size(1));
