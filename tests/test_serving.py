@@ -543,6 +543,8 @@ def test_pool_arguments_named_in_errors(adapters):
     base, root = adapters
     with pytest.raises(TypeError, match="not the string 'q_proj'"):
         AdapterPool(copy.deepcopy(base), target_modules="q_proj")
+    with pytest.raises(ValueError, match="target_modules is empty"):
+        AdapterPool(copy.deepcopy(base), target_modules=[])
     fused = torch.nn.Module()
     fused.qkv_proj = torch.nn.Linear(8, 16)
     with pytest.raises(AdapterShapeError, match="qkv_proj: .* model.config"):
@@ -557,11 +559,81 @@ def test_set_batch_rejects_bad_lengths(adapters):
     model, pool = _pool_model(base, root, ["a"])
     with pytest.raises(ValueError, match="not both"):
         pool.set_batch(["a"], tokens_per_row=2, lengths=[2])
-    with pytest.raises(ValueError, match=r"lengths must be 2 counts >= 0 \(one per row of adapters\), got \[2\]"):
+    with pytest.raises(ValueError, match=r"lengths must be 2 integers >= 0 \(one per row of adapters\), got \[2\]"):
         pool.set_batch(["a", None], lengths=[2])
-    with pytest.raises(ValueError, match="lengths must be 2 counts"):
+    with pytest.raises(ValueError, match="lengths must be 2 integers"):
         pool.set_batch(["a", None], lengths=[2, -1])
+    with pytest.raises(ValueError, match=r"lengths must be 2 integers >= 0 .*got \[2.9, 1.2\]"):
+        pool.set_batch(["a", None], lengths=[2.9, 1.2])  # not truncated to [2, 1]
+    with pytest.raises(ValueError, match="tokens_per_row must be an integer >= 0, got -2"):
+        pool.set_batch(["a", None], tokens_per_row=-2)
     assert pool.current is None
+    pool.set_batch(["a", None], lengths=[torch.tensor(2), 1])  # integers of any kind
+
+
+def test_nested_batches_leave_the_outer_routing_as_they_found_it(adapters):
+    """An inner pool.batch or greedy_generate sets the enclosing block's routing again on exit (it cleared it: the
+    rest of the block ran the base model, silently)."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad(), pool.batch(["a", "b"], tokens_per_row=5):
+        before = model(ids).logits
+        with pool.batch(["b", None], tokens_per_row=5):
+            inner = model(ids).logits
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+        greedy_generate(model, pool, ids, ["b", None], max_new_tokens=2)
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    assert pool.current is None and pool._pins == {}
+    assert (inner[0] - before[0]).abs().max() > 1e-3  # the inner block really routed otherwise
+
+
+def test_load_does_not_evict_an_adapter_of_the_active_routing(adapters):
+    """set_batch pins nothing, but its adapters are not evicted while it is active: their rows would silently run
+    the adapter loaded into their slot. Cleared, the routing holds nothing."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a"], num_slots=1)
+    pool.set_batch(["a", "a"])
+    state = _pool_state(pool)
+    with pytest.raises(PoolFullError, match=r"adapters of the active routing \(\['a'\]\)"):
+        pool.load("b", str(root / "b"))
+    _assert_same_state(pool, state)
+    pool.clear_batch()
+    pool.load("b", str(root / "b"))
+    assert pool.loaded == ["b"]
+
+
+def test_config_without_lora_alpha_takes_peft_default(adapters, tmp_path):
+    """PEFT's LoraConfig default lora_alpha is 8 (not r): a config without the field scales by 8 / r (8 / sqrt(r)
+    with rslora), as PEFT's loader does."""
+    base, root = adapters
+    bad = _tampered(root, tmp_path, "b", config_change={"lora_alpha": None})  # r 16, rslora: 8 / 4, not 16 / 4
+    config = json.loads((bad / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(bad)).eval()(ids).logits
+        model, pool = _pool_model(base, bad.parent, [bad.name])
+        with pool.batch([bad.name], tokens_per_row=5):
+            got = model(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    assert pool.modules["model.layers.0.self_attn.q_proj"].scales[pool.slot(bad.name)].item() == 8 / 4
+
+
+def test_zero_alpha_adds_nothing(adapters, tmp_path):
+    """lora_alpha 0 (or an alpha_pattern entry of 0): PEFT adds nothing there; the pool stores scale 0 instead of
+    dividing by it."""
+    base, root = adapters
+    zero = _tampered(root, tmp_path, "b", config_change={"alpha_pattern": {"q_proj": 0}})
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(zero)).eval()(ids).logits
+        model, pool = _pool_model(base, zero.parent, [zero.name])
+        with pool.batch([zero.name], tokens_per_row=5):
+            got = model(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    assert pool.modules["model.layers.0.self_attn.q_proj"].scales[pool.slot(zero.name)].item() == 0
 
 
 def test_packed_ragged_rows_match_peft_layers(adapters):

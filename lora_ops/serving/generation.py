@@ -18,34 +18,30 @@ def greedy_generate(model: nn.Module, pool: AdapterPool, input_ids: torch.Tensor
 
     Ragged prompts: left-pad them to L and pass their attention_mask (1 = token, 0 = padding); positions then
     count real tokens only, as in HF's generate. Returns (tokens [B, L+n], logits [B, L+n-1, V]: the prompt's,
-    then each decode step's). The adapters stay pinned, and the pool's batch is cleared even when a forward
-    raises."""
+    then each decode step's). The adapters stay pinned, and the routing active before the call (or none) is set
+    again after it, even when a forward raises."""
     B, L = input_ids.shape
     cache_kw = _cache_keyword(model)
     extra = {}
     if attention_mask is not None:
         extra = dict(attention_mask=attention_mask, position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0))
     tokens = input_ids
-    with pool.pinned(*[a for a in adapters if a is not None]):
-        try:
-            pool.set_batch(adapters, tokens_per_row=L)
-            out = model(input_ids, use_cache=True, **extra)
-            logits = [out.logits]
-            pool.set_batch(adapters, tokens_per_row=1)  # every decode step: one token per row, the same routing
-            for step in range(max_new_tokens):
-                nxt = logits[-1][:, -1].argmax(-1, keepdim=True)
-                tokens = torch.cat([tokens, nxt], 1)
-                if step == max_new_tokens - 1:
-                    break  # the last token needs no forward
-                if attention_mask is not None:
-                    extra["attention_mask"] = torch.cat([extra["attention_mask"], attention_mask.new_ones(B, 1)], 1)
-                    extra["position_ids"] = extra["position_ids"][:, -1:] + 1
-                out = model(nxt, use_cache=True, **{cache_kw: _cache_of(out)}, **extra)
-                logits.append(out.logits)
-                if progress is not None:
-                    progress.update(1)
-        finally:
-            pool.clear_batch()
+    with pool.batch(adapters, tokens_per_row=L):  # pinned; on exit the routing before it, or none
+        out = model(input_ids, use_cache=True, **extra)
+        logits = [out.logits]
+        pool.set_batch(adapters, tokens_per_row=1)  # every decode step: one token per row, the same routing
+        for step in range(max_new_tokens):
+            nxt = logits[-1][:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], 1)
+            if step == max_new_tokens - 1:
+                break  # the last token needs no forward
+            if attention_mask is not None:
+                extra["attention_mask"] = torch.cat([extra["attention_mask"], attention_mask.new_ones(B, 1)], 1)
+                extra["position_ids"] = extra["position_ids"][:, -1:] + 1
+            out = model(nxt, use_cache=True, **{cache_kw: _cache_of(out)}, **extra)
+            logits.append(out.logits)
+            if progress is not None:
+                progress.update(1)
     return tokens, torch.cat(logits, 1)
 
 

@@ -15,6 +15,7 @@ import torch
 
 # Fused base modules (Phi-3 style) and the per-module LoRA names whose adapters map onto their column slices.
 FUSED_SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha, which its loader takes when a config leaves it out
 
 
 class AdapterError(Exception):
@@ -212,7 +213,7 @@ def stage(config: dict, weights: Dict[str, torch.Tensor], modules: Mapping, max_
     cannot serve exactly as PEFT would compute it."""
     _check_targets(config, modules, path)
     pairs = _pairs(config, weights, path)
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     slices: Dict[str, Dict[int, _Slice]] = collections.defaultdict(dict)
     for module_path, ab in pairs.items():
@@ -251,14 +252,16 @@ def stage(config: dict, weights: Dict[str, torch.Tensor], modules: Mapping, max_
 
 def _assemble(mod, per_slice: Dict[int, _Slice], max_rank: int, path: str) -> StagedModule:
     rank = max(s.rank for s in per_slice.values())
-    scale = next(iter(per_slice.values())).scale
+    # The slot's scale is the largest of its slices' (each other slice's ratio to it, <= 1, goes into its B: no
+    # overflow in a 16-bit B); 0 where every slice's is (lora_alpha 0: PEFT adds nothing).
+    scale = max((s.scale for s in per_slice.values()), key=abs)
     A = torch.zeros(len(mod.slice_names) * max_rank, mod.in_features, dtype=mod.lora_a.dtype)
     B = torch.zeros(mod.out_features, rank, dtype=mod.lora_b.dtype)
     for s, sl in per_slice.items():
         lo, hi = mod.slice_offsets[s], mod.slice_offsets[s + 1]
         A[s * max_rank: s * max_rank + sl.rank] = sl.a.to(A.dtype)
         # one scale per slot and module: a slice with another scale carries the ratio in its B
-        B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale)).to(B.dtype)
+        B[lo:hi, :sl.rank] = (sl.b.float() * (sl.scale / scale if scale else 0.0)).to(B.dtype)
     # The kext route's GEMM multiplies every row's zeros by the B of every slot in a 64-column block it reads (and
     # its composition by every slot's): an inf or NaN of one adapter would reach other adapters' rows.
     if not (torch.isfinite(A).all() and torch.isfinite(B).all()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -89,6 +90,17 @@ class ModuleSlots:
             self.kext_lora_b[slot].copy_(self.lora_b[slot])
 
 
+def _is_count(n) -> bool:
+    """An integer (Python's, numpy's, a 0-d integer tensor's), not a float or bool that int() would truncate."""
+    if isinstance(n, bool):
+        return False
+    try:
+        operator.index(n)
+    except TypeError:
+        return False
+    return True
+
+
 class LoRABatch:
     """One step's routing, shared by every layer: each token's slot and the segments built from it once.
 
@@ -156,6 +168,11 @@ class AdapterPool:
                              f"and {max_batch_tokens}")
         if isinstance(target_modules, str):
             raise TypeError(f"target_modules must be module names (a list), not the string {target_modules!r}")
+        if target_modules is not None:
+            target_modules = list(target_modules)
+            if not target_modules:
+                raise ValueError(f"target_modules is empty; pass module names, or None for the defaults "
+                                 f"{sorted(LINEAR_TARGETS)}")
         self.num_slots, self.max_rank = num_slots, max_rank
         targets = set(target_modules or LINEAR_TARGETS)
         self.modules: Dict[str, ModuleSlots] = {}
@@ -171,6 +188,9 @@ class AdapterPool:
         self.route_table = routes.table_for([(m.in_features, m.out_features) for m in self.modules.values()])
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
+        # The active routing as set_batch was given it (adapters, lengths), None without one: its adapters are not
+        # evicted (their rows would silently run the new adapter), and a nested batch() restores it on exit.
+        self._routing: Optional[Tuple[List[Optional[str]], List[int]]] = None
         # While every adapter loaded so far has the pool's rank on every module, the ops get no ranks
         # (lora_ranks=None: the kernels skip a dependent load per row, the slot's rank). The first adapter that
         # does not ends it for good: one switch, so torch.compile recompiles at most once for it. A graph
@@ -254,10 +274,13 @@ class AdapterPool:
         for s in range(self.num_slots):
             if s not in used:
                 return s, None
+        routed = set(self._routing[0]) if self._routing else set()
         for name, s in self._slot_of.items():  # oldest first
-            if not self._pins.get(name):
+            if not self._pins.get(name) and name not in routed:
                 return s, name
-        raise PoolFullError(f"all {self.num_slots} slots hold pinned adapters ({sorted(self._pins)})")
+        raise PoolFullError(f"all {self.num_slots} slots hold pinned adapters ({sorted(self._pins)}) or adapters "
+                            f"of the active routing ({sorted(a for a in routed if a is not None)}); clear_batch() "
+                            "or route other adapters first")
 
     # ---- loading ----
     def load(self, name: str, path: str) -> int:
@@ -302,26 +325,39 @@ class AdapterPool:
         padding. A layer whose input does not have T tokens raises ValueError."""
         if tokens_per_row is not None and lengths is not None:
             raise ValueError("pass tokens_per_row or lengths, not both")
+        if tokens_per_row is not None and not (_is_count(tokens_per_row) and tokens_per_row >= 0):
+            raise ValueError(f"tokens_per_row must be an integer >= 0, got {tokens_per_row!r}")
         if lengths is None:
             lengths = [1 if tokens_per_row is None else tokens_per_row] * len(adapters)
+        lengths = list(lengths)
+        if len(lengths) != len(adapters) or not all(_is_count(n) and n >= 0 for n in lengths):
+            raise ValueError(f"lengths must be {len(adapters)} integers >= 0 (one per row of adapters), "
+                             f"got {lengths}")
         lengths = [int(n) for n in lengths]
-        if len(lengths) != len(adapters) or any(n < 0 for n in lengths):
-            raise ValueError(f"lengths must be {len(adapters)} counts >= 0 (one per row of adapters), got {lengths}")
+        adapters = list(adapters)
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
         self._batch.set(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
+        self._routing = (adapters, lengths)
         return self._batch
 
     def clear_batch(self) -> None:
         self._batch.active = False
+        self._routing = None
 
     @contextlib.contextmanager
     def batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
               lengths: Optional[Sequence[int]] = None):
-        """set_batch for the duration of a `with` block, with the batch's adapters pinned."""
+        """set_batch for the duration of a `with` block, with the batch's adapters pinned. On exit the routing
+        active before it (a set_batch, an enclosing batch) is set again, else the batch is cleared: a nested
+        batch or greedy_generate leaves the outer block's routing as it found it."""
         names = [a for a in adapters if a is not None]
+        outer = self._routing if self._batch.active else None
         with self.pinned(*names):
             self.set_batch(adapters, tokens_per_row, lengths)
             try:
                 yield self.current
             finally:
-                self.clear_batch()
+                if outer is None:
+                    self.clear_batch()
+                else:
+                    self.set_batch(outer[0], lengths=outer[1])
