@@ -541,10 +541,12 @@ def test_layer_edges_no_tokens_backward_autocast(adapters, route, monkeypatch):
 
 def test_pool_arguments_named_in_errors(adapters):
     base, root = adapters
-    with pytest.raises(TypeError, match="not the string 'q_proj'"):
-        AdapterPool(copy.deepcopy(base), target_modules="q_proj")
-    with pytest.raises(ValueError, match="target_modules is empty"):
+    with pytest.raises(AdapterShapeError, match="no nn.Linear that target_modules selects \\('q_proj'\\)"):
+        AdapterPool(copy.deepcopy(base), target_modules="q_proj")  # a regular expression for the whole name
+    with pytest.raises(ValueError, match=r"target_modules must be module names \(or a regular expression\), got \[\]"):
         AdapterPool(copy.deepcopy(base), target_modules=[])
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        AdapterPool(copy.deepcopy(base), target_modules="q_proj(")
     fused = torch.nn.Module()
     fused.qkv_proj = torch.nn.Linear(8, 16)
     with pytest.raises(AdapterShapeError, match="qkv_proj: .* model.config"):
@@ -552,6 +554,21 @@ def test_pool_arguments_named_in_errors(adapters):
     model, pool = _pool_model(base, root, ["a"])
     with pytest.raises(KeyError, match="'x' is not loaded"):
         pool.unload("x")
+
+
+def test_target_modules_by_peft_rule(adapters):
+    """target_modules as PEFT reads a LoraConfig's: a list of names or dotted suffixes, or a regular expression
+    matching whole names (a multimodal model's text layers without its vision tower's same-named ones)."""
+    base, root = adapters
+    everything = AdapterPool(copy.deepcopy(base)).modules
+    suffix = AdapterPool(copy.deepcopy(base), target_modules=["self_attn.q_proj", "down_proj"]).modules
+    assert sorted(suffix) == sorted(n for n in everything if n.endswith(("q_proj", "down_proj")))
+    first_layer = AdapterPool(copy.deepcopy(base), target_modules=r"model\.layers\.0\..*_proj").modules
+    assert sorted(first_layer) == sorted(n for n in everything if n.startswith("model.layers.0."))
+    model, pool = _pool_model(base, root, [], target_modules=r".*\.0\.self_attn\.(q|v)_proj")
+    assert sorted(pool.modules) == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]
+    with pytest.raises(AdapterShapeError, match="model.layers.1.self_attn.q_proj is not a LoRA target"):
+        pool.load("a", str(root / "a"))  # its layer-1 weights have no module here: refused, not dropped
 
 
 def test_set_batch_rejects_bad_lengths(adapters):

@@ -64,7 +64,9 @@ class MultiLoRALinear(nn.Module):
         if tokens != batch.token_indices.shape[0]:
             raise ValueError(f"{self._slots.name}: the LoRA batch routes {batch.token_indices.shape[0]} tokens but "
                              f"this layer's input {list(x.shape)} has {tokens}; set the batch with "
-                             "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count")
+                             "tokens_per_row=L for a [B, L] input or lengths=[...] summing to its token count (a "
+                             "layer outside the text model, e.g. a vision tower's, is left alone by building the "
+                             "pool with target_modules selecting the text model's modules only)")
         m = self._slots
         route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2], m.kext_serves, self._pool.route_table)
         if route == "kext":  # no ranks: A and B are zero past each slot's rank

@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
+import re
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -90,6 +91,26 @@ class ModuleSlots:
             self.kext_lora_b[slot].copy_(self.lora_b[slot])
 
 
+def _target_rule(target_modules) -> Callable[[str], bool]:
+    """Which module names the pool wraps, by PEFT's rule for a LoraConfig's target_modules: a string is a regular
+    expression the whole name must match (e.g. r".*language_model.*\\.(q_proj|v_proj)", to leave a multimodal
+    model's vision tower alone); a list names modules by their name or a dotted suffix of it ("q_proj",
+    "self_attn.q_proj"); None: LINEAR_TARGETS by their last name."""
+    if target_modules is None:
+        return lambda name: name.rsplit(".", 1)[-1] in LINEAR_TARGETS
+    if isinstance(target_modules, str):
+        try:
+            pattern = re.compile(target_modules)
+        except re.error as exc:
+            raise ValueError(f"target_modules {target_modules!r} is not a regular expression ({exc})") from exc
+        return lambda name: pattern.fullmatch(name) is not None
+    targets = list(target_modules)
+    if not targets or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"target_modules must be module names (or a regular expression), got {targets!r}; "
+                         f"None takes the defaults {sorted(LINEAR_TARGETS)}")
+    return lambda name: any(name == t or name.endswith("." + t) for t in targets)
+
+
 def _is_count(n) -> bool:
     """An integer (Python's, numpy's, a 0-d integer tensor's), not a float or bool that int() would truncate."""
     if isinstance(n, bool):
@@ -162,28 +183,22 @@ class AdapterPool:
     CUDA graphs captured over the patched model stay valid across steps of up to that many tokens."""
 
     def __init__(self, model: nn.Module, num_slots: int = 8, max_rank: int = 64,
-                 target_modules: Optional[Iterable[str]] = None, max_batch_tokens: int = 16384):
+                 target_modules: Union[None, str, Iterable[str]] = None, max_batch_tokens: int = 16384):
         if num_slots < 1 or max_rank < 1 or max_batch_tokens < 1:
             raise ValueError(f"num_slots, max_rank and max_batch_tokens must be >= 1, got {num_slots}, {max_rank} "
                              f"and {max_batch_tokens}")
-        if isinstance(target_modules, str):
-            raise TypeError(f"target_modules must be module names (a list), not the string {target_modules!r}")
-        if target_modules is not None:
-            target_modules = list(target_modules)
-            if not target_modules:
-                raise ValueError(f"target_modules is empty; pass module names, or None for the defaults "
-                                 f"{sorted(LINEAR_TARGETS)}")
         self.num_slots, self.max_rank = num_slots, max_rank
-        targets = set(target_modules or LINEAR_TARGETS)
+        targeted = _target_rule(target_modules)
         self.modules: Dict[str, ModuleSlots] = {}
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in targets and isinstance(module, (nn.Linear, MultiLoRALinear)):
+            if targeted(name) and isinstance(module, (nn.Linear, MultiLoRALinear)):
                 base = module.base if isinstance(module, MultiLoRALinear) else module
                 slice_names, offsets = self._slices(model, leaf, base)
                 self.modules[name] = ModuleSlots(name, base, slice_names, offsets, num_slots, max_rank)
         if not self.modules:
-            raise AdapterShapeError(f"the model has no nn.Linear named any of {sorted(targets)}")
+            raise AdapterShapeError(f"the model has no nn.Linear that target_modules selects "
+                                    f"({target_modules if target_modules is not None else sorted(LINEAR_TARGETS)!r})")
         # The routes table measured on the model shape nearest this one's modules (lora_ops/routes.py)
         self.route_table = routes.table_for([(m.in_features, m.out_features) for m in self.modules.values()])
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
