@@ -192,6 +192,24 @@ def test_failed_load_leaves_pool_unchanged(adapters, tmp_path, case):
     _assert_same_state(pool, state)
 
 
+def test_pickled_adapter_loads_as_its_safetensors_twin(adapters, tmp_path):
+    """adapter_model.bin (PEFT's save_pretrained(safe_serialization=False)) loads as the safetensors file does;
+    an unreadable one is an AdapterFormatError."""
+    from safetensors.torch import load_file
+    base, root = adapters
+    pickled = tmp_path / "a_bin"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((root / "a" / "adapter_config.json").read_text())
+    torch.save(load_file(str(root / "a" / "adapter_model.safetensors")), str(pickled / "adapter_model.bin"))
+    model, pool = _pool_model(base, root, ["a"])
+    pool.load("a_bin", str(pickled))
+    for m in pool.modules.values():
+        assert all(torch.equal(t[pool.slot("a")], t[pool.slot("a_bin")]) for t in _slot_tensors(m))
+    (pickled / "adapter_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(AdapterFormatError, match="unreadable adapter_model.bin"):
+        pool.load("broken", str(pickled))
+
+
 def test_malformed_json(adapters, tmp_path):
     base, root = adapters
     model, pool = _pool_model(base, root, [])

@@ -131,9 +131,14 @@ def read_config(path: str) -> dict:
 
 
 def read_weights(path: str) -> Dict[str, torch.Tensor]:
+    """adapter_model.safetensors, else adapter_model.bin (PEFT's pickled format, read with weights_only: tensors
+    and plain containers, no code), as PEFT's loader takes them."""
     file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(file):
-        raise AdapterFormatError(f"{path}: adapter_model.safetensors not found")
+        pickled = os.path.join(path, "adapter_model.bin")
+        if os.path.isfile(pickled):
+            return _read_pickled(pickled)
+        raise AdapterFormatError(f"{path}: adapter_model.safetensors not found (nor adapter_model.bin)")
     try:
         from safetensors.torch import load_file
     except ImportError as exc:
@@ -142,6 +147,17 @@ def read_weights(path: str) -> Dict[str, torch.Tensor]:
         return load_file(file)
     except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
         raise AdapterFormatError(f"{file}: unreadable safetensors file ({exc})") from exc
+
+
+def _read_pickled(file: str) -> Dict[str, torch.Tensor]:
+    try:
+        weights = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle, zip and weights_only refusals alike
+        raise AdapterFormatError(f"{file}: unreadable adapter_model.bin ({exc})") from exc
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in weights.items()):
+        raise AdapterFormatError(f"{file}: not a state dict of tensors")
+    return weights
 
 
 def pattern_value(patterns: Mapping[str, object], module_path: str, default):
