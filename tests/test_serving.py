@@ -589,6 +589,28 @@ def test_target_modules_by_peft_rule(adapters):
         pool.load("a", str(root / "a"))  # its layer-1 weights have no module here: refused, not dropped
 
 
+def test_replaced_base_weights_are_refused_and_in_place_ones_served(adapters, monkeypatch):
+    """The fold route reads the pool's [W; A] buffer, of which the base weight is a view: weights loaded in place
+    are what every route computes with; a replaced parameter (load_state_dict(assign=True)) would be stale on the
+    fold route, so the layer refuses to run."""
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a"])
+    ids = torch.randint(0, 256, (1, 5))
+    new_weights = {k: v + 0.01 for k, v in model.state_dict().items() if k.endswith("self_attn.q_proj.base.weight")}
+    assert len(new_weights) == 2
+    model.load_state_dict(new_weights, strict=False)  # in place: the fold route sees them
+    reference = copy.deepcopy(base)
+    reference.load_state_dict({k.replace(".base.", "."): v for k, v in new_weights.items()}, strict=False)
+    with torch.no_grad():
+        for route in ("fold-cuda", "sgmv-cuda"):  # off CUDA, "cuda" is the public op
+            monkeypatch.setenv("LORA_OPS_ROUTE", route)
+            with pool.batch([None], tokens_per_row=5):
+                torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        model.load_state_dict(new_weights, strict=False, assign=True)
+        with pool.batch(["a"], tokens_per_row=5), pytest.raises(RuntimeError, match="weight or bias was replaced"):
+            model(ids)
+
+
 def test_set_batch_rejects_bad_lengths(adapters):
     base, root = adapters
     model, pool = _pool_model(base, root, ["a"])

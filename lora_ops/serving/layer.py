@@ -55,6 +55,11 @@ class MultiLoRALinear(nn.Module):
             # the fold route's GEMM reads w_cat, not base.weight: without this its gradient would silently vanish
             raise RuntimeError(f"{self._slots.name}: the LoRA layers are for inference (the ops have no backward); "
                                "run the model under torch.no_grad() or torch.inference_mode()")
+        if self.base.weight is not self._slots.base_params[0] or self.base.bias is not self._slots.base_params[1]:
+            raise RuntimeError(f"{self._slots.name}: the base layer's weight or bias was replaced after the pool was "
+                               "built (e.g. load_state_dict(..., assign=True)), and the fold route would read the old "
+                               "values; load weights in place (load_state_dict without assign) or build the pool "
+                               "after loading them")
         if torch.is_autocast_enabled(x.device.type):
             raise RuntimeError(f"{self._slots.name}: the LoRA layers do not run under autocast; create the pool on "
                                "the model in its compute dtype (model.to(dtype) before AdapterPool)")

@@ -52,6 +52,9 @@ class ModuleSlots:
             if base.bias is not None:
                 self.bias_cat[:N].copy_(base.bias)
                 base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
+        # The parameters that are views of w_cat and bias_cat: one replaced later (load_state_dict(assign=True),
+        # an assignment) leaves the fold route reading the old values; the layer refuses to run then.
+        self.base_params = (base.weight, base.bias)
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, N, max_rank, **kw)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
