@@ -217,6 +217,12 @@ def test_output_beside_an_input_in_one_buffer_is_accepted(T):
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
+def test_lora_expand_overlapping_rows_of_y():
+    for mod in _backends():
+        with pytest.raises(ValueError, match=r"lora_ops\.lora_expand: y rows overlap in memory"):
+            mod.lora_expand(**dict(_expand_args(), y=torch.randn(1, 12).expand(4, 12)))
+
+
 def test_lora_expand_row_extent_names_y():
     args = {k: v.to("meta") for k, v in _expand_args().items()}
     args.update(y=torch.zeros(2 ** 31, 12, device="meta"), h=torch.zeros(2 ** 31, 3, 4, device="meta"))

@@ -123,6 +123,13 @@ ERRORS = {
     "slices": (ValueError, "slice_offsets must start at 0 and end at N = 8"),
     "slot_device": (ValueError, "token_slot is on meta but x is on cpu"),
     "strided_weight": (ValueError, "weight must have unit stride in its last dimension"),
+    "lora_a_dtype": (TypeError, "lora_a must have x's dtype"),
+    "lora_b_dtype": (TypeError, "lora_b must have x's dtype"),
+    "strided_x": (ValueError, "x must have unit stride in its last dimension"),
+    "bias_dtype": (TypeError, "bias must have x's dtype"),
+    "bias_device": (ValueError, "bias is on meta but x is on cpu"),
+    "scales_2d": (ValueError, "lora_scales must be 1-D with L = 2 entries, got shape \\[2, 1\\]"),
+    "scales_device": (ValueError, "lora_scales is on meta but x is on cpu"),
 }
 
 
@@ -161,6 +168,20 @@ def test_errors_name_the_argument(case):
         slots = slots.to("meta")
     elif case == "strided_weight":
         w = torch.randn(16, 8).t()
+    elif case == "lora_a_dtype":
+        a = a.double()
+    elif case == "lora_b_dtype":
+        b = b.half()
+    elif case == "strided_x":
+        x = torch.randn(16, 3).t()
+    elif case == "bias_dtype":
+        bias = bias.double()
+    elif case == "bias_device":
+        bias = bias.to("meta")
+    elif case == "scales_2d":
+        scales = scales[:, None]
+    elif case == "scales_device":
+        scales = scales.to("meta")
     error, match = ERRORS[case]
     with pytest.raises(error, match=match):
         lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, bias)
