@@ -660,6 +660,18 @@ def test_load_does_not_evict_an_adapter_of_the_active_routing(adapters):
     assert pool.loaded == ["b"]
 
 
+def _one_adapter_against_peft(base, path):
+    """A pool holding the adapter at `path` (named by its directory), and the relative error of its logits
+    against PEFT's on one 5-token row."""
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(path)).eval()(ids).logits
+        model, pool = _pool_model(base, path.parent, [path.name])
+        with pool.batch([path.name], tokens_per_row=5):
+            got = model(ids).logits
+    return pool, ((got - ref).norm() / ref.norm()).item()
+
+
 def test_config_without_lora_alpha_takes_peft_default(adapters, tmp_path):
     """PEFT's LoraConfig default lora_alpha is 8 (not r): a config without the field scales by 8 / r (8 / sqrt(r)
     with rslora), as PEFT's loader does."""
@@ -668,13 +680,8 @@ def test_config_without_lora_alpha_takes_peft_default(adapters, tmp_path):
     config = json.loads((bad / "adapter_config.json").read_text())
     del config["lora_alpha"]
     (bad / "adapter_config.json").write_text(json.dumps(config))
-    ids = torch.randint(0, 256, (1, 5))
-    with torch.no_grad():
-        ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(bad)).eval()(ids).logits
-        model, pool = _pool_model(base, bad.parent, [bad.name])
-        with pool.batch([bad.name], tokens_per_row=5):
-            got = model(ids).logits
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    pool, err = _one_adapter_against_peft(base, bad)
+    assert err < 1e-5
     assert pool.modules["model.layers.0.self_attn.q_proj"].scales[pool.slot(bad.name)].item() == 8 / 4
 
 
@@ -683,13 +690,8 @@ def test_zero_alpha_adds_nothing(adapters, tmp_path):
     dividing by it."""
     base, root = adapters
     zero = _tampered(root, tmp_path, "b", config_change={"alpha_pattern": {"q_proj": 0}})
-    ids = torch.randint(0, 256, (1, 5))
-    with torch.no_grad():
-        ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(zero)).eval()(ids).logits
-        model, pool = _pool_model(base, zero.parent, [zero.name])
-        with pool.batch([zero.name], tokens_per_row=5):
-            got = model(ids).logits
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    pool, err = _one_adapter_against_peft(base, zero)
+    assert err < 1e-5
     assert pool.modules["model.layers.0.self_attn.q_proj"].scales[pool.slot(zero.name)].item() == 0
 
 
