@@ -192,6 +192,16 @@ def test_output_sharing_memory_with_an_input_is_refused(op, make_args, name):
             getattr(mod, op)(**make_args())
 
 
+def test_output_overlapping_an_input_through_another_storage_is_refused():
+    """Two storages over one memory (numpy views, torch.frombuffer) are compared by address, not by storage."""
+    import numpy as np
+    memory = np.zeros((5, 16), dtype=np.float32)
+    args = sgmv_args()
+    x, y = torch.from_numpy(memory[:4]), torch.from_numpy(memory[1:, :12])
+    with pytest.raises(ValueError, match=r"lora_ops\.sgmv: y shares memory with x"):
+        lora_ops.sgmv(**dict(args, x=x, y=y))
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_output_beside_an_input_in_one_buffer_is_accepted(T):
     """One buffer holding y and an input side by side is not an overlap: the fold route's y = out[:, :N] and
@@ -208,13 +218,14 @@ def test_output_beside_an_input_in_one_buffer_is_accepted(T):
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
     torch.testing.assert_close(out[:, N:], h.reshape(T, -1), rtol=0, atol=0)  # h untouched
 
-    args, buf = sgmv_args(), torch.randn(8, 16)
-    x, y = buf[:4], buf[4:, :12]
-    x.copy_(args["x"])
-    expected = y.clone()
-    lora_ops.sgmv(**dict(args, y=expected))
-    lora_ops.sgmv(**dict(args, x=x, y=y))
-    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    args = sgmv_args()
+    for x, y in ((lambda b: (b[:4], b[4:, :12]))(torch.randn(8, 16)),  # rows apart
+                 (lambda b: (b[:, :16], b[:, 16:]))(torch.randn(4, 28))):  # columns apart in each row
+        x.copy_(args["x"])
+        expected = y.clone()
+        lora_ops.sgmv(**dict(args, y=expected))
+        lora_ops.sgmv(**dict(args, x=x, y=y))
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
 def test_lora_expand_overlapping_rows_of_y():

@@ -585,6 +585,8 @@ def test_target_modules_by_peft_rule(adapters):
     assert sorted(first_layer) == sorted(n for n in everything if n.startswith("model.layers.0."))
     model, pool = _pool_model(base, root, [], target_modules=r".*\.0\.self_attn\.(q|v)_proj")
     assert sorted(pool.modules) == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]
+    again = AdapterPool(model, target_modules=r".*q_proj.*").modules  # a patched layer's base is not one of its own
+    assert sorted(again) == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
     with pytest.raises(AdapterShapeError, match="model.layers.1.self_attn.q_proj is not a LoRA target"):
         pool.load("a", str(root / "a"))  # its layer-1 weights have no module here: refused, not dropped
 
@@ -652,12 +654,22 @@ def test_load_does_not_evict_an_adapter_of_the_active_routing(adapters):
     model, pool = _pool_model(base, root, ["a"], num_slots=1)
     pool.set_batch(["a", "a"])
     state = _pool_state(pool)
-    with pytest.raises(PoolFullError, match=r"adapters of the active routing \(\['a'\]\)"):
+    with pytest.raises(PoolFullError, match=r"or are routed \(slots \[0\] of the active routing"):
         pool.load("b", str(root / "b"))
     _assert_same_state(pool, state)
+    pool.unload("a")  # its rows now add nothing; its slot stays out of a load's reach while they are routed
+    with pytest.raises(PoolFullError, match="or are routed"):
+        pool.load("b", str(root / "b"))
     pool.clear_batch()
     pool.load("b", str(root / "b"))
     assert pool.loaded == ["b"]
+    # an enclosing routing (a bare set_batch) keeps its slots through a nested batch, and comes back after it
+    model, pool = _pool_model(base, root, ["a", "b"], num_slots=2)
+    pool.set_batch(["a"], tokens_per_row=5)
+    outer = pool.current.token_slots.clone()
+    with pool.batch(["b"], tokens_per_row=5), pytest.raises(PoolFullError, match=r"slots \[0, 1\]"):
+        pool.load("c", str(root / "c"))
+    assert torch.equal(pool.current.token_slots, outer)
 
 
 def _one_adapter_against_peft(base, path):

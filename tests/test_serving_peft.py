@@ -199,6 +199,9 @@ SLICED = {
     "t": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "v_proj", "up_proj"],
               rank_pattern={"v_proj": 16}),
     "u": dict(r=2, lora_alpha=3, target_modules=["v_proj", "down_proj"], alpha_pattern={"down_proj": 12}),
+    # each fused module's first slice at alpha 0: the slot's scale is not the first slice's
+    "z": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+              alpha_pattern={"q_proj": 0, "gate_proj": 0}),
 }
 
 
@@ -210,7 +213,7 @@ def sliced(base, tmp_path_factory):
 
 def test_per_slice_adapters_on_fused_modules_match_peft(base, sliced):
     fused, dirs = sliced
-    rows = ["s", "t", None, "u", "s"]
+    rows = ["s", "t", None, "u", "s", "z"]
     ids = torch.randint(0, VOCAB, (len(rows), 6))
     ref = peft_logits(peft_model(base, dirs), ids, rows)
     model, pool = pool_model(fused, dirs)

@@ -4,6 +4,7 @@
 #include <c10/core/SymBool.h>
 #include <c10/core/SymInt.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <limits>
@@ -113,16 +114,15 @@ ByteSpan byte_span(const at::Tensor& t, int64_t first, int64_t origin) {
   return {lo, hi + (int64_t)t.element_size()};
 }
 
-// Whether a and b may share a byte of memory: not where their storages differ or their spans are disjoint, nor
-// where both repeat with one outer (row) stride S and their footprints within a period of S are disjoint, e.g. the
-// fold route's y = out[:, :N] and h = out[:, N:] (of one [T, N + L*S*R] buffer); otherwise yes (a layout too
-// irregular to tell is refused rather than risked).
+// Whether a and b may share a byte of memory: not where their spans of addresses are disjoint, nor where both
+// repeat with one outer (row) stride S and their footprints within a period of S are disjoint, e.g. the fold
+// route's y = out[:, :N] and h = out[:, N:] (of one [T, N + L*S*R] buffer); otherwise yes (a layout too irregular
+// to tell is refused rather than risked). By address, not by storage: two storages over one memory (numpy views,
+// torch.frombuffer, DLPack) are compared as well. The tensors are on one device (checked before).
 bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage() ||
-      !a.storage().is_alias_of(b.storage())) {
-    return false;
-  }
-  const int64_t a0 = a.storage_offset() * (int64_t)a.element_size(), b0 = b.storage_offset() * (int64_t)b.element_size();
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
+  const auto a0 = (int64_t)reinterpret_cast<intptr_t>(a.const_data_ptr());
+  const auto b0 = (int64_t)reinterpret_cast<intptr_t>(b.const_data_ptr());
   const ByteSpan sa = byte_span(a, 0, a0), sb = byte_span(b, 0, b0);
   if (sa.hi <= sb.lo || sb.hi <= sa.lo) return false;
   const int64_t period = a.dim() > 0 ? a.stride(0) * (int64_t)a.element_size() : 0;

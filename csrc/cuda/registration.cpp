@@ -313,10 +313,12 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 // kFoldLinearMaxTokens tokens where they serve, at::linear elsewhere (and with a bias: the fold route's bias_cat is
 // rare, e.g. Qwen2's qkv, and cuBLAS adds it in its epilogue).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
-// LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): fold_linear's at::linear (past kFoldLinearMaxTokens tokens) on cuBLASLt
-// instead of cuBLAS. At T=128 cuBLAS's choice for the fold route's concatenated shapes costs ~4.5 us a llama3-8b
-// layer over their A bytes (qkv, down) and its narrow layers stream W at 56-75% of the copy bandwidth (NOTES.md,
-// session 41); cuBLASLt's heuristics may choose otherwise.
+// LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): fold_linear's at::linear (every call the CUTLASS kernel does not take:
+// past kFoldLinearMaxTokens tokens, a bias, fp32, ...) on cuBLASLt instead of cuBLAS, by the process's preferred
+// library, set for the call (not thread-safe: a probe for the bench, not for serving). At T=128 cuBLAS's choice
+// for the fold route's concatenated shapes costs ~4.5 us a llama3-8b layer over their A bytes (qkv, down) and its
+// narrow layers stream W at 56-75% of the copy bandwidth (NOTES.md, session 41); cuBLASLt's heuristics may choose
+// otherwise.
 enum class FoldBlas { Default, Cublaslt };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

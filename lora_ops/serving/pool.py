@@ -192,9 +192,13 @@ class AdapterPool:
                              f"and {max_batch_tokens}")
         self.num_slots, self.max_rank = num_slots, max_rank
         targeted = _target_rule(target_modules)
+        # an earlier pool's layers are taken over whole: their base nn.Linear is not a target of its own
+        wrapped = {name for name, module in model.named_modules() if isinstance(module, MultiLoRALinear)}
         self.modules: Dict[str, ModuleSlots] = {}
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
+            if name.rsplit(".", 1)[0] in wrapped and "." in name:
+                continue
             if targeted(name) and isinstance(module, (nn.Linear, MultiLoRALinear)):
                 base = module.base if isinstance(module, MultiLoRALinear) else module
                 slice_names, offsets = self._slices(model, leaf, base)
@@ -206,9 +210,11 @@ class AdapterPool:
         self.route_table = routes.table_for([(m.in_features, m.out_features) for m in self.modules.values()])
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
-        # The active routing as set_batch was given it (adapters, lengths), None without one: its adapters are not
-        # evicted (their rows would silently run the new adapter), and a nested batch() restores it on exit.
-        self._routing: Optional[Tuple[List[Optional[str]], List[int]]] = None
+        # The active routing's token slots (host int32), None without one, and those of the routings that enclosing
+        # batch() blocks will set again on exit: no load reuses any of their slots (their rows would silently run
+        # the new adapter; an unloaded adapter's rows add nothing).
+        self._routing: Optional[torch.Tensor] = None
+        self._outer_routings: List[Optional[torch.Tensor]] = []
         # While every adapter loaded so far has the pool's rank on every module, the ops get no ranks
         # (lora_ranks=None: the kernels skip a dependent load per row, the slot's rank). The first adapter that
         # does not ends it for good: one switch, so torch.compile recompiles at most once for it. A graph
@@ -288,17 +294,17 @@ class AdapterPool:
             m.clear(slot)  # a routing set before the unload (or a graph replaying it) may still name the slot
 
     def _free_slot(self) -> Tuple[int, Optional[str]]:
+        routed = {int(s) for r in (self._routing, *self._outer_routings) if r is not None for s in r.unique()}
         used = set(self._slot_of.values())
         for s in range(self.num_slots):
-            if s not in used:
+            if s not in used and s not in routed:
                 return s, None
-        routed = set(self._routing[0]) if self._routing else set()
         for name, s in self._slot_of.items():  # oldest first
-            if not self._pins.get(name) and name not in routed:
+            if not self._pins.get(name) and s not in routed:
                 return s, name
-        raise PoolFullError(f"all {self.num_slots} slots hold pinned adapters ({sorted(self._pins)}) or adapters "
-                            f"of the active routing ({sorted(a for a in routed if a is not None)}); clear_batch() "
-                            "or route other adapters first")
+        raise PoolFullError(f"all {self.num_slots} slots hold pinned adapters ({sorted(self._pins)}) or are routed "
+                            f"(slots {sorted(routed - {-1})} of the active routing or an enclosing batch's); "
+                            "clear_batch() or route other adapters first")
 
     # ---- loading ----
     def load(self, name: str, path: str) -> int:
@@ -354,13 +360,19 @@ class AdapterPool:
         lengths = [int(n) for n in lengths]
         adapters = list(adapters)
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
-        self._batch.set(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
-        self._routing = (adapters, lengths)
+        self._route(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
         return self._batch
 
+    def _route(self, token_slots: Optional[torch.Tensor]) -> None:
+        """Make token_slots (host int32) the active routing, or end it (None)."""
+        if token_slots is None:
+            self._batch.active = False
+        else:
+            self._batch.set(token_slots)
+        self._routing = token_slots
+
     def clear_batch(self) -> None:
-        self._batch.active = False
-        self._routing = None
+        self._route(None)
 
     @contextlib.contextmanager
     def batch(self, adapters: Sequence[Optional[str]], tokens_per_row: Optional[int] = None,
@@ -369,13 +381,11 @@ class AdapterPool:
         active before it (a set_batch, an enclosing batch) is set again, else the batch is cleared: a nested
         batch or greedy_generate leaves the outer block's routing as it found it."""
         names = [a for a in adapters if a is not None]
-        outer = self._routing if self._batch.active else None
-        with self.pinned(*names):
-            self.set_batch(adapters, tokens_per_row, lengths)
-            try:
+        self._outer_routings.append(self._routing)  # its slots stay out of loads' reach until it is set again
+        try:
+            with self.pinned(*names):
+                self.set_batch(adapters, tokens_per_row, lengths)
                 yield self.current
-            finally:
-                if outer is None:
-                    self.clear_batch()
-                else:
-                    self.set_batch(outer[0], lengths=outer[1])
+        finally:
+            # by slot, as it was routed (an adapter of it unloaded inside the block adds nothing, as it would have)
+            self._route(self._outer_routings.pop())
