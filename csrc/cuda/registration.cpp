@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -357,15 +358,14 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       }
     }
   }
-  if (preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt"}) == FoldBlas::Cublaslt) {
-    // The process's preferred library for this one call, restored however it ends.
-    struct PreferredBlas {
-      at::BlasBackend was = at::globalContext().blasPreferredBackend();
-      PreferredBlas() { at::globalContext().setBlasPreferredBackend(at::BlasBackend::Cublaslt); }
-      ~PreferredBlas() { at::globalContext().setBlasPreferredBackend(was); }
-    } lt;
-    return at::linear(x, weight, bias);
-  }
+  // The process's preferred library for this one call, restored however it ends.
+  struct PreferredBlas {
+    at::BlasBackend was = at::globalContext().blasPreferredBackend();
+    PreferredBlas() { at::globalContext().setBlasPreferredBackend(at::BlasBackend::Cublaslt); }
+    ~PreferredBlas() { at::globalContext().setBlasPreferredBackend(was); }
+  };
+  std::optional<PreferredBlas> lt;
+  if (preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt"}) == FoldBlas::Cublaslt) lt.emplace();
   return at::linear(x, weight, bias);
 }
 

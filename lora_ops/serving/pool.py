@@ -196,8 +196,8 @@ class AdapterPool:
         wrapped = {name for name, module in model.named_modules() if isinstance(module, MultiLoRALinear)}
         self.modules: Dict[str, ModuleSlots] = {}
         for name, module in model.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.rsplit(".", 1)[0] in wrapped and "." in name:
+            parent, _, leaf = name.rpartition(".")
+            if parent in wrapped:
                 continue
             if targeted(name) and isinstance(module, (nn.Linear, MultiLoRALinear)):
                 base = module.base if isinstance(module, MultiLoRALinear) else module
