@@ -1,6 +1,6 @@
 """Type-check the Ascend kernels against asc-devkit's own AscendC headers, for arch 2201 (Atlas A2, "910B").
 
-    python3 scripts/check_ascend_headers.py /path/to/asc-devkit     # a checkout of github.com/cann/asc-devkit
+    python3 scripts/check_ascend_headers.py /path/to/asc-devkit     # a checkout of asc-devkit (gitcode.com/cann/asc-devkit; GitHub mirror mirror-cann/asc-devkit)
 
 The kernels are otherwise built only against the CPU model (csrc/ascend/cpu_model), which declares the API from the
 docs; this compiles every kernel file with g++ -fsyntax-only against the real headers, once as the cube core (AIC)

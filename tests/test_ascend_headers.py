@@ -1,6 +1,6 @@
 """The Ascend kernels type-checked against asc-devkit's own AscendC headers (scripts/check_ascend_headers.py).
 
-Needs a checkout of asc-devkit (github.com/cann/asc-devkit) named by LORA_OPS_ASC_DEVKIT; skipped without one (CI
+Needs a checkout of asc-devkit (gitcode.com/cann/asc-devkit; GitHub mirror mirror-cann/asc-devkit) named by LORA_OPS_ASC_DEVKIT; skipped without one (CI
 has none: it is not on a package registry). The second test alters a copy of the kernels in ways the CPU model
 would not notice unless it declared the API the same way, and checks that the script fails on each: the check
 proves it can fail, and that its stand-ins for the compiler's intrinsics never cover a kernel's own mistake.
