@@ -1,18 +1,24 @@
-"""Type-check the Ascend kernels against asc-devkit's own AscendC headers, for arch 2201 (Atlas A2, "910B").
+"""Type-check the Ascend backend against the real AscendC, torch_npu and ACL headers, without CANN.
 
-    python3 scripts/check_ascend_headers.py /path/to/asc-devkit     # a checkout of asc-devkit (gitcode.com/cann/asc-devkit; GitHub mirror mirror-cann/asc-devkit)
+    python3 scripts/check_ascend_headers.py --devkit /path/to/asc-devkit       # the kernels (arch 2201)
+    python3 scripts/check_ascend_headers.py --torch-npu build/torch_npu/include  # the host code (install.sh fetches)
 
-The kernels are otherwise built only against the CPU model (csrc/ascend/cpu_model), which declares the API from the
-docs; this compiles every kernel file with g++ -fsyntax-only against the real headers, once as the cube core (AIC)
-and once as the vector core (AIV) of a MIX kernel, since each core's code is discarded (`if ASCEND_IS_AIC`) in the
-other's pass. Wrong parameter structs, overloads, template arguments, enum names, or an API the arch lacks, fail.
-What g++ cannot check (field order of same-typed positional initialisers, units, runtime range checks) is in
-csrc/ascend/NOTES.md.
+Otherwise the backend is built only against the CPU model (csrc/ascend/cpu_model), which declares the AscendC API
+from the docs, and stand-ins for torch_npu and ACL; a name or type they got wrong would pass every test there.
 
-The headers' device mode needs the AscendC compiler's builtins; csrc/ascend/header_check/compiler_standins.h stands
-in for them. The intrinsics (snake_case functions such as copy_gm_to_ubuf) are declared here from g++'s errors, only
-where the error lies inside asc-devkit's tree, so nothing a kernel itself calls is ever stubbed.
-Exit status 0 when every file compiles on both cores; else 1, with g++'s errors.
+--devkit: every kernel file with g++ -fsyntax-only against asc-devkit's headers (gitcode.com/cann/asc-devkit; GitHub
+mirror mirror-cann/asc-devkit) in their device mode, once as the cube core (AIC) and once as the vector core (AIV)
+of a MIX kernel, since each core's code is discarded (`if ASCEND_IS_AIC`) in the other's pass. Wrong parameter
+structs, overloads, template arguments, enum names, or an API the arch lacks, fail. What the AscendC compiler
+provides there, csrc/ascend/header_check/compiler_standins.h stands in for; its intrinsics (snake_case functions
+such as copy_gm_to_ubuf) are declared here from g++'s errors, only where the error lies inside asc-devkit's tree, so
+nothing a kernel itself calls is ever stubbed. What g++ cannot check (field order of same-typed positional
+initialisers, units, runtime range checks) is in csrc/ascend/NOTES.md.
+
+--torch-npu: the host files the CANN build compiles into _C (plan, launcher, registration) against the include
+directory of the torch_npu wheel (its c10_npu streams and its copy of ACL's headers) and the installed torch's.
+
+Exit status 0 when everything compiles; else 1, with g++'s errors.
 """
 
 import argparse
@@ -25,6 +31,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ASCEND = ROOT / "csrc" / "ascend"
 KERNELS = ("sgmv.cpp", "lora_expand.cpp", "grouped_gemm.cpp", "build_segments.cpp")
+HOST = ("plan.cpp", "launcher.cpp", "registration.cpp")
 CORES = {"AIC": ("__DAV_C220_CUBE__", "__DAV_CUBE__"), "AIV": ("__DAV_C220_VEC__", "__DAV_VEC__")}
 UNDECLARED = re.compile(
     r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): error: (?:‘(?P<a>\w+)’ was not declared in this scope"
@@ -35,8 +42,8 @@ VOID_RETURNED = re.compile(
 INTRINSIC = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
-def inside(path, devkit):
-    return pathlib.Path(path).resolve().is_relative_to(devkit)
+def inside(path, tree):
+    return pathlib.Path(path).resolve().is_relative_to(tree)
 
 
 def called_name(path, line, col):
@@ -46,7 +53,15 @@ def called_name(path, line, col):
     return match.group(1) if match else None
 
 
-def compile_errors(devkit, kernels, work, source, core):
+def report(source, label, errors):
+    ok = "error:" not in errors
+    print(f"{source:20} {label}: {'ok' if ok else 'FAILED'}")
+    if not ok:
+        print(errors)
+    return ok
+
+
+def kernel_errors(devkit, kernels, work, source, core):
     flags = ["-std=c++17", "-fsyntax-only", "-D__NPU_ARCH__=2201", "-D__DAV_C220__",
              *(f"-D{d}" for d in CORES[core]), "-DLORA_OPS_ASCEND_HEADER_CHECK",
              "-include", str(ASCEND / "header_check" / "compiler_standins.h"),
@@ -56,7 +71,8 @@ def compile_errors(devkit, kernels, work, source, core):
     return subprocess.run(["g++", *flags, str(kernels / source)], capture_output=True, text=True).stderr
 
 
-def check(devkit, kernels=ASCEND, rounds=30):
+def check_kernels(devkit, kernels, rounds=30):
+    """The number of (file, core) passes that fail."""
     devkit = devkit.resolve()
     if not (devkit / "include" / "kernel_operator.h").is_file():
         sys.exit(f"{devkit}: not an asc-devkit checkout (no include/kernel_operator.h)")
@@ -70,7 +86,7 @@ def check(devkit, kernels=ASCEND, rounds=30):
                     (work / "intrinsics.h").write_text(
                         "".join(f"LORA_OPS_INTRINSIC({n})\n" for n in sorted(declared - void))
                         + "".join(f"LORA_OPS_INTRINSIC_VOID({n})\n" for n in sorted(void)))
-                    errors = compile_errors(devkit, kernels, work, source, core)
+                    errors = kernel_errors(devkit, kernels, work, source, core)
                     found = {m["a"] or m["b"] for m in UNDECLARED.finditer(errors)
                              if inside(m["file"], devkit) and INTRINSIC.match(m["a"] or m["b"])}
                     returned = {called_name(m["file"], m["line"], m["col"]) for m in VOID_RETURNED.finditer(errors)
@@ -79,22 +95,41 @@ def check(devkit, kernels=ASCEND, rounds=30):
                         break
                     declared |= found
                     void |= returned
-                status = "ok" if "error:" not in errors else "FAILED"
-                print(f"{source:20} {core}: {status}")
-                if status != "ok":
-                    failed += 1
-                    print(errors)
+                failed += not report(source, core, errors)
     print(f"{len(declared)} intrinsics stood in for ({len(void)} returning void)")
+    return failed
+
+
+def check_host(torch_npu_include, kernels):
+    """The number of host files that fail."""
+    from torch.utils import cpp_extension
+
+    include = torch_npu_include.resolve()
+    if not (include / "torch_npu" / "csrc" / "core" / "npu" / "NPUStream.h").is_file():
+        sys.exit(f"{include}: not torch_npu's include directory (no torch_npu/csrc/core/npu/NPUStream.h)")
+    flags = ["-std=c++20", "-fsyntax-only", f"-I{include}", f"-I{ROOT / 'csrc'}", f"-I{kernels}",
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    failed = 0
+    for source in HOST:
+        errors = subprocess.run(["g++", *flags, str(kernels / source)], capture_output=True, text=True).stderr
+        failed += not report(source, "host", errors)
     return failed
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("devkit", type=pathlib.Path, help="a checkout of asc-devkit")
+    parser.add_argument("--devkit", type=pathlib.Path, help="a checkout of asc-devkit: check the kernels")
+    parser.add_argument("--torch-npu", type=pathlib.Path,
+                        help="the torch_npu wheel's include directory: check the host code")
     parser.add_argument("--kernels", type=pathlib.Path, default=ASCEND,
-                        help="the kernels' directory (default csrc/ascend; tests pass an altered copy)")
+                        help="the backend's directory (default csrc/ascend; tests pass an altered copy)")
     args = parser.parse_args()
-    sys.exit(1 if check(args.devkit, args.kernels.resolve()) else 0)
+    if not (args.devkit or args.torch_npu):
+        parser.error("nothing to check: give --devkit, --torch-npu or both")
+    kernels = args.kernels.resolve()
+    failed = (check_kernels(args.devkit, kernels) if args.devkit else 0) + (
+        check_host(args.torch_npu, kernels) if args.torch_npu else 0)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

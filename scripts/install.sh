@@ -3,6 +3,7 @@
 #   - system packages g++, cmake, libgtest-dev, python3.X-dev (apt-get), when absent;
 #   - Python packages (pip: torch==2.14.1 unless a torch is there, the build tools, pytest, the [hf] extras),
 #     when one is missing; nvidia-cutlass==4.2.0 (CUTLASS headers, --no-deps) unless LORA_OPS_NO_CUDA=1;
+#   - torch_npu==2.14.0's headers (build/torch_npu), out of its wheel, for the Ascend host code's type check;
 #   - lora_ops/_C.so (`pip install --no-build-isolation --no-deps -e .`: CPU kernels, and the CUDA kernels when
 #     torch has CUDA and nvcc is found), when scripts/extension_stamp.py finds a reason, which it prints; the
 #     compiler then recompiles only the changed files.
@@ -51,6 +52,28 @@ PYCODE
 then
   say "installing nvidia-cutlass==$CUTLASS_PIN (headers for the sm_90a grouped_gemm; --no-deps)"
   quietly "$PY" -m pip install --no-deps "nvidia-cutlass==$CUTLASS_PIN"
+fi
+
+# torch_npu's headers (its c10_npu streams and its copy of ACL's headers), for the type check of the Ascend host code
+# against them (tests/test_ascend_headers.py): headers only, out of the wheel, since torch_npu itself needs CANN to
+# import. The wheel matching the pinned torch; any Python's and platform's wheel holds the same headers.
+TORCH_NPU_PIN=2.14.0
+if [ "$(cat build/torch_npu/version 2>/dev/null)" != "$TORCH_NPU_PIN" ]; then
+  say "fetching torch_npu==$TORCH_NPU_PIN's headers into build/torch_npu (the Ascend host code's type check)"
+  rm -rf build/torch_npu
+  quietly "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_28_x86_64 -d build/torch_npu/wheel "torch-npu==$TORCH_NPU_PIN"
+  "$PY" - build/torch_npu <<'PYCODE'
+import pathlib, shutil, sys, zipfile
+out = pathlib.Path(sys.argv[1])
+(wheel,) = (out / "wheel").glob("*.whl")
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(out, [n for n in z.namelist() if n.startswith("torch_npu/include/")])
+(out / "torch_npu" / "include").rename(out / "include")
+shutil.rmtree(out / "torch_npu")
+shutil.rmtree(out / "wheel")
+PYCODE
+  echo "$TORCH_NPU_PIN" >build/torch_npu/version
 fi
 
 if line=$("$PY" scripts/extension_stamp.py check); then

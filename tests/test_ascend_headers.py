@@ -1,9 +1,14 @@
-"""The Ascend kernels type-checked against asc-devkit's own AscendC headers (scripts/check_ascend_headers.py).
+"""The Ascend backend type-checked against the real headers (scripts/check_ascend_headers.py), without CANN.
 
-Needs a checkout of asc-devkit (gitcode.com/cann/asc-devkit; GitHub mirror mirror-cann/asc-devkit) named by LORA_OPS_ASC_DEVKIT; skipped without one (CI
-has none: it is not on a package registry). The second test alters a copy of the kernels in ways the CPU model
-would not notice unless it declared the API the same way, and checks that the script fails on each: the check
-proves it can fail, and that its stand-ins for the compiler's intrinsics never cover a kernel's own mistake.
+- The host code (plan, launcher, registration) against torch_npu's headers, which scripts/install.sh takes out of
+  the torch_npu wheel into build/torch_npu/include (LORA_OPS_TORCH_NPU_INCLUDE names another). Runs in CI.
+- The kernels against asc-devkit's AscendC headers (gitcode.com/cann/asc-devkit; GitHub mirror
+  mirror-cann/asc-devkit), named by LORA_OPS_ASC_DEVKIT; skipped without one (CI has none: it is on no package
+  registry).
+
+Each also alters a copy of the backend in ways the CPU model and its stand-ins would not notice unless they declared
+the API the same way, and checks that the script fails on each: the check can fail, and its stand-ins for the
+compiler's intrinsics never cover a kernel's own mistake.
 """
 import os
 import pathlib
@@ -16,22 +21,69 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_ascend_headers.py"
 DEVKIT = os.environ.get("LORA_OPS_ASC_DEVKIT")
+TORCH_NPU = pathlib.Path(os.environ.get("LORA_OPS_TORCH_NPU_INCLUDE", ROOT / "build" / "torch_npu" / "include"))
 
-pytestmark = pytest.mark.skipif(not DEVKIT, reason="LORA_OPS_ASC_DEVKIT (an asc-devkit checkout) not set")
+needs_devkit = pytest.mark.skipif(not DEVKIT, reason="LORA_OPS_ASC_DEVKIT (an asc-devkit checkout) not set")
+needs_torch_npu = pytest.mark.skipif(not TORCH_NPU.is_dir(),
+                                     reason=f"{TORCH_NPU} absent (scripts/install.sh fetches torch_npu's headers)")
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), DEVKIT, *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
 
 
+def _failed(result):
+    """(file, pass) of every failed compilation the script reported."""
+    return {tuple(line.replace(":", "").split()[:2]) for line in result.stdout.splitlines()
+            if line.endswith(": FAILED")}
+
+
+def _altered(tmp_path, file, old, new):
+    backend = tmp_path / "csrc" / "ascend"
+    shutil.copytree(ROOT / "csrc" / "ascend", backend)
+    (tmp_path / "csrc" / "common").symlink_to(ROOT / "csrc" / "common")  # the host code includes ../common
+    text = (backend / file).read_text()
+    assert old in text, f"{file} no longer contains {old!r}: update the alteration"
+    (backend / file).write_text(text.replace(old, new))
+    return backend
+
+
+@needs_torch_npu
+def test_host_compiles_against_torch_npu():
+    result = _run("--torch-npu", str(TORCH_NPU))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count(": ok") == 3
+
+
+# (text in registration.cpp, replacement): each compiles against the stand-ins in cpu_model/standin
+HOST_ALTERATIONS = {
+    # at::device_of(const Tensor&), which torch_npu's headers bring in, makes a function of that name ambiguous
+    # (what the CANN build would have failed on before session 42)
+    "helper_named_like_at_device_of": ("launch_device(", "device_of("),
+    "stream_accessor": (".stream()", ".raw_stream()"),
+    "acl_device_info": ("ACL_DEVICE_INFO_AI_CORE_NUM", "ACL_DEVICE_INFO_AICORE_NUM"),
+}
+
+
+@needs_torch_npu
+@pytest.mark.parametrize("name", sorted(HOST_ALTERATIONS))
+def test_a_wrong_host_use_fails(tmp_path, name):
+    old, new = HOST_ALTERATIONS[name]
+    backend = _altered(tmp_path, "registration.cpp", old, new)
+    result = _run("--torch-npu", str(TORCH_NPU), "--kernels", str(backend))
+    assert result.returncode == 1
+    assert _failed(result) == {("registration.cpp", "host")}, result.stdout[-4000:]
+
+
+@needs_devkit
 def test_kernels_compile_against_asc_devkit():
-    result = _run()
+    result = _run("--devkit", DEVKIT)
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.count(": ok") == 8  # four kernel files, each as the cube and as the vector core
 
 
 # (file, text in it, replacement, the core whose pass sees it)
-ALTERATIONS = {
+KERNEL_ALTERATIONS = {
     "load_data_params_arity": ("kernel_common.h", "LoadData2DParams{0, static_cast<uint8_t>(n_frac), 1, 0, 0, false, 0}",
                                "LoadData2DParams{0, static_cast<uint8_t>(n_frac), 1, 0, 0, false, 0, 0, 0}", "AIC"),
     "pad_params_arity": ("kernel_common.h", "DataCopyPadExtParams<float>{false, 0, 0, 0.f}",
@@ -44,17 +96,12 @@ ALTERATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ALTERATIONS))
+@needs_devkit
+@pytest.mark.parametrize("name", sorted(KERNEL_ALTERATIONS))
 def test_a_wrong_api_use_fails(tmp_path, name):
-    file, old, new, core = ALTERATIONS[name]
-    kernels = tmp_path / "ascend"
-    shutil.copytree(ROOT / "csrc" / "ascend", kernels)
-    text = (kernels / file).read_text()
-    assert old in text, f"{file} no longer contains {old!r}: update the alteration"
-    (kernels / file).write_text(text.replace(old, new, 1))
-    result = _run("--kernels", str(kernels))
+    file, old, new, core = KERNEL_ALTERATIONS[name]
+    backend = _altered(tmp_path, file, old, new)
+    result = _run("--devkit", DEVKIT, "--kernels", str(backend))
     assert result.returncode == 1
-    failed = {tuple(line.replace(":", "").split()[:2]) for line in result.stdout.splitlines()
-              if line.endswith(": FAILED")}
     # kernel_common.h is shared: sgmv.cpp includes it
-    assert (file if file.endswith(".cpp") else "sgmv.cpp", core) in failed, result.stdout[-4000:]
+    assert (file if file.endswith(".cpp") else "sgmv.cpp", core) in _failed(result), result.stdout[-4000:]

@@ -35,7 +35,9 @@ uint32_t ai_cores(int device) {
   return static_cast<uint32_t>(cores);
 }
 
-Device device_of(const at::Tensor& t) {
+// Not named device_of: at::device_of(const Tensor&), which torch_npu's headers bring in, would make every call
+// ambiguous (argument-dependent lookup finds both).
+Device launch_device(const at::Tensor& t) {
   const int index = t.device().has_index() ? t.device().index() : 0;
   return Device{Target{ai_cores(index)}, c10_npu::getCurrentNPUStream(index).stream()};
 }
@@ -46,7 +48,7 @@ void sgmv_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
               at::OptionalIntArrayRef slice_offsets, double scale) {
   const c10::DeviceGuard guard(y.device());
   run_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale,
-           device_of(y));
+           launch_device(y));
 }
 
 void lora_expand_npu(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -56,7 +58,7 @@ void lora_expand_npu(const at::Tensor& y, const at::Tensor& h, const at::Tensor&
                      at::OptionalIntArrayRef slice_offsets, double scale) {
   const c10::DeviceGuard guard(y.device());
   run_lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales, slice_offsets, scale,
-                  device_of(y));
+                  launch_device(y));
 }
 
 void grouped_gemm_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
@@ -64,12 +66,13 @@ void grouped_gemm_npu(const at::Tensor& y, const at::Tensor& x, const at::Tensor
                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
                       double alpha, bool accumulate) {
   const c10::DeviceGuard guard(y.device());
-  run_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate, device_of(y));
+  run_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha, accumulate,
+                   launch_device(y));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_npu(const at::Tensor& token_lora, int64_t num_slots) {
   const c10::DeviceGuard guard(token_lora.device());
-  return run_build_segments(token_lora, num_slots, device_of(token_lora));
+  return run_build_segments(token_lora, num_slots, launch_device(token_lora));
 }
 
 }  // namespace
