@@ -2,7 +2,9 @@
 wrong implementation of ours or a broken Triton fails the run (and is stored in the results), the op table is
 refused from a partial run and written from a full one's results file, and the README section renders the
 lora_expand and grouped_gemm tables."""
+import dataclasses
 import json
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -694,3 +696,119 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     with pytest.raises(SystemExit):  # one shape's sweep would overwrite the three shapes' tables
         bench.main(["--device", "cuda", "--decode-step", "--routes", routes.PATH])
     assert "holds every shape's table: give --models all" in capsys.readouterr().err
+
+
+def test_case_slice_offsets():
+    qkv = ops.Case(64, 16, 16, N=6144, slices=3, slice_widths=ops.QKV_WIDTHS)
+    assert qkv.offsets == [0, 4096, 5120, 6144]
+    assert ops.Case(8, 4, 16, N=1000, slices=3).offsets == [0, 333, 666, 1000]
+    assert ops.Problem(dataclasses.replace(qkv, T=4, K=64), torch.float32, "cpu", seed=1).p.slice_offsets == \
+        [0, 4096, 5120, 6144]
+    with pytest.raises(ValueError, match="slice_widths"):
+        ops.Case(8, 4, 16, N=6144, slices=3, slice_widths=(4096, 1024, 512))
+
+
+# The floors' byte counts, written out per term (bf16 weights and x, the case's y dtype): what a kernel must read
+# and write. A pool rank above the adapter's must not count (true-rank cost), every slice's A rows must.
+@pytest.mark.parametrize("slices, N", [(1, 1024), (3, 1536)])
+def test_sgmv_bytes_count_x_the_true_rank_rows_of_every_slice_and_y_twice(slices, N):
+    case = ops.Case(8, 4, 8, K=1024, N=N, slices=slices, pool_rank=64)
+    pb = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    x, a, b, y = 8 * 1024 * 2, 4 * (slices * 8) * 1024 * 2, 4 * N * 8 * 2, 8 * N * 2
+    assert pb.touched_bytes() == x + a + b + y
+    assert pb.min_bytes() == x + a + b + 2 * y
+
+
+def test_expand_bytes_count_each_rows_window_of_h_the_b_of_adapters_present_and_y_twice():
+    case = ops.Case(8, 4, 16, N=1024, slices=2, pool_rank=64)
+    pb = ops.ExpandProblem(case, torch.bfloat16, "cpu", seed=1)
+    h, b, y = 8 * 2 * 16 * 2, 4 * 1024 * 16 * 2, 8 * 1024 * 2
+    assert pb.touched_bytes() == h + b + y and pb.min_bytes() == h + b + 2 * y
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grouped_gemm_bytes_read_y_only_when_accumulating(accumulate):
+    case = ops.GroupedGemmCase(4, 16, 32, 48, "bfloat16", x_dtype="float32", accumulate=accumulate)
+    pb = ops.GroupedGemmProblem(case, "cpu", seed=1)
+    x, w, y = 64 * 32 * 4, 4 * 48 * 32 * 2, 64 * 48 * 2
+    assert pb.touched_bytes() == x + w + y
+    assert pb.min_bytes() == x + w + y + (y if accumulate else 0)
+    assert pb.flops() == 2 * 64 * 48 * 32
+
+
+def test_the_bench_times_its_implementations_in_turn_round_after_round(monkeypatch):
+    """On CUDA (faked on the host) every implementation and mode that passed its checks is timed in each of the
+    rounds, in turn; its record is the median of its rounds over the calls a run makes, and its roofline % is
+    the floor's bytes over that time against the copy bandwidth. Timed one after another, two implementations a
+    few % apart could trade places with a drift of the clocks."""
+    monkeypatch.setattr(timing, "capture", lambda calls: SimpleNamespace(replay=lambda: [f() for f in calls]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    names = iter(["a-graph", "a-eager", "b-graph", "b-eager"])  # the order _measure makes its runners in
+    real_runner = ops.cuda_runner
+
+    def named_runner(calls, graph, check=None):
+        run, n = real_runner(calls, graph, check)
+        return SimpleNamespace(name=next(names), run=run), n
+    monkeypatch.setattr(ops, "cuda_runner", named_runner)
+    order = []
+    ms_of = {"a": [1.0, 9.0, 2.0, 2.0, 2.0], "b": [4.0, 4.0, 1.0, 4.0, 4.0]}  # one outlier round each
+
+    def fake_loop(run, min_ms):
+        order.append(run.name)
+        return ms_of[run.name[0]][order.count(run.name) - 1]
+    monkeypatch.setattr(timing, "time_loop", fake_loop)
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first, ops.Problem(case, torch.bfloat16, "cpu", 2, like=first)]
+    right = ops._ours(lora_ops.ops, "sgmv")
+    records, failures = [], []
+    ops._measure("sgmv", {"T": case.T}, {"a": right, "b": right}, sets, lambda pb: pb.p.y,
+                 lambda pb: reference.sgmv(*pb.p.args()), torch.bfloat16, first.min_bytes(), None, "cuda", 1e-4,
+                 records, failures, lambda s: None)
+    assert failures == []
+    assert order == ["a-graph", "a-eager", "b-graph", "b-eager"] * 5
+    eager_calls = 2 * (ops.MIN_CALLS // 2)  # eager runs repeat the 2 sets up to MIN_CALLS; checked graphs do not
+    us = {(r["backend"], r["mode"]): r["us"] for r in records}
+    assert us == {("a", "graph"): 2e3 / 2, ("a", "eager"): 2e3 / eager_calls, ("b", "graph"): 4e3 / 2,
+                  ("b", "eager"): 4e3 / eager_calls}
+    rec = next(r for r in records if (r["backend"], r["mode"]) == ("a", "graph"))
+    assert rec["pct_roofline"] == pytest.approx(100 * first.min_bytes() / 1e-3 / 1e9 / 0.1, abs=0.05)
+
+
+def test_records_from_a_changed_tree_say_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORA_OPS_GIT_SHA", raising=False)
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                                       text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "untracked").write_text("")
+    assert bench.git_sha(str(tmp_path)) == head
+    (tmp_path / "f").write_text("2")
+    assert bench.git_sha(str(tmp_path)) == head + "-dirty"
+    monkeypatch.setenv("LORA_OPS_GIT_SHA", "abc")
+    assert bench.git_sha(str(tmp_path)) == "abc"
+
+
+def test_the_decode_step_and_routes_run_with_the_serving_op_table_and_the_op_bench_without(monkeypatch, tmp_path):
+    """The serving layer's backend "cuda" is the public op, which hands the op table's regimes to Triton: the
+    decode step and the routes sweep time it so. The op bench times the C++ kernels alone (the table is made from
+    it)."""
+    table = {"stands for": "the installed table"}
+    monkeypatch.setattr(op_table, "installed", table)
+    seen = {}
+    monkeypatch.setattr(bench, "run_op_bench", lambda *a: seen.setdefault("ops", op_table.installed))
+    monkeypatch.setattr(bench.decode_step, "run", lambda *a: seen.setdefault("decode", op_table.installed))
+    monkeypatch.setattr(bench.decode_step, "write_routes", lambda *a: seen.setdefault("routes", op_table.installed))
+    monkeypatch.setattr(op_table, "install", lambda t: setattr(op_table, "installed", t))
+    # a CUDA device on the host: its properties and the run's first measurements faked
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(name="fake", L2_cache_size=1))
+    monkeypatch.setattr(bench, "copy_bandwidth_tbps", lambda d: 4.0)
+    monkeypatch.setattr(bench, "launch_floor_us", lambda d: 1.0)
+    monkeypatch.setattr(bench.ops, "host_overhead_us", lambda d: 1.0)
+    monkeypatch.setattr(bench.peers, "vllm_ops", lambda: (None, "not built"))
+    bench.main(["--device", "cuda", "--ops", "--decode-step", "--routes", str(tmp_path / "r.json")])
+    assert seen == {"ops": None, "decode": table, "routes": table}
+    assert op_table.installed is table

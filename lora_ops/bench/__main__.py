@@ -17,12 +17,16 @@ from . import decode_step, ops, peers, report
 from .timing import copy_bandwidth_tbps, launch_floor_us
 
 
-def git_sha() -> str:
+def git_sha(cwd: str = os.path.dirname(os.path.abspath(__file__))) -> str:
+    """The commit the records come from: LORA_OPS_GIT_SHA (the GPU machine's copy of the tree has no .git: the
+    caller names the commit it copied), else HEAD, with "-dirty" when tracked files differ from it (such records
+    came from no commit)."""
     if os.environ.get("LORA_OPS_GIT_SHA"):
         return os.environ["LORA_OPS_GIT_SHA"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+        git = lambda *args: subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL, cwd=cwd)
+        sha = git("rev-parse", "HEAD").strip()
+        return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
     except Exception:
         return "unknown"
 
@@ -138,7 +142,9 @@ def main(argv=None) -> int:
         log(f"graph replay of a one-element add (per-kernel floor): {floor_us:.2f} us")
         vllm_ops, why = peers.vllm_ops()
         log("peer vllm: vLLM's Triton LoRA ops" if vllm_ops is not None else f"peer vllm: none ({why})")
-    # Each backend is timed alone: the C++ kernels without the op table that hands some regimes to Triton.
+    # The op bench times each backend alone: the C++ kernels without the op table that hands some regimes to Triton
+    # (the table is made from these records). The decode step and the routes sweep time the routes as the serving
+    # layer runs them, whose backend "cuda" is the public op, with the installed table (lora_ops/routes.py).
     if run_ops:
         if device != "cpu":
             for table_on in (True, False):
@@ -154,14 +160,12 @@ def main(argv=None) -> int:
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)
-        with op_table.disabled():
-            decode_step.run(models, device, records, failures, log, only, steps, args.parts, args.between_modules)
+        decode_step.run(models, device, records, failures, log, only, steps, args.parts, args.between_modules)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if args.routes:
         if not args.decode_step:
             ap.error("--routes needs --decode-step")
-        with op_table.disabled():
-            decode_step.write_routes(args.routes, device, records, failures, log, meta, models)
+        decode_step.write_routes(args.routes, device, records, failures, log, meta, models)
     # l2_bytes: what the op records' rotated_bytes are measured against
     result = dict(meta, copy_tbps=round(copy_tbps, 3) if copy_tbps else None, l2_bytes=l2 or None,
                   **({"op_bench": settings} if run_ops else {}), failures=failures, records=records)

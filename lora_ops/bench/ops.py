@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ import lora_ops
 from lora_ops import backends, reference, routes, testing
 
 from . import peers
-from .timing import MIN_CALLS, time_cpu, time_cuda
+from .timing import MIN_CALLS, cuda_runner, time_cpu, time_cuda, time_interleaved
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
 OURS = ("cpu", "cuda", "triton", "cpu-rows", "cuda-rows", "triton-rows")  # -rows: lora_expand's rows form
@@ -44,10 +44,23 @@ class Case:
     slices: int = 1
     pool_rank: Optional[int] = None  # pool's max rank R (default: rank)
     pool_slots: int = 32
+    slice_widths: Optional[Tuple[int, ...]] = None  # default: N split evenly (fused QKV names its GQA widths)
+
+    def __post_init__(self):
+        if self.slice_widths is not None and (len(self.slice_widths) != self.slices
+                                              or sum(self.slice_widths) != self.N):
+            raise ValueError(f"Case: slice_widths {self.slice_widths} must be {self.slices} widths summing to N")
 
     @property
     def R(self):
         return self.pool_rank or self.rank
+
+    @property
+    def offsets(self) -> List[int]:
+        """slice_offsets: [0, ..., N]."""
+        widths = self.slice_widths or [self.N // self.slices] * (self.slices - 1) + [
+            self.N - (self.slices - 1) * (self.N // self.slices)]
+        return [sum(widths[:s]) for s in range(self.slices)] + [self.N]
 
     @property
     def ranks_passed(self) -> bool:
@@ -55,13 +68,17 @@ class Case:
         return self.rank != self.R
 
 
+# Fused QKV of a Llama-3-8B-like layer: 32 query heads and 8 key/value heads of 128 (GQA).
+QKV_WIDTHS = (4096, 1024, 1024)
+
 # The decode and prefill target tables (H200, bf16, K = N = 4096, 32-slot pool, one slice), then the decode
 # step's own module shapes, true-rank cost, fused QKV, wider layers and rank 128.
 GPU_CASES = [Case(1, 1, 16), Case(16, 4, 16), Case(64, 16, 16), Case(256, 32, 16), Case(256, 32, 64),
              Case(4096, 4, 16), Case(16384, 8, 16), Case(16384, 8, 64),
              Case(32, 8, 16, K=14336, N=4096), Case(32, 8, 16, K=4096, N=28672, slices=2),  # down_proj, gate_up
              Case(256, 32, 8, pool_rank=8), Case(256, 32, 8, pool_rank=64),                 # true-rank cost
-             Case(64, 16, 16, K=4096, N=6144, slices=3), Case(1024, 8, 16, K=4096, N=6144, slices=3),  # fused QKV
+             Case(64, 16, 16, K=4096, N=6144, slices=3, slice_widths=QKV_WIDTHS),                 # fused QKV
+             Case(1024, 8, 16, K=4096, N=6144, slices=3, slice_widths=QKV_WIDTHS),
              Case(32, 8, 32, K=8192, N=8192), Case(32, 8, 16, K=16384, N=16384), Case(4096, 8, 128)]
 CPU_CASES = [Case(1, 1, 16, K=1024, N=1024), Case(8, 4, 16, K=1024, N=1024), Case(32, 8, 16, K=1024, N=1024),
              Case(8, 4, 8, K=1024, N=1024, pool_rank=64)]
@@ -80,8 +97,7 @@ class Problem:
             token_lora = testing.random_token_slots(case.T, slots, gen)
         else:
             slots, token_lora = like.slots, like.token_lora.cpu()
-        width = case.N // case.slices
-        offsets = [s * width for s in range(case.slices)] + [case.N]
+        offsets = case.offsets
         # As the serving layer calls the ops: no ranks while every adapter has the pool's rank (op_table's
         # true_ranks axis tells the two calls apart)
         ranks = [case.rank] * case.pool_slots if case.ranks_passed else None
@@ -292,13 +308,17 @@ def _replay_check(sets: list, ys: list, y_of: Callable, refs: dict, inputs_dtype
 def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: Callable, oracle: Callable,
              inputs_dtype, min_bytes: int, flops: Optional[int], device, copy_tbps, records: List[dict],
              failures: List[str], log, timed_alone: Optional[Dict[str, Callable]] = None) -> None:
-    """Checks each implementation on the first and last input sets against the float64 oracle, then times it over
-    all sets (graph replay and eager on CUDA), one record per mode; on CUDA one replay of the timed graph is
+    """Checks each implementation on the first and last input sets against the float64 oracle, then times them
+    over all sets (graph replay and eager on CUDA), one record per mode; on CUDA one replay of each timed graph is
     checked on the same sets first. `impls` are f(problem, y) -> None writing into y; y_of(problem) is the
     problem's initial y; oracle(problem) its float64 result. A wrong result, eager or replayed, is a failure and
     the implementation is not timed. timed_alone: per implementation, f(problem) to time instead, once its
     f(problem, y) passed the check (a baseline that makes its own output, timed without storing it into y, so
-    its replay is not checked; its records say timed_alone=True)."""
+    its replay is not checked; its records say timed_alone=True).
+
+    On CUDA every implementation and mode that passed is timed in turn, round after round (time_interleaved), so
+    that a drift of the clocks during the case moves them alike and their ratios hold: timed one after another,
+    two implementations 1-3% apart could trade places with the drift (the decode step measured 2%)."""
     timed_alone = timed_alone or {}
 
     def wrong(name: str, detail: str) -> None:
@@ -308,6 +328,7 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
         else:
             failures.append(f"{op} {name} {row}: WRONG vs the float64 oracle{detail}")
     refs = {i: oracle(sets[i]) for i in sorted({0, len(sets) - 1})}  # two sets: the oracle is slow on big cases
+    runners = {}  # (name, mode) -> (run, calls a run makes)
     for name, fn in impls.items():
         try:
             bad = _check_eagerly(fn, sets, y_of, refs, inputs_dtype)
@@ -330,11 +351,13 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
             ys = [y_of(pb).clone() for pb in sets]
             calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
             check = _replay_check(sets, ys, y_of, refs, inputs_dtype)
-        got = []
-        for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+        if device == "cpu":
+            runners[name, "eager"] = calls[0], None
+            continue
+        for mode in ("graph", "eager"):
             graph = mode == "graph"
             try:
-                us = time_cpu(calls[0]) if device == "cpu" else time_cuda(calls, graph, check=check if graph else None)
+                runners[name, mode] = cuda_runner(calls, graph, check=check if graph else None)
             except WrongReplay as exc:
                 wrong(name, f" after a graph replay, {exc}")
                 log(f"  {name:<11} graph replay WRONG vs float64 oracle, {exc}; not timed")
@@ -343,7 +366,17 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
                 if name in OURS:
                     failures.append(f"{op} {name} {row} {mode}: {type(exc).__name__}")
                 log(f"  {name:<11} {mode}: not timed ({type(exc).__name__})")
+    if device == "cpu":
+        us_of = {key: time_cpu(run) for key, (run, _) in runners.items()}
+    else:
+        ms = time_interleaved({key: run for key, (run, _) in runners.items()}, min_ms=30.0)
+        us_of = {key: ms[key] * 1e3 / runners[key][1] for key in runners}
+    for name in impls:
+        got = []
+        for mode in ("graph", "eager"):
+            if (name, mode) not in us_of:
                 continue
+            us = us_of[name, mode]
             gbps = min_bytes / (us * 1e-6) / 1e9
             rec = dict(op=op, backend=name, mode=mode, us=round(us, 3), gbps=round(gbps, 1),
                        pct_roofline=round(100 * gbps / (copy_tbps * 1e3), 1) if copy_tbps else None, **row)
@@ -353,9 +386,15 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
                 rec["timed_alone"] = True
             records.append(rec)
             got.append(rec)
-        log("  " + f"{name:<11}" + "  ".join(
-            f"{r['mode']} {r['us']:9.2f} us" + (f" {r['tflops']:8.4g} TFLOP/s" if "tflops" in r else "")
-            + (f" ({r['pct_roofline']}% roofline)" if r["pct_roofline"] else "") for r in got))
+        if got:
+            log("  " + f"{name:<11}" + "  ".join(
+                f"{r['mode']} {r['us']:9.2f} us" + (f" {r['tflops']:8.4g} TFLOP/s" if "tflops" in r else "")
+                + (f" ({r['pct_roofline']}% roofline)" if r["pct_roofline"] else "") for r in got))
+
+
+def _widths(case: Case) -> dict:
+    """The record's slice widths, where they are not N split evenly."""
+    return {"slice_widths": list(case.slice_widths)} if case.slice_widths else {}
 
 
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
@@ -364,7 +403,7 @@ def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: L
     sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
                                  log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R,
-           "lora_ranks": case.ranks_passed, "K": case.K, "N": case.N, "slices": case.slices,
+           "lora_ranks": case.ranks_passed, "K": case.K, "N": case.N, "slices": case.slices, **_widths(case),
            "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("sgmv", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.sgmv(*pb.p.args()), dtype,
              pb0.min_bytes(), None, device, copy_tbps, records, failures, log)
@@ -394,7 +433,8 @@ def bench_build_segments(device, records, failures, log):
 
 # Decode steps of issue 12 (rank 16, 32-slot pool; o/down N = 4096, gate_up 2 × 14336, qkv 4096/1024/1024), then the
 # rank-64 row and the fold route's largest regime (the serving layer folds up to 1024 tokens).
-GPU_EXPAND_CASES = [Case(32, 32, 16), Case(32, 32, 16, N=28672, slices=2), Case(32, 32, 16, N=6144, slices=3),
+GPU_EXPAND_CASES = [Case(32, 32, 16), Case(32, 32, 16, N=28672, slices=2),
+                    Case(32, 32, 16, N=6144, slices=3, slice_widths=QKV_WIDTHS),
                     Case(128, 32, 16), Case(64, 16, 64), Case(1024, 8, 16)]
 CPU_EXPAND_CASES = [Case(8, 4, 16, N=1024), Case(32, 8, 16, N=1024, slices=2)]
 
@@ -461,7 +501,7 @@ def bench_expand_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, rec
     sets, rotation = _input_sets(pb0, lambda seed: ExpandProblem(case, dtype, device, seed, like=pb0), l2_bytes,
                                  device, log)
     row = {"T": case.T, "adapters": case.adapters, "rank": case.rank, "pool_rank": case.R,
-           "lora_ranks": case.ranks_passed, "N": case.N, "slices": case.slices,
+           "lora_ranks": case.ranks_passed, "N": case.N, "slices": case.slices, **_widths(case),
            "dtype": str(dtype).replace("torch.", ""), **rotation}
     _measure("lora_expand", row, impls, sets, lambda pb: pb.p.y, lambda pb: reference.lora_expand(*pb.args(pb.p.y)),
              dtype, pb0.min_bytes(), None, device, copy_tbps, records, failures, log)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -74,16 +74,17 @@ def time_interleaved(runs: Dict[str, Callable[[], None]], min_ms: float, rounds:
 MIN_CALLS = 20
 
 
-def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30.0,
-              check: Optional[Callable[[Callable[[], None]], None]] = None) -> float:
-    """µs per call: mean over calls cycling through the input sets, as graph replay or eager launches.
+def cuda_runner(fn_sets: List[Callable[[], None]], graph: bool,
+                check: Optional[Callable[[Callable[[], None]], None]] = None) -> Tuple[Callable[[], None], int]:
+    """(run, calls): run() replays one CUDA graph of `calls` calls cycling through the input sets, or launches them
+    eagerly, after a warm-up; time_loop(run) / calls is then the time of one call.
 
-    check (graph replay): called once with the captured graph's replay, before the timing, to reset the outputs,
-    replay once and compare them with the oracle. Its graph runs each of fn_sets exactly once (none is repeated
-    up to MIN_CALLS: 20 accumulations into a bf16 y drift from the oracle by about its tolerance). An exception
-    it raises propagates: nothing is timed."""
+    check (graph replay): called once with the captured graph's replay, before it is returned, to reset the
+    outputs, replay once and compare them with the oracle. Its graph runs each of fn_sets exactly once (none is
+    repeated up to MIN_CALLS: 20 accumulations into a bf16 y drift from the oracle by about its tolerance). An
+    exception it raises propagates: nothing is timed."""
     if check and not graph:
-        raise ValueError("time_cuda: check needs graph replay")
+        raise ValueError("cuda_runner: check needs graph replay")
     calls = fn_sets if check else fn_sets * max(1, MIN_CALLS // len(fn_sets))
     for f in fn_sets * 2:
         f()
@@ -92,11 +93,20 @@ def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30
         run = capture(calls).replay
         if check:
             check(run)
-    else:
-        def run():
-            for f in calls:
-                f()
-    return time_loop(run, min_ms) * 1e3 / len(calls)
+        return run, len(calls)
+
+    def run():
+        for f in calls:
+            f()
+    return run, len(calls)
+
+
+def time_cuda(fn_sets: List[Callable[[], None]], graph: bool, min_ms: float = 30.0,
+              check: Optional[Callable[[Callable[[], None]], None]] = None) -> float:
+    """µs per call: mean over calls cycling through the input sets, as graph replay or eager launches
+    (cuda_runner, whose check this passes on)."""
+    run, calls = cuda_runner(fn_sets, graph, check)
+    return time_loop(run, min_ms) * 1e3 / calls
 
 
 def time_cpu(fn: Callable[[], None], min_s: float = 0.2) -> float:
