@@ -7,6 +7,7 @@ import torch
 
 import lora_ops
 from lora_ops import backends, op_table, routes
+from lora_ops.bench.report import short_sha
 
 
 def report() -> str:
@@ -36,7 +37,7 @@ def report() -> str:
     lines += _op_table_lines()
     table = routes.load()
     lines.append(f"serving routes on CUDA (lora_ops/routes.json; measured on {table['gpu']}, {table['date']}, commit "
-                 f"{table['git_sha'][:7]}; a pool takes the table of the shape nearest its modules):")
+                 f"{short_sha(table['git_sha'])}; a pool takes the table of the shape nearest its modules):")
     lines += [f"  {line}" for line in routes.describe(table)]
     if info.get("backends", {}).get("ascend", {}).get("built"):
         for op in backends.OPS:
@@ -65,7 +66,7 @@ def _op_table_lines() -> list:
                else f"triton {backends.unavailable.get('triton', 'absent')}")
         return [f"op table: none ({why}): the C++ CUDA kernels serve every regime"]
     lines = [f"op table ({setting or 'lora_ops/op_table.json'}; measured on {table['gpu']}, {table['date']}, "
-             f"commit {table['git_sha'][:7]}; fp16/bf16 weights; a forced LORA_OPS_CUDA_*_KERNEL bypasses it):"]
+             f"commit {short_sha(table['git_sha'])}; fp16/bf16 weights; a forced LORA_OPS_CUDA_*_KERNEL bypasses it):"]
     lines += [f"  {op:<14} {op_table.describe(table, op)}" for op in op_table.OPS]
     return lines
 

@@ -328,7 +328,6 @@ def test_decode_step_checks_the_kext_routes_returned_outputs(monkeypatch):
     """A kext route's y is what its op returns, one tensor per call: the bench checks that y, first layer and last,
     against the float64 oracle (a stand-in adding no LoRA is caught), and --parts times no part of it (one op)."""
     decode_step = _replay_eagerly(monkeypatch)
-    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
     right = lambda *args: reference.lora_linear(*args).to(args[0].dtype)  # h unrounded: well within the tolerance
     monkeypatch.setattr(decode_step, "routes", lambda: {"kext-oracle": ("kext", right),
                                                         "kext-base-only": ("kext", lambda x, w, *rest: x @ w.t())})
@@ -360,7 +359,6 @@ def test_decode_step_kext_route_runs_the_tables_fallback_where_the_kernels_do_no
     # each call's op kind and, for lora_expand, whether it got the rows form (no seg_indptr), as CUDA's fold route does
     monkeypatch.setattr(routes, "op", lambda kind, backend: (
         lambda *a: ran.append((kind, kind == "lora_expand" and a[3] is None)) or real_op(kind, backend)(*a)))
-    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
     weights = []
     right = lambda *args: weights.append(args[1].shape) or reference.lora_linear(*args).to(args[0].dtype)
     monkeypatch.setattr(decode_step, "routes", lambda: {"kext-oracle": ("kext", right)})
@@ -434,9 +432,9 @@ def test_decode_step_parts_time_the_fold_gemms_of_every_module_and_of_each_alone
     the base GEMM and through the fold route, recorded as % of the base step."""
     sizes = []
     decode_step = _replay_eagerly(monkeypatch, lambda calls: sizes.append(len(calls)))
-    monkeypatch.setattr(decode_step, "time_loop", lambda run, min_ms: (run(), 2.0)[-1])
-    monkeypatch.setattr(decode_step, "time_interleaved",
-                        lambda runs, min_ms: {name: (run(), 4.0)[-1] for name, run in runs.items()})
+    monkeypatch.setattr(decode_step, "time_interleaved",  # each part beside the base step: half its time
+                        lambda runs, min_ms: {name: (run(), 4.0 if name == "base" else 2.0)[-1]
+                                              for name, run in runs.items()})
     monkeypatch.setattr(decode_step, "routes", lambda: {"fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
     model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=3)
     records, failures = [], []

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)
-        decode_step.run(models, device, records, failures, log, only, steps, args.parts, args.between_modules)
+        decode_step.run(models, device, records, failures, log, only, steps, args.parts, args.between_modules,
+                        copy_tbps)
     meta = {"gpu": gpu, "git_sha": git_sha(), "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if args.routes:
         if not args.decode_step:

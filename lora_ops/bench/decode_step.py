@@ -34,7 +34,10 @@ issue's step is the linear layers alone.
 The LoRA routes also run build_segments once per step (the fold route's GEMM reads its seg_indptr, and the serving
 layer's pool builds it every step, whatever the route). The base and the routes are timed in turn, five rounds, the
 median of each. Reported per route: µs per step, the overhead over base in %, the floor of that overhead (the bytes
-of the adapters present over the bytes of the base weights: what must be read, at the same bandwidth), the fold
+of the adapters present over the bytes of the base weights: what must be read, at the same bandwidth), the copy
+floor (those bytes at the copy bandwidth measured in the same run, given by the caller: about the least that
+kernels reading them after the base GEMM, sgmv's or vLLM's, can add; a route that reads them in a GEMM of its own
+instead of the base GEMM, fold or kext, can beat both floors where the base GEMM runs below copy bandwidth), the fold
 route's own floor where its GEMM does not skip unused slots (at::linear reads every pool slot's A; fold_linear's
 sm_90 kernel, which skips them, can go below it), and the relative error against the float64 oracle of the first
 layer's outputs, run eagerly, and of the last layer's, left by a replay of the timed graph (the larger; `base`
@@ -52,7 +55,7 @@ from lora_ops import backends, reference, testing
 from lora_ops import routes as route_table
 
 from . import peers
-from .timing import capture, time_interleaved, time_loop
+from .timing import capture, time_interleaved
 
 POOL_SLOTS = 32
 
@@ -109,18 +112,40 @@ def parse_steps(text: str) -> List[Step]:
     return steps
 
 
-def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
-    """The overhead floors of a step, in % of the base weights' bytes: (the adapters present, A and B: what any
-    route must read; the fold route's: every pool slot's A, which its GEMM reads where it does not skip unused
-    slots, and the present adapters' B).
-    With fewer tokens than adapters, T adapters are present (one token each, Setup)."""
+def _layer_elements(model: ModelShape, rank: int) -> Tuple[int, int, int]:
+    """One layer's elements: (its base weights, one slot's A, one slot's B)."""
     base = a = b = 0
     for _, K, widths in model.modules():
         base += sum(widths) * K
-        a += step.rank * len(widths) * K
-        b += step.rank * sum(widths)
-    present = min(step.T, step.adapters)
+        a += rank * len(widths) * K
+        b += rank * sum(widths)
+    return base, a, b
+
+
+def _present(step: Step) -> int:
+    """The adapters a step's rows are on: with fewer tokens than adapters, T (one token each, Setup)."""
+    return min(step.T, step.adapters)
+
+
+def floors_pct(model: ModelShape, step: Step) -> Tuple[float, float]:
+    """The overhead floors of a step, in % of the base weights' bytes: (the adapters present, A and B: what any
+    route must read; the fold route's: every pool slot's A, which its GEMM reads where it does not skip unused
+    slots, and the present adapters' B)."""
+    base, a, b = _layer_elements(model, step.rank)
+    present = _present(step)
     return 100.0 * present * (a + b) / base, 100.0 * (POOL_SLOTS * a + present * b) / base
+
+
+def adapter_bytes(model: ModelShape, step: Step) -> int:
+    """The bytes of the adapters present, A and B in bf16, over every layer."""
+    _, a, b = _layer_elements(model, step.rank)
+    return 2 * model.layers * _present(step) * (a + b)
+
+
+def floor_copy_us(model: ModelShape, step: Step, copy_tbps: Optional[float]) -> Optional[float]:
+    """µs to read the adapters present at the copy bandwidth (TB/s), the copy floor (module docstring); None
+    without the bandwidth."""
+    return adapter_bytes(model, step) / (copy_tbps * 1e6) if copy_tbps else None
 
 
 def b_as_columns(lora_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -337,7 +362,9 @@ def serving_default(model: ModelShape, step: Step, kext_serves: bool = True) -> 
 
 
 def bench_step(model: ModelShape, step: Step, device, records: List[dict], failures: List[str], log,
-               only: Optional[Sequence[str]] = None, parts: bool = False, between: bool = False) -> None:
+               only: Optional[Sequence[str]] = None, parts: bool = False, between: bool = False,
+               copy_tbps: Optional[float] = None) -> None:
+    """copy_tbps: the copy bandwidth measured in the run (TB/s), for the copy floor; None: not recorded."""
     s = Setup(model, step, device, between=between)
     # The first layer's outputs are checked after it ran eagerly, the last layer's after a replay of the timed graph
     # (each replay is a whole step: every layer's base GEMM overwrites the buffers its LoRA then adds to). The base
@@ -345,10 +372,11 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     # taken side by side.
     ref, ref_last = s.reference(0), s.reference(-1)
     floor, fold_floor = floors_pct(model, step)
+    copy_floor = floor_copy_us(model, step, copy_tbps)
+    # between_modules in every record: the report never puts a step timed with input writers beside one without
     row = dict(op="decode_step", model=model.name, T=step.T, adapters=step.adapters, rank=step.rank,
-               floor_pct=round(floor, 2), fold_floor_pct=round(fold_floor, 2))
-    if between:
-        row["between_modules"] = True
+               between_modules=between, floor_pct=round(floor, 2), fold_floor_pct=round(fold_floor, 2),
+               floor_copy_us=None if copy_floor is None else round(copy_floor, 1))
     writer = ", an input writer before each module" if between else ""
     log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%, "
         f"the fold route's +{fold_floor:.1f}% (every slot's A){writer}")
@@ -390,6 +418,7 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         return max(_rel(s.outputs(name)[n], ref_last[n][which]) for n in s.names)
 
     base_ms = ms["base"]
+    row["floor_copy_pct"] = None if copy_floor is None else round(100 * copy_floor / (base_ms * 1e3), 2)
     default = serving_default(model, step)
     recorded: List[str] = []  # the routes whose time is recorded (right on both checks)
     base_err = last_layer_err("base", 0)
@@ -398,7 +427,8 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     base_err = max(base_err, *(_rel(s.y[n], ref[n][0]) for n in s.names))
     records.append(dict(row, backend="base", base_us=round(base_ms * 1e3, 1), us=round(base_ms * 1e3, 1),
                         overhead_pct=0.0, err=base_err))
-    log(f"  {'base':<12} {base_ms * 1e3:9.1f} us                   err {base_err:.1e}")
+    log(f"  {'base':<12} {base_ms * 1e3:9.1f} us                   err {base_err:.1e}"
+        + ("" if copy_floor is None else f"  (copy floor {copy_floor:.1f} us, +{row['floor_copy_pct']:.1f}%)"))
     for name, first_err in checked.items():
         try:
             err = max(first_err, last_layer_err(name, 1))
@@ -420,21 +450,25 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
         log(f"  {name:<12} {ms[name] * 1e3:9.1f} us  overhead {overhead:+6.1f}%  err {err:.1e}"
             + ("  (the serving default)" if name == default else "")
             + (f"  (+ {extra['meta_us']:.1f} us of metadata a step, outside the graph)" if extra else ""))
-    del graphs, calls, base_calls  # the graphs' pools and the Setup the calls hold: freed before the next step
+    base_graph = graphs.pop("base")  # the parts are timed beside it
+    del graphs, calls, base_calls  # the routes' graphs' pools and the Setup the calls hold: freed before the parts
     if parts:
-        bench_parts(s, base_ms, row, records, log, recorded)
-    del s
+        bench_parts(s, base_graph.replay, row, records, log, recorded)
+    del s, base_graph  # freed before the next step
     peers.release()  # the step's vLLM layouts, which vLLM's pointer caches hold
     torch.cuda.empty_cache()
 
 
-def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, recorded: Sequence[str]) -> None:
+def bench_parts(s: Setup, base_step: Callable[[], None], row: dict, records: List[dict], log,
+                recorded: Sequence[str]) -> None:
     """Each route's parts alone (op "decode_step_part"): the fold GEMMs (cuBLAS's, reading every slot's A, and
     fold_linear's as the routes call it, skipping unused slots), of every module and of each module alone (which
     GEMM shape fold_linear's kernel wins or loses), the expand kernels on
     their output, of every module and of each alone, the sgmv kernels without the base GEMM; and each module's
     layers alone through the base GEMM and through each fold and kext route (which modules, by K and N, a route
-    wins or loses: the kext route is one op, so its modules are its parts); µs per step and as % of the base step."""
+    wins or loses: the kext route is one op, so its modules are its parts); µs per step and as % of the base step
+    (base_step, a replay of its graph), timed in the same rounds as the part (time_interleaved): the base timed
+    before the parts drifts from them as the clocks do."""
     s.build_segments()  # the step's segments, which fold_linear's parts read
     parts = {"fold-gemm": s.fold_gemm_calls(), "fold-gemm-fold_linear": s.fold_linear_calls()}
     for module in s.names:
@@ -457,17 +491,17 @@ def bench_parts(s: Setup, base_ms: float, row: dict, records: List[dict], log, r
     for name, calls in parts.items():
         for f in calls:  # eagerly once: the expand parts read the fold GEMMs' outputs as they are
             f()
-        ms = time_loop(capture(calls).replay, min_ms=50)
-        records.append(dict(row, op="decode_step_part", backend=name, base_us=round(base_ms * 1e3, 1),
-                            us=round(ms * 1e3, 1), pct_of_base=round(100 * ms / base_ms, 2)))
-        log(f"  part {name:<30} {ms * 1e3:9.1f} us = {100 * ms / base_ms:5.1f}% of base")
+        ms = time_interleaved({"base": base_step, name: capture(calls).replay}, min_ms=50)
+        records.append(dict(row, op="decode_step_part", backend=name, base_us=round(ms["base"] * 1e3, 1),
+                            us=round(ms[name] * 1e3, 1), pct_of_base=round(100 * ms[name] / ms["base"], 2)))
+        log(f"  part {name:<30} {ms[name] * 1e3:9.1f} us = {100 * ms[name] / ms['base']:5.1f}% of base")
 
 
 def run(models: Sequence[str], device, records, failures, log, only=None, steps: Sequence[Step] = STEPS,
-        parts: bool = False, between: bool = False):
+        parts: bool = False, between: bool = False, copy_tbps: Optional[float] = None):
     for name in models:
         for step in steps:
-            bench_step(MODELS[name], step, device, records, failures, log, only, parts, between)
+            bench_step(MODELS[name], step, device, records, failures, log, only, parts, between, copy_tbps)
 
 
 def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, float]]:
@@ -492,8 +526,10 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
     ValueError unless every route and backend was timed at every sample step (a run of some routes, --impls, makes
     no table)."""
     timed: Dict[Tuple[str, int, int, int], Dict[str, float]] = {}
-    for r in records:  # the base and lora_ops' routes: a peer's time (the vllm route) is no route of a table
-        if r.get("op") == "decode_step" and (r["backend"] == "base" or r["backend"] in route_table.NAMES):
+    for r in records:  # the base and lora_ops' routes: a peer's time (the vllm route) is no route of a table;
+        # the sweep's step is the linear layers alone: a --between-modules run's records at a sample step are not it
+        if r.get("op") == "decode_step" and not r.get("between_modules") and (
+                r["backend"] == "base" or r["backend"] in route_table.NAMES):
             timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
     tables = []
     for model in models:

@@ -70,14 +70,22 @@ def _plot(records: List[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _decode_table(records: List[dict]) -> List[str]:
-    rows = [r for r in records if r["op"] == "decode_step"]
+def _has_copy_floor(rows: List[dict]) -> bool:
+    """Whether any record has the copy floor (records from before the bench wrote it have none)."""
+    return any(r.get("floor_copy_pct") is not None for r in rows)
+
+
+def _decode_table(records: List[dict], between: bool = False) -> List[str]:
+    """The decode steps timed with input writers (between) or without: a row never combines the two."""
+    rows = [r for r in records if r["op"] == "decode_step" and bool(r.get("between_modules")) == between]
     if not rows:
         return []
     routes = [b for b in ("sgmv-cuda", "sgmv-triton", "fold-cuda", "fold-triton", "kext-cuda") + PEERS
               if any(r["backend"] == b for r in rows)]
-    out = ["| model | T | adapters | rank | base step | floor | fold floor | serving default | " + " | ".join(routes)
-           + " |", "|---|---|---|---|---|---|---|---|" + "---|" * len(routes)]
+    copy = _has_copy_floor(rows)
+    out = ["| model | T | adapters | rank | base step | floor | " + ("copy floor | " if copy else "")
+           + "fold floor | serving default | " + " | ".join(routes) + " |",
+           "|---|---|---|---|---|---|---|---|" + "---|" * (len(routes) + copy)]
     steps: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
         steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r
@@ -94,7 +102,10 @@ def _decode_table(records: List[dict]) -> List[str]:
             v = f"+{by[b]['overhead_pct']:.0f}%"
             cells.append(f"**{v}**" if by[b]["overhead_pct"] == best else v)
         default = next((f"+{r['overhead_pct']:.0f}% ({b})" for b, r in by.items() if r.get("serving_default")), "—")
-        out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | +{base['floor_pct']:.1f}% | "
+        floors = f"+{base['floor_pct']:.1f}% | "
+        if copy:
+            floors += "— | " if base.get("floor_copy_pct") is None else f"+{base['floor_copy_pct']:.1f}% | "
+        out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | {floors}"
                    f"{_fold_floor(model, T, adapters, rank)} | {default} | " + " | ".join(cells) + " |")
     return out
 
@@ -274,19 +285,37 @@ def merge(results: List[dict]) -> dict:
     return merged
 
 
+def _decode_legend(copy: bool) -> str:
+    copy_floor = ("; *copy floor*, those bytes at the run's copy bandwidth, over the base step: about the least that "
+                  "kernels reading them after the base GEMM (sgmv, vllm) can add, where a route reading them in a "
+                  "GEMM of its own (fold, kext) can beat both floors if the base GEMM runs below copy bandwidth"
+                  if copy else "")
+    return ("**Decode step** (every linear layer of the model in one CUDA graph, bf16, 32-slot pool, each row on a "
+            "random adapter; LoRA overhead over the base step, best route in bold), beside its floors: *floor*, the "
+            "adapters' bytes over the base weights' bytes, as if read at the base step's bandwidth" + copy_floor
+            + "; *fold floor*, the fold route's own where its GEMM reads every pool slot's A (the present adapters' "
+            "B; fold_linear's sm_90 kernel skips the unused slots' A):")
+
+
+def short_sha(sha: str) -> str:
+    """A commit's first 7 digits, keeping the "-dirty" of records from a changed tree (__main__.git_sha)."""
+    return sha[:7] + ("-dirty" if sha.endswith("-dirty") else "")
+
+
 def readme_section(result: dict) -> str:
     records = result["records"]
     floor = next((r["us"] for r in records if r["op"] == "launch_floor"), None)
-    head = [f"{result['gpu']}, {result['date']}, commit `{result['git_sha'][:7]}`, torch {result['torch']}."
+    head = [f"{result['gpu']}, {result['date']}, commit `{short_sha(result['git_sha'])}`, torch {result['torch']}."
             + (f" Copy bandwidth measured in the same run: {result['copy_tbps']:.2f} TB/s." if result.get("copy_tbps")
                else "") + (f" A one-element add costs {floor:.2f} µs per graph node." if floor else "")]
-    decode = _decode_table(records)
+    decode, between = _decode_table(records), _decode_table(records, between=True)
+    if decode or between:
+        head += ["", _decode_legend(_has_copy_floor([r for r in records if r["op"] == "decode_step"]))]
     if decode:
-        head += ["", "**Decode step** (every linear layer of the model in one CUDA graph, bf16, 32-slot pool, each "
-                 "row on a random adapter; LoRA overhead over the base step, beside its floor: the adapters' bytes "
-                 "over the base weights' bytes, and the fold route's own floor where its GEMM reads every pool "
-                 "slot's A (the present adapters' B; fold_linear's sm_90 kernel skips the unused slots' A); best "
-                 "route in bold):", ""] + decode
+        head += [""] + decode
+    if between:
+        head += ["", "With --between-modules (a kernel writes each module's input just before the module, as a model's "
+                 "norms, attention and activation do):", ""] + between
     op = _op_table(records)
     if op:
         head += ["", "**sgmv op** (bf16, graph replay, µs; in brackets % of the memory roofline):", ""] + op
