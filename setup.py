@@ -58,17 +58,20 @@ def _configure_ascend():
             "soc": os.environ.get("LORA_OPS_ASCEND_SOC", "Ascend910B1")}
 
 
-def _build_ascend_kernels(ascend, out_dir):
-    """Compiles csrc/ascend's kernels with CANN's AscendC cmake modules into liblora_ops_ascend_kernels.so."""
+def _build_ascend_kernels(ascend, out_dirs):
+    """Compiles csrc/ascend's kernels with CANN's AscendC cmake modules into liblora_ops_ascend_kernels.so, copied
+    into each of out_dirs. Makefiles: the modules' post-build step reads CMakeFiles/<target>.dir/link.txt, which
+    only the Makefile generators write (a CMAKE_GENERATOR=Ninja in the environment would break it)."""
     import subprocess
 
     build = os.path.join(ROOT, "build", "ascend")
-    subprocess.check_call(["cmake", "-S", os.path.join(ROOT, "csrc", "ascend"), "-B", build,
+    subprocess.check_call(["cmake", "-S", os.path.join(ROOT, "csrc", "ascend"), "-B", build, "-G", "Unix Makefiles",
                            "-DCMAKE_BUILD_TYPE=Release", f"-DSOC_VERSION={ascend['soc']}",
                            f"-DASCEND_HOME_PATH={ascend['cann']}"])
     subprocess.check_call(["cmake", "--build", build, "-j", os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))])
-    os.makedirs(out_dir, exist_ok=True)
-    shutil.copy2(os.path.join(build, "lib", "liblora_ops_ascend_kernels.so"), out_dir)
+    for out_dir in out_dirs:
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.copy2(os.path.join(build, "lib", "liblora_ops_ascend_kernels.so"), out_dir)
 
 
 def _configure():
@@ -159,10 +162,22 @@ def _build_ext(info):
 
     class BuildWithAscendKernels(IncrementalBuildExtension):
         def run(self):
-            _build_ascend_kernels(ascend, os.path.join(ROOT, "lora_ops"))
+            # _C links the library from lora_ops/ (rpath $ORIGIN): the source tree's (editable installs, and the
+            # link itself) and, for a wheel, the build tree's, whose package data build_py collected before the
+            # library existed.
+            out_dirs = [os.path.join(ROOT, "lora_ops")]
+            if not self.inplace:
+                out_dirs.append(os.path.join(self.build_lib, "lora_ops"))
+            _build_ascend_kernels(ascend, out_dirs)
             super().run()
 
     return BuildWithAscendKernels
+
+
+# The files beside the Python modules that a wheel must hold: lora_ops reads its op table at import
+# (op_table.install_default), the serving layer its routes, lora_ops.info the build record; _C links the Ascend
+# kernel library (CANN builds). tests/test_packaging.py checks every JSON file of the package is listed.
+PACKAGE_DATA = {"lora_ops": ["_build_info.json", "op_table.json", "routes.json", "liblora_ops_ascend_kernels.so"]}
 
 
 def main():
@@ -174,7 +189,7 @@ def main():
         name="lora_ops",
         version="0.1.0",
         packages=find_packages(include=["lora_ops", "lora_ops.*"]),
-        package_data={"lora_ops": ["_build_info.json", "routes.json", "liblora_ops_ascend_kernels.so"]},
+        package_data=PACKAGE_DATA,
         ext_modules=_extensions(info),
         cmdclass={"build_ext": _build_ext(info)},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},

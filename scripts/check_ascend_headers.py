@@ -15,6 +15,13 @@ such as copy_gm_to_ubuf) are declared here from g++'s errors, only where the err
 nothing a kernel itself calls is ever stubbed. What g++ cannot check (field order of same-typed positional
 initialisers, units, runtime range checks) is in csrc/ascend/NOTES.md.
 
+--devkit also checks the launch as CANN's build makes it: ascendc_library reads each kernel's signature out of the
+preprocessed source (asc-devkit's cmake/asc/legacy_modules/util/extract_host_stub.py, run here on g++'s
+preprocessed output with the AscendC compiler's spellings of the qualifiers), copies the struct parameters'
+definitions into generated host code, and declares aclrtlaunch_<kernel> (tiling by pointer) in a header it
+force-includes into the kernel files' host pass. The check generates those with asc-devkit's own code, compiles
+the copied definitions alone, and compiles each kernel file with that header and launch.h's toolchain branch.
+
 --torch-npu: the host files the CANN build compiles into _C (plan, launcher, registration) against the include
 directory of the torch_npu wheel (its c10_npu streams and its copy of ACL's headers) and the installed torch's.
 
@@ -61,13 +68,17 @@ def report(source, label, errors):
     return ok
 
 
+def kernel_flags(devkit, kernels, work, core):
+    return ["-std=c++17", "-fsyntax-only", "-D__NPU_ARCH__=2201", "-D__DAV_C220__",
+            *(f"-D{d}" for d in CORES[core]), "-DLORA_OPS_ASCEND_HEADER_CHECK",
+            "-include", str(ASCEND / "header_check" / "compiler_standins.h"),
+            f"-I{ASCEND / 'header_check'}", f"-I{work}", f"-I{kernels}",
+            *(f"-I{devkit / d}" for d in ("include", "include/basic_api", "include/utils", "impl",
+                                           "impl/basic_api", "."))]
+
+
 def kernel_errors(devkit, kernels, work, source, core):
-    flags = ["-std=c++17", "-fsyntax-only", "-D__NPU_ARCH__=2201", "-D__DAV_C220__",
-             *(f"-D{d}" for d in CORES[core]), "-DLORA_OPS_ASCEND_HEADER_CHECK",
-             "-include", str(ASCEND / "header_check" / "compiler_standins.h"),
-             f"-I{ASCEND / 'header_check'}", f"-I{work}", f"-I{kernels}",
-             *(f"-I{devkit / d}" for d in ("include", "include/basic_api", "include/utils", "impl",
-                                            "impl/basic_api", "."))]
+    flags = kernel_flags(devkit, kernels, work, core)
     return subprocess.run(["g++", *flags, str(kernels / source)], capture_output=True, text=True).stderr
 
 
@@ -96,8 +107,44 @@ def check_kernels(devkit, kernels, rounds=30):
                     declared |= found
                     void |= returned
                 failed += not report(source, core, errors)
-    print(f"{len(declared)} intrinsics stood in for ({len(void)} returning void)")
+        print(f"{len(declared)} intrinsics stood in for ({len(void)} returning void)")
+        for source, errors in launch_stub_errors(devkit, kernels, work):
+            failed += not report(source, "launch", errors)
     return failed
+
+
+def launch_stub_errors(devkit, kernels, work):
+    """(file, errors) of the launch check (module docstring), one entry per compilation."""
+    sys.path.insert(0, str(devkit / "cmake" / "asc" / "legacy_modules" / "util"))
+    import extract_host_stub as stub  # asc-devkit's own generator
+
+    sources = []
+    for source in KERNELS:
+        out = work / (source + ".i")
+        cmd = ["g++", "-E", *kernel_flags(devkit, kernels, work, "AIV"), "-DLORA_OPS_ASCEND_STUB_SOURCE",
+               "-o", str(out), str(kernels / source)]
+        cmd.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")
+        cmd.remove("-fsyntax-only")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return [(source, done.stderr)]
+        sources.append(str(out))
+    stub.IS_V220_MODE = True
+    groups = list(stub.parse_func_signature_by_filepaths(sources, "c220"))
+    definitions = stub.generate_type_definition_content_by_func_sign_groups(groups)
+    launch_signs = stub.func_signs_in_groups(list(map(stub.trans_func_sign_group, groups)))
+    headers = dict(stub.generate_save_stub_header_commands(launch_signs, str(work)))
+    header = work / "aclrtlaunch_triple_chevrons_func.h"
+    header.write_text(headers[str(header)])
+    (work / "definitions.cpp").write_text("#include <stdint.h>\n" + definitions + "\n")
+    results = [("struct definitions", subprocess.run(["g++", "-std=c++17", "-fsyntax-only", str(work / "definitions.cpp")],
+                                                     capture_output=True, text=True).stderr)]
+    for source in KERNELS:  # the host pass: launch.h's toolchain branch calls the generated aclrtlaunch_<kernel>
+        flags = kernel_flags(devkit, kernels, work, "AIV")
+        flags.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")
+        results.append((source, subprocess.run(["g++", *flags, "-include", str(header), str(kernels / source)],
+                                               capture_output=True, text=True).stderr))
+    return results
 
 
 def check_host(torch_npu_include, kernels):

@@ -1,5 +1,5 @@
-// build_segments on one AIV (docs/design.md §2): a stable counting sort of the tokens by slot. Tokens with a slot outside
-// [0, num_slots) go last, uncovered by any segment. Outputs have fixed sizes: token_indices [T],
+// build_segments on one AIV (docs/design.md §2): a stable counting sort of the tokens by slot. Tokens with a slot
+// outside [0, num_slots) go last, uncovered by any segment. Outputs have fixed sizes: token_indices [T],
 // seg_indptr [num_slots + 1], seg_lora [num_slots] = arange.
 //
 // The histogram and the running offsets live in UB (the host bounds num_slots by its size). token_indices is
@@ -104,7 +104,7 @@ class BuildSegmentsKernel {
 
 extern "C" __global__ __aicore__ void lora_ops_build_segments(GM_ADDR token_lora, GM_ADDR token_indices,
                                                               GM_ADDR seg_indptr, GM_ADDR seg_lora,
-                                                              lora_ops::ascend::BuildSegmentsTiling tiling) {
+                                                              LoraOpsBuildSegmentsTiling tiling) {
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
   lora_ops::ascend::BuildSegmentsKernel kernel(tiling, token_lora, token_indices, seg_indptr, seg_lora);
   kernel.Run();
@@ -112,10 +112,10 @@ extern "C" __global__ __aicore__ void lora_ops_build_segments(GM_ADDR token_lora
 
 namespace lora_ops::ascend {
 
-void launch_build_segments(const BuildSegmentsTiling& tiling, const BuildSegmentsBuffers& b, void* stream) {
+uint32_t launch_build_segments(const BuildSegmentsTiling& tiling, const BuildSegmentsBuffers& b, void* stream) {
   auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
-  LORA_OPS_ASCEND_LAUNCH(lora_ops_build_segments, KERNEL_TYPE_AIV_ONLY, 1, stream, gm(b.token_lora),
-                         gm(b.token_indices), gm(b.seg_indptr), gm(b.seg_lora), tiling);
+  return LORA_OPS_ASCEND_LAUNCH(lora_ops_build_segments, KERNEL_TYPE_AIV_ONLY, 1, stream, tiling, gm(b.token_lora),
+                                gm(b.token_indices), gm(b.seg_indptr), gm(b.seg_lora));
 }
 
 }  // namespace lora_ops::ascend

@@ -124,7 +124,7 @@ extern "C" __global__ __aicore__ void lora_ops_grouped_gemm(GM_ADDR y, GM_ADDR x
                                                             GM_ADDR seg_weight, GM_ADDR token_indices,
                                                             GM_ADDR n_sizes, GM_ADDR k_sizes, GM_ADDR workspace,
                                                             GM_ADDR split,
-                                                            lora_ops::ascend::GroupedGemmTiling tiling) {
+                                                            LoraOpsGroupedGemmTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
   RunForDtypes<GroupedGemmKernel>(tiling, tiling.w_dtype, tiling.x_dtype, tiling.y_dtype, y, x, w, seg_indptr,
@@ -133,11 +133,11 @@ extern "C" __global__ __aicore__ void lora_ops_grouped_gemm(GM_ADDR y, GM_ADDR x
 
 namespace lora_ops::ascend {
 
-void launch_grouped_gemm(const GroupedGemmTiling& tiling, const GroupedGemmBuffers& b, void* stream) {
+uint32_t launch_grouped_gemm(const GroupedGemmTiling& tiling, const GroupedGemmBuffers& b, void* stream) {
   auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
-  LORA_OPS_ASCEND_LAUNCH(lora_ops_grouped_gemm, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, gm(b.y),
-                         gm(b.x), gm(b.w), gm(b.seg_indptr), gm(b.seg_weight), gm(b.token_indices), gm(b.n_sizes),
-                         gm(b.k_sizes), gm(b.workspace), gm(b.split), tiling);
+  return LORA_OPS_ASCEND_LAUNCH(lora_ops_grouped_gemm, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, tiling,
+                                gm(b.y), gm(b.x), gm(b.w), gm(b.seg_indptr), gm(b.seg_weight), gm(b.token_indices),
+                                gm(b.n_sizes), gm(b.k_sizes), gm(b.workspace), gm(b.split));
 }
 
 }  // namespace lora_ops::ascend

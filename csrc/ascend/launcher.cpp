@@ -19,6 +19,12 @@ at::Tensor workspace(const at::Tensor& like, uint64_t bytes, at::ScalarType dtyp
   return at::empty({static_cast<int64_t>(bytes / c10::elementSize(dtype))}, like.options().dtype(dtype));
 }
 
+// A launch the NPU runtime refused is an error, never a silent no-op that leaves y as it was.
+void check_launch(uint32_t status, const char* kernel) {
+  TORCH_CHECK(status == 0, std::string("lora_ops: the NPU runtime refused to launch the ") + kernel +
+                               " kernel (ACL error " + std::to_string(status) + ")");
+}
+
 const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 void declare_segments(const at::Tensor& indptr, const at::Tensor& slot, const at::Tensor& token_indices) {
@@ -50,11 +56,11 @@ void run_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
   declare_gm("lora_scales", keep.lora_scales, false);
   declare_gm("workspace", ws, true);
   declare_gm("split workspace", split, true);
-  launch_sgmv(plan.tiling,
-              SgmvBuffers{y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), keep.seg_indptr.data_ptr(),
-                          keep.seg_lora.data_ptr(), data_or_null(keep.token_indices), data_or_null(keep.lora_ranks),
-                          data_or_null(keep.lora_scales), ws.data_ptr(), split.data_ptr()},
-              device.stream);
+  const SgmvBuffers buffers{y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(),
+                            keep.seg_indptr.data_ptr(), keep.seg_lora.data_ptr(), data_or_null(keep.token_indices),
+                            data_or_null(keep.lora_ranks), data_or_null(keep.lora_scales), ws.data_ptr(),
+                            split.data_ptr()};
+  check_launch(launch_sgmv(plan.tiling, buffers, device.stream), "sgmv");
 }
 
 void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
@@ -79,12 +85,11 @@ void run_lora_expand(const at::Tensor& y, const at::Tensor& h, const at::Tensor&
   declare_gm("lora_scales", keep.lora_scales, false);
   declare_gm("workspace", ws, true);
   declare_gm("split workspace", split, true);
-  launch_lora_expand(plan.tiling,
-                     LoraExpandBuffers{y.data_ptr(), h.data_ptr(), lora_b.data_ptr(), keep.seg_indptr.data_ptr(),
-                                       keep.seg_lora.data_ptr(), data_or_null(keep.token_indices),
-                                       data_or_null(keep.lora_ranks), data_or_null(keep.lora_scales), ws.data_ptr(),
-                                       split.data_ptr()},
-                     device.stream);
+  const LoraExpandBuffers buffers{y.data_ptr(), h.data_ptr(), lora_b.data_ptr(), keep.seg_indptr.data_ptr(),
+                                  keep.seg_lora.data_ptr(), data_or_null(keep.token_indices),
+                                  data_or_null(keep.lora_ranks), data_or_null(keep.lora_scales), ws.data_ptr(),
+                                  split.data_ptr()};
+  check_launch(launch_lora_expand(plan.tiling, buffers, device.stream), "lora_expand");
 }
 
 void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
@@ -107,12 +112,11 @@ void run_grouped_gemm(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   declare_gm("k_sizes", keep.k_sizes, false);
   declare_gm("workspace", ws, true);
   declare_gm("split workspace", split, true);
-  launch_grouped_gemm(plan.tiling,
-                      GroupedGemmBuffers{y.data_ptr(), x.data_ptr(), w.data_ptr(), keep.seg_indptr.data_ptr(),
-                                         keep.seg_weight.data_ptr(), data_or_null(keep.token_indices),
-                                         data_or_null(keep.n_sizes), data_or_null(keep.k_sizes), ws.data_ptr(),
-                                         split.data_ptr()},
-                      device.stream);
+  const GroupedGemmBuffers buffers{y.data_ptr(), x.data_ptr(), w.data_ptr(), keep.seg_indptr.data_ptr(),
+                                   keep.seg_weight.data_ptr(), data_or_null(keep.token_indices),
+                                   data_or_null(keep.n_sizes), data_or_null(keep.k_sizes), ws.data_ptr(),
+                                   split.data_ptr()};
+  check_launch(launch_grouped_gemm(plan.tiling, buffers, device.stream), "grouped_gemm");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_build_segments(const at::Tensor& token_lora, int64_t num_slots,
@@ -126,10 +130,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_build_segments(const at::Tens
   declare_gm("token_indices", token_indices, true);
   declare_gm("seg_indptr", seg_indptr, true);
   declare_gm("seg_lora", seg_lora, true);
-  launch_build_segments(plan.tiling,
-                        BuildSegmentsBuffers{token_lora_i32.data_ptr(), token_indices.data_ptr(),
-                                             seg_indptr.data_ptr(), seg_lora.data_ptr()},
-                        device.stream);
+  const BuildSegmentsBuffers buffers{token_lora_i32.data_ptr(), token_indices.data_ptr(), seg_indptr.data_ptr(),
+                                     seg_lora.data_ptr()};
+  check_launch(launch_build_segments(plan.tiling, buffers, device.stream), "build_segments");
   return {token_indices, seg_indptr, seg_lora};
 }
 

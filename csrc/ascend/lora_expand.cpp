@@ -118,7 +118,7 @@ extern "C" __global__ __aicore__ void lora_ops_lora_expand(GM_ADDR y, GM_ADDR h,
                                                            GM_ADDR seg_lora, GM_ADDR token_indices,
                                                            GM_ADDR lora_ranks, GM_ADDR lora_scales,
                                                            GM_ADDR workspace, GM_ADDR split,
-                                                           lora_ops::ascend::LoraExpandTiling tiling) {
+                                                           LoraOpsLoraExpandTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
   RunForDtypes<LoraExpandKernel>(tiling, tiling.b_dtype, tiling.h_dtype, tiling.y_dtype, y, h, lora_b, seg_indptr,
@@ -127,11 +127,11 @@ extern "C" __global__ __aicore__ void lora_ops_lora_expand(GM_ADDR y, GM_ADDR h,
 
 namespace lora_ops::ascend {
 
-void launch_lora_expand(const LoraExpandTiling& tiling, const LoraExpandBuffers& b, void* stream) {
+uint32_t launch_lora_expand(const LoraExpandTiling& tiling, const LoraExpandBuffers& b, void* stream) {
   auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
-  LORA_OPS_ASCEND_LAUNCH(lora_ops_lora_expand, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, gm(b.y),
-                         gm(b.h), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora), gm(b.token_indices),
-                         gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), gm(b.split), tiling);
+  return LORA_OPS_ASCEND_LAUNCH(lora_ops_lora_expand, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, tiling,
+                                gm(b.y), gm(b.h), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora), gm(b.token_indices),
+                                gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), gm(b.split));
 }
 
 }  // namespace lora_ops::ascend

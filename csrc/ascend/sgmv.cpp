@@ -179,7 +179,7 @@ __aicore__ inline void RunSgmv(const SgmvTiling& t, GM_ADDR y, GM_ADDR x, GM_ADD
 extern "C" __global__ __aicore__ void lora_ops_sgmv(GM_ADDR y, GM_ADDR x, GM_ADDR lora_a, GM_ADDR lora_b,
                                                     GM_ADDR seg_indptr, GM_ADDR seg_lora, GM_ADDR token_indices,
                                                     GM_ADDR lora_ranks, GM_ADDR lora_scales, GM_ADDR workspace,
-                                                    GM_ADDR split, lora_ops::ascend::SgmvTiling tiling) {
+                                                    GM_ADDR split, LoraOpsSgmvTiling tiling) {
   using namespace lora_ops::ascend;
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
   const bool f32_y = tiling.y_dtype == kFloat;
@@ -201,11 +201,11 @@ extern "C" __global__ __aicore__ void lora_ops_sgmv(GM_ADDR y, GM_ADDR x, GM_ADD
 
 namespace lora_ops::ascend {
 
-void launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& b, void* stream) {
+uint32_t launch_sgmv(const SgmvTiling& tiling, const SgmvBuffers& b, void* stream) {
   auto gm = [](const void* p) { return static_cast<uint8_t*>(const_cast<void*>(p)); };
-  LORA_OPS_ASCEND_LAUNCH(lora_ops_sgmv, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, gm(b.y), gm(b.x),
-                         gm(b.lora_a), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora), gm(b.token_indices),
-                         gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), gm(b.split), tiling);
+  return LORA_OPS_ASCEND_LAUNCH(lora_ops_sgmv, KERNEL_TYPE_MIX_AIC_1_2, tiling.tiles.block_dim, stream, tiling, gm(b.y),
+                                gm(b.x), gm(b.lora_a), gm(b.lora_b), gm(b.seg_indptr), gm(b.seg_lora),
+                                gm(b.token_indices), gm(b.lora_ranks), gm(b.lora_scales), gm(b.workspace), gm(b.split));
 }
 
 }  // namespace lora_ops::ascend

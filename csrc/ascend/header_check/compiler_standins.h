@@ -6,7 +6,17 @@
 // asc-devkit's own headers call, so a misnamed or mistyped API call in a kernel still fails the check.
 #pragma once
 #include <cstdint>
+#ifdef LORA_OPS_ASCEND_STUB_SOURCE
+// The spellings the AscendC compiler's preprocessor leaves for CANN's launch-stub generator to find a kernel and its
+// global-memory parameters by (the script's launch check preprocesses with these, and compiles without them).
+#define __gm__ __attribute__((cce_global))
+#define __global__ __attribute__((cce_kernel))
+#define __aicore__ [aicore]
+#else
 #define __gm__
+#define __global__
+#define __aicore__
+#endif
 #define __ubuf__
 #define __cbuf__
 #define __ca__
@@ -14,8 +24,6 @@
 #define __cc__
 #define __fbuf__
 #define __ssbuf__
-#define __aicore__
-#define __global__
 #define __host__
 #define __host_aicore__
 #define __inout_pipe__(pipe)
