@@ -20,24 +20,28 @@ namespace {
 void sgmv_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                const at::Tensor& seg_indptr, const at::Tensor& seg_lora, const std::optional<at::Tensor>& token_indices,
                const std::optional<at::Tensor>& lora_ranks, const std::optional<at::Tensor>& lora_scales,
-               at::OptionalIntArrayRef slice_offsets, double) {
+               at::OptionalIntArrayRef slice_offsets, double scale) {
   lora_ops::check_sgmv_host(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                             slice_offsets);
+  lora_ops::check_scale("lora_ops::sgmv", "scale", scale);
 }
 
 void lora_expand_meta(const at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
                       const std::optional<at::Tensor>& seg_indptr, const at::Tensor& seg_lora,
                       const std::optional<at::Tensor>& token_indices, const std::optional<at::Tensor>& lora_ranks,
-                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets, double) {
+                      const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
+                      double scale) {
   lora_ops::check_lora_expand_host(y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
                                    slice_offsets);
+  lora_ops::check_scale("lora_ops::lora_expand", "scale", scale);
 }
 
 void grouped_gemm_meta(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                        const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
-                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes, double,
-                       bool) {
+                       const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
+                       double alpha, bool) {
   lora_ops::check_grouped_gemm_host(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes);
+  lora_ops::check_scale("lora_ops::grouped_gemm", "alpha", alpha);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> build_segments_meta(const at::Tensor& token_lora,
@@ -199,7 +203,13 @@ void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
     TORCH_CHECK(!(grad_mode && v.toTensor().requires_grad()), op.schema().name(), ": ", args[i].name(),
                 " requires grad, and the op has no backward; call it under torch.no_grad() or "
                 "torch.inference_mode()");
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written = v.toTensor();
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
+      written = v.toTensor();
+      // Refused before the kernel writes it, as torch's own in-place ops do: bump_version below would raise only
+      // after the update, and a caller retrying would add the delta twice.
+      TORCH_CHECK(!written.is_inference(), op.schema().name(), ": ", args[i].name(),
+                  " is an inference tensor (made under torch.inference_mode()): update it inside inference mode");
+    }
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
   if (written.defined()) torch::autograd::impl::bump_version(written);

@@ -146,6 +146,24 @@ def test_ops_refuse_inputs_that_require_grad(name, prefix):
             op(**args)
 
 
+@pytest.mark.parametrize("name", list(OPS_WRITING_Y))
+def test_an_inference_tensor_y_is_refused_before_it_is_written(name):
+    """Outside inference mode, y made inside it cannot take an in-place update: refused, naming y, before the kernel
+    writes it (a retry after the error would otherwise add the delta twice), as torch's in-place ops do; inside
+    inference mode the call runs."""
+    make, _ = OPS_WRITING_Y[name]
+    args = make()
+    with torch.inference_mode():
+        args["y"] = args["y"].clone()
+    before = args["y"].clone()
+    op = getattr(torch.ops.lora_ops, name).default
+    with pytest.raises(RuntimeError, match=rf"lora_ops::{name}: y is an inference tensor"):
+        op(**args)
+    assert torch.equal(args["y"], before)
+    with torch.inference_mode():
+        op(**args)
+
+
 def test_ops_bump_the_version_of_y():
     """A backward that saved y before an op wrote it is refused, as after a native in-place op."""
     args = sgmv_args()
@@ -348,3 +366,46 @@ for mod in mods:
     assert len(out) == len(expected) * len(_backends())
     for got, want in zip(out, expected * len(_backends())):
         assert want in got, (got, want)
+
+
+@pytest.mark.skipif("triton" in backends.unavailable, reason="Triton not installed")
+def test_triton_refuses_sizes_its_kernels_cannot_launch():
+    """Past CUDA's 65535 column programs, or a rank whose block passes Triton's 2**20 elements, the Triton entry
+    points raise a ValueError naming the size (the C++ kernels loop and take them); under the interpreter here, so
+    nothing is launched either way."""
+    import lora_ops.triton as tr
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)
+    N = 128 * 65535 + 1  # grouped_gemm's column blocks are at most 128 wide
+    y, x, w = torch.zeros(1, N, device=dev), torch.ones(1, 1, device=dev), torch.ones(1, N, 1, device=dev)
+    with pytest.raises(ValueError, match=rf"grouped_gemm \(Triton\): y's N = {N} columns need 65536 column programs"):
+        tr.grouped_gemm(y, x, w, i32([0, 1]), i32([0]))
+    R = 8193  # fp16: BLOCK_R 16384 x 128 columns
+    p = testing.make_sgmv(torch.tensor([0], dtype=torch.int32), num_slots=1, K=16, N=16, max_rank=R,
+                          dtype=torch.float16, device=dev, gen=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=rf"sgmv \(Triton\): the rank R = {R} needs a block of 2097152 elements"):
+        tr.sgmv(*p.args())
+
+
+@pytest.mark.parametrize("name", list(OPS_WRITING_Y))
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_scale_beyond_float32_is_refused(name, device):
+    """The kernels multiply by scale (alpha) in float32: a finite value it cannot hold would make every delta inf
+    where the float64 result is finite. Refused naming it, by the real kernels and by the Meta ones alike."""
+    make, _ = OPS_WRITING_Y[name]
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make().items()}
+    arg = "alpha" if name == "grouped_gemm" else "scale"
+    op = getattr(torch.ops.lora_ops, name).default
+    with pytest.raises(ValueError, match=rf"lora_ops::{name}: {arg} = 1e\+39 is beyond float32's range"):
+        op(**dict(args, **{arg: 1e39}))
+    op(**dict(args, **{arg: 3e38}))  # within it
+
+
+def test_lora_expand_rank_times_slices_overflow_is_refused():
+    """An empty lora_b (N = 0) may have any rank R: S*R must not wrap around int64 into a shape h matches."""
+    y, lora_b = torch.zeros(2, 0), torch.empty(1, 0, 2 ** 62)
+    h = torch.zeros(2, 1, 0)
+    seg = [torch.tensor(v, dtype=torch.int32) for v in ([0, 2], [0])]
+    with pytest.raises(ValueError, match=r"lora_b's rank R = 4611686018427387904 times S = 4 slices overflows int64"):
+        lora_ops.lora_expand(y, h, lora_b, *seg, slice_offsets=[0, 0, 0, 0, 0])

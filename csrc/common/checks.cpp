@@ -4,7 +4,9 @@
 #include <c10/core/SymBool.h>
 #include <c10/core/SymInt.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
 #include <limits>
@@ -408,6 +410,17 @@ SgmvIndexTensors sgmv_index_tensors(const at::Tensor& y, const at::Tensor& x, co
                             seg_lora, token_indices, lora_ranks);
 }
 
+float check_scale(const char* op, const char* name, double value) {
+  const float f = static_cast<float>(value);
+  if (std::isfinite(value) && !std::isfinite(f)) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", value);
+    TORCH_CHECK_VALUE(false, op, ": ", name, " = ", text, " is beyond float32's range (the kernels multiply in "
+                      "float32)");
+  }
+  return f;
+}
+
 SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                       const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& seg_lora,
                       const std::optional<at::Tensor>& token_indices,
@@ -439,7 +452,7 @@ SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   p.max_rank = lora_a.size(1) / S;
   p.num_slices = S;
   for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : (s ? p.n : 0);
-  p.scale = static_cast<float>(scale);
+  p.scale = check_scale("lora_ops::sgmv", "scale", scale);
   return p;
 }
 
@@ -463,6 +476,10 @@ void check_lora_expand_host(const at::Tensor& y, const at::Tensor& h, const at::
   TORCH_CHECK_VALUE(holds(lora_b.sym_size(1).sym_eq(N)), op, ": lora_b must be [L, N, R] with N = y.size(1) = ",
                     num(N), ", got shape ", shape_str(lora_b));
   const int64_t S = check_slices_host(op, slice_offsets, N);
+  if (const auto r = R.maybe_as_int()) {  // S*R below must not wrap (an N = 0 lora_b may have any R)
+    TORCH_CHECK_VALUE(*r <= std::numeric_limits<int64_t>::max() / S, op, ": lora_b's rank R = ", num(*r),
+                      " times S = ", num(S), " slices overflows int64");
+  }
   TORCH_CHECK_VALUE(holds(h.sym_size(0).sym_eq(T) & h.sym_size(1).sym_eq(L) & h.sym_size(2).sym_eq(R * S)), op,
                     ": h must be [T, L, S*R] with T = y.size(0) = ", num(T), ", L = lora_b.size(0) = ", num(L),
                     " and S*R = ", num(R * S), ", got shape ", shape_str(h));
@@ -525,7 +542,7 @@ ExpandParams check_lora_expand(const at::Tensor& y, const at::Tensor& h, const a
   p.max_rank = lora_b.size(2);
   p.num_slices = S;
   for (int64_t s = 0; s <= S; ++s) p.slice_offsets[s] = slice_offsets.has_value() ? (*slice_offsets)[s] : (s ? p.n : 0);
-  p.scale = static_cast<float>(scale);
+  p.scale = check_scale("lora_ops::lora_expand", "scale", scale);
   return p;
 }
 
@@ -622,7 +639,7 @@ GroupedGemmParams check_grouped_gemm(const at::Tensor& y, const at::Tensor& x, c
   p.k = x.size(1);
   p.n = y.size(1);
   p.num_groups = w.size(0);
-  p.alpha = static_cast<float>(alpha);
+  p.alpha = check_scale("lora_ops::grouped_gemm", "alpha", alpha);
   p.accumulate = accumulate;
   return p;
 }

@@ -106,6 +106,10 @@ at::Tensor build_segments_token_lora(const at::Tensor& token_lora, int64_t num_s
 // (Ascend); keep.seg_indptr as it is when given.
 at::Tensor with_indptr(const at::Tensor& y, SgmvIndexTensors& keep);
 
+// scale (sgmv, lora_expand) or alpha (grouped_gemm) as the kernels take it: float32. A finite value beyond
+// float32's range would make every delta inf where the float64 result is finite: a ValueError naming it.
+float check_scale(const char* op, const char* name, double value);
+
 // The returned params point into `keep`'s tensors; keep them alive until the kernel is enqueued.
 SgmvParams check_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
                       const at::Tensor& lora_b, const at::Tensor& seg_indptr, const at::Tensor& seg_lora,

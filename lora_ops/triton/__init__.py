@@ -21,6 +21,20 @@ _check_lora_expand = torch.ops.lora_ops._check_lora_expand.default
 _check_grouped_gemm = torch.ops.lora_ops._check_grouped_gemm.default
 _check_build_segments = torch.ops.lora_ops._check_build_segments.default
 _MAX_SLICES = 8
+_MAX_GRID_COLUMNS = 65535  # CUDA's limit on a grid's second dimension
+_MAX_BLOCK = 1 << 20  # Triton's largest block, in elements
+
+
+def _check_launchable(op: str, grid, N: int, R: int, block: int) -> None:
+    """The Triton kernels loop neither over column programs nor over the rank: where a launch would pass CUDA's
+    grid limit or Triton's largest block, a ValueError naming the size, instead of a launch or compile error that
+    names nothing (the C++ kernels loop, and take these sizes)."""
+    if grid[1] > _MAX_GRID_COLUMNS:
+        raise ValueError(f"lora_ops.{op} (Triton): y's N = {N} columns need {grid[1]} column programs, more than "
+                         f"CUDA's {_MAX_GRID_COLUMNS}")
+    if block > _MAX_BLOCK:
+        raise ValueError(f"lora_ops.{op} (Triton): the rank R = {R} needs a block of {block} elements, more than "
+                         f"Triton's {_MAX_BLOCK}")
 
 # Programs to aim for: enough to cover an H100/H200-class GPU about twice.
 _TARGET_PROGRAMS = 264
@@ -76,13 +90,15 @@ def launch_sgmv(y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_
                                 x.dtype == torch.float32)
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
+    block_r = max(16, triton.next_power_of_2(R))
+    _check_launchable("sgmv", grid, N, R, block_r * max(cfg["BLOCK_K"], cfg["BLOCK_N"]))
     sgmv_kernel[grid](
         y, x, lora_a, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
         T, K, lora_a.shape[0], R, positions, G, y.stride(0), x.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_scales.stride(0) if lora_scales is not None else 0, float(scale),
         *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
+        IEEE=x.dtype == torch.float32, BLOCK_R=block_r, SCAN=_scan_width(G), **cfg)
 
 
 def expand_config(positions: int, segments: int, max_rank: int, fp32: bool) -> dict:
@@ -113,12 +129,14 @@ def lora_expand(y, h, lora_b, seg_indptr, seg_lora, token_indices=None, lora_ran
     cfg["N_SPLITS"] = triton.cdiv(max(b - a for a, b in zip(offsets, offsets[1:])), cfg["BLOCK_N"])
     offsets += [N] * (_MAX_SLICES + 1 - len(offsets))
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), S * cfg["N_SPLITS"])
+    block_r = max(16, triton.next_power_of_2(R))
+    _check_launchable("lora_expand", grid, N, R, block_r * cfg["BLOCK_N"])
     lora_expand_kernel[grid](
         y, h, lora_b, seg_indptr, seg_lora, token_indices, lora_ranks, lora_scales,
         T, lora_b.shape[0], R, positions, G, y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
         lora_b.stride(1), lora_scales.stride(0) if lora_scales is not None else 0, float(scale), *offsets,
         HAS_IDX=token_indices is not None, HAS_RANKS=lora_ranks is not None, HAS_SCALES=lora_scales is not None,
-        IEEE=lora_b.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(R)), SCAN=_scan_width(G), **cfg)
+        IEEE=lora_b.dtype == torch.float32, BLOCK_R=block_r, SCAN=_scan_width(G), **cfg)
 
 
 def _lora_expand_rows(y, h, lora_b, slots, token_indices, lora_ranks, lora_scales, offsets, scale):
@@ -129,6 +147,7 @@ def _lora_expand_rows(y, h, lora_b, slots, token_indices, lora_ranks, lora_scale
     S = len(offsets) - 1
     offsets = offsets + [y.shape[1]] * (_MAX_SLICES + 1 - len(offsets))
     grid = (slots.shape[0], S * n_splits)
+    _check_launchable("lora_expand", grid, y.shape[1], lora_b.shape[2], block_r * block_n)
     lora_expand_rows_kernel[grid](
         y, h, lora_b, slots, token_indices, lora_ranks, lora_scales, y.shape[0], lora_b.shape[0], lora_b.shape[2],
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
@@ -194,6 +213,7 @@ def launch_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes,
     smem = _smem_optin(device_index(x.device)) if x.device.type == "cuda" else 1 << 30
     cfg = config or grouped_gemm_config(positions, N, K, x.element_size(), w.element_size(), smem)
     grid = (tile_bound(positions, G, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    _check_launchable("grouped_gemm", grid, N, 0, cfg["BLOCK_K"] * cfg["BLOCK_N"])
     grouped_gemm_kernel[grid](
         y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes,
         T, N, K, w.shape[0], positions, G, y.stride(0), x.stride(0), w.stride(0), w.stride(1), float(alpha),
