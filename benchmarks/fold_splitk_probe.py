@@ -1,0 +1,68 @@
+"""Probe (issue 12, T = 65-128): the fold route's GEMMs on a CUTLASS kernel split along K as batches
+(benchmarks/fold_splitk_probe.cu: fp32 partials, then a reduce summing them in order) against cuBLAS (torch.mm),
+in one process, CUDA-graph replay, each call on its own copy of W (rotated past L2, as a model's layers are).
+
+    python3 benchmarks/fold_splitk_probe.py [--so build/probes/fold_splitk_probe.so] [--tokens 80,96,128]
+
+The shapes are a llama3-8b layer's fold GEMMs with a 32-slot rank-16 pool (lora_ops/bench/decode_step.py:
+[W; A of every slot], rows N + 32·S·16). Printed per shape and T: cuBLAS's µs, then each configuration's GEMM alone
+and with its reduce, and the error of its y against cuBLAS's. What it decides (csrc/cuda/NOTES.md, session 42): if
+some configuration's GEMM + reduce is within ~5% of cuBLAS on qkv, o and down at T = 128, the split-K fold GEMM
+(with the GDC trigger, the reduce folded into the expand) is worth building; if every one is slower by more than
+the expand's launch it would hide (~1.5 µs a module), it is not.
+"""
+import argparse
+import ctypes
+
+import torch
+
+from lora_ops.bench.timing import time_cuda
+
+CONFIGS = {0: "64x128 pingpong c1", 1: "64x128 pingpong c2", 2: "128x128 coop c1", 3: "128x128 coop c2"}
+# llama3-8b with a 32-slot rank-16 pool: (module, N rows of [W; A], K)
+SHAPES = [("qkv", 6144 + 32 * 3 * 16, 4096), ("o", 4096 + 32 * 16, 4096), ("gate_up", 28672 + 32 * 2 * 16, 4096),
+          ("down", 4096 + 32 * 16, 14336)]
+L2_BYTES = 60 << 20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--so", default="build/probes/fold_splitk_probe.so")
+    ap.add_argument("--tokens", default="80,96,128")
+    args = ap.parse_args()
+    lib = ctypes.CDLL(args.so)
+    lib.fold_splitk_probe.restype = ctypes.c_int
+    lib.fold_splitk_probe.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name, n, k in SHAPES:
+        copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda").div_(k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
+        for t in (int(v) for v in args.tokens.split(",")):
+            x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+            ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            want = x.float() @ ws[0].float().t()
+            cublas = time_cuda([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
+            print(f"{name:8} N={n:6} K={k:6} T={t:4}  cuBLAS {cublas:7.2f} us")
+            for config, label in CONFIGS.items():
+                for splits in (1, 2, 4, 7, 8):
+                    if k % (64 * splits):
+                        continue
+                    partials = torch.empty(splits, t, n, device="cuda")
+                    call = lambda w, y: lib.fold_splitk_probe(config, w.data_ptr(), x.data_ptr(), partials.data_ptr(),
+                                                              None if y is None else y.data_ptr(), n, t, k, splits,
+                                                              stream())
+                    status = call(ws[0], ys[0])
+                    torch.cuda.synchronize()
+                    if status:
+                        print(f"    {label:20} S={splits}: status {status}")
+                        continue
+                    err = ((ys[0].float() - want).norm() / want.norm()).item()
+                    gemm = time_cuda([lambda w=w: call(w, None) for w in ws], graph=True)
+                    both = time_cuda([lambda w=w, y=y: call(w, y) for w, y in zip(ws, ys)], graph=True)
+                    print(f"    {label:20} S={splits}: gemm {gemm:7.2f} us, + reduce {both:7.2f} us "
+                          f"({both / cublas:5.2f}x cuBLAS), err {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()
