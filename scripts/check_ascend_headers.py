@@ -39,6 +39,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ASCEND = ROOT / "csrc" / "ascend"
 KERNELS = ("sgmv.cpp", "lora_expand.cpp", "grouped_gemm.cpp", "build_segments.cpp")
 HOST = ("plan.cpp", "launcher.cpp", "registration.cpp")
+KERNEL_TYPES = {"sgmv.cpp": "KERNEL_TYPE_MIX_AIC_1_2", "lora_expand.cpp": "KERNEL_TYPE_MIX_AIC_1_2",
+                "grouped_gemm.cpp": "KERNEL_TYPE_MIX_AIC_1_2", "build_segments.cpp": "KERNEL_TYPE_AIV_ONLY"}
 CORES = {"AIC": ("__DAV_C220_CUBE__", "__DAV_CUBE__"), "AIV": ("__DAV_C220_VEC__", "__DAV_VEC__")}
 UNDECLARED = re.compile(
     r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): error: (?:‘(?P<a>\w+)’ was not declared in this scope"
@@ -121,8 +123,10 @@ def launch_stub_errors(devkit, kernels, work):
     sources = []
     for source in KERNELS:
         out = work / (source + ".i")
+        # __CHECK_FEATURE_AT_PRECOMPILE: as CANN's build preprocesses, so the kernel type (KERNEL_TASK_TYPE_DEFAULT)
+        # shows in the text the generator reads
         cmd = ["g++", "-E", *kernel_flags(devkit, kernels, work, "AIV"), "-DLORA_OPS_ASCEND_STUB_SOURCE",
-               "-o", str(out), str(kernels / source)]
+               "-D__CHECK_FEATURE_AT_PRECOMPILE", "-o", str(out), str(kernels / source)]
         cmd.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")
         cmd.remove("-fsyntax-only")
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -131,14 +135,20 @@ def launch_stub_errors(devkit, kernels, work):
         sources.append(str(out))
     stub.IS_V220_MODE = True
     groups = list(stub.parse_func_signature_by_filepaths(sources, "c220"))
+    # the kernel type each file declares (KERNEL_TASK_TYPE_DEFAULT), which the build reads to link its cores
+    types = {pathlib.Path(g.filepath).name[:-2]: g.kernel_type and g.kernel_type.name for g in groups}
+    wrong = {f: t for f, t in types.items() if t != KERNEL_TYPES[f]}
+    results = [("kernel_types", "".join(f"error: {f} declares {t}, expected {KERNEL_TYPES[f]}\n" for f, t in
+                                        wrong.items()))]
     definitions = stub.generate_type_definition_content_by_func_sign_groups(groups)
     launch_signs = stub.func_signs_in_groups(list(map(stub.trans_func_sign_group, groups)))
     headers = dict(stub.generate_save_stub_header_commands(launch_signs, str(work)))
     header = work / "aclrtlaunch_triple_chevrons_func.h"
     header.write_text(headers[str(header)])
     (work / "definitions.cpp").write_text("#include <stdint.h>\n" + definitions + "\n")
-    results = [("struct definitions", subprocess.run(["g++", "-std=c++17", "-fsyntax-only", str(work / "definitions.cpp")],
-                                                     capture_output=True, text=True).stderr)]
+    results.append(("struct_definitions", subprocess.run(["g++", "-std=c++17", "-fsyntax-only",
+                                                          str(work / "definitions.cpp")],
+                                                         capture_output=True, text=True).stderr))
     for source in KERNELS:  # the host pass: launch.h's toolchain branch calls the generated aclrtlaunch_<kernel>
         flags = kernel_flags(devkit, kernels, work, "AIV")
         flags.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")

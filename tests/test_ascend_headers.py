@@ -79,9 +79,9 @@ def test_a_wrong_host_use_fails(tmp_path, name):
 def test_kernels_compile_against_asc_devkit():
     result = _run("--devkit", DEVKIT)
     assert result.returncode == 0, result.stdout[-4000:]
-    # four kernel files, each as the cube and as the vector core; the launch check's struct definitions and the four
-    # host passes
-    assert result.stdout.count(": ok") == 8 + 5
+    # four kernel files, each as the cube and as the vector core; the launch check's kernel types, struct
+    # definitions and four host passes
+    assert result.stdout.count(": ok") == 8 + 6
 
 
 # (file, text in it, replacement, the pass that sees it: a core's, or the launch check's host pass)
@@ -96,6 +96,9 @@ KERNEL_ALTERATIONS = {
     # there (what the CANN build would have failed on before session 42)
     "tiling_in_a_namespace": ("sgmv.cpp", "LoraOpsSgmvTiling tiling) {", "lora_ops::ascend::SgmvTiling tiling) {",
                               "launch"),
+    # the build reads each kernel's type from the source to link its cores
+    "kernel_type": ("grouped_gemm.cpp", "KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2)",
+                    "KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY)", "launch"),
     # A snake_case call in a kernel looks like an intrinsic: the script must not stand in for it.
     "undeclared_intrinsic_in_kernel": ("build_segments.cpp", "DataCopyPad(chunk_,",
                                        "copy_gm_to_ubuf_bogus(0); DataCopyPad(chunk_,", "AIV"),
@@ -109,5 +112,6 @@ def test_a_wrong_api_use_fails(tmp_path, name):
     backend = _altered(tmp_path, file, old, new)
     result = _run("--devkit", DEVKIT, "--kernels", str(backend))
     assert result.returncode == 1
-    # kernel_common.h is shared: sgmv.cpp includes it
-    assert (file if file.endswith(".cpp") else "sgmv.cpp", core) in _failed(result), result.stdout[-4000:]
+    # kernel_common.h is shared: sgmv.cpp includes it; a kernel's type is checked for all files at once
+    where = "kernel_types" if name == "kernel_type" else file if file.endswith(".cpp") else "sgmv.cpp"
+    assert (where, core) in _failed(result), result.stdout[-4000:]
