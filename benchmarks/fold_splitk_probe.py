@@ -5,18 +5,22 @@ in one process, CUDA-graph replay, each call on its own copy of W (rotated past 
     python3 benchmarks/fold_splitk_probe.py [--so build/probes/fold_splitk_probe.so] [--tokens 80,96,128]
 
 The shapes are a llama3-8b layer's fold GEMMs with a 32-slot rank-16 pool (lora_ops/bench/decode_step.py:
-[W; A of every slot], rows N + 32·S·16). Printed per shape and T: cuBLAS's µs, then each configuration's GEMM alone
-and with its reduce, and the error of its y against cuBLAS's. What it decides (csrc/cuda/NOTES.md, session 42): if
-some configuration's GEMM + reduce is within ~5% of cuBLAS on qkv, o and down at T = 128, the split-K fold GEMM
-(with the GDC trigger, the reduce folded into the expand) is worth building; if every one is slower by more than
-the expand's launch it would hide (~1.5 µs a module), it is not.
+[W; A of every slot], rows N + 32·S·16). Per shape and T: cuBLAS's µs, then each configuration's GEMM alone, with
+its reduce (a kernel of its own here), the reduce's share, the partials' bytes, and the error of its y against the
+fp32 product; each configuration timed in the same rounds as cuBLAS (time_interleaved), a configuration whose y
+is wrong not timed. What it decides (csrc/cuda/NOTES.md, session 42): the planned design sums the partials in the
+expand, so judge the GEMM alone plus the partials' extra bytes (2·S·T·N·4 at ~4 TB/s, mostly from L2), against
+cuBLAS: within ~5% on qkv, o and down at T = 128 and the split-K fold GEMM (with the GDC trigger) is worth building;
+slower by more than the ~1.5 µs a module that the early launch would hide and it is not. Equal splits only (K/64
+divisible by S): o and down have 36·S tiles of 128 rows (72·S of 64), so some S leave ~1.09 waves on 132 SMs; a
+"no" there may be that, not split-K.
 """
 import argparse
 import ctypes
 
 import torch
 
-from lora_ops.bench.timing import time_cuda
+from lora_ops.bench.timing import cuda_runner, time_interleaved
 
 CONFIGS = {0: "64x128 pingpong c1", 1: "64x128 pingpong c2", 2: "128x128 coop c1", 3: "128x128 coop c2"}
 # llama3-8b with a 32-slot rank-16 pool: (module, N rows of [W; A], K)
@@ -42,27 +46,45 @@ def main():
             x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
             ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
             want = x.float() @ ws[0].float().t()
-            cublas = time_cuda([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
-            print(f"{name:8} N={n:6} K={k:6} T={t:4}  cuBLAS {cublas:7.2f} us")
+            cublas = cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
+            print(f"{name:8} N={n:6} K={k:6} T={t:4}")
             for config, label in CONFIGS.items():
                 for splits in (1, 2, 4, 7, 8):
                     if k % (64 * splits):
                         continue
                     partials = torch.empty(splits, t, n, device="cuda")
-                    call = lambda w, y: lib.fold_splitk_probe(config, w.data_ptr(), x.data_ptr(), partials.data_ptr(),
-                                                              None if y is None else y.data_ptr(), n, t, k, splits,
-                                                              stream())
-                    status = call(ws[0], ys[0])
-                    torch.cuda.synchronize()
-                    if status:
-                        print(f"    {label:20} S={splits}: status {status}")
-                        continue
-                    err = ((ys[0].float() - want).norm() / want.norm()).item()
-                    gemm = time_cuda([lambda w=w: call(w, None) for w in ws], graph=True)
-                    both = time_cuda([lambda w=w, y=y: call(w, y) for w, y in zip(ws, ys)], graph=True)
-                    print(f"    {label:20} S={splits}: gemm {gemm:7.2f} us, + reduce {both:7.2f} us "
-                          f"({both / cublas:5.2f}x cuBLAS), err {err:.1e}")
 
+                    def call(w, y):
+                        status = lib.fold_splitk_probe(config, w.data_ptr(), x.data_ptr(), partials.data_ptr(),
+                                                       None if y is None else y.data_ptr(), n, t, k, splits, stream())
+                        if status:  # also while a graph is captured: a launch left out would time as a win
+                            raise RuntimeError(f"fold_splitk_probe status {status}")
+                    partials.fill_(float("nan"))
+                    ys[0].fill_(float("nan"))
+                    try:
+                        call(ws[0], ys[0])
+                    except RuntimeError as exc:
+                        print(f"    {label:20} S={splits}: {exc}")
+                        continue
+                    torch.cuda.synchronize()
+                    err = ((ys[0].float() - want).norm() / want.norm()).item()
+                    if not err < 1e-2:
+                        print(f"    {label:20} S={splits}: WRONG, error {err:.1e} against the fp32 product")
+                        continue
+                    try:
+                        runners = {"cublas": cublas,
+                                   "gemm": cuda_runner([lambda w=w: call(w, None) for w in ws], graph=True),
+                                   "both": cuda_runner([lambda w=w, y=y: call(w, y) for w, y in zip(ws, ys)],
+                                                       graph=True)}
+                    except RuntimeError as exc:  # a launch refused while the graph was captured
+                        print(f"    {label:20} S={splits}: {exc}")
+                        continue
+                    ms = time_interleaved({key: run for key, (run, _) in runners.items()}, min_ms=30.0)
+                    us = {key: ms[key] * 1e3 / runners[key][1] for key in runners}
+                    print(f"    {label:20} S={splits}: gemm {us['gemm']:7.2f} us ({us['gemm'] / us['cublas']:5.2f}x "
+                          f"cuBLAS {us['cublas']:6.2f}), + reduce {us['both']:7.2f} (reduce "
+                          f"{us['both'] - us['gemm']:5.2f}), partials {2 * splits * t * n * 4 / 1e6:5.1f} MB, "
+                          f"err {err:.1e}")
 
 if __name__ == "__main__":
     main()
