@@ -177,10 +177,10 @@ MUTATIONS: List[Mutation] = [
              "  if (std::isfinite(value) && !std::isfinite(f)) {",
              "  if (false) {",
              "a scale beyond float32's range becomes inf in every delta", tests=ERR_T),
-    Mutation("triton-launch-grid-unchecked", "lora_ops/triton/__init__.py",
-             "    if grid[1] > _MAX_GRID_COLUMNS:",
+    Mutation("triton-launch-block-unchecked", "lora_ops/triton/__init__.py",
+             "    if block > _MAX_BLOCK:",
              "    if False:",
-             "Triton launches more column programs than CUDA's grid allows (an error naming nothing)", tests=ERR_T),
+             "Triton compiles a rank's block past its largest (an error naming nothing)", tests=ERR_T),
     # ---- serving ----
     Mutation("serving-rslora-config-r", "lora_ops/serving/peft_format.py",
              'scale = alpha_m / (math.sqrt(rank) if config.get("use_rslora") else rank)',
