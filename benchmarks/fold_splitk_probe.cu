@@ -19,38 +19,20 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/device_kernel.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "../csrc/cuda/cutlass_run.cuh"  // the production GEMMs' collectives: what is measured is what would be built
 
 namespace {
 
 using T = cutlass::bfloat16_t;
-constexpr int kAlignT = 8, kAlignF = 4;  // elements per 16 bytes
 
 template <int kRows, int kTokens, int kCluster, bool kCooperative>
 struct SplitGemm {
-  using Tile = cute::Shape<cute::Int<kRows>, cute::Int<kTokens>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<kCluster>, cute::_1, cute::_1>;
-  using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                              cutlass::epilogue::TmaWarpSpecialized>;
-  using KernelSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlignF,
-      float, cutlass::layout::ColumnMajor, kAlignF, EpilogueSchedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlignT, T,
-      cutlass::layout::ColumnMajor, kAlignT, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Collectives = lora_ops::cuda::DecodeCollectives<T, cute::Shape<cute::Int<kRows>, cute::Int<kTokens>, cute::_64>,
+                                                        cute::Shape<cute::Int<kCluster>, cute::_1, cute::_1>,
+                                                        kCooperative, float>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, typename Collectives::Mainloop,
+                                                      typename Collectives::Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 

@@ -21,20 +21,22 @@ namespace lora_ops::cuda {
 
 // The collectives of the decode GEMMs (fold_linear's, lora_linear's): CUTLASS's warp-specialized kernel for
 // y^T = W . x^T with W [M, K] row-major (K-major), x [N, K] (the tokens, K-major) and D = y^T column-major (y [N, M]
-// contiguous), T (fp16/bf16) in and out, float accumulation, TMA loads and stores, as many pipeline stages as the
-// shared memory left by the epilogue holds. Ping-pong (two consumer warpgroups on alternate tiles) by default;
-// kCooperative: both on one tile of 128 or more W rows, 64 each.
-template <class T, class Tile, class Cluster, bool kCooperative = false>
+// contiguous), T (fp16/bf16) in, D (default T) out, float accumulation, TMA loads and stores, as many pipeline
+// stages as the shared memory left by the epilogue holds. Ping-pong (two consumer warpgroups on alternate tiles)
+// by default; kCooperative: both on one tile of 128 or more W rows, 64 each. (benchmarks/fold_splitk_probe.cu
+// takes float D: partial sums of a split K.)
+template <class T, class Tile, class Cluster, bool kCooperative = false, class D = T>
 struct DecodeCollectives {
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
+  static constexpr int kAlignD = 16 / sizeof(D);
   using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                               cutlass::epilogue::TmaWarpSpecialized>;
   using KernelSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlign, T,
-      cutlass::layout::ColumnMajor, kAlign, EpilogueSchedule>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlignD, D,
+      cutlass::layout::ColumnMajor, kAlignD, EpilogueSchedule>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign, T,
       cutlass::layout::ColumnMajor, kAlign, float, Tile, Cluster,
