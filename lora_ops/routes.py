@@ -87,6 +87,8 @@ def _check_bounds(what: str, bounds: list) -> None:
     if bounds[-1] is not None or any(b is None for b in bounds[:-1]):
         raise ValueError(f"routes table: only the last {what} may be open-ended, got bounds {bounds}")
     finite = bounds[:-1]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in finite):  # NaN would match no T at all
+        raise ValueError(f"routes table: {what} bounds must be integers, got {bounds}")
     if any(b < 1 for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):
         raise ValueError(f"routes table: {what} bounds must increase from 1, got {bounds}")
 
@@ -122,9 +124,16 @@ def _validate_classes(classes: List[dict]) -> None:
                 raise ValueError(f"routes table: the kext route serves up to {KEXT_MAX_TOKENS} tokens, not {r}")
             if not isinstance(r.get("us", []), list):
                 raise ValueError(f"routes table: a regime's \"us\" is a list of each mix's times, got {r}")
+            if not all(isinstance(us, dict) and all(_is_time(t) for t in us.values()) for us in r.get("us", [])):
+                # a NaN would make every slowdown NaN in least_worst, and the first name win (the kext fallback)
+                raise ValueError(f"routes table: a regime's times must be positive finite µs, got {r}")
             if r["route"] == "kext" and not all(_other_timed(us) for us in r.get("us") or [{}]):
                 raise ValueError(f"routes table: a kext regime needs the times of another route (its fallback where "
                                  f"lora_linear's kernels do not serve a module) in each mix's \"us\": {r}")
+
+
+def _is_time(t) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf
 
 
 def _other_timed(us: Dict[str, float]) -> Dict[str, float]:
@@ -193,7 +202,8 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
     """(route, backend) for a forward of `tokens` rows on a device of this type, with a pool of this max rank: the
     choice of model table `table` (table_for) on CUDA, the sgmv route elsewhere. Where the table chooses kext but
     its kernels do not serve the module (`kext_serves`: another GPU, dtype or shape), the regime's fallback: the
-    other route the table timed there that is least slow over its mixes.
+    other route the table timed there that is least slow over its mixes. A Triton regime without Triton installed
+    goes to the same route on backend "cuda" (the public op, as op() would run it anyway).
     LORA_OPS_ROUTE=<route>-<backend> (e.g. fold-triton, kext-cuda) forces one on any device, for tests and
     comparisons."""
     forced = os.environ.get("LORA_OPS_ROUTE")
@@ -207,6 +217,11 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
         route, backend = regime["route"], regime["backend"]
         if route == "kext" and not kext_serves:
             route, backend = regime["fallback"]
+        from . import backends
+        if backend == "triton" and "triton" in backends.unavailable:
+            # the public op then runs the regime (op()); its own form of the route is the one to pass it
+            # (fold_expand_rows), not Triton's
+            backend = "cuda"
     else:
         route, backend = "sgmv", "cuda"
     # Off CUDA, "cuda" stands for the public op, whose dispatch serves the tensors' device.

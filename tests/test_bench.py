@@ -576,6 +576,11 @@ def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime_and_ove
     assert [c for c, _ in choose_routes([mixed, single])] == ["kext-cuda", "fold-cuda"]
     # a route timed in one mix only (not at this T in another) is not chosen
     assert [c for c, _ in choose_routes([[{"a": 1.0, "b": 2.0}], [{"b": 2.0}]])] == ["b"]
+    # a route that serves only the regime below (kext up to 128 tokens) does not set the pace at this regime's
+    # lower end: against it fold-cuda's and sgmv-cuda's ratios there would both be ~2 and hide sgmv's 33% lead at 256
+    at_128 = {"sgmv-cuda": 101.0, "fold-cuda": 100.0, "kext-cuda": 50.0}
+    at_256 = {"sgmv-cuda": 150.0, "fold-cuda": 200.0}
+    assert choose_routes([[at_128, at_256]])[1] == ("sgmv-cuda", pytest.approx(1.01))
 
 
 def _stand_in_step(model, step, device, records, failures, log, *rest):

@@ -171,6 +171,20 @@ def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noq
      "rank class bounds must increase"),
     ({"ranks": [{"max_rank": 32, "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]},
                 {"max_rank": None, "regimes": []}]}, "no regimes"),
+    # NaN passes every comparison as False, so it slipped through both bound checks and matched no T
+    ([{"max_tokens": float("nan"), "route": "fold", "backend": "cuda"},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "regime bounds must be integers"),
+    ([{"max_tokens": 64.5, "route": "fold", "backend": "cuda"},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "regime bounds must be integers"),
+    ({"ranks": [{"max_rank": float("nan"), "regimes": [{"max_tokens": None, "route": "fold", "backend": "cuda"}]},
+                {"max_rank": None, "regimes": [{"max_tokens": None, "route": "sgmv", "backend": "cuda"}]}]},
+     "rank class bounds must be integers"),
+    # a NaN time made every slowdown NaN and the first route win the kext fallback
+    ([{"max_tokens": 4, "route": "kext", "backend": "cuda",
+       "us": [{"kext-cuda": 1.0, "sgmv-cuda": float("nan"), "fold-cuda": 2.0}]},
+      {"max_tokens": None, "route": "sgmv", "backend": "cuda"}], "times must be positive finite"),
+    ([{"max_tokens": None, "route": "fold", "backend": "cuda", "us": [{"fold-cuda": 0.0}]}],
+     "times must be positive finite"),
 ])
 def test_validate_rejects_a_table_with_gaps_or_unknown_names(regimes, msg):
     with pytest.raises(ValueError, match=msg):
@@ -187,6 +201,20 @@ def test_describe_gives_each_route_its_token_ranges():
     assert routes.describe(table) == ["m, R <= 32: kext-cuda 1-16, fold-cuda 17-64, kext-cuda 65+ tokens",
                                       "m, larger R: kext-cuda 1+ tokens"]
     assert routes.describe({"regimes": regimes[2:]}) == ["any model, larger R: fold-cuda 1-64, kext-cuda 65+ tokens"]
+
+
+def test_a_triton_regime_without_triton_runs_its_route_as_backend_cuda(monkeypatch):
+    """The public op serves a "triton" regime when Triton is not installed (op()); the route must then hand it its
+    own form (the fold route's rows form), not the segments Triton's kernel takes: no table measured that mix."""
+    from lora_ops import backends
+    monkeypatch.delenv("LORA_OPS_ROUTE", raising=False)
+    _stand_in_tables(monkeypatch, [{"max_rank": None, "regimes": [
+        {"max_tokens": None, "route": "fold", "backend": "triton"}]}])
+    assert routes.pick(80, "cuda") == ("fold", "triton") or "triton" in backends.unavailable
+    monkeypatch.setitem(backends.unavailable, "triton", "not installed (pip install triton)")
+    assert routes.pick(80, "cuda") == ("fold", "cuda")
+    assert routes.fold_expand_rows(routes.pick(80, "cuda")[1], "slots", ("indptr", "lora", "idx")) == \
+        (None, "slots", "idx")
 
 
 def test_pick_follows_the_bounds(monkeypatch):

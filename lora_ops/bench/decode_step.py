@@ -513,8 +513,11 @@ def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, floa
     (057b51d)."""
     chosen = []
     for i in range(len(samples[0])):
-        ends = [mix[j] for mix in samples for j in sorted({max(i - 1, 0), i})]
-        chosen.append(route_table.least_worst(ends, list(samples[0][i])))  # one not timed everywhere: inf
+        names = list(samples[0][i])  # the routes that serve the regime: those timed at its sample
+        # each end against the fastest of those routes: a route that serves only the regime below (kext at 128
+        # tokens, for 129-256) must not set the pace there
+        ends = [{n: t for n, t in mix[j].items() if n in names} for mix in samples for j in sorted({max(i - 1, 0), i})]
+        chosen.append(route_table.least_worst(ends, names))  # one not timed everywhere: inf
     return chosen
 
 
