@@ -70,9 +70,11 @@ def report(source, label, errors):
     return ok
 
 
-def kernel_flags(devkit, kernels, work, core):
-    return ["-std=c++17", "-fsyntax-only", "-D__NPU_ARCH__=2201", "-D__DAV_C220__",
-            *(f"-D{d}" for d in CORES[core]), "-DLORA_OPS_ASCEND_HEADER_CHECK",
+def kernel_flags(devkit, kernels, work, core, launch=False):
+    """g++'s flags for a kernel file against asc-devkit's headers: the type check's (its plain-call launch), or with
+    launch=True launch.h's toolchain branch (the launch check's host pass)."""
+    return ["-std=c++17", "-D__NPU_ARCH__=2201", "-D__DAV_C220__",
+            *(f"-D{d}" for d in CORES[core]), *([] if launch else ["-DLORA_OPS_ASCEND_HEADER_CHECK"]),
             "-include", str(ASCEND / "header_check" / "compiler_standins.h"),
             f"-I{ASCEND / 'header_check'}", f"-I{work}", f"-I{kernels}",
             *(f"-I{devkit / d}" for d in ("include", "include/basic_api", "include/utils", "impl",
@@ -81,7 +83,8 @@ def kernel_flags(devkit, kernels, work, core):
 
 def kernel_errors(devkit, kernels, work, source, core):
     flags = kernel_flags(devkit, kernels, work, core)
-    return subprocess.run(["g++", *flags, str(kernels / source)], capture_output=True, text=True).stderr
+    return subprocess.run(["g++", "-fsyntax-only", *flags, str(kernels / source)], capture_output=True,
+                          text=True).stderr
 
 
 def check_kernels(devkit, kernels, rounds=30):
@@ -125,10 +128,8 @@ def launch_stub_errors(devkit, kernels, work):
         out = work / (source + ".i")
         # __CHECK_FEATURE_AT_PRECOMPILE: as CANN's build preprocesses, so the kernel type (KERNEL_TASK_TYPE_DEFAULT)
         # shows in the text the generator reads
-        cmd = ["g++", "-E", *kernel_flags(devkit, kernels, work, "AIV"), "-DLORA_OPS_ASCEND_STUB_SOURCE",
+        cmd = ["g++", "-E", *kernel_flags(devkit, kernels, work, "AIV", launch=True), "-DLORA_OPS_ASCEND_STUB_SOURCE",
                "-D__CHECK_FEATURE_AT_PRECOMPILE", "-o", str(out), str(kernels / source)]
-        cmd.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")
-        cmd.remove("-fsyntax-only")
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             return [(source, done.stderr)]
@@ -150,9 +151,9 @@ def launch_stub_errors(devkit, kernels, work):
                                                           str(work / "definitions.cpp")],
                                                          capture_output=True, text=True).stderr))
     for source in KERNELS:  # the host pass: launch.h's toolchain branch calls the generated aclrtlaunch_<kernel>
-        flags = kernel_flags(devkit, kernels, work, "AIV")
-        flags.remove("-DLORA_OPS_ASCEND_HEADER_CHECK")
-        results.append((source, subprocess.run(["g++", *flags, "-include", str(header), str(kernels / source)],
+        flags = kernel_flags(devkit, kernels, work, "AIV", launch=True)
+        results.append((source, subprocess.run(["g++", "-fsyntax-only", *flags, "-include", str(header),
+                                                str(kernels / source)],
                                                capture_output=True, text=True).stderr))
     return results
 

@@ -34,22 +34,18 @@
 #define __sync_out__
 #define __no_alias__
 #define __disable_kernel_type_autoinfer__
-struct half {
-  uint16_t bits;
-  half() = default;
-  half(float) {}
-  half(double) {}
-  half(int) {}
-  operator float() const { return 0; }
-};
-struct bfloat16_t {
-  uint16_t bits;
-  bfloat16_t() = default;
-  bfloat16_t(float) {}
-  bfloat16_t(double) {}
-  bfloat16_t(int) {}
-  operator float() const { return 0; }
-};
+// A 16-bit float type: storage and conversions only (nothing is computed).
+#define LORA_OPS_STANDIN_FLOAT16(name) \
+  struct name {                        \
+    uint16_t bits;                     \
+    name() = default;                  \
+    name(float) {}                     \
+    name(double) {}                    \
+    name(int) {}                       \
+    operator float() const { return 0; } \
+  };
+LORA_OPS_STANDIN_FLOAT16(half)
+LORA_OPS_STANDIN_FLOAT16(bfloat16_t)
 struct hifloat8_t {
   uint8_t bits;
 };
