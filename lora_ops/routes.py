@@ -171,11 +171,26 @@ def _distance(modules: List[Tuple[int, int]], measured: List[Tuple[int, int]]) -
 
 def table_for(modules: List[Tuple[int, int]]) -> int:
     """The index of the model table whose modules are nearest these (K, N) (the first on a tie: the file lists the
-    serving layer's main shape, llama3-8b, first). Each pool asks once, for all its modules."""
+    serving layer's main shape, llama3-8b, first)."""
     _load()
     if len(_modules) == 1 or not modules:
         return 0
     return min(range(len(_modules)), key=lambda i: (_distance(modules, _modules[i]), i))
+
+
+class NearestTable:
+    """table_for of a pool's modules, asked once per installed table: an index kept across install() could name
+    another model's table, or none."""
+
+    def __init__(self, modules: List[Tuple[int, int]]):
+        self.modules = modules
+        self._index, self._of_tables = 0, None
+
+    def index(self) -> int:
+        if self._of_tables is None or self._of_tables is not _tables:
+            self._index = table_for(self.modules)
+            self._of_tables = _tables
+        return self._index
 
 
 def describe(table: dict) -> List[str]:

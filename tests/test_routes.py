@@ -121,6 +121,22 @@ def test_a_pool_takes_the_table_of_the_nearest_measured_modules(monkeypatch):
     assert routes.table_for([(128, 64)]) == 1
 
 
+def test_a_pools_table_index_follows_the_installed_table(monkeypatch):
+    """NearestTable (what a pool asks pick with) finds its index again once another table is installed: one kept
+    from the first table would name another model's table (or none) in the second."""
+    monkeypatch.setattr(routes, "_tables", None)  # restored after the test, with _modules
+    monkeypatch.setattr(routes, "_modules", None)
+    regimes = [{"max_tokens": None, "route": "sgmv", "backend": "cuda"}]
+    model = lambda name, kn: {"model": name, "modules": [list(kn)], "ranks": [{"max_rank": None, "regimes": regimes}]}
+    nearest = routes.NearestTable([(64, 64)])
+    routes.install({"models": [model("big", (4096, 4096)), model("small", (64, 64))]})
+    assert nearest.index() == 1
+    routes.install({"models": [model("small", (64, 64)), model("big", (4096, 4096))]})
+    assert nearest.index() == 0
+    routes.install({"models": [model("big", (4096, 4096))]})
+    assert nearest.index() == 0
+
+
 def test_no_module_of_a_cpu_pool_is_served_by_the_kext_kernels(adapters):  # noqa: F811
     """_lora_linear_kernels_serve is false off CUDA (on a GPU, true only where the sm_90 kernels run: not for this
     model's 64 features, below the GEMM's 64 x pipeline stages), and a pool there keeps no copy of B."""
@@ -261,7 +277,8 @@ def test_patching_reads_the_table_before_any_compiled_forward(adapters, monkeypa
 
 
 def test_the_layers_route_by_their_pools_table(adapters, monkeypatch):  # noqa: F811
-    """Every layer asks routes.pick with its pool's table (the one nearest the pool's modules, chosen once)."""
+    """Every layer asks routes.pick with its pool's table (the one nearest the pool's modules, chosen once per
+    installed table)."""
     base, root = adapters
     _, pool = _pool_model(base, root, [])
     kn = [(m.in_features, m.out_features) for m in pool.modules.values()]
@@ -271,8 +288,8 @@ def test_the_layers_route_by_their_pools_table(adapters, monkeypatch):  # noqa: 
     monkeypatch.setattr(routes, "_modules", [[(n, k) for k, n in kn], kn])
     monkeypatch.setattr(routes, "_tables", routes._tables[:1] * 2)
     model, pool = _pool_model(base, root, ["a"])
-    assert pool.route_table == 1
-    pool.route_table = 7  # any index: what the layers pass on
+    assert pool.route_table.index() == 1
+    monkeypatch.setattr(pool.route_table, "index", lambda: 7)  # any index: what the layers pass on
     asked = []
     real_pick = routes.pick
     monkeypatch.setattr(routes, "pick", lambda *a: asked.append(a[4]) or real_pick(*a[:4]))

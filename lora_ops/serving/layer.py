@@ -73,7 +73,8 @@ class MultiLoRALinear(nn.Module):
                              "layer outside the text model, e.g. a vision tower's, is left alone by building the "
                              "pool with target_modules selecting the text model's modules only)")
         m = self._slots
-        route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2], m.kext_serves, self._pool.route_table)
+        route, backend = routes.pick(tokens, x.device.type, m.lora_b.shape[2], m.kext_serves,
+                                     self._pool.route_table.index())
         if route == "kext":  # no ranks: A and B are zero past each slot's rank
             return ops.lora_linear(x, self.base.weight, m.lora_a, m.kext_lora_b, batch.token_slots, m.scales,
                                    m.offsets_arg, self.base.bias)

@@ -207,7 +207,7 @@ class AdapterPool:
             raise AdapterShapeError(f"the model has no nn.Linear that target_modules selects "
                                     f"({target_modules if target_modules is not None else sorted(LINEAR_TARGETS)!r})")
         # The routes table measured on the model shape nearest this one's modules (lora_ops/routes.py)
-        self.route_table = routes.table_for([(m.in_features, m.out_features) for m in self.modules.values()])
+        self.route_table = routes.NearestTable([(m.in_features, m.out_features) for m in self.modules.values()])
         self._slot_of: "collections.OrderedDict[str, int]" = collections.OrderedDict()  # LRU order, oldest first
         self._pins: Dict[str, int] = {}
         # The active routing's token slots (host int32), None without one, and those of the routings that enclosing
