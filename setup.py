@@ -104,7 +104,10 @@ def _extensions(info):
 
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/bindings.cpp") + rel("csrc/common/*.cpp") + rel("csrc/cpu/*.cpp")
-    cxx = ["-O3"]
+    # -fopenmp: at::parallel_for (the CPU kernels' row blocks) runs serially without it (torch's OpenMP build;
+    # libgomp.so.1 resolves to the copy torch has loaded, so one OpenMP runtime)
+    cxx = ["-O3", "-fopenmp"]
+    link = ["-fopenmp"]
     # Test-only: the Ascend host path and kernels on the CPU model of the AscendC API, as lora_ops_ascend_model::*
     # ops on CPU tensors (tests/test_ascend_model.py). registration.cpp is compiled against stand-ins for
     # torch_npu and ACL. The op table (csrc/common/op_table.cpp) stays out: _C holds it.
@@ -126,11 +129,11 @@ def _extensions(info):
                                         os.path.join(ascend["cann"], "include")],
                           library_dirs=[os.path.join(ROOT, "lora_ops"), os.path.join(ascend["torch_npu"], "lib"),
                                         os.path.join(ascend["cann"], "lib64")],
-                          libraries=["lora_ops_ascend_kernels", "torch_npu", "ascendcl"],
-                          extra_link_args=["-Wl,-rpath,$ORIGIN"])
+                          libraries=["lora_ops_ascend_kernels", "torch_npu", "ascendcl"])
+        link.append("-Wl,-rpath,$ORIGIN")
     if not info["backends"]["cuda"]["built"]:
         return [cpp_extension.CppExtension("lora_ops._C", sources, extra_compile_args={"cxx": cxx},
-                                           py_limited_api=True, **ext_kwargs), model]
+                                           extra_link_args=link, py_limited_api=True, **ext_kwargs), model]
     sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
     nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DLORA_OPS_WITH_CUDA"]
     cutlass = info["backends"]["cuda"]["grouped_gemm_sm90"]
@@ -138,7 +141,8 @@ def _extensions(info):
         # CUTLASS's headers as system headers (their warnings are not ours); only grouped_gemm_sm90.cu includes them
         nvcc += ["-isystem", cutlass["include"], "-DLORA_OPS_GG_SM90"]
     return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True, **ext_kwargs,
-                                        extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc}),
+                                        extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc},
+                                        extra_link_args=link),
             model]
 
 

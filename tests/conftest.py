@@ -40,6 +40,21 @@ def case_generator(key) -> torch.Generator:
     return torch.Generator().manual_seed(case_seed(key))
 
 
+def repeat_runs(impl, run, runs=3):
+    """run() `runs` times; on the CPU the k-th with k + 1 intra-op threads (the kernels split their row blocks over
+    OpenMP threads: the bits must not depend on how many)."""
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for k in range(runs):
+            if impl.device == "cpu":
+                torch.set_num_threads(k + 1)
+            outs.append(run())
+        return outs
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sm90_built() -> bool:
     """The sm_90a CUTLASS kernels (fold_linear's, lora_linear's) are built and this GPU runs them (9.0)."""
     info = backends.build_info().get("backends", {}).get("cuda", {})

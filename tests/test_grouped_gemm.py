@@ -3,7 +3,7 @@ import torch
 
 from lora_ops import testing
 
-from conftest import case_generator, triton_backend
+from conftest import case_generator, repeat_runs, triton_backend
 from grid import GG_CASES, GG_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -76,11 +76,11 @@ def check_garbage_metadata(impl, k_sizes: bool):
 def test_grouped_gemm_deterministic(impl):
     dtype = impl.dtypes[-1]
     problem = _problem(GG_CASES["n_k_sizes"], impl, dtype, key=4)
-    outs = []
-    for _ in range(3):
+    def run():
         y = problem.y.clone()
         impl.module.grouped_gemm(*problem.args(y))
-        outs.append(y)
+        return y
+    outs = repeat_runs(impl, run)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

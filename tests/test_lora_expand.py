@@ -12,7 +12,8 @@ import torch._dynamo.testing
 import lora_ops
 from lora_ops import backends, op_table, reference, testing
 
-from conftest import ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, cuda_kernel_names, late_copy, use_impl
+from conftest import (ASCEND_MODEL_IMPL, IMPLS, Impl, case_generator, cuda_kernel_names, late_copy, repeat_runs,
+                      use_impl)
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -202,11 +203,11 @@ def _check_many_slots(impl, dtype, form="segments"):
 def test_lora_expand_deterministic(impl, form):
     dtype = impl.dtypes[-1]
     args = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="determinism", form=form)
-    outs = []
-    for _ in range(3):
+    def run():
         y = args[0].clone()
         impl.module.lora_expand(y, *args[1:])
-        outs.append(y)
+        return y
+    outs = repeat_runs(impl, run)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

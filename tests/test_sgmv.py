@@ -4,7 +4,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import Impl, case_generator
+from conftest import Impl, case_generator, repeat_runs
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -84,11 +84,11 @@ def _check_garbage_metadata(impl, dtype):
 def test_sgmv_deterministic(impl):
     dtype = impl.dtypes[-1]
     problem = _problem(SGMV_CASES["mixed_ranks"], impl, dtype, key=21)
-    outs = []
-    for _ in range(3):
+    def run():
         y = problem.y.clone()
         impl.module.sgmv(*problem.args(y))
-        outs.append(y)
+        return y
+    outs = repeat_runs(impl, run)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
