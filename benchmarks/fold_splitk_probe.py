@@ -17,10 +17,17 @@ divisible by S): o and down have 36·S tiles of 128 rows (72·S of 64), so some 
 """
 import argparse
 import ctypes
+import importlib.util
+import os
 
 import torch
 
-from lora_ops.bench.timing import cuda_runner, time_interleaved
+# the bench's timing module by its path: importing lora_ops would need the extension built, which this probe does not
+_spec = importlib.util.spec_from_file_location(
+    "lora_ops_timing", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lora_ops", "bench", "timing.py"))
+_timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_timing)
+cuda_runner, time_interleaved = _timing.cuda_runner, _timing.time_interleaved
 
 CONFIGS = {0: "64x128 pingpong c1", 1: "64x128 pingpong c2", 2: "128x128 coop c1", 3: "128x128 coop c2"}
 # llama3-8b with a 32-slot rank-16 pool: (module, N rows of [W; A], K)
