@@ -180,11 +180,13 @@ def table_for(modules: List[Tuple[int, int]]) -> int:
 
 class NearestTable:
     """table_for of a pool's modules, asked once per installed table: an index kept across install() could name
-    another model's table, or none."""
+    another model's table, or none. Asked at construction, so that a compiled forward finds it answered (a first
+    answer inside the trace would change what the trace guards on: a recompile)."""
 
     def __init__(self, modules: List[Tuple[int, int]]):
         self.modules = modules
         self._index, self._of_tables = 0, None
+        self.index()
 
     def index(self) -> int:
         if self._of_tables is None or self._of_tables is not _tables:
