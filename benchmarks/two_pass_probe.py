@@ -12,9 +12,11 @@ a24a444: no gain), T=4096 r16 ~32 (against 40). If a two-pass composition beats 
 shape, the op table gets it as a choice there (sgmv's CUDA entry composing the two kernels); otherwise the fused
 kernels stay and the expand's efficiency is the lever (piece_probe.cu).
 
-Each row prints µs per call for: the fused CUDA kernel (the op table off), the fused Triton kernel, two passes on
-CUDA's grouped_gemm (op table off), on Triton's, and Triton's shrink with CUDA's expand; and the error of each
-two-pass y against the fused CUDA kernel's (h float32 in both: the same sums up to order).
+Each row prints µs per call for: the fused CUDA kernel (the op table off), the fused Triton kernel, CUDA's
+grouped_gemm shrink with lora_expand (the composition of public ops that takes sgmv's per-slot scales, ranks and
+slices as they are), two passes on CUDA's grouped_gemm (op table off), on Triton's, and Triton's shrink with CUDA's
+expand; and the error of each y's delta against the fused CUDA kernel's (h float32 in all: the same sums up to
+order).
 """
 import torch
 
@@ -60,7 +62,17 @@ def main():
                            0.5, True)
             return call
 
+        # h broadcast over the slots ([T, L, S*R], slot stride 0): lora_expand reads each row's own slot window
+        h_slots = h.unsqueeze(1).expand(T, SLOTS, S * R)
+
+        def shrink_then_lora_expand(shrink, expand):
+            def call(x, y):
+                shrink(h, x, lora_a, *idx, None, None, 1.0, False)
+                expand(y, h_slots, lora_b, *idx, None, None, offsets if S > 1 else None, 0.5)
+            return call
+
         impls = {"fused-cuda": fused(ops.sgmv.default), "fused-triton": fused(triton._triton_sgmv.default),
+                 "gg+expand-cuda": shrink_then_lora_expand(ops.grouped_gemm.default, ops.lora_expand.default),
                  "2pass-cuda": two_pass(ops.grouped_gemm.default, ops.grouped_gemm.default),
                  "2pass-triton": two_pass(triton._triton_grouped_gemm.default, triton._triton_grouped_gemm.default),
                  "2pass-tri+cuda": two_pass(triton._triton_grouped_gemm.default, ops.grouped_gemm.default)}
