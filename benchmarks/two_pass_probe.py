@@ -25,9 +25,11 @@ from lora_ops import op_table
 from lora_ops.bench.timing import cuda_runner, time_interleaved
 
 L2_BYTES = 60 << 20
-# (T, adapters, rank, K, N, slices): issue 13's table
+# (T, adapters, rank, K, N, slices): issue 13's table, then rank 64 at T=4096, then issue 12's two largest sgmv op
+# cases (T=256, 32 adapters, ranks 16 and 64: the decode regime's split shrink and the expand's 64-row tiles)
 SHAPES = [(4096, 4, 16, 4096, 4096, 1), (16384, 8, 16, 4096, 4096, 1), (16384, 8, 64, 4096, 4096, 1),
-          (1024, 8, 16, 4096, 6144, 3), (4096, 8, 128, 4096, 4096, 1), (4096, 8, 64, 4096, 4096, 1)]
+          (1024, 8, 16, 4096, 6144, 3), (4096, 8, 128, 4096, 4096, 1), (4096, 8, 64, 4096, 4096, 1),
+          (256, 32, 16, 4096, 4096, 1), (256, 32, 64, 4096, 4096, 1)]
 SLOTS = 32
 
 
