@@ -4,7 +4,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import Impl, case_generator, cuda_kernel_names, repeat_runs
+from conftest import Impl, case_generator, repeat_runs
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -93,7 +93,7 @@ def test_sgmv_deterministic(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "mma", "two-pass"])
+@pytest.mark.parametrize("kernel", ["split", "mma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
@@ -151,31 +151,6 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, monkeypatch):
     problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
     again = problem.y.clone()
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
-    lora_ops.ops.sgmv(*problem.args(again))
-    assert torch.equal(again, problem.y)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("y_dtype", [None, torch.float32], ids=["y_like_x", "y_float32"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_short_batch_split"])
-def test_sgmv_two_pass_runs_grouped_gemms_kernels(name, dtype, y_dtype, monkeypatch):
-    """LORA_OPS_CUDA_SGMV_KERNEL=two-pass where it serves (ranks up to 128; several slices without per-slot ranks):
-    the oracle, grouped_gemm's expand kernel ran and no fused sgmv kernel did, and bitwise the same on a second
-    run."""
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", "two-pass")
-    gen = case_generator(("two-pass", name))
-    token_lora, kw = MMA_PATH_CASES[name](gen)
-    problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
-    again = problem.y.clone()
-    check, names = cuda_kernel_names(lambda: _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem))
-    assert check == ""
-    if names:  # empty under compute-sanitizer (cuda_kernel_names)
-        assert any("grouped_gemm_expand_kernel" in n for n in names), names
-        fused = ("sgmv_mma_kernel", "expand_positions_kernel", "expand_tiles_kernel")  # prefill's, decode's expands
-        assert not any(k in n for n in names for k in fused), names
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)
 

@@ -49,10 +49,6 @@ struct GroupedGemmParams {
   int64_t rows, k, n, num_groups;
   float alpha;
   bool accumulate;
-  // Internal, not the public op's (null there): each group's factor on alpha, [L] float32 (the sgmv's lora_scales
-  // when its two-pass composition calls the expand). The CUDA expand kernels honour it; the other CUDA paths refuse
-  // it (cudaErrorNotSupported) rather than drop it.
-  const float* group_scales = nullptr;
 };
 
 // lora_expand (and the second step of the CUDA decode sgmv): y[t, slice s] += coef_l * h_t,l[s*R : s*R + r_l] *

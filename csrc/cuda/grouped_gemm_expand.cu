@@ -71,8 +71,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     split_range((n_l + kBN - 1) / kBN, plan.n_splits, unit % plan.n_splits, &c_begin, &c_end);
     if (c_begin >= c_end || (k_l == 0 && p.accumulate)) continue;  // nothing to write
     const bool has_k = k_l > 0;
-    // the group's factor (the two-pass sgmv's lora_scales), as the sgmv forms its coefficient: one float product
-    const float alpha = p.group_scales != nullptr ? p.alpha * __ldg(p.group_scales + tile.slot) : p.alpha;
 
     if (has_k) {  // committed with the first chunk
       stage_tile<TX, kBM, KT, L::XS, kThreads>(
@@ -159,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           }
         }
       }
-      combine<TY, 1, kNI>(L::ys(smem, st) + warp * 16 * L::YS, L::YS, acc, alpha, has_k, p.accumulate);
+      combine<TY, 1, kNI>(L::ys(smem, st) + warp * 16 * L::YS, L::YS, acc, p.alpha, has_k, p.accumulate);
       __syncthreads();
       if (whole(n0) && plan.vec.y) {
 #pragma unroll

@@ -247,7 +247,6 @@ size_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmParams& p, int num_sms
 }
 
 cudaError_t launch_grouped_gemm_sm90(const GroupedGemmParams& p, void* workspace, int num_sms, cudaStream_t stream) {
-  if (p.group_scales != nullptr) return cudaErrorNotSupported;  // the expand kernels' only (params.h)
 #if defined(LORA_OPS_GG_SM90)
   if (p.seg.num_segments == 0 || p.seg.positions == 0) return cudaSuccess;
   auto* base = static_cast<unsigned char*>(workspace);

@@ -67,7 +67,6 @@ SgmvParams grouped_gemm_as_shrink(const GroupedGemmParams& p) {
 
 cudaError_t launch_grouped_gemm_split_sum(const GroupedGemmParams& p, const float* partials, int64_t splits,
                                           int cc_major, cudaStream_t stream) {
-  if (p.group_scales != nullptr) return cudaErrorNotSupported;  // the expand kernels' only (params.h)
   const int64_t groups = (p.seg.positions + kWarps - 1) / kWarps;
   if (groups == 0) return cudaSuccess;
   const dim3 grid((unsigned)std::min<int64_t>(groups, 65535));

@@ -161,7 +161,6 @@ cudaError_t launch_narrow(const GroupedGemmParams& p, const Access& vec, cudaStr
 }  // namespace
 
 cudaError_t launch_grouped_gemm_tile(const GroupedGemmParams& p, bool narrow, cudaStream_t stream) {
-  if (p.group_scales != nullptr) return cudaErrorNotSupported;  // the expand kernels' only (params.h)
   const Access vec = access_of(p);
   return dispatch_types(p, [&](auto xt, auto wt, auto yt) {
     using TX = typename decltype(xt)::type;

@@ -77,12 +77,11 @@ Kernel preferred_kernel(const char* variable, std::initializer_list<const char*>
   TORCH_CHECK_VALUE(false, variable, " = '", v, "': expected ", expected);
 }
 
-// LORA_OPS_CUDA_SGMV_KERNEL=mma|split|two-pass prefers one sgmv kernel where it can take the input (tests use it
-// to cover the kernel the automatic choice does not pick on their shapes; two-pass, grouped_gemm's kernels in two
-// passes, is a probe: never automatic until measured); unset or "auto": by regime.
-enum class SgmvKernel { Auto, Mma, Split, TwoPass };
+// LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
+// cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
+enum class SgmvKernel { Auto, Mma, Split };
 SgmvKernel preferred_sgmv_kernel() {
-  return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split", "two-pass"});
+  return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split"});
 }
 
 // LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles|rows|runs|segments likewise prefers one expand kernel (lora_expand and
@@ -146,7 +145,7 @@ ExpandParams expand_of_grouped_gemm(const GroupedGemmParams& p) {
   e.y_dtype = p.y_dtype;
   e.seg = p.seg;
   e.lora_ranks = p.k_sizes;
-  e.lora_scales = p.group_scales;
+  e.lora_scales = nullptr;
   e.rows = p.rows;
   e.n = p.n;
   e.num_slots = p.num_groups;
@@ -156,140 +155,6 @@ ExpandParams expand_of_grouped_gemm(const GroupedGemmParams& p) {
   e.slice_offsets[1] = p.n;
   e.scale = p.alpha;
   return e;
-}
-
-// LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
-// over the whole grid); =sm90, =split and =lora take the sm_90a CUTLASS kernel, the split-K shrink or lora_expand's
-// tensor-core kernels wherever they can serve the input (whatever the sizes) and the automatic choice elsewhere;
-// unset or "auto": by shape.
-enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90, Split, Lora };
-GroupedGemmKernel preferred_grouped_gemm_kernel() {
-  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split", "lora"});
-}
-
-// grouped_gemm's C++ kernels for checked params, the path chosen by shape (or the forced one): the public op past
-// its op-table lookup, and the two-pass sgmv's shrink.
-void launch_grouped_gemm_by_shape(const GroupedGemmParams& p, GroupedGemmKernel preferred,
-                                  const at::TensorOptions& options, int device, cudaStream_t stream) {
-  if (p.rows == 0 || p.seg.num_segments == 0 || p.num_groups == 0 || p.n == 0 || p.seg.positions == 0) return;
-  if (p.k == 0 && p.accumulate) return;  // every reduction is empty: y stays as it is
-  // Large groups on sm_90: TMA + wgmma (CUTLASS). Its workspace: the per-group problem arrays the prep kernel
-  // fills on the device, and CUTLASS's per-SM tensor maps, from the caching allocator on this stream.
-  if ((preferred == GroupedGemmKernel::Sm90 ||
-       (preferred == GroupedGemmKernel::Auto && cuda::grouped_gemm_sm90_preferred(p))) &&
-      cuda::grouped_gemm_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                        device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
-    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-    const auto workspace = at::empty({static_cast<int64_t>(cuda::grouped_gemm_sm90_workspace_bytes(p, sms))},
-                                     options.dtype(at::kByte));
-    C10_CUDA_CHECK(cuda::launch_grouped_gemm_sm90(p, workspace.data_ptr(), sms, stream));
-    return;
-  }
-  // A forced sm90 or split the kernel cannot take falls back to the automatic choice.
-  const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90 ||
-                         preferred == GroupedGemmKernel::Split || preferred == GroupedGemmKernel::Lora;
-  // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
-  // Automatic only where K does split (one chunk would be two launches for the narrow tiles' one) and the partials,
-  // sized by y's rows, stay small. The plan is made only for a call the split path may take.
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  if (cuda::grouped_gemm_split_serves(p) &&
-      (preferred == GroupedGemmKernel::Split ||
-       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions &&
-        p.rows <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK))) {
-    const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
-    const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
-    if (preferred == GroupedGemmKernel::Split || plan.splits >= 2) {
-      const auto partials = at::empty({plan.splits * p.rows * p.n}, options.dtype(at::kFloat));
-      C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
-      C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
-          p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-          stream));
-      return;
-    }
-  }
-  // The LoRA expand at decode size (y +=, every group's N): lora_expand's tensor-core segments kernel, a warp per
-  // 8 positions of one group (the staging kernel below makes a 64-row tile of each group's few rows: 17.0 us for
-  // 32 single rows, H200).
-  if (p.k <= cuda::kGroupedGemmExpandMaxK && p.accumulate && p.n_sizes == nullptr &&
-      (preferred == GroupedGemmKernel::Lora ||
-       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions))) {
-    const ExpandParams e = expand_of_grouped_gemm(p);
-    if (cuda::mma_kernels_serve(e)) {
-      C10_CUDA_CHECK(cuda::launch_lora_expand(e, cuda::ExpandKernel::Segments, /*inputs_ready=*/false,
-                                              device_attribute(cudaDevAttrComputeCapabilityMajor, device), stream));
-      return;
-    }
-  }
-  // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
-  const bool skinny = preferred == GroupedGemmKernel::Skinny ||
-                      (automatic &&
-                       (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));
-  if (skinny && p.k <= cuda::kGroupedGemmExpandMaxK) {
-    C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
-    return;
-  }
-  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
-}
-
-// The sgmv as two grouped_gemm passes through a float32 h [rows, S*R] (the caching allocator's: graph-safe): the
-// shrink h = x . A[slot]^T by shape (n_sizes = the ranks where there is one slice: only the true ranks' rows of A
-// are read), then per slice the expand kernel, y[:, slice] += scale * lora_scales[slot] * h[:, the slice's R] .
-// B[slot, slice]^T over the true ranks (k_sizes). Rows outside the segments are skipped by both passes, as by the
-// fused kernels, and h's other entries are never read. x is read once, y once; h's round trip and one launch are
-// the price (benchmarks/two_pass_probe.py; csrc/cuda/NOTES.md, session 43). Several slices with per-slot ranks
-// would read A's rows past each rank: not served.
-bool sgmv_two_pass_serves(const SgmvParams& p) {
-  return p.max_rank <= cuda::kGroupedGemmExpandMaxK && (p.num_slices == 1 || p.lora_ranks == nullptr);
-}
-
-void launch_sgmv_two_pass(const SgmvParams& p, const at::TensorOptions& options, int device, cudaStream_t stream) {
-  const int64_t window = p.num_slices * p.max_rank;
-  const at::Tensor h = at::empty({p.rows, window}, options.dtype(at::kFloat));
-  GroupedGemmParams shrink{};
-  shrink.y = h.data_ptr();
-  shrink.x = p.x;
-  shrink.w = p.lora_a;
-  shrink.y_row_stride = window;
-  shrink.x_row_stride = p.x_row_stride;
-  shrink.w_stride0 = p.a_stride0;
-  shrink.w_stride1 = p.a_stride1;
-  shrink.x_dtype = shrink.w_dtype = p.x_dtype;
-  shrink.y_dtype = DType::F32;
-  shrink.seg = p.seg;
-  shrink.n_sizes = p.num_slices == 1 ? p.lora_ranks : nullptr;
-  shrink.rows = p.rows;
-  shrink.k = p.k;
-  shrink.n = window;
-  shrink.num_groups = p.num_slots;
-  shrink.alpha = 1.f;
-  shrink.accumulate = false;
-  launch_grouped_gemm_by_shape(shrink, GroupedGemmKernel::Auto, options, device, stream);
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  for (int64_t s = 0; s < p.num_slices; ++s) {
-    const int64_t lo = p.slice_offsets[s], hi = p.slice_offsets[s + 1];
-    if (hi <= lo) continue;
-    GroupedGemmParams expand{};
-    expand.y = static_cast<char*>(p.y) + lo * dtype_size(p.y_dtype);
-    expand.x = h.data_ptr<float>() + s * p.max_rank;
-    expand.w = static_cast<const char*>(p.lora_b) + lo * p.b_stride1 * dtype_size(p.x_dtype);
-    expand.y_row_stride = p.y_row_stride;
-    expand.x_row_stride = window;
-    expand.w_stride0 = p.b_stride0;
-    expand.w_stride1 = p.b_stride1;
-    expand.x_dtype = DType::F32;
-    expand.w_dtype = p.x_dtype;
-    expand.y_dtype = p.y_dtype;
-    expand.seg = p.seg;
-    expand.k_sizes = p.lora_ranks;
-    expand.rows = p.rows;
-    expand.k = p.max_rank;
-    expand.n = hi - lo;
-    expand.num_groups = p.num_slots;
-    expand.alpha = p.scale;
-    expand.accumulate = true;
-    expand.group_scales = p.lora_scales;
-    C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(expand, sms, stream));
-  }
 }
 
 void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
@@ -318,10 +183,6 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const int device = y.get_device();
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-  if (preferred == SgmvKernel::TwoPass && sgmv_two_pass_serves(p)) {
-    launch_sgmv_two_pass(p, y.options(), device, stream);
-    return;
-  }
   if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma ||
                                       (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, stream));
@@ -361,6 +222,15 @@ void lora_expand_cuda(const at::Tensor& y, const at::Tensor& h, const at::Tensor
                                           c10::cuda::getCurrentCUDAStream()));
 }
 
+// LORA_OPS_CUDA_GG_KERNEL=mma|skinny forces one grouped_gemm path for every input (tests use it to cover both
+// over the whole grid); =sm90, =split and =lora take the sm_90a CUTLASS kernel, the split-K shrink or lora_expand's
+// tensor-core kernels wherever they can serve the input (whatever the sizes) and the automatic choice elsewhere;
+// unset or "auto": by shape.
+enum class GroupedGemmKernel { Auto, Mma, Skinny, Sm90, Split, Lora };
+GroupedGemmKernel preferred_grouped_gemm_kernel() {
+  return preferred_kernel<GroupedGemmKernel>("LORA_OPS_CUDA_GG_KERNEL", {"mma", "skinny", "sm90", "split", "lora"});
+}
+
 void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& seg_indptr,
                        const at::Tensor& seg_weight, const std::optional<at::Tensor>& token_indices,
                        const std::optional<at::Tensor>& n_sizes, const std::optional<at::Tensor>& k_sizes,
@@ -377,7 +247,66 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   GroupedGemmIndexTensors keep;
   const auto p = check_grouped_gemm(y, x, w, seg_indptr, seg_weight, token_indices, n_sizes, k_sizes, alpha,
                                     accumulate, keep);
-  launch_grouped_gemm_by_shape(p, preferred, y.options(), y.get_device(), c10::cuda::getCurrentCUDAStream());
+  if (p.rows == 0 || p.seg.num_segments == 0 || p.num_groups == 0 || p.n == 0 || p.seg.positions == 0) return;
+  if (p.k == 0 && p.accumulate) return;  // every reduction is empty: y stays as it is
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int device = y.get_device();
+  // Large groups on sm_90: TMA + wgmma (CUTLASS). Its workspace: the per-group problem arrays the prep kernel
+  // fills on the device, and CUTLASS's per-SM tensor maps, from the caching allocator on this stream.
+  if ((preferred == GroupedGemmKernel::Sm90 ||
+       (preferred == GroupedGemmKernel::Auto && cuda::grouped_gemm_sm90_preferred(p))) &&
+      cuda::grouped_gemm_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                        device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    const auto workspace = at::empty({static_cast<int64_t>(cuda::grouped_gemm_sm90_workspace_bytes(p, sms))},
+                                     y.options().dtype(at::kByte));
+    C10_CUDA_CHECK(cuda::launch_grouped_gemm_sm90(p, workspace.data_ptr(), sms, stream));
+    return;
+  }
+  // A forced sm90 or split the kernel cannot take falls back to the automatic choice.
+  const bool automatic = preferred == GroupedGemmKernel::Auto || preferred == GroupedGemmKernel::Sm90 ||
+                         preferred == GroupedGemmKernel::Split || preferred == GroupedGemmKernel::Lora;
+  // Few positions and few columns (the LoRA shrink at decode): K split over the GPU, then the partials summed.
+  // Automatic only where K does split (one chunk would be two launches for the narrow tiles' one) and the partials,
+  // sized by y's rows, stay small. The plan is made only for a call the split path may take.
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  if (cuda::grouped_gemm_split_serves(p) &&
+      (preferred == GroupedGemmKernel::Split ||
+       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions &&
+        p.rows <= cuda::kGroupedGemmSplitMaxPositions && p.k > cuda::kGroupedGemmExpandMaxK))) {
+    const SgmvParams shrink = cuda::grouped_gemm_as_shrink(p);
+    const auto plan = cuda::plan_sgmv_shrink(shrink, sms);
+    if (preferred == GroupedGemmKernel::Split || plan.splits >= 2) {
+      const auto partials = at::empty({plan.splits * p.rows * p.n}, y.options().dtype(at::kFloat));
+      C10_CUDA_CHECK(cuda::launch_sgmv_shrink(shrink, plan, partials.data_ptr<float>(), stream));
+      C10_CUDA_CHECK(cuda::launch_grouped_gemm_split_sum(
+          p, partials.data_ptr<float>(), plan.splits, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+          stream));
+      return;
+    }
+  }
+  // The LoRA expand at decode size (y +=, every group's N): lora_expand's tensor-core segments kernel, a warp per
+  // 8 positions of one group (the staging kernel below makes a 64-row tile of each group's few rows: 17.0 us for
+  // 32 single rows, H200).
+  if (p.k <= cuda::kGroupedGemmExpandMaxK && p.accumulate && p.n_sizes == nullptr &&
+      (preferred == GroupedGemmKernel::Lora ||
+       (automatic && p.seg.positions <= cuda::kGroupedGemmSplitMaxPositions))) {
+    const ExpandParams e = expand_of_grouped_gemm(p);
+    if (cuda::mma_kernels_serve(e)) {
+      C10_CUDA_CHECK(cuda::launch_lora_expand(e, cuda::ExpandKernel::Segments, /*inputs_ready=*/false,
+                                              device_attribute(cudaDevAttrComputeCapabilityMajor, device), stream));
+      return;
+    }
+  }
+  // A short K (LoRA expand) or few columns (LoRA shrink) is memory-bound: the skinny paths stream it.
+  const bool skinny = preferred == GroupedGemmKernel::Skinny ||
+                      (automatic &&
+                       (p.k <= cuda::kGroupedGemmExpandMaxK || p.n <= cuda::kGroupedGemmNarrowMaxN));
+  if (skinny && p.k <= cuda::kGroupedGemmExpandMaxK) {
+    C10_CUDA_CHECK(cuda::launch_grouped_gemm_expand(p, sms, stream));
+    return;
+  }
+  C10_CUDA_CHECK(cuda::launch_grouped_gemm_tile(p, /*narrow=*/skinny, stream));
 }
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
