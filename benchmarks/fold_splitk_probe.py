@@ -40,7 +40,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--so", default="build/probes/fold_splitk_probe.so")
     ap.add_argument("--tokens", default="80,96,128")
+    ap.add_argument("--configs", default=",".join(map(str, CONFIGS)),
+                    help="the CUTLASS configurations to time (ids of CONFIGS; empty: cuBLAS against cuBLASLt only)")
     args = ap.parse_args()
+    configs = {c: CONFIGS[c] for c in (int(v) for v in args.configs.split(",") if v)}
     lib = ctypes.CDLL(args.so)
     lib.fold_splitk_probe.restype = ctypes.c_int
     lib.fold_splitk_probe.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
@@ -54,8 +57,17 @@ def main():
             ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
             want = x.float() @ ws[0].float().t()
             cublas = cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
-            print(f"{name:8} N={n:6} K={k:6} T={t:4}")
-            for config, label in CONFIGS.items():
+            # the same GEMM on cuBLASLt (the library is chosen per call, so at capture): fold_linear's
+            # LORA_OPS_CUDA_FOLD_BLAS=cublaslt, the GEMM alone
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                lt = cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
+            ms = time_interleaved({"cublas": cublas[0], "cublaslt": lt[0]}, min_ms=30.0)
+            print(f"{name:8} N={n:6} K={k:6} T={t:4}: cuBLAS {ms['cublas'] * 1e3 / cublas[1]:6.2f} us, cuBLASLt "
+                  f"{ms['cublaslt'] * 1e3 / lt[1]:6.2f} ({ms['cublaslt'] / ms['cublas']:.2f}x)")
+            for config, label in configs.items():
                 for splits in (1, 2, 4, 7, 8):
                     if k % (64 * splits):
                         continue
