@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import backends
+
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
 BACKENDS = ("cuda", "triton")
 # Every (route, backend) there is: kext is one op, lora_linear, which has no Triton kernel.
@@ -185,11 +187,11 @@ class NearestTable:
 
     def __init__(self, modules: List[Tuple[int, int]]):
         self.modules = modules
-        self._index, self._of_tables = 0, None
-        self.index()
+        self._index = table_for(modules)  # loads the table: _tables is set from here on
+        self._of_tables = _tables
 
     def index(self) -> int:
-        if self._of_tables is None or self._of_tables is not _tables:
+        if self._of_tables is not _tables:
             self._index = table_for(self.modules)
             self._of_tables = _tables
         return self._index
@@ -234,7 +236,6 @@ def pick(tokens: int, device_type: str = "cuda", max_rank: int = 16,
         route, backend = regime["route"], regime["backend"]
         if route == "kext" and not kext_serves:
             route, backend = regime["fallback"]
-        from . import backends
         if backend == "triton" and "triton" in backends.unavailable:
             # the public op then runs the regime (op()); its own form of the route is the one to pass it
             # (fold_expand_rows), not Triton's
@@ -293,7 +294,6 @@ def op(kind: str, backend: str) -> Callable:
     of every step asks."""
     key = (kind, backend)
     if key not in _ops:
-        from . import backends
         name = f"_triton_{kind}" if backend == "triton" and "triton" not in backends.unavailable else kind
         _ops[key] = getattr(torch.ops.lora_ops, name).default
     return _ops[key]
