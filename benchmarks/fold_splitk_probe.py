@@ -56,14 +56,16 @@ def main():
             x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
             ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
             want = x.float() @ ws[0].float().t()
-            cublas = cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
+            mm = [lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)]
+            cublas = cuda_runner(mm, graph=True)
             # the same GEMM on cuBLASLt (the library is chosen per call, so at capture): fold_linear's
             # LORA_OPS_CUDA_FOLD_BLAS=cublaslt, the GEMM alone
+            was = torch.backends.cuda.preferred_blas_library()
             torch.backends.cuda.preferred_blas_library("cublaslt")
             try:
-                lt = cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)], graph=True)
+                lt = cuda_runner(mm, graph=True)
             finally:
-                torch.backends.cuda.preferred_blas_library("cublas")
+                torch.backends.cuda.preferred_blas_library(was)
             ms = time_interleaved({"cublas": cublas[0], "cublaslt": lt[0]}, min_ms=30.0)
             print(f"{name:8} N={n:6} K={k:6} T={t:4}: cuBLAS {ms['cublas'] * 1e3 / cublas[1]:6.2f} us, cuBLASLt "
                   f"{ms['cublaslt'] * 1e3 / lt[1]:6.2f} ({ms['cublaslt'] / ms['cublas']:.2f}x)")
