@@ -42,6 +42,23 @@ def _configure_cutlass(arch_list):
     return {"built": True, "include": include, "nvidia_cutlass": version("nvidia-cutlass")}
 
 
+def _find_cublaslt(cuda_home):
+    """(include dir, library dir, library file name) of cuBLASLt, which fold_linear calls (csrc/cuda/fold_linear_lt.cpp):
+    first the nvidia pip package torch loads it from (its copy is the one in the process: _C.so's libcublasLt.so.N
+    resolves to it by name), then the toolkit's; None where neither has both the header and the library."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = [r for d in (spec.submodule_search_locations if spec else []) for r in sorted(glob.glob(f"{d}/*"))]
+    candidates = [(os.path.join(r, "include"), os.path.join(r, "lib")) for r in roots]
+    candidates.append((os.path.join(cuda_home, "include"), os.path.join(cuda_home, "lib64")))
+    for include, lib in candidates:
+        libs = sorted(glob.glob(os.path.join(lib, "libcublasLt.so*")), key=len)
+        if os.path.exists(os.path.join(include, "cublasLt.h")) and libs:
+            return include, lib, os.path.basename(libs[0])
+    return None
+
+
 def _configure_ascend():
     """The Ascend backend builds when ASCEND_HOME_PATH names a CANN toolkit and torch_npu is importable."""
     cann = os.environ.get("ASCEND_HOME_PATH")
@@ -92,9 +109,14 @@ def _configure():
             # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (docs/design.md §4).
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+            cublaslt = _find_cublaslt(cuda_home)
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
                                         "cuda_home": cuda_home, "torch_cuda": torch.version.cuda,
+                                        "cublaslt": cublaslt,
                                         "grouped_gemm_sm90": _configure_cutlass(os.environ["TORCH_CUDA_ARCH_LIST"])}
+            if cublaslt is None:
+                info["backends"]["cuda"] = {"built": False, "reason": "cuBLASLt's header and library not found (the "
+                                            "nvidia-cublas package torch depends on, or the toolkit at CUDA_HOME)"}
     info["backends"]["ascend"] = _configure_ascend()
     return info
 
@@ -140,9 +162,11 @@ def _extensions(info):
     if cutlass["built"]:
         # CUTLASS's headers as system headers (their warnings are not ours); only grouped_gemm_sm90.cu includes them
         nvcc += ["-isystem", cutlass["include"], "-DLORA_OPS_GG_SM90"]
+    include, lib, library = info["backends"]["cuda"]["cublaslt"]
+    ext_kwargs.setdefault("include_dirs", []).append(include)
     return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True, **ext_kwargs,
                                         extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc},
-                                        extra_link_args=link),
+                                        extra_link_args=link + [f"-L{lib}", f"-l:{library}"]),
             model]
 
 

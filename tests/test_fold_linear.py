@@ -1,7 +1,8 @@
 """fold_linear (the fold route's GEMM, y = x · weightᵀ + bias): torch's linear on every backend, its errors and
 its gradient, opcheck and torch.compile; on CUDA the sm_90a CUTLASS kernel (csrc/cuda/fold_linear_sm90.cu, a
 GEMM that lets the lora_expand after it start early) where it serves, named through the profiler, against the
-float64 product, bitwise deterministic and under CUDA-graph replay, and at::linear wherever it does not."""
+float64 product, bitwise deterministic and under CUDA-graph replay, and elsewhere cuBLASLt (its own call) or
+at::linear."""
 import warnings
 
 import pytest
@@ -154,7 +155,8 @@ def _assert_product(y, x, w, b=None):
 @pytest.mark.parametrize("T", [1, 7, 16, 17, 32, 33, 64, 65])  # 16 | 17 | 33: the three tiles
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
-    """The automatic choice: the CUTLASS kernel up to 64 tokens, at::linear past them; the product within the output dtype's rounding of the float64 one."""
+    """The automatic choice: the CUTLASS kernel up to 64 tokens, cuBLASLt past them; the product within the output
+    dtype's rounding of the float64 one."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     x, w, _ = _inputs(T, 520, 1040, dtype, "cuda")
     y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
@@ -166,8 +168,8 @@ def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
 @pytest.mark.parametrize("case", ["bias", "n_not_in_eights", "k_not_in_eights", "float32", "strided_x",
                                   "unaligned_w", "forced_cublas"])
 def test_at_linear_where_the_kernel_does_not_serve(case, monkeypatch):
-    """A bias, sizes not in eights, float32, a non-contiguous x, an unaligned weight or a forced cuBLAS all take
-    at::linear: no CUTLASS kernel, the same product."""
+    """A bias, sizes not in eights, float32, a non-contiguous x, an unaligned weight or a forced cuBLAS: no CUTLASS
+    kernel (cuBLASLt or at::linear), the same product."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     N = 1001 if case == "n_not_in_eights" else 1040
     K = 517 if case == "k_not_in_eights" else 520
@@ -206,27 +208,49 @@ def test_unknown_kernel_name_is_an_error(monkeypatch):
         lora_ops.fold_linear(x, w)
 
 
+def _ran_at_linear(f):
+    """(f(), whether it ran at::linear), from the profiler's operator names: fold_linear's own cuBLASLt call is no
+    ATen operator, at::linear's product is aten::mm or aten::addmm."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = f()
+    names = {e.key for e in prof.key_averages()}
+    assert "lora_ops::fold_linear" in names, names  # the profiler saw the call
+    return out, bool(names & {"aten::linear", "aten::mm", "aten::addmm"})
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [80, 128, 300])
-def test_cublaslt_probe_past_64_tokens(T, monkeypatch):
-    """LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): at::linear on cuBLASLt past 64 tokens: the product, bitwise the
-    same on every call and under graph replay, and the process's preferred BLAS library as it was; a bad value
-    is an error naming the variable."""
+@pytest.mark.parametrize("blas", [None, "cublaslt", "cublas"], ids=["auto", "cublaslt", "cublas"])
+@pytest.mark.parametrize("T,bias,dtype", [(16, True, torch.bfloat16), (65, False, torch.float16),
+                                          (128, False, torch.bfloat16), (128, True, torch.float16),
+                                          (129, False, torch.bfloat16), (300, True, torch.bfloat16)])
+def test_blas_past_the_cutlass_kernel(T, bias, dtype, blas, monkeypatch):
+    """The calls the CUTLASS kernel does not take (past 64 tokens, a bias): on cuBLASLt through fold_linear's own
+    handle up to 128 tokens, or at any count with LORA_OPS_CUDA_FOLD_BLAS=cublaslt; on at::linear (cuBLAS) past
+    128, or at any count with =cublas. Either way the product within the dtype's rounding, bitwise the same on
+    every call and under graph replay, and the process's preferred BLAS library untouched."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "cublaslt")
+    if blas is None:
+        monkeypatch.delenv("LORA_OPS_CUDA_FOLD_BLAS", raising=False)
+    else:
+        monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", blas)
     before = torch.backends.cuda.preferred_blas_library()
-    x, w, _ = _inputs(T, 1024, 2048 + 512, torch.bfloat16, "cuda", key="lt")
-    y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
-    _assert_product(y, x, w)
-    assert not _ran_cutlass(ran), ran
+    x, w, b = _inputs(T, 1024, 2048 + 520, dtype, "cuda", bias=bias, key="blas")
+    y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w, b))
+    _assert_product(y, x, w, b)
+    assert ran_linear == (blas == "cublas" or (blas is None and T > 128))
     assert torch.backends.cuda.preferred_blas_library() == before
-    assert all(torch.equal(y, lora_ops.fold_linear(x, w)) for _ in range(3))
+    assert all(torch.equal(y, lora_ops.fold_linear(x, w, b)) for _ in range(3))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = lora_ops.fold_linear(x, w)
+        captured = lora_ops.fold_linear(x, w, b)
     graph.replay()
     assert torch.equal(captured, y)
+
+
+@pytest.mark.gpu
+def test_unknown_blas_name_is_an_error(monkeypatch):
     monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "lt")
+    x, w, _ = _inputs(80, 64, 48, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match="LORA_OPS_CUDA_FOLD_BLAS = 'lt'"):
         lora_ops.fold_linear(x, w)
 

@@ -311,61 +311,60 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
 // number of tokens), or always on at::linear (cuBLAS); unset or "auto": the CUTLASS kernels up to
-// kFoldLinearMaxTokens tokens where they serve, at::linear elsewhere (and with a bias: the fold route's bias_cat is
-// rare, e.g. Qwen2's qkv, and cuBLAS adds it in its epilogue).
+// kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's library elsewhere (and with a bias: the
+// fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt add it in their epilogue).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
-// LORA_OPS_CUDA_FOLD_BLAS=cublaslt (probe): fold_linear's at::linear (every call the CUTLASS kernel does not take:
-// past kFoldLinearMaxTokens tokens, a bias, fp32, ...) on cuBLASLt instead of cuBLAS, by the process's preferred
-// library, set for the call (not thread-safe: a probe for the bench, not for serving). At T=128 cuBLAS's choice
-// for the fold route's concatenated shapes costs ~4.5 us a llama3-8b layer over their A bytes (qkv, down) and its
-// narrow layers stream W at 56-75% of the copy bandwidth (NOTES.md, session 41); cuBLASLt's heuristics may choose
-// otherwise.
-enum class FoldBlas { Default, Cublaslt };
+// LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
+// (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype), or always on
+// at::linear (cuBLAS); unset or "auto": cuBLASLt up to kFoldLinearLtMaxTokens tokens, at::linear elsewhere.
+enum class FoldBlas { Auto, Cublaslt, Cublas };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
   check_fold_linear_host(weight, seg_indptr, slot_rows);
   const auto preferred =
       preferred_kernel<FoldLinearKernel>("LORA_OPS_CUDA_LINEAR_KERNEL", {"cutlass", "cublas"});
+  const auto blas = preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt", "cublas"});
+  const bool has_bias = bias.has_value() && bias->defined();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  if (preferred != FoldLinearKernel::Cublas && !(bias.has_value() && bias->defined()) && half && x.dim() >= 1 &&
-      weight.dim() == 2 && x.scalar_type() == weight.scalar_type() && x.device() == weight.device() &&
-      x.size(-1) == weight.size(1) && x.is_contiguous() && weight.stride(1) == 1 &&
-      weight.stride(0) >= weight.size(1)) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    const int device = x.get_device();
-    const int64_t k = weight.size(1), n = weight.size(0), t = k > 0 ? x.numel() / k : 0;
-    cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
-                             x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
-    if ((preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
-        cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
-      // int32 as the kernel reads it, converted only here: at::linear computes every row
-      const at::Tensor slots_indptr = seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
-      if (slots_indptr.defined()) {
-        p.seg_indptr = slots_indptr.data_ptr<int32_t>();
-        p.num_slots = slots_indptr.size(0) - 1;
-        p.slot_rows = slot_rows;
-      }
-      auto sizes = x.sizes().vec();
-      sizes.back() = n;
-      const at::Tensor y = at::empty(sizes, x.options());
-      p.y = y.data_ptr();
-      const cudaError_t err = cuda::launch_fold_linear_sm90(p, c10::cuda::getCurrentCUDAStream());
-      if (err != cudaErrorNotSupported) {
-        C10_CUDA_CHECK(err);
-        return y;
-      }
-    }
+  if (preferred == FoldLinearKernel::Cublas || !half || x.dim() < 1 || weight.dim() != 2 ||
+      x.scalar_type() != weight.scalar_type() || x.device() != weight.device() || x.size(-1) != weight.size(1) ||
+      !x.is_contiguous() || weight.stride(1) != 1 || weight.stride(0) < weight.size(1)) {
+    return at::linear(x, weight, bias);
   }
-  // The process's preferred library for this one call, restored however it ends.
-  struct PreferredBlas {
-    at::BlasBackend was = at::globalContext().blasPreferredBackend();
-    PreferredBlas() { at::globalContext().setBlasPreferredBackend(at::BlasBackend::Cublaslt); }
-    ~PreferredBlas() { at::globalContext().setBlasPreferredBackend(was); }
-  };
-  std::optional<PreferredBlas> lt;
-  if (preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt"}) == FoldBlas::Cublaslt) lt.emplace();
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int device = x.get_device();
+  const int64_t k = weight.size(1), n = weight.size(0), t = k > 0 ? x.numel() / k : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  const at::Tensor y = at::empty(sizes, x.options());
+  cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), y.data_ptr(), t, n, k, k, weight.stride(0),
+                           x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (!has_bias && (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
+      cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
+                                       device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+    // int32 as the kernel reads it, converted only here: the other paths compute every row
+    const at::Tensor slots_indptr = seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
+    if (slots_indptr.defined()) {
+      p.seg_indptr = slots_indptr.data_ptr<int32_t>();
+      p.num_slots = slots_indptr.size(0) - 1;
+      p.slot_rows = slot_rows;
+    }
+    const cudaError_t err = cuda::launch_fold_linear_sm90(p, stream);
+    if (err != cudaErrorNotSupported) {
+      C10_CUDA_CHECK(err);
+      return y;
+    }
+    p.seg_indptr = nullptr, p.num_slots = 0, p.slot_rows = 0;
+  }
+  const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                                         bias->scalar_type() == x.scalar_type() && bias->device() == x.device());
+  if (t > 0 && n > 0 && k > 0 && bias_served &&
+      (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && t <= cuda::kFoldLinearLtMaxTokens)) &&
+      cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) {
+    return y;
+  }
   return at::linear(x, weight, bias);
 }
 
