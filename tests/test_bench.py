@@ -778,6 +778,40 @@ def test_the_bench_times_its_implementations_in_turn_round_after_round(monkeypat
     assert rec["pct_roofline"] == pytest.approx(100 * first.min_bytes() / 1e-3 / 1e9 / 0.1, abs=0.05)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_each_implementations_timed_runs_call_that_implementation(device, monkeypatch):
+    """_measure makes every implementation's runners in one loop and times them after it: each run must call its
+    own implementation, in both modes (CUDA faked on the host). Session 42's interleaved bench timed the last
+    implementation's eager calls under every name: its call lists looked the loop's function up when called."""
+    right = ops._ours(lora_ops.ops, "sgmv")
+    ran = []
+    impls = {name: (lambda pb, y, name=name: (ran.append(name), right(pb, y))) for name in ("a", "b")}
+
+    def which_ran(run):
+        ran.clear()
+        run()
+        return set(ran)
+    timed = {}
+    if device == "cuda":
+        monkeypatch.setattr(timing, "capture", lambda calls: SimpleNamespace(replay=lambda: [f() for f in calls]))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(ops, "time_interleaved", lambda runs, min_ms: {
+            key: timed.setdefault(key, which_ran(run)) and 1.0 for key, run in runs.items()})
+    else:
+        monkeypatch.setattr(ops, "time_cpu", lambda run: timed.setdefault(len(timed), which_ran(run)) and 1.0)
+    case = ops.CPU_CASES[1]
+    first = ops.Problem(case, torch.bfloat16, "cpu", seed=1)
+    sets = [first, ops.Problem(case, torch.bfloat16, "cpu", 2, like=first)]
+    records, failures = [], []
+    ops._measure("sgmv", {"T": case.T}, impls, sets, lambda pb: pb.p.y, lambda pb: reference.sgmv(*pb.p.args()),
+                 torch.bfloat16, first.min_bytes(), None, device, None, records, failures, lambda s: None)
+    assert failures == [] and len(records) == (4 if device == "cuda" else 2)
+    if device == "cuda":
+        assert timed == {(name, mode): {name} for name in ("a", "b") for mode in ("graph", "eager")}
+    else:
+        assert timed == {0: {"a"}, 1: {"b"}}
+
+
 def test_records_from_a_changed_tree_say_so(tmp_path, monkeypatch):
     monkeypatch.delenv("LORA_OPS_GIT_SHA", raising=False)
     git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,

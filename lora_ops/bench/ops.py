@@ -19,6 +19,7 @@ storing its output into y and, where grouped_gemm only stores (y = output), time
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -344,12 +345,14 @@ def _measure(op: str, row: dict, impls: Dict[str, Callable], sets: list, y_of: C
             wrong(name, f": {bad}")
             log(f"  {name:<11} WRONG vs float64 oracle: {bad}; not timed")
             continue
+        # partial binds this implementation now: the runners are timed after the loop, where a lambda over the loop's
+        # fn would call the last implementation's (every eager record of session 42's interleaved bench did)
         check = None
         if name in timed_alone:
-            calls = [(lambda pb=pb: timed_alone[name](pb)) for pb in sets]
+            calls = [functools.partial(timed_alone[name], pb) for pb in sets]
         else:
             ys = [y_of(pb).clone() for pb in sets]
-            calls = [(lambda pb=pb, yy=yy: fn(pb, yy)) for pb, yy in zip(sets, ys)]
+            calls = [functools.partial(fn, pb, yy) for pb, yy in zip(sets, ys)]
             check = _replay_check(sets, ys, y_of, refs, inputs_dtype)
         if device == "cpu":
             runners[name, "eager"] = calls[0], None
