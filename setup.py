@@ -42,20 +42,21 @@ def _configure_cutlass(arch_list):
     return {"built": True, "include": include, "nvidia_cutlass": version("nvidia-cutlass")}
 
 
-def _find_cublaslt(cuda_home):
-    """(include dir, library dir, library file name) of cuBLASLt, which fold_linear calls (csrc/cuda/fold_linear_lt.cpp):
-    first the nvidia pip package torch loads it from (its copy is the one in the process: _C.so's libcublasLt.so.N
-    resolves to it by name), then the toolkit's; None where neither has both the header and the library."""
+def _find_cublaslt(cuda_home, cuda_major):
+    """(include dir, library dir, library file name) of cuBLASLt, which fold_linear calls (csrc/cuda/fold_linear_lt.cpp),
+    of torch's CUDA major version: first in the nvidia pip packages torch loads it from (its copy is the one in the
+    process: _C.so's libcublasLt.so.N resolves to it by name), then in the toolkit; None where neither has both the
+    header and that library."""
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
     roots = [r for d in (spec.submodule_search_locations if spec else []) for r in sorted(glob.glob(f"{d}/*"))]
     candidates = [(os.path.join(r, "include"), os.path.join(r, "lib")) for r in roots]
     candidates.append((os.path.join(cuda_home, "include"), os.path.join(cuda_home, "lib64")))
+    library = f"libcublasLt.so.{cuda_major}"
     for include, lib in candidates:
-        libs = sorted(glob.glob(os.path.join(lib, "libcublasLt.so*")), key=len)
-        if os.path.exists(os.path.join(include, "cublasLt.h")) and libs:
-            return include, lib, os.path.basename(libs[0])
+        if os.path.exists(os.path.join(include, "cublasLt.h")) and os.path.exists(os.path.join(lib, library)):
+            return include, lib, library
     return None
 
 
@@ -109,14 +110,16 @@ def _configure():
             # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (docs/design.md §4).
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-            cublaslt = _find_cublaslt(cuda_home)
+            cublaslt = _find_cublaslt(cuda_home, torch.version.cuda.split(".")[0])
             info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
                                         "cuda_home": cuda_home, "torch_cuda": torch.version.cuda,
                                         "cublaslt": cublaslt,
                                         "grouped_gemm_sm90": _configure_cutlass(os.environ["TORCH_CUDA_ARCH_LIST"])}
             if cublaslt is None:
-                info["backends"]["cuda"] = {"built": False, "reason": "cuBLASLt's header and library not found (the "
-                                            "nvidia-cublas package torch depends on, or the toolkit at CUDA_HOME)"}
+                reason = (f"cuBLASLt's header and libcublasLt.so.{torch.version.cuda.split('.')[0]} not found (the "
+                          "nvidia-cublas package torch depends on, or the toolkit at CUDA_HOME)")
+                print(f"lora_ops: {reason}; building without the CUDA backend")
+                info["backends"]["cuda"] = {"built": False, "reason": reason}
     info["backends"]["ascend"] = _configure_ascend()
     return info
 
@@ -166,7 +169,9 @@ def _extensions(info):
     ext_kwargs.setdefault("include_dirs", []).append(include)
     return [cpp_extension.CUDAExtension("lora_ops._C", sources, py_limited_api=True, **ext_kwargs,
                                         extra_compile_args={"cxx": cxx + ["-DLORA_OPS_WITH_CUDA"], "nvcc": nvcc},
-                                        extra_link_args=link + [f"-L{lib}", f"-l:{library}"]),
+                                        # the rpath only where the process has no copy yet (torch's is found
+                                        # first, by name)
+                                        extra_link_args=link + [f"-L{lib}", f"-l:{library}", f"-Wl,-rpath,{lib}"]),
             model]
 
 

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "kernels.h"
 
@@ -34,13 +35,22 @@ void check(cublasStatus_t status, const char* what) {
               cublasLtGetStatusString(status));
 }
 
-// One handle per device, made on its first use and kept for the process (as ATen's pool keeps its own).
+// One handle per device, made on its first use and kept for the process (as ATen's pool keeps its own). A handle
+// holds no stream or workspace (both are the call's), so threads share it. The first use may come inside a CUDA
+// graph capture: the handle is made with the thread's capture mode relaxed, so that nothing it does at creation
+// can invalidate the capture.
 cublasLtHandle_t handle_for(int device) {
   static std::mutex mutex;
   static std::map<int, cublasLtHandle_t> handles;
   const std::lock_guard<std::mutex> lock(mutex);
   auto& h = handles[device];
-  if (h == nullptr) check(cublasLtCreate(&h), "cublasLtCreate");
+  if (h == nullptr) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    const cublasStatus_t status = cublasLtCreate(&h);
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    check(status, "cublasLtCreate");
+  }
   return h;
 }
 
@@ -84,17 +94,26 @@ struct Descriptors {
   Descriptors& operator=(const Descriptors&) = delete;
 };
 
-// The heuristic's first algorithm for a shape, asked once per shape and alignment (~10-50 us of host time a
-// query) and kept for the process; nullopt where it has none.
-using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, uint32_t>;
+// Each operand's address alignment (bytes, up to 256): the heuristic's preferences for x, w and y, and the bias
+// pointer's own value, which the heuristic reads for it.
+struct Alignments {
+  uint32_t x, w, y, bias;
+  auto key() const { return std::make_tuple(x, w, y, bias); }
+};
+
+// The heuristic's first algorithm for a shape and alignments, asked once (~10-50 us of host time a query) and kept
+// for the process; nullopt where it has none. The sum over K is deterministic whatever it picks: cuBLASLt's split-K
+// reduction schemes run in order (in place behind counters, or out of place), with no float atomics.
+using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                           std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>>;
 
 std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t handle, const FoldLinearParams& p,
                                                              const Descriptors& d, int device, bool bias,
-                                                             uint32_t alignment) {
+                                                             const Alignments& align) {
   static std::mutex mutex;
   static std::map<AlgoKey, std::optional<cublasLtMatmulHeuristicResult_t>> chosen;
   const AlgoKey key{device, static_cast<int>(p.dtype), p.t, p.n, p.k, p.x_row_stride, p.w_row_stride, bias,
-                    alignment};
+                    align.key()};
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = chosen.find(key);
   if (found != chosen.end()) return found->second;
@@ -107,18 +126,23 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                             &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes)),
         "setting the workspace limit");
-  for (const auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                               CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &alignment, sizeof(alignment)),
-          "setting an alignment");
+  // A is w, B is x, C and D are y
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.w}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.x},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.y}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.y}};
+  for (const auto& [attribute, bytes] : alignments) {
+    check(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &bytes, sizeof(bytes)), "setting an alignment");
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found_count = 0;
   const cublasStatus_t status =
       cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.w, d.x, d.y, d.y, preference, 1, &result, &found_count);
   std::optional<cublasLtMatmulHeuristicResult_t> algorithm;
-  if (status == CUBLAS_STATUS_SUCCESS && found_count > 0) algorithm = result;
-  else if (status != CUBLAS_STATUS_NOT_SUPPORTED) check(status, "cublasLtMatmulAlgoGetHeuristic");
+  if (status == CUBLAS_STATUS_SUCCESS && found_count > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    algorithm = result;
+  } else if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) {
+    check(status, "cublasLtMatmulAlgoGetHeuristic");
+  }
   return chosen.emplace(key, algorithm).first->second;
 }
 
@@ -127,18 +151,18 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream) {
   const cublasLtHandle_t handle = handle_for(device);
   const Descriptors d(p, bias);
-  uint32_t alignment = std::min({alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)});
-  if (bias != nullptr) alignment = std::min(alignment, alignment_of(bias));
-  const auto algorithm = algorithm_for(handle, p, d, device, bias != nullptr, alignment);
+  const Alignments align{alignment_of(p.x), alignment_of(p.w), alignment_of(p.y), alignment_of(bias)};
+  const auto algorithm = algorithm_for(handle, p, d, device, bias != nullptr, align);
   if (!algorithm) return false;
   // from the caching allocator, in the stream's order (a graph's pool under capture)
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(algorithm->workspaceSize)}, at::TensorOptions().dtype(at::kByte).device(
                                                                       at::Device(at::kCUDA, device)));
   const float one = 1.0f, zero = 0.0f;
-  check(cublasLtMatmul(handle, d.op, &one, p.w, d.w, p.x, d.x, &zero, p.y, d.y, p.y, d.y, &algorithm->algo,
-                       workspace.data_ptr(), algorithm->workspaceSize, stream),
-        "cublasLtMatmul");
+  const cublasStatus_t status = cublasLtMatmul(handle, d.op, &one, p.w, d.w, p.x, d.x, &zero, p.y, d.y, p.y, d.y,
+                                               &algorithm->algo, workspace.data_ptr(), algorithm->workspaceSize, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;  // nothing launched
+  check(status, "cublasLtMatmul");
   return true;
 }
 

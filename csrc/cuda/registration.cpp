@@ -316,7 +316,8 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
 // (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype), or always on
-// at::linear (cuBLAS); unset or "auto": cuBLASLt up to kFoldLinearLtMaxTokens tokens, at::linear elsewhere.
+// at::linear (cuBLAS); unset or "auto": cuBLASLt where it was measured to win, past kFoldLinearMaxTokens up to
+// kFoldLinearLtMaxTokens tokens on a 9.x device, at::linear elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -335,15 +336,15 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
   const int64_t k = weight.size(1), n = weight.size(0), t = k > 0 ? x.numel() / k : 0;
+  const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  const at::Tensor y = at::empty(sizes, x.options());
-  cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), y.data_ptr(), t, n, k, k, weight.stride(0),
+  cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
                            x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor y;  // made once a kernel takes the call (at::linear makes its own)
   if (!has_bias && (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
-      cuda::fold_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
-                                       device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
+      cuda::fold_linear_sm90_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     // int32 as the kernel reads it, converted only here: the other paths compute every row
     const at::Tensor slots_indptr = seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
     if (slots_indptr.defined()) {
@@ -351,6 +352,8 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       p.num_slots = slots_indptr.size(0) - 1;
       p.slot_rows = slot_rows;
     }
+    y = at::empty(sizes, x.options());
+    p.y = y.data_ptr();
     const cudaError_t err = cuda::launch_fold_linear_sm90(p, stream);
     if (err != cudaErrorNotSupported) {
       C10_CUDA_CHECK(err);
@@ -360,10 +363,12 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   }
   const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                                          bias->scalar_type() == x.scalar_type() && bias->device() == x.device());
+  const bool lt_measured = cc_major == 9 && t > cuda::kFoldLinearMaxTokens && t <= cuda::kFoldLinearLtMaxTokens;
   if (t > 0 && n > 0 && k > 0 && bias_served &&
-      (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && t <= cuda::kFoldLinearLtMaxTokens)) &&
-      cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) {
-    return y;
+      (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && lt_measured))) {
+    if (!y.defined()) y = at::empty(sizes, x.options());
+    p.y = y.data_ptr();
+    if (cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) return y;
   }
   return at::linear(x, weight, bias);
 }
