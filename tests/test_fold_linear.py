@@ -252,18 +252,21 @@ def test_blas_past_the_cutlass_kernel(T, bias, dtype, blas, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cublaslt_algorithm_chosen_per_operand_alignment(monkeypatch):
-    """cuBLASLt's algorithm is chosen per shape and per operand's alignment (the heuristic reads the bias pointer's
-    own): after a call with every operand 256-byte aligned, the same shape with a bias 2 bytes off, then an x 2
-    bytes off, still gives the product (an algorithm kept from the first call could need more alignment than
-    they have)."""
+def test_cublaslt_takes_16_byte_aligned_operands_only(monkeypatch):
+    """After a call on cuBLASLt with every operand aligned, the same shape with a bias 2 bytes off 16, then an x,
+    runs on at::linear, and gives the product: cuBLASLt, told the bias's address, summed 10% of the outputs wrong
+    (H100, session 44), and an algorithm kept from the aligned call could need more alignment than they have."""
     monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "cublaslt")
     x, w, b = _inputs(96, 1024, 2048 + 520, torch.bfloat16, "cuda", bias=True, key="align")
-    _assert_product(lora_ops.fold_linear(x, w, b), x, w, b)
+    y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w, b))
+    _assert_product(y, x, w, b)
+    assert not ran_linear
     b_off = torch.empty(b.numel() + 1, dtype=b.dtype, device="cuda")[1:].copy_(b)
-    _assert_product(lora_ops.fold_linear(x, w, b_off), x, w, b)
     x_off = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
-    _assert_product(lora_ops.fold_linear(x_off, w, b_off), x, w, b)
+    for xx, bb in ((x, b_off), (x_off, b)):
+        y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(xx, w, bb))
+        _assert_product(y, x, w, b)
+        assert ran_linear
 
 
 @pytest.mark.gpu

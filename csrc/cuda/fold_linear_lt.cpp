@@ -26,9 +26,11 @@
 namespace lora_ops::cuda {
 namespace {
 
-// The workspace the heuristic may ask for (ATen's cuBLAS workspace on sm_90); the call allocates what the chosen
-// algorithm needs, usually none at these sizes.
-constexpr uint64_t kMaxWorkspaceBytes = 32u << 20;
+// The workspace the heuristic may ask for; the call allocates what the chosen algorithm needs. The limit steers the
+// choice: on an H100 (torch 2.11's cuBLASLt, CUBLASLT_WORKSPACE_SIZE) llama3-8b's down GEMM at 80-128 tokens ran in
+// 49.2-49.7 us with a limit of 1 or 4 MiB and in cuBLAS's 57-60 us with 32 MiB, cuBLAS's own workspace on sm_90,
+// which this call had first (NOTES.md, session 44).
+constexpr uint64_t kMaxWorkspaceBytes = 1u << 20;
 
 void check(cublasStatus_t status, const char* what) {
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "lora_ops.fold_linear: ", what, " failed: ",
@@ -149,9 +151,15 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
 }  // namespace
 
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream) {
+  const Alignments align{alignment_of(p.x), alignment_of(p.w), alignment_of(p.y), alignment_of(bias)};
+  // 16-byte operands and rows only: with a bias 2 bytes off 16, the heuristic told its address, cuBLASLt's sum was
+  // wrong in 10% of the outputs (H100, session 44)
+  if (std::min({align.x, align.w, align.y, align.bias}) < 16 || p.x_row_stride % 8 != 0 || p.w_row_stride % 8 != 0 ||
+      p.n % 8 != 0) {
+    return false;
+  }
   const cublasLtHandle_t handle = handle_for(device);
   const Descriptors d(p, bias);
-  const Alignments align{alignment_of(p.x), alignment_of(p.w), alignment_of(p.y), alignment_of(bias)};
   const auto algorithm = algorithm_for(handle, p, d, device, bias != nullptr, align);
   if (!algorithm) return false;
   // from the caching allocator, in the stream's order (a graph's pool under capture)
