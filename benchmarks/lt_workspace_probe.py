@@ -1,0 +1,129 @@
+"""Probe (issue 12): fold_linear's own cuBLASLt call (csrc/cuda/fold_linear_lt.cpp: the same mapping, alignment
+preferences and first heuristic algorithm) replayed through ctypes at several workspace limits, against cuBLAS
+(torch.mm), on the fold route's GEMMs of a llama3-8b layer; CUDA-graph replay, each call on its own copy of W
+(rotated past L2). No build: the extension is not imported (torch's loaded libcublasLt answers the name).
+
+    python3 benchmarks/lt_workspace_probe.py [--tokens 80,128] [--limits-mib 1,32]
+
+Per shape, T and limit: the chosen algorithm's id, its workspace, µs, the ratio to cuBLAS and the product's error
+against the fp32 one. Session 44: ATen's cuBLASLt picked a down GEMM 0.83-0.87x cuBLAS's time with a 1-4 MiB limit
+and cuBLAS's own with 32 MiB; this says whether fold_linear's call does the same.
+"""
+import argparse
+import ctypes
+import importlib.util
+import os
+
+import torch
+
+_spec = importlib.util.spec_from_file_location(
+    "lora_ops_timing", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lora_ops", "bench", "timing.py"))
+_timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_timing)
+cuda_runner, time_interleaved = _timing.cuda_runner, _timing.time_interleaved
+
+# llama3-8b with a 32-slot rank-16 pool: (module, rows of [W; A], K), as benchmarks/fold_splitk_probe.py
+SHAPES = [("qkv", 6144 + 32 * 3 * 16, 4096), ("o", 4096 + 32 * 16, 4096), ("gate_up", 28672 + 32 * 2 * 16, 4096),
+          ("down", 4096 + 32 * 16, 14336)]
+L2_BYTES = 60 << 20
+# cublasLt.h / cublas_api.h / library_types.h
+COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
+DESC_TRANSA, DESC_TRANSB, OP_N, OP_T = 3, 4, 0, 1
+PREF_MAX_WORKSPACE, PREF_ALIGN = 1, (5, 6, 7, 8)  # A, B, C, D
+ALGO_CONFIG_ID = 0
+
+
+class HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class Lt:
+    def __init__(self):
+        self.lib = ctypes.CDLL(f"libcublasLt.so.{torch.version.cuda.split('.')[0]}")
+        self.handle = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
+
+    @staticmethod
+    def ok(status, what):
+        if status != 0:
+            raise RuntimeError(f"cuBLASLt {what}: status {status}")
+
+    def attr(self, fn, obj, key, value, ctype):
+        v = ctype(value)
+        self.ok(getattr(self.lib, fn)(obj, key, ctypes.byref(v), ctypes.c_size_t(ctypes.sizeof(v))), fn)
+
+    def plan(self, t, n, k, limit):
+        """fold_linear_lt's descriptors and first heuristic algorithm for y [t, n] = x [t, k] . w [n, k]^T."""
+        op = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(op), COMPUTE_32F, R_32F), "desc")
+        self.attr("cublasLtMatmulDescSetAttribute", op, DESC_TRANSA, OP_T, ctypes.c_int)
+        self.attr("cublasLtMatmulDescSetAttribute", op, DESC_TRANSB, OP_N, ctypes.c_int)
+        layouts = []
+        for rows, cols, ld in ((k, n, k), (k, t, k), (n, t, n)):  # w, x, y
+            lay = ctypes.c_void_p()
+            self.ok(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), R_16BF, ctypes.c_uint64(rows),
+                                                        ctypes.c_uint64(cols), ctypes.c_int64(ld)), "layout")
+            layouts.append(lay)
+        pref = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        self.attr("cublasLtMatmulPreferenceSetAttribute", pref, PREF_MAX_WORKSPACE, limit, ctypes.c_uint64)
+        for key in PREF_ALIGN:  # fresh allocations: 256-byte aligned
+            self.attr("cublasLtMatmulPreferenceSetAttribute", pref, key, 256, ctypes.c_uint32)
+        result, found = HeuristicResult(), ctypes.c_int()
+        w, x, y = layouts
+        self.ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, op, w, x, y, y, pref, 1, ctypes.byref(result),
+                                                        ctypes.byref(found)), "heuristic")
+        if found.value < 1:
+            raise RuntimeError("no algorithm")
+        algo_id, written = ctypes.c_int(), ctypes.c_size_t()
+        self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(result.algo), ALGO_CONFIG_ID, ctypes.byref(algo_id),
+                                                      ctypes.c_size_t(4), ctypes.byref(written))
+        return op, layouts, result, algo_id.value
+
+    def matmul(self, plan, w, x, y, workspace):
+        op, (wl, xl, yl), result, _ = plan
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        ptr = lambda tensor: ctypes.c_void_p(tensor.data_ptr())
+        self.ok(self.lib.cublasLtMatmul(self.handle, op, ctypes.byref(one), ptr(w), wl, ptr(x), xl, ctypes.byref(zero),
+                                        ptr(y), yl, ptr(y), yl, ctypes.byref(result.algo), ptr(workspace),
+                                        ctypes.c_size_t(result.workspace_size), stream), "matmul")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="80,128")
+    ap.add_argument("--limits-mib", default="1,32")
+    args = ap.parse_args()
+    lt = Lt()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name, n, k in SHAPES:
+        copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda").div_(k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
+        for t in (int(v) for v in args.tokens.split(",")):
+            x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+            want = x.float() @ ws[0].float().t()
+            ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            runs = {"cublas": cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)],
+                                          graph=True)}
+            chosen = {}
+            for mib in (int(v) for v in args.limits_mib.split(",")):
+                plan = lt.plan(t, n, k, mib << 20)
+                workspace = torch.empty(max(plan[2].workspace_size, 1), dtype=torch.uint8, device="cuda")
+                lt.matmul(plan, ws[0], x, ys[0], workspace)
+                torch.cuda.synchronize()
+                err = ((ys[0].float() - want).abs().max() / want.abs().max()).item()
+                chosen[mib] = (plan, err)
+                runs[mib] = cuda_runner([lambda w=w, y=y, plan=plan, workspace=workspace: lt.matmul(plan, w, x, y,
+                                                                                                    workspace)
+                                         for w, y in zip(ws, ys)], graph=True)
+            ms = time_interleaved({key: run for key, (run, _) in runs.items()}, min_ms=30.0)
+            us = {key: ms[key] * 1e3 / runs[key][1] for key in runs}
+            print(f"{name:<8} N={n:6d} K={k:6d} T={t:4d}: cuBLAS {us['cublas']:7.2f} us" + "".join(
+                f" | {mib} MiB: algo {chosen[mib][0][3]:3d} ws {chosen[mib][0][2].workspace_size >> 10:5d} KiB "
+                f"{us[mib]:7.2f} us ({us[mib] / us['cublas']:.2f}x) err {chosen[mib][1]:.1e}" for mib in chosen))
+
+
+if __name__ == "__main__":
+    main()
