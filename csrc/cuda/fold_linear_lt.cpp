@@ -3,7 +3,7 @@
 // Why: past the CUTLASS kernel's 64 tokens the fold route's GEMM was at::linear's cuBLAS, whose choice for its
 // concatenated shapes streams the narrow layers at 56-75% of the copy bandwidth (NOTES.md, session 41). cuBLASLt's
 // heuristic chooses otherwise: an H100 llama3-8b decode step at 80-128 tokens, 32 adapters, was 3.6-4.5 points
-// faster with it (session 43). ATen reaches cuBLASLt for a product without a bias only through the process's
+// faster with ATen's cuBLASLt (session 43), all of it the down GEMM (K = 14336; session 44). ATen reaches cuBLASLt for a product without a bias only through the process's
 // preferred BLAS library, which another thread's matmul would see; hence our own handle and descriptors here.
 //
 // Mapping, as the CUTLASS kernel's: w's rows are the GEMM's M (A = w, column-major [k, n] with its row stride,
