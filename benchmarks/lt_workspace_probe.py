@@ -1,7 +1,8 @@
 """Probe (issue 12): fold_linear's own cuBLASLt call (csrc/cuda/fold_linear_lt.cpp: the same mapping, alignment
 preferences and first heuristic algorithm) replayed through ctypes at several workspace limits, against cuBLAS
 (torch.mm), on the fold route's GEMMs of a llama3-8b layer; CUDA-graph replay, each call on its own copy of W
-(rotated past L2). No build: the extension is not imported (torch's loaded libcublasLt answers the name).
+(rotated past L2; benchmarks/fold_splitk_probe.py's cases). No build: the extension is not imported (torch's
+loaded libcublasLt answers the name).
 
     python3 benchmarks/lt_workspace_probe.py [--tokens 80,128] [--limits-mib 1,32]
 
@@ -11,21 +12,19 @@ and cuBLAS's own with 32 MiB; this says whether fold_linear's call does the same
 """
 import argparse
 import ctypes
+import functools
 import importlib.util
 import os
 
 import torch
 
+# the split-K probe's shapes, inputs and timing, by its path (neither builds nor imports lora_ops)
 _spec = importlib.util.spec_from_file_location(
-    "lora_ops_timing", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lora_ops", "bench", "timing.py"))
-_timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_timing)
-cuda_runner, time_interleaved = _timing.cuda_runner, _timing.time_interleaved
+    "fold_splitk_probe", os.path.join(os.path.dirname(os.path.abspath(__file__)), "fold_splitk_probe.py"))
+_splitk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_splitk)
+cuda_runner, time_interleaved, fold_gemm_cases = _splitk.cuda_runner, _splitk.time_interleaved, _splitk.fold_gemm_cases
 
-# llama3-8b with a 32-slot rank-16 pool: (module, rows of [W; A], K), as benchmarks/fold_splitk_probe.py
-SHAPES = [("qkv", 6144 + 32 * 3 * 16, 4096), ("o", 4096 + 32 * 16, 4096), ("gate_up", 28672 + 32 * 2 * 16, 4096),
-          ("down", 4096 + 32 * 16, 14336)]
-L2_BYTES = 60 << 20
 # cublasLt.h / cublas_api.h / library_types.h
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
 DESC_TRANSA, DESC_TRANSB, OP_N, OP_T = 3, 4, 0, 1
@@ -98,31 +97,24 @@ def main():
     args = ap.parse_args()
     lt = Lt()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for name, n, k in SHAPES:
-        copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda").div_(k ** 0.5).to(torch.bfloat16) for _ in range(copies)]
-        for t in (int(v) for v in args.tokens.split(",")):
-            x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
-            want = x.float() @ ws[0].float().t()
-            ys = [torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
-            runs = {"cublas": cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)],
-                                          graph=True)}
-            chosen = {}
-            for mib in (int(v) for v in args.limits_mib.split(",")):
-                plan = lt.plan(t, n, k, mib << 20)
-                workspace = torch.empty(max(plan[2].workspace_size, 1), dtype=torch.uint8, device="cuda")
-                lt.matmul(plan, ws[0], x, ys[0], workspace)
-                torch.cuda.synchronize()
-                err = ((ys[0].float() - want).abs().max() / want.abs().max()).item()
-                chosen[mib] = (plan, err)
-                runs[mib] = cuda_runner([lambda w=w, y=y, plan=plan, workspace=workspace: lt.matmul(plan, w, x, y,
-                                                                                                    workspace)
-                                         for w, y in zip(ws, ys)], graph=True)
-            ms = time_interleaved({key: run for key, (run, _) in runs.items()}, min_ms=30.0)
-            us = {key: ms[key] * 1e3 / runs[key][1] for key in runs}
-            print(f"{name:<8} N={n:6d} K={k:6d} T={t:4d}: cuBLAS {us['cublas']:7.2f} us" + "".join(
-                f" | {mib} MiB: algo {chosen[mib][0][3]:3d} ws {chosen[mib][0][2].workspace_size >> 10:5d} KiB "
-                f"{us[mib]:7.2f} us ({us[mib] / us['cublas']:.2f}x) err {chosen[mib][1]:.1e}" for mib in chosen))
+    for name, n, k, t, x, ws, ys, want in fold_gemm_cases([int(v) for v in args.tokens.split(",")]):
+        runs = {"cublas": cuda_runner([lambda w=w, y=y: torch.mm(x, w.t(), out=y) for w, y in zip(ws, ys)],
+                                      graph=True)}
+        chosen = {}
+        for mib in (int(v) for v in args.limits_mib.split(",")):
+            plan = lt.plan(t, n, k, mib << 20)
+            workspace = torch.empty(max(plan[2].workspace_size, 1), dtype=torch.uint8, device="cuda")
+            lt.matmul(plan, ws[0], x, ys[0], workspace)
+            torch.cuda.synchronize()
+            err = ((ys[0].float() - want).abs().max() / want.abs().max()).item()
+            chosen[mib] = (plan, err)
+            runs[mib] = cuda_runner([functools.partial(lt.matmul, plan, w, x, y, workspace) for w, y in zip(ws, ys)],
+                                    graph=True)
+        ms = time_interleaved({key: run for key, (run, _) in runs.items()}, min_ms=30.0)
+        us = {key: ms[key] * 1e3 / runs[key][1] for key in runs}
+        print(f"{name:<8} N={n:6d} K={k:6d} T={t:4d}: cuBLAS {us['cublas']:7.2f} us" + "".join(
+            f" | {mib} MiB: algo {chosen[mib][0][3]:3d} ws {chosen[mib][0][2].workspace_size >> 10:5d} KiB "
+            f"{us[mib]:7.2f} us ({us[mib] / us['cublas']:.2f}x) err {chosen[mib][1]:.1e}" for mib in chosen))
 
 
 if __name__ == "__main__":
