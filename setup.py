@@ -43,10 +43,10 @@ def _configure_cutlass(arch_list):
 
 
 def _find_cublaslt(cuda_home, cuda_major):
-    """(include dir, library dir, library file name) of cuBLASLt, which fold_linear calls (csrc/cuda/fold_linear_lt.cpp),
-    of torch's CUDA major version: first in the nvidia pip packages torch loads it from (its copy is the one in the
-    process: _C.so's libcublasLt.so.N resolves to it by name), then in the toolkit; None where neither has both the
-    header and that library."""
+    """(include dir, library dir, library file name) of the cuBLASLt of torch's CUDA major version, which fold_linear
+    calls (csrc/cuda/fold_linear_lt.cpp): first in the nvidia pip packages torch loads it from (its copy is the one
+    in the process: _C.so's libcublasLt.so.N resolves to it by name), then in the toolkit; None where neither has
+    both the header and that library."""
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
@@ -110,16 +110,18 @@ def _configure():
             # Without a GPU torch would index an empty arch list and pick a wrong toolkit path (docs/design.md §4).
             os.environ.setdefault("CUDA_HOME", cuda_home)
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-            cublaslt = _find_cublaslt(cuda_home, torch.version.cuda.split(".")[0])
-            info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
-                                        "cuda_home": cuda_home, "torch_cuda": torch.version.cuda,
-                                        "cublaslt": cublaslt,
-                                        "grouped_gemm_sm90": _configure_cutlass(os.environ["TORCH_CUDA_ARCH_LIST"])}
+            cuda_major = torch.version.cuda.split(".")[0]
+            cublaslt = _find_cublaslt(cuda_home, cuda_major)
             if cublaslt is None:
-                reason = (f"cuBLASLt's header and libcublasLt.so.{torch.version.cuda.split('.')[0]} not found (the "
-                          "nvidia-cublas package torch depends on, or the toolkit at CUDA_HOME)")
+                reason = (f"cuBLASLt's header and libcublasLt.so.{cuda_major} not found (the nvidia-cublas package "
+                          "torch depends on, or the toolkit at CUDA_HOME)")
                 print(f"lora_ops: {reason}; building without the CUDA backend")
                 info["backends"]["cuda"] = {"built": False, "reason": reason}
+            else:
+                info["backends"]["cuda"] = {"built": True, "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
+                                            "cuda_home": cuda_home, "torch_cuda": torch.version.cuda,
+                                            "cublaslt": cublaslt,
+                                            "grouped_gemm_sm90": _configure_cutlass(os.environ["TORCH_CUDA_ARCH_LIST"])}
     info["backends"]["ascend"] = _configure_ascend()
     return info
 

@@ -3,8 +3,9 @@
 // Why: past the CUTLASS kernel's 64 tokens the fold route's GEMM was at::linear's cuBLAS, whose choice for its
 // concatenated shapes streams the narrow layers at 56-75% of the copy bandwidth (NOTES.md, session 41). cuBLASLt's
 // heuristic chooses otherwise: an H100 llama3-8b decode step at 80-128 tokens, 32 adapters, was 3.6-4.5 points
-// faster with ATen's cuBLASLt (session 43), all of it the down GEMM (K = 14336; session 44). ATen reaches cuBLASLt for a product without a bias only through the process's
-// preferred BLAS library, which another thread's matmul would see; hence our own handle and descriptors here.
+// faster with ATen's cuBLASLt (session 43), all of it the down GEMM (K = 14336; session 44). ATen reaches cuBLASLt
+// for a product without a bias only through the process's preferred BLAS library, which another thread's matmul
+// would see; hence our own handle and descriptors here.
 //
 // Mapping, as the CUTLASS kernel's: w's rows are the GEMM's M (A = w, column-major [k, n] with its row stride,
 // transposed), the tokens its N (B = x, column-major [k, t]), D = y^T (column-major [n, t], ld n). The bias
@@ -100,14 +101,13 @@ struct Descriptors {
 // pointer's own value, which the heuristic reads for it.
 struct Alignments {
   uint32_t x, w, y, bias;
-  auto key() const { return std::make_tuple(x, w, y, bias); }
 };
 
 // The heuristic's first algorithm for a shape and alignments, asked once (~10-50 us of host time a query) and kept
 // for the process; nullopt where it has none. The sum over K is deterministic whatever it picks: cuBLASLt's split-K
 // reduction schemes run in order (in place behind counters, or out of place), with no float atomics.
-using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
-                           std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>>;
+using AlgoKey =
+    std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t handle, const FoldLinearParams& p,
                                                              const Descriptors& d, int device, bool bias,
@@ -115,7 +115,7 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
   static std::mutex mutex;
   static std::map<AlgoKey, std::optional<cublasLtMatmulHeuristicResult_t>> chosen;
   const AlgoKey key{device, static_cast<int>(p.dtype), p.t, p.n, p.k, p.x_row_stride, p.w_row_stride, bias,
-                    align.key()};
+                    align.x, align.w, align.y, align.bias};
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = chosen.find(key);
   if (found != chosen.end()) return found->second;
@@ -162,13 +162,17 @@ bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cud
   const Descriptors d(p, bias);
   const auto algorithm = algorithm_for(handle, p, d, device, bias != nullptr, align);
   if (!algorithm) return false;
-  // from the caching allocator, in the stream's order (a graph's pool under capture)
+  // from the caching allocator, in the stream's order (a graph's pool under capture); none where the algorithm
+  // needs none (an allocation per decode call otherwise)
   const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(algorithm->workspaceSize)}, at::TensorOptions().dtype(at::kByte).device(
-                                                                      at::Device(at::kCUDA, device)));
+      algorithm->workspaceSize == 0
+          ? at::Tensor()
+          : at::empty({static_cast<int64_t>(algorithm->workspaceSize)},
+                      at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, device)));
   const float one = 1.0f, zero = 0.0f;
-  const cublasStatus_t status = cublasLtMatmul(handle, d.op, &one, p.w, d.w, p.x, d.x, &zero, p.y, d.y, p.y, d.y,
-                                               &algorithm->algo, workspace.data_ptr(), algorithm->workspaceSize, stream);
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, d.op, &one, p.w, d.w, p.x, d.x, &zero, p.y, d.y, p.y, d.y, &algorithm->algo,
+                     workspace.defined() ? workspace.data_ptr() : nullptr, algorithm->workspaceSize, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;  // nothing launched
   check(status, "cublasLtMatmul");
   return true;
