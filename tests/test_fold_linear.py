@@ -229,8 +229,8 @@ def _ran_at_linear(f):
 def test_blas_past_the_cutlass_kernel(T, bias, dtype, blas, monkeypatch):
     """The calls the CUTLASS kernel does not take (past 64 tokens, a bias): on cuBLASLt through fold_linear's own
     handle at 65-128 tokens on a 9.x device, or at any count with LORA_OPS_CUDA_FOLD_BLAS=cublaslt; on at::linear
-    (cuBLAS) elsewhere, or at any count with =cublas. Either way the product within the dtype's rounding, bitwise the same on
-    every call and under graph replay, and the process's preferred BLAS library untouched."""
+    (cuBLAS) elsewhere, or at any count with =cublas. Either way the product within the dtype's rounding, bitwise
+    the same on every call and under graph replay, and the process's preferred BLAS library untouched."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     if blas is None:
         monkeypatch.delenv("LORA_OPS_CUDA_FOLD_BLAS", raising=False)
