@@ -252,21 +252,53 @@ def test_blas_past_the_cutlass_kernel(T, bias, dtype, blas, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blas", [None, "cublaslt"], ids=["auto", "cublaslt"])
+def test_forced_blas_skips_the_cutlass_kernel_at_any_count(blas, monkeypatch):
+    """LORA_OPS_CUDA_LINEAR_KERNEL=cublas: no CUTLASS kernel, at 16 tokens either; the library cuBLAS, or cuBLASLt
+    where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it (the automatic choice's cuBLASLt at 65-128 tokens too is
+    forced off: "cublas" means cuBLAS unless both are named)."""
+    monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cublas")
+    if blas is None:
+        monkeypatch.delenv("LORA_OPS_CUDA_FOLD_BLAS", raising=False)
+    else:
+        monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", blas)
+    for T in (16, 96):
+        x, w, _ = _inputs(T, 1024, 2048 + 520, torch.bfloat16, "cuda", key="forced-blas")
+        y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w))
+        _assert_product(y, x, w)
+        assert ran_linear == (blas is None), T
+        _, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
+        assert not _ran_cutlass(ran), (T, ran)
+
+
+@pytest.mark.gpu
 def test_cublaslt_takes_16_byte_aligned_operands_only(monkeypatch):
-    """After a call on cuBLASLt with every operand aligned, the same shape with a bias 2 bytes off 16, then an x,
-    runs on at::linear, and gives the product: cuBLASLt, told the bias's address, summed 10% of the outputs wrong
-    (H100, session 44), and an algorithm kept from the aligned call could need more alignment than they have."""
+    """After a call on cuBLASLt with every operand aligned, the same shape with an x 2 bytes off 16 runs on
+    at::linear, and gives the product: an algorithm kept from the aligned call could need more alignment than it
+    has."""
     monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", "cublaslt")
     x, w, b = _inputs(96, 1024, 2048 + 520, torch.bfloat16, "cuda", bias=True, key="align")
     y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w, b))
     _assert_product(y, x, w, b)
     assert not ran_linear
-    b_off = torch.empty(b.numel() + 1, dtype=b.dtype, device="cuda")[1:].copy_(b)
     x_off = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
-    for xx, bb in ((x, b_off), (x_off, b)):
-        y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(xx, w, bb))
-        _assert_product(y, x, w, b)
-        assert ran_linear
+    y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x_off, w, b))
+    _assert_product(y, x, w, b)
+    assert ran_linear
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blas", ["cublaslt", "cublas"])
+def test_a_bias_2_bytes_off_16_is_summed_right(blas, monkeypatch):
+    """cuBLASLt's bias epilogue summed 6-10% of the outputs wrong, given a bf16 bias 2 bytes off a 16-byte boundary:
+    fold_linear's own call (H100, session 44) and at::linear's, ATen's addmm on cuBLASLt (session 45). Either
+    library is given an aligned copy of it."""
+    monkeypatch.setenv("LORA_OPS_CUDA_FOLD_BLAS", blas)
+    x, w, b = _inputs(96, 1024, 2048 + 520, torch.bfloat16, "cuda", bias=True, key="align")
+    b_off = torch.empty(b.numel() + 1, dtype=b.dtype, device="cuda")[1:].copy_(b)
+    y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w, b_off))
+    _assert_product(y, x, w, b)
+    assert ran_linear == (blas == "cublas")
 
 
 @pytest.mark.gpu

@@ -310,9 +310,10 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 }
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
-// number of tokens), or always on at::linear (cuBLAS); unset or "auto": the CUTLASS kernels up to
-// kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's library elsewhere (and with a bias: the
-// fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt add it in their epilogue).
+// number of tokens), or never on them (cuBLAS, or cuBLASLt where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it); unset
+// or "auto": the CUTLASS kernels up to kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's
+// library elsewhere (and with a bias: the fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt
+// add it in their epilogue).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
 // (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype), or always on
@@ -328,10 +329,15 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const auto blas = preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt", "cublas"});
   const bool has_bias = bias.has_value() && bias->defined();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  if (preferred == FoldLinearKernel::Cublas || !half || x.dim() < 1 || weight.dim() != 2 ||
-      x.scalar_type() != weight.scalar_type() || x.device() != weight.device() || x.size(-1) != weight.size(1) ||
-      !x.is_contiguous() || weight.stride(1) != 1 || weight.stride(0) < weight.size(1)) {
-    return at::linear(x, weight, bias);
+  // cuBLASLt's bias epilogue (ATen's addmm as well as fold_linear_lt) summed 6-10% of the outputs wrong with a bias
+  // 2 bytes off 16 (H100, sessions 44-45): such a bias is copied to a fresh (aligned) allocation first
+  const std::optional<at::Tensor> aligned_bias =
+      has_bias && reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 != 0 ? std::optional<at::Tensor>(bias->clone())
+                                                                           : bias;
+  if (!half || x.dim() < 1 || weight.dim() != 2 || x.scalar_type() != weight.scalar_type() ||
+      x.device() != weight.device() || x.size(-1) != weight.size(1) || !x.is_contiguous() || weight.stride(1) != 1 ||
+      weight.stride(0) < weight.size(1) || (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
+    return at::linear(x, weight, aligned_bias);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
@@ -343,7 +349,8 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
                            x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor y;  // made once a kernel takes the call (at::linear makes its own)
-  if (!has_bias && (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
+  if (!has_bias && preferred != FoldLinearKernel::Cublas &&
+      (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
       cuda::fold_linear_sm90_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     // int32 as the kernel reads it, converted only here: the other paths compute every row
     const at::Tensor slots_indptr = seg_indptr.has_value() ? kernel_index(*seg_indptr) : at::Tensor();
@@ -361,16 +368,17 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     }
     p.seg_indptr = nullptr, p.num_slots = 0, p.slot_rows = 0;
   }
-  const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                                         bias->scalar_type() == x.scalar_type() && bias->device() == x.device());
+  const bool bias_served = !has_bias || (aligned_bias->dim() == 1 && aligned_bias->size(0) == n &&
+                                         aligned_bias->is_contiguous() && aligned_bias->scalar_type() == x.scalar_type() &&
+                                         aligned_bias->device() == x.device());
   const bool lt_measured = cc_major == 9 && t > cuda::kFoldLinearMaxTokens && t <= cuda::kFoldLinearLtMaxTokens;
   if (t > 0 && n > 0 && k > 0 && bias_served &&
       (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && lt_measured))) {
     if (!y.defined()) y = at::empty(sizes, x.options());
     p.y = y.data_ptr();
-    if (cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) return y;
+    if (cuda::fold_linear_lt(p, has_bias ? aligned_bias->data_ptr() : nullptr, device, stream)) return y;
   }
-  return at::linear(x, weight, bias);
+  return at::linear(x, weight, aligned_bias);
 }
 
 // lora_linear's kernel parameters on the weights' side (W, A, B, the slices) for x's t contiguous rows at x_ptr,
