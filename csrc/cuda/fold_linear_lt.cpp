@@ -152,7 +152,7 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
 
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream) {
   const Alignments align{alignment_of(p.x), alignment_of(p.w), alignment_of(p.y), alignment_of(bias)};
-  // 16-byte operands and rows only (the caller aligns the bias: cuBLASLt summed a bias 2 bytes off 16 wrong)
+  // 16-byte operands and rows only (the caller's bias is: bias_epilogue_misreads in registration.cpp)
   if (std::min({align.x, align.w, align.y}) < 16 || p.x_row_stride % 8 != 0 || p.w_row_stride % 8 != 0 ||
       p.n % 8 != 0) {
     return false;

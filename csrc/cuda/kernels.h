@@ -116,8 +116,8 @@ constexpr int64_t kFoldLinearMaxTokens = 64;
 bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream);
 // fold_linear on cuBLASLt (fold_linear_lt.cpp): the same product, p.y [t, n] contiguous, plus bias [n] (x's dtype)
-// where not null; fp16 or bf16, every operand and row 16-byte aligned, the bias too (the caller copies one that is
-// not: cuBLASLt summed a bias 2 bytes off 16 wrong). Automatic past the CUTLASS kernel's tokens up to
+// where not null; fp16 or bf16, every operand and row 16-byte aligned, the bias too (the caller adds a bias itself
+// where anything is not: cuBLASLt's epilogue summed it wrong). Automatic past the CUTLASS kernel's tokens up to
 // kFoldLinearLtMaxTokens on 9.x devices, where it was measured to beat cuBLAS (H100, llama3-8b at 80-128 tokens;
 // at 192-256 it lost: NOTES.md, sessions 43-45). Returns false, launching nothing, where an operand is not aligned
 // or cuBLASLt has no algorithm for the call (the caller then runs at::linear); a cuBLASLt error raises.

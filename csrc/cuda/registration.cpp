@@ -321,6 +321,21 @@ enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // kFoldLinearLtMaxTokens tokens on a 9.x device, at::linear elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
 
+// cuBLASLt's bias epilogue summed 5.9-9.9% of a bf16 product's outputs wrong when x or the bias was 2 bytes off
+// 16: ATen's addmm (at::linear) and fold_linear_lt alike (H100, torch 2.11 + CUDA 13.0, sessions 44-45). True where
+// an operand or a row of x, weight or y is not 16-byte aligned while a bias of x's dtype and device would be added
+// there (another bias is at::linear's to refuse): such a call adds the bias after the product.
+bool bias_epilogue_misreads(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const auto off_16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0; };
+  const bool served = x.dim() >= 1 && weight.dim() == 2 && bias.scalar_type() == x.scalar_type() &&
+                      weight.scalar_type() == x.scalar_type() && bias.device() == x.device() &&
+                      weight.device() == x.device() && bias.dim() == 1 && bias.size(0) == weight.size(0) &&
+                      x.size(-1) == weight.size(1);
+  const int64_t row_elements = 16 / x.element_size();
+  return served && (off_16(x) || off_16(weight) || off_16(bias) || x.size(-1) % row_elements != 0 ||
+                    weight.stride(0) % row_elements != 0 || weight.size(0) % row_elements != 0);
+}
+
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
   check_fold_linear_host(weight, seg_indptr, slot_rows);
@@ -329,15 +344,11 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const auto blas = preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt", "cublas"});
   const bool has_bias = bias.has_value() && bias->defined();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  // cuBLASLt's bias epilogue (ATen's addmm as well as fold_linear_lt) summed 6-10% of the outputs wrong with a bias
-  // 2 bytes off 16 (H100, sessions 44-45): such a bias is copied to a fresh (aligned) allocation first
-  const std::optional<at::Tensor> aligned_bias =
-      has_bias && reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 != 0 ? std::optional<at::Tensor>(bias->clone())
-                                                                           : bias;
+  if (has_bias && bias_epilogue_misreads(x, weight, *bias)) return at::linear(x, weight).add_(*bias);
   if (!half || x.dim() < 1 || weight.dim() != 2 || x.scalar_type() != weight.scalar_type() ||
       x.device() != weight.device() || x.size(-1) != weight.size(1) || !x.is_contiguous() || weight.stride(1) != 1 ||
       weight.stride(0) < weight.size(1) || (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
-    return at::linear(x, weight, aligned_bias);
+    return at::linear(x, weight, bias);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
@@ -368,17 +379,17 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     }
     p.seg_indptr = nullptr, p.num_slots = 0, p.slot_rows = 0;
   }
-  const bool bias_served = !has_bias || (aligned_bias->dim() == 1 && aligned_bias->size(0) == n &&
-                                         aligned_bias->is_contiguous() && aligned_bias->scalar_type() == x.scalar_type() &&
-                                         aligned_bias->device() == x.device());
+  const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n &&
+                                         bias->is_contiguous() && bias->scalar_type() == x.scalar_type() &&
+                                         bias->device() == x.device());
   const bool lt_measured = cc_major == 9 && t > cuda::kFoldLinearMaxTokens && t <= cuda::kFoldLinearLtMaxTokens;
   if (t > 0 && n > 0 && k > 0 && bias_served &&
       (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && lt_measured))) {
     if (!y.defined()) y = at::empty(sizes, x.options());
     p.y = y.data_ptr();
-    if (cuda::fold_linear_lt(p, has_bias ? aligned_bias->data_ptr() : nullptr, device, stream)) return y;
+    if (cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) return y;
   }
-  return at::linear(x, weight, aligned_bias);
+  return at::linear(x, weight, bias);
 }
 
 // lora_linear's kernel parameters on the weights' side (W, A, B, the slices) for x's t contiguous rows at x_ptr,
