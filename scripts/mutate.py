@@ -614,10 +614,16 @@ MUTATIONS: List[Mutation] = [
              "CUDA fold_linear on cuBLASLt: the bias is not added", needs_gpu=True,
              tests=("tests/test_fold_linear.py",)),
     Mutation("cuda-fold-unaligned-bias-epilogue", "csrc/cuda/registration.cpp",
-             "if (has_bias && bias_epilogue_misreads(x, weight, *bias)) return",
-             "if (false && bias_epilogue_misreads(x, weight, *bias)) return",
+             "if ((has_bias && bias_epilogue_misreads(x, weight, *bias)) || !half ||",
+             "if ((false && bias_epilogue_misreads(x, weight, *bias)) || !half ||",
              "CUDA fold_linear leaves a bias to cuBLASLt's epilogue (its own call or ATen's) with x or the bias 2 "
              "bytes off 16 (a wrong sum on an H100)", needs_gpu=True, tests=("tests/test_fold_linear.py",)),
+    Mutation("cuda-safe-linear-keeps-misread-bias", "csrc/common/safe_linear.cpp",
+             "if (x.is_cuda() && bias.has_value() && bias->defined() && bias_epilogue_misreads(x, weight, *bias)) {",
+             "if (false && bias.has_value() && bias->defined() && bias_epilogue_misreads(x, weight, *bias)) {",
+             "lora_linear's composition (and fold_linear's at::linear) leaves a bias to ATen's cuBLASLt epilogue with x "
+             "or the bias 2 bytes off 16 (a wrong sum on an H100)", needs_gpu=True,
+             tests=("tests/test_lora_linear.py", "tests/test_fold_linear.py")),
     Mutation("cuda-fold-forced-blas-runs-cutlass", "csrc/cuda/registration.cpp",
              "if (!has_bias && preferred != FoldLinearKernel::Cublas &&",
              "if (!has_bias &&",

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "safe_linear.h"
 
 namespace lora_ops {
 
@@ -20,7 +21,7 @@ at::Tensor lora_linear_composite(const at::Tensor& x, const at::Tensor& weight, 
   const int64_t T = token_slot.size(0);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
-  at::Tensor y = at::linear(x.reshape({T, K}), weight, bias);
+  at::Tensor y = safe_linear(x.reshape({T, K}), weight, bias);
   if (T == 0 || L == 0 || R == 0 || K == 0 || N == 0) return y.reshape(out_sizes);
 
   const at::Tensor slot = token_slot.to(at::kLong);

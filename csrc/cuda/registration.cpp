@@ -16,6 +16,7 @@
 
 #include "../common/checks.h"
 #include "../common/lora_linear.h"
+#include "../common/safe_linear.h"
 #include "../common/op_table.h"
 #include "kernels.h"
 
@@ -321,21 +322,6 @@ enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // kFoldLinearLtMaxTokens tokens on a 9.x device, at::linear elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
 
-// cuBLASLt's bias epilogue summed 5.9-9.9% of a bf16 product's outputs wrong when x or the bias was 2 bytes off
-// 16: ATen's addmm (at::linear) and fold_linear_lt alike (H100, torch 2.11 + CUDA 13.0, sessions 44-45). True where
-// an operand or a row of x, weight or y is not 16-byte aligned while a bias of x's dtype and device would be added
-// there (another bias is at::linear's to refuse): such a call adds the bias after the product.
-bool bias_epilogue_misreads(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const auto off_16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0; };
-  const bool served = x.dim() >= 1 && weight.dim() == 2 && bias.scalar_type() == x.scalar_type() &&
-                      weight.scalar_type() == x.scalar_type() && bias.device() == x.device() &&
-                      weight.device() == x.device() && bias.dim() == 1 && bias.size(0) == weight.size(0) &&
-                      x.size(-1) == weight.size(1);
-  const int64_t row_elements = 16 / x.element_size();
-  return served && (off_16(x) || off_16(weight) || off_16(bias) || x.size(-1) % row_elements != 0 ||
-                    weight.stride(0) % row_elements != 0 || weight.size(0) % row_elements != 0);
-}
-
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& seg_indptr, int64_t slot_rows) {
   check_fold_linear_host(weight, seg_indptr, slot_rows);
@@ -344,11 +330,12 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const auto blas = preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt", "cublas"});
   const bool has_bias = bias.has_value() && bias->defined();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  if (has_bias && bias_epilogue_misreads(x, weight, *bias)) return at::linear(x, weight).add_(*bias);
-  if (!half || x.dim() < 1 || weight.dim() != 2 || x.scalar_type() != weight.scalar_type() ||
-      x.device() != weight.device() || x.size(-1) != weight.size(1) || !x.is_contiguous() || weight.stride(1) != 1 ||
-      weight.stride(0) < weight.size(1) || (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
-    return at::linear(x, weight, bias);
+  // where cuBLASLt's epilogue would misread the bias, neither library adds it (safe_linear adds it after)
+  if ((has_bias && bias_epilogue_misreads(x, weight, *bias)) || !half || x.dim() < 1 || weight.dim() != 2 ||
+      x.scalar_type() != weight.scalar_type() || x.device() != weight.device() || x.size(-1) != weight.size(1) ||
+      !x.is_contiguous() || weight.stride(1) != 1 || weight.stride(0) < weight.size(1) ||
+      (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
+    return safe_linear(x, weight, bias);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
@@ -389,7 +376,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     p.y = y.data_ptr();
     if (cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) return y;
   }
-  return at::linear(x, weight, bias);
+  return safe_linear(x, weight, bias);
 }
 
 // lora_linear's kernel parameters on the weights' side (W, A, B, the slices) for x's t contiguous rows at x_ptr,
