@@ -1,14 +1,15 @@
 """Probe (issue 12): fold_linear's own cuBLASLt call (csrc/cuda/fold_linear_lt.cpp: the same mapping, alignment
-preferences and first heuristic algorithm) replayed through ctypes at several workspace limits, against cuBLAS
+preferences, float32 split-K reduction and first heuristic algorithm) replayed through ctypes at several workspace limits, against cuBLAS
 (torch.mm), on the fold route's GEMMs of a llama3-8b layer; CUDA-graph replay, each call on its own copy of W
 (rotated past L2; benchmarks/fold_splitk_probe.py's cases). No build: the extension is not imported (torch's
 loaded libcublasLt answers the name).
 
     python3 benchmarks/lt_workspace_probe.py [--tokens 80,128] [--limits-mib 1,32]
 
-Per shape, T and limit: the chosen algorithm's id, its workspace, µs, the ratio to cuBLAS and the product's error
-against the fp32 one. Session 44: ATen's cuBLASLt picked a down GEMM 0.83-0.87x cuBLAS's time with a 1-4 MiB limit
-and cuBLAS's own with 32 MiB; this says whether fold_linear's call does the same.
+Per shape, T and limit: the chosen algorithm's id, split-K parts and reduction scheme (cublasLtReductionScheme_t),
+its workspace, µs, the ratio to cuBLAS and the product's error against the fp32 one. Session 44: ATen's cuBLASLt
+picked a down GEMM 0.83-0.87x cuBLAS's time with a 1-4 MiB limit and cuBLAS's own with 32 MiB; session 45 (H100,
+before the reduction mask): this call did the same (down 0.83-0.88x at 64-128 tokens, 1 MiB).
 """
 import argparse
 import ctypes
@@ -28,8 +29,9 @@ cuda_runner, time_interleaved, fold_gemm_cases = _splitk.cuda_runner, _splitk.ti
 # cublasLt.h / cublas_api.h / library_types.h
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
 DESC_TRANSA, DESC_TRANSB, OP_N, OP_T = 3, 4, 0, 1
-PREF_MAX_WORKSPACE, PREF_ALIGN = 1, (5, 6, 7, 8)  # A, B, C, D
-ALGO_CONFIG_ID = 0
+PREF_MAX_WORKSPACE, PREF_REDUCTION_MASK, PREF_ALIGN = 1, 3, (5, 6, 7, 8)  # A, B, C, D
+REDUCTION_COMPUTE_TYPE = 2  # with none: a split K is summed in float32 (fold_linear_lt's mask)
+ALGO_CONFIG_ID, ALGO_CONFIG_SPLITK_NUM, ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
 
 
 class HeuristicResult(ctypes.Structure):
@@ -67,6 +69,8 @@ class Lt:
         pref = ctypes.c_void_p()
         self.ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         self.attr("cublasLtMatmulPreferenceSetAttribute", pref, PREF_MAX_WORKSPACE, limit, ctypes.c_uint64)
+        self.attr("cublasLtMatmulPreferenceSetAttribute", pref, PREF_REDUCTION_MASK, REDUCTION_COMPUTE_TYPE,
+                  ctypes.c_uint32)
         for key in PREF_ALIGN:  # fresh allocations: 256-byte aligned
             self.attr("cublasLtMatmulPreferenceSetAttribute", pref, key, 256, ctypes.c_uint32)
         result, found = HeuristicResult(), ctypes.c_int()
@@ -75,10 +79,14 @@ class Lt:
                                                         ctypes.byref(found)), "heuristic")
         if found.value < 1:
             raise RuntimeError("no algorithm")
-        algo_id, written = ctypes.c_int(), ctypes.c_size_t()
-        self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(result.algo), ALGO_CONFIG_ID, ctypes.byref(algo_id),
-                                                      ctypes.c_size_t(4), ctypes.byref(written))
-        return op, layouts, result, algo_id.value
+        config = []  # the algorithm's id, split-K parts and reduction scheme
+        for attribute in (ALGO_CONFIG_ID, ALGO_CONFIG_SPLITK_NUM, ALGO_CONFIG_REDUCTION_SCHEME):
+            value, written = ctypes.c_uint32(), ctypes.c_size_t()
+            self.ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(result.algo), attribute,
+                                                                  ctypes.byref(value), ctypes.c_size_t(4),
+                                                                  ctypes.byref(written)), "algorithm config")
+            config.append(value.value)
+        return op, layouts, result, config
 
     def matmul(self, plan, w, x, y, workspace):
         op, (wl, xl, yl), result, _ = plan
@@ -113,7 +121,9 @@ def main():
         ms = time_interleaved({key: run for key, (run, _) in runs.items()}, min_ms=30.0)
         us = {key: ms[key] * 1e3 / runs[key][1] for key in runs}
         print(f"{name:<8} N={n:6d} K={k:6d} T={t:4d}: cuBLAS {us['cublas']:7.2f} us" + "".join(
-            f" | {mib} MiB: algo {chosen[mib][0][3]:3d} ws {chosen[mib][0][2].workspace_size >> 10:5d} KiB "
+            f" | {mib} MiB: algo {chosen[mib][0][3][0]:3d} split {chosen[mib][0][3][1]} "
+            f"reduction {chosen[mib][0][3][2]} "
+            f"ws {chosen[mib][0][2].workspace_size >> 10:5d} KiB "
             f"{us[mib]:7.2f} us ({us[mib] / us['cublas']:.2f}x) err {chosen[mib][1]:.1e}" for mib in chosen))
 
 

@@ -9,7 +9,8 @@ namespace lora_ops {
 
 // y = x . weight^T (+ bias), then per slice each row's delta h . B[slot, slice rows]^T in float32, added to the
 // rounded base product and rounded again (without a bias, one rounding more than the kernels' single epilogue; with
-// one, the kernels add it after their rounded y, here it is in the base product). Both products run
+// one, the kernels add it after their rounded y, here it is in the base product, unless safe_linear adds it after
+// that product). Both products run
 // over every slot at once, dense (T x L*S*R, then T x L*R per output column), not a gather of A's or B's rows per
 // token: h of every slot, each row's own window kept, the others zero.
 at::Tensor lora_linear_composite(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,

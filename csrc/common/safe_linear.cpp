@@ -4,20 +4,20 @@
 
 namespace lora_ops {
 
-bool bias_epilogue_misreads(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+bool unaligned_for_bias_epilogue(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (x.dim() < 1 || weight.dim() != 2 || bias.dim() != 1 || bias.size(0) != weight.size(0) ||
       x.size(-1) != weight.size(1) || bias.scalar_type() != x.scalar_type() ||
       weight.scalar_type() != x.scalar_type() || bias.device() != x.device() || weight.device() != x.device()) {
     return false;
   }
-  const auto off_16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0; };
+  const auto off_16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0; };
   const int64_t row_elements = 16 / x.element_size();
-  return off_16(x) || off_16(weight) || off_16(bias) || x.size(-1) % row_elements != 0 ||
+  return !x.is_contiguous() || off_16(x) || off_16(weight) || off_16(bias) || x.size(-1) % row_elements != 0 ||
          weight.stride(0) % row_elements != 0 || weight.size(0) % row_elements != 0;
 }
 
 at::Tensor safe_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (x.is_cuda() && bias.has_value() && bias->defined() && bias_epilogue_misreads(x, weight, *bias)) {
+  if (x.is_cuda() && bias.has_value() && bias->defined() && unaligned_for_bias_epilogue(x, weight, *bias)) {
     return at::linear(x, weight).add_(*bias);
   }
   return at::linear(x, weight, bias);

@@ -314,12 +314,13 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 // number of tokens), or never on them (cuBLAS, or cuBLASLt where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it); unset
 // or "auto": the CUTLASS kernels up to kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's
 // library elsewhere (and with a bias: the fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt
-// add it in their epilogue).
+// add it in their epilogue, where every operand is aligned: safe_linear).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
-// (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype), or always on
-// at::linear (cuBLAS); unset or "auto": cuBLASLt where it was measured to win, past kFoldLinearMaxTokens up to
-// kFoldLinearLtMaxTokens tokens on a 9.x device, at::linear elsewhere.
+// (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype, every operand and
+// row 16-byte aligned), or always on safe_linear (at::linear: cuBLAS); unset or "auto": cuBLASLt where it was
+// measured to win, past kFoldLinearMaxTokens up to kFoldLinearLtMaxTokens tokens on a 9.x device, safe_linear
+// elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -330,11 +331,9 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const auto blas = preferred_kernel<FoldBlas>("LORA_OPS_CUDA_FOLD_BLAS", {"cublaslt", "cublas"});
   const bool has_bias = bias.has_value() && bias->defined();
   const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  // where cuBLASLt's epilogue would misread the bias, neither library adds it (safe_linear adds it after)
-  if ((has_bias && bias_epilogue_misreads(x, weight, *bias)) || !half || x.dim() < 1 || weight.dim() != 2 ||
-      x.scalar_type() != weight.scalar_type() || x.device() != weight.device() || x.size(-1) != weight.size(1) ||
-      !x.is_contiguous() || weight.stride(1) != 1 || weight.stride(0) < weight.size(1) ||
-      (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
+  if (!half || x.dim() < 1 || weight.dim() != 2 || x.scalar_type() != weight.scalar_type() ||
+      x.device() != weight.device() || x.size(-1) != weight.size(1) || !x.is_contiguous() || weight.stride(1) != 1 ||
+      weight.stride(0) < weight.size(1) || (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
     return safe_linear(x, weight, bias);
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -414,7 +413,7 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
 // up to kLoraLinearMaxTokens rows, contiguous x, lora_b with each row's slots side by side (the adapter pool's
 // kext_lora_b); a bias is added after the GEMM. Elsewhere the ATen composition. LORA_OPS_CUDA_LINEAR_KERNEL=cublas
-// forces the composition (its GEMMs are cuBLAS's), as it does fold_linear's.
+// forces the composition (its GEMMs are cuBLAS's), as it keeps fold_linear off the CUTLASS kernel.
 at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
                             const at::Tensor& lora_b, const at::Tensor& token_slot,
                             const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
