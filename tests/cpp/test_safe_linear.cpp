@@ -52,7 +52,7 @@ TEST(SafeLinear, ABiasLinearWouldRefuseIsLinearsToRefuse) {
 }
 
 TEST(SafeLinear, OffTheGpuItIsAtLinear) {
-  // the epilogue's misreads are cuBLASLt's: elsewhere the bias stays in at::linear, bitwise
+  // the outputs off tolerance were cuBLASLt's: elsewhere the bias stays in at::linear, bitwise
   const at::Tensor x = at_offset(4 * 16, 1).view({4, 16}), w = at_offset(24 * 16, 0).view({24, 16});
   const at::Tensor b = at_offset(24, 1);
   ASSERT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, w, b));
