@@ -32,6 +32,10 @@ namespace {
 // 49.2-49.7 us with a limit of 1 or 4 MiB and in cuBLAS's 57-60 us with 32 MiB, cuBLAS's own workspace on sm_90,
 // which this call had first (NOTES.md, session 44).
 constexpr uint64_t kMaxWorkspaceBytes = 1u << 20;
+// The algorithms kept at most: a forced cuBLASLt (LORA_OPS_CUDA_FOLD_BLAS) sees every token count of every module,
+// so past this many the cache starts again (each a few hundred bytes; the automatic range holds 64 counts a
+// module).
+constexpr size_t kMaxKeptAlgorithms = 4096;
 
 void check(cublasStatus_t status, const char* what) {
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "lora_ops.fold_linear: ", what, " failed: ",
@@ -120,6 +124,7 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = chosen.find(key);
   if (found != chosen.end()) return found->second;
+  if (chosen.size() >= kMaxKeptAlgorithms) chosen.clear();
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
   struct Release {
