@@ -3,6 +3,10 @@
 #   tests      ctest + the GPU pytest suite (-m gpu: the CPU-only tests run in CI)
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
+#   probes     the session's open questions that need no bench run: benchmarks/bias_epilogue_probe.py (a bias with
+#              x or itself 2 bytes off 16: torch's and fold_linear's outputs against float64, reduced-precision
+#              reduction on and off) and benchmarks/lt_workspace_probe.py at the 1 MiB limit (fold_linear's
+#              cuBLASLt picks: split-K parts, reduction scheme, time against cuBLAS); ~1 minute, not in the default
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
 #              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
 #              (lora_ops/op_table.json)
@@ -21,7 +25,7 @@
 # Default: tests sanitizer demo bench. Logs and results are copied to $OUT when set (the device tool's return
 # folder). The bench times vLLM's LoRA ops beside ours where build/peers/vllm is carried (scripts/make_vllm_peer.sh,
 # run where a registry is reachable).
-# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [bench] [routes] [mutate]
+# Usage: LORA_OPS_GIT_SHA=<sha> bash scripts/gpu_run.sh [tests] [sanitizer] [demo] [probes] [bench] [routes] [mutate]
 #        [-- bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +92,14 @@ fi
 if want demo; then
   step demo
   $PY -m lora_ops.demo 2>&1 | grep -v -i "warn\|it/s\]" | tee "$OUT/demo.log" | tail -6
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if want probes; then
+  step probes
+  $PY benchmarks/bias_epilogue_probe.py 2>&1 | tee "$OUT/bias-epilogue-probe.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  $PY benchmarks/lt_workspace_probe.py --tokens 64,80,128,192 --limits-mib 1 2>&1 | tee "$OUT/lt-workspace-probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
