@@ -5,8 +5,9 @@
 namespace lora_ops {
 
 bool unaligned_for_bias_epilogue(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (x.dim() < 1 || weight.dim() != 2 || bias.dim() != 1 || bias.size(0) != weight.size(0) ||
-      x.size(-1) != weight.size(1) || bias.scalar_type() != x.scalar_type() ||
+  // a bias at::linear broadcasts ([N], [1, N], ...): ATen's addmm fuses any whose squeeze is 1-D
+  if (x.dim() < 1 || weight.dim() != 2 || bias.dim() < 1 || bias.size(-1) != weight.size(0) ||
+      bias.numel() != weight.size(0) || x.size(-1) != weight.size(1) || bias.scalar_type() != x.scalar_type() ||
       weight.scalar_type() != x.scalar_type() || bias.device() != x.device() || weight.device() != x.device()) {
     return false;
   }
@@ -18,7 +19,8 @@ bool unaligned_for_bias_epilogue(const at::Tensor& x, const at::Tensor& weight, 
 
 at::Tensor safe_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   if (x.is_cuda() && bias.has_value() && bias->defined() && unaligned_for_bias_epilogue(x, weight, *bias)) {
-    return at::linear(x, weight).add_(*bias);
+    at::Tensor product = at::linear(x, weight);
+    return bias->dim() == 1 ? product.add_(*bias) : at::add(product, *bias);  // at::linear's broadcast shape
   }
   return at::linear(x, weight, bias);
 }

@@ -12,8 +12,9 @@ namespace lora_ops {
 // product's outputs 2-3 ulps off the float64 one, aligned 0% (H100, torch 2.11 + CUDA 13.0; fold_linear_lt with an
 // unaligned bias: 9.9%; csrc/cuda/NOTES.md, sessions 44-45): a kernel that reduces split-K partial sums in bf16,
 // which torch's allow_bf16_reduced_precision_reduction lets the heuristic pick, or a misread bias (not yet told
-// apart). Any device's tensors (the rule is the addresses' and sizes'); a bias at::linear would refuse (another
-// dtype, device or length) answers false: at::linear's error stands.
+// apart). Any device's tensors (the rule is the addresses' and sizes'); any bias of N values in its last dimension
+// ([N], [1, N]) counts, and one at::linear would refuse (another dtype, device or length) answers false: at::linear's
+// error stands.
 bool unaligned_for_bias_epilogue(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 // at::linear(x, weight, bias), except on CUDA where unaligned_for_bias_epilogue: at::linear(x, weight), then the

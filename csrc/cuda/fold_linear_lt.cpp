@@ -34,7 +34,7 @@ namespace {
 constexpr uint64_t kMaxWorkspaceBytes = 1u << 20;
 // The algorithms kept at most: a forced cuBLASLt (LORA_OPS_CUDA_FOLD_BLAS) sees every token count of every module,
 // so past this many the cache starts again (each a few hundred bytes; the automatic range holds 64 counts a
-// module).
+// module, times the operands' alignments).
 constexpr size_t kMaxKeptAlgorithms = 4096;
 
 void check(cublasStatus_t status, const char* what) {
@@ -107,10 +107,10 @@ struct Alignments {
   uint32_t x, w, y, bias;
 };
 
-// The heuristic's first algorithm for a shape and alignments, asked once (~10-50 us of host time a query) and kept
-// for the process; nullopt where it has none. A split K, if it picks one, is reduced in float32 out of place (the
-// in-place and output-type schemes sum the parts in y's dtype: more roundings than one GEMM's), in order: the sum is
-// deterministic, with no float atomics.
+// The heuristic's first algorithm for a shape and alignments, asked once (~10-50 us of host time a query) and kept (up
+// to kMaxKeptAlgorithms); nullopt where it has none. A split K, if it picks one, is reduced in float32 out of place
+// (the in-place and output-type schemes sum the parts in y's dtype: more roundings than one GEMM's), in order: the sum
+// is deterministic, with no float atomics.
 using AlgoKey =
     std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 

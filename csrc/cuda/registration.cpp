@@ -318,7 +318,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
 // (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype, every operand and
-// row 16-byte aligned), or always on safe_linear (at::linear: cuBLAS); unset or "auto": cuBLASLt where it was
+// row 16-byte aligned), or always on safe_linear (at::linear); unset or "auto": cuBLASLt where it was
 // measured to win, past kFoldLinearMaxTokens up to kFoldLinearLtMaxTokens tokens on a 9.x device, safe_linear
 // elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
@@ -413,7 +413,7 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
 // up to kLoraLinearMaxTokens rows, contiguous x, lora_b with each row's slots side by side (the adapter pool's
 // kext_lora_b); a bias is added after the GEMM. Elsewhere the ATen composition. LORA_OPS_CUDA_LINEAR_KERNEL=cublas
-// forces the composition (its GEMMs are cuBLAS's), as it keeps fold_linear off the CUTLASS kernel.
+// forces the composition (its GEMMs are ATen's), as it keeps fold_linear off the CUTLASS kernel.
 at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
                             const at::Tensor& lora_b, const at::Tensor& token_slot,
                             const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,

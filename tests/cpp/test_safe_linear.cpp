@@ -26,12 +26,15 @@ TEST(SafeLinear, AnOperandOrRowOff16MisreadsTheBias) {
   const at::Tensor x = at_offset(4 * 16, 0).view({4, 16}), w = at_offset(24 * 16, 0).view({24, 16});
   const at::Tensor b = at_offset(24, 0);
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(24, 1)));                    // bias 2 bytes off
+  EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(24, 1).view({1, 24})));       // broadcast, too
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(at_offset(4 * 16, 1).view({4, 16}), w, b));  // x 2 bytes off
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, at_offset(24 * 16, 3).view({24, 16}), b));  // w 6 bytes off
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(at_offset(4 * 12, 0).view({4, 12}),  // rows of 24 bytes
                                                at_offset(24 * 12, 0).view({24, 12}), b));
-  EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, at_offset(20 * 16, 0).view({20, 16}), at_offset(20, 0)));  // y rows
-  EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, at_offset(24 * 20, 0).view({24, 20}).narrow(1, 0, 16), b));
+  EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, at_offset(20 * 16, 0).view({20, 16}),  // y's rows 40 bytes
+                                               at_offset(20, 0)));
+  EXPECT_TRUE(  // w's rows 40 bytes apart
+      lora_ops::unaligned_for_bias_epilogue(x, at_offset(24 * 20, 0).view({24, 20}).narrow(1, 0, 16), b));
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(at_offset(4 * 20, 0).view({4, 20}).narrow(1, 0, 16), w, b));
   EXPECT_TRUE(lora_ops::unaligned_for_bias_epilogue(at_offset(16 * 4, 0).view({16, 4}).t(), w, b));  // column-major
   // float32: 4 elements to 16 bytes
@@ -47,7 +50,7 @@ TEST(SafeLinear, ABiasLinearWouldRefuseIsLinearsToRefuse) {
   const at::Tensor x = at_offset(4 * 16, 1).view({4, 16}), w = at_offset(24 * 16, 0).view({24, 16});
   EXPECT_FALSE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(24, 1, at::kFloat)));  // another dtype
   EXPECT_FALSE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(23, 1)));              // another length
-  EXPECT_FALSE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(48, 0).view({2, 24})));  // not 1-D
+  EXPECT_FALSE(lora_ops::unaligned_for_bias_epilogue(x, w, at_offset(48, 0).view({2, 24})));  // 2 x N values
   EXPECT_THROW(lora_ops::safe_linear(x, w, at_offset(24, 1, at::kFloat)), c10::Error);
 }
 
@@ -58,4 +61,5 @@ TEST(SafeLinear, OffTheGpuItIsAtLinear) {
   ASSERT_TRUE(lora_ops::unaligned_for_bias_epilogue(x, w, b));
   EXPECT_TRUE(at::equal(lora_ops::safe_linear(x, w, b), at::linear(x, w, b)));
   EXPECT_TRUE(at::equal(lora_ops::safe_linear(x, w, std::nullopt), at::linear(x, w)));
+  EXPECT_TRUE(at::equal(lora_ops::safe_linear(x, w, b.view({1, 24})), at::linear(x, w, b.view({1, 24}))));
 }
