@@ -311,7 +311,7 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 }
 
 // LORA_OPS_CUDA_LINEAR_KERNEL=cutlass|cublas: fold_linear on the sm_90a CUTLASS kernels wherever they serve (any
-// number of tokens), or never on them (cuBLAS, or cuBLASLt where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it); unset
+// number of tokens), or never on them (at::linear, or cuBLASLt where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it); unset
 // or "auto": the CUTLASS kernels up to kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's
 // library elsewhere (and with a bias: the fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt
 // add it in their epilogue, where every operand is aligned: safe_linear).
@@ -345,7 +345,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
                            x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor y;  // made once a kernel takes the call (at::linear makes its own)
+  at::Tensor y;  // made once a kernel takes the call (safe_linear makes its own)
   if (!has_bias && preferred != FoldLinearKernel::Cublas &&
       (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
       cuda::fold_linear_sm90_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
@@ -365,9 +365,8 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     }
     p.seg_indptr = nullptr, p.num_slots = 0, p.slot_rows = 0;
   }
-  const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n &&
-                                         bias->is_contiguous() && bias->scalar_type() == x.scalar_type() &&
-                                         bias->device() == x.device());
+  const bool bias_served = !has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                                         bias->scalar_type() == x.scalar_type() && bias->device() == x.device());
   const bool lt_measured = cc_major == 9 && t > cuda::kFoldLinearMaxTokens && t <= cuda::kFoldLinearLtMaxTokens;
   if (t > 0 && n > 0 && k > 0 && bias_served &&
       (blas == FoldBlas::Cublaslt || (blas == FoldBlas::Auto && lt_measured))) {
