@@ -61,6 +61,19 @@ def sm90_built() -> bool:
     return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
 
 
+def misaligned(t):
+    """t's values in a tensor whose data starts one element past a 16-byte boundary (same shape, contiguous)."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+def aten_op_names(f):
+    """(f(), the names of the ATen operators it ran, with the other profiler entries beside them), through the
+    profiler's CPU activity."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = f()
+    return out, {e.key for e in prof.key_averages()}
+
+
 def cuda_kernel_names(f):
     """(f(), the names of the CUDA kernels it ran, with the runtime calls and profiler entries beside them), through
     the profiler. Under compute-sanitizer, whose CUPTI leaves the profiler blind, the set is empty and the checks of

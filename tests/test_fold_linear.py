@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import lora_ops
 from lora_ops import reference, testing
 
-from conftest import case_generator, cuda_kernel_names, sm90_built
+from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned, sm90_built
 
 
 
@@ -211,17 +211,10 @@ def test_unknown_kernel_name_is_an_error(monkeypatch):
         lora_ops.fold_linear(x, w)
 
 
-def _aten_ops(f):
-    """(f(), the names of the ATen operators it ran), from the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = f()
-    return out, {e.key for e in prof.key_averages()}
-
-
 def _ran_at_linear(f):
     """(f(), whether it ran at::linear), from the profiler's operator names: fold_linear's own cuBLASLt call is no
     ATen operator, at::linear's product is aten::mm or aten::addmm."""
-    out, names = _aten_ops(f)
+    out, names = aten_op_names(f)
     assert "lora_ops::fold_linear" in names, names  # the profiler saw the call
     return out, bool(names & {"aten::linear", "aten::mm", "aten::addmm"})
 
@@ -286,7 +279,7 @@ def test_cublaslt_takes_16_byte_aligned_operands_only(monkeypatch):
     y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x, w))
     _assert_product(y, x, w)
     assert not ran_linear
-    x_off = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    x_off = misaligned(x)
     y, ran_linear = _ran_at_linear(lambda: lora_ops.fold_linear(x_off, w))
     _assert_product(y, x, w)
     assert ran_linear
@@ -309,11 +302,11 @@ def test_a_bias_with_an_operand_2_bytes_off_16_is_added_after_the_product(off, b
         x, w, b = _inputs(T, 1024, 2048 + 520, torch.bfloat16, "cuda", bias=True, key="align")
         xx, bb = x, b
         if off == "bias":
-            bb = torch.empty(b.numel() + 1, dtype=b.dtype, device="cuda")[1:].copy_(b)
+            bb = misaligned(b)
         else:
-            xx = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+            xx = misaligned(x)
             bb = b.view(1, -1) if off == "x_bias_1_by_n" else b
-        y, names = _aten_ops(lambda: lora_ops.fold_linear(xx, w, bb))
+        y, names = aten_op_names(lambda: lora_ops.fold_linear(xx, w, bb))
         _assert_product(y, x, w, b)
         assert "aten::mm" in names and names & {"aten::add", "aten::add_"} and "aten::addmm" not in names, (T, names)
 

@@ -20,7 +20,7 @@ from lora_ops import backends, reference, testing
 
 import grid
 import test_grouped_gemm as gg
-from conftest import Impl, cuda_kernel_names
+from conftest import Impl, cuda_kernel_names, misaligned
 from grid import GG_CASES, GG_LARGE_CASES
 
 pytestmark = pytest.mark.gpu
@@ -54,14 +54,6 @@ def test_each_kernel_over_the_grid(kernel, name, dtype):
     assert _check(problem, dtype) == ""
 
 
-def _misaligned(t):
-    """t's values in a tensor whose data starts one element past a 16-byte boundary (same strides)."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = flat[1:].view(t.shape)
-    out.copy_(t)
-    return out
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K, N", [(72, 200), (264, 40), (264, 24), (264, 200)],
                          ids=["short_k", "few_cols", "rank_cols", "general"])
@@ -74,7 +66,7 @@ def test_unaligned_rows_take_element_loads(kernel, dtype, K, N, which, k_sizes):
     token_lora = testing.random_token_slots(300, [0, 1, 2, -1], gen)
     problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=N, dtype=dtype, device="cuda", gen=gen,
                                         n_sizes=[N, N // 2, 9], k_sizes=[K, 40, K - 3] if k_sizes else None)
-    setattr(problem, which, _misaligned(getattr(problem, which)))
+    setattr(problem, which, misaligned(getattr(problem, which)))
     assert _check(problem, dtype) == ""
 
 
@@ -296,7 +288,7 @@ def test_pieces_leave_unaligned_rows_to_the_tile_staging(which, monkeypatch):
         pytest.skip("the CUDA grouped_gemm kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_GG_KERNEL", "skinny")
     problem = gg._problem(PIECES_CASES["rank16_tails"], _cuda(torch.bfloat16), torch.bfloat16, key="rank16_tails")
-    setattr(problem, which, _misaligned(getattr(problem, which)))
+    setattr(problem, which, misaligned(getattr(problem, which)))
     report, names = cuda_kernel_names(lambda: _check(problem, torch.bfloat16))
     assert report == ""
     assert any("grouped_gemm_tile_kernel" in n for n in names) or not names, names

@@ -15,7 +15,7 @@ import torch
 import lora_ops
 from lora_ops import backends, op_table, testing
 
-from conftest import case_generator
+from conftest import case_generator, misaligned
 from grid import _grouped_runs
 
 pytestmark = pytest.mark.gpu
@@ -127,10 +127,9 @@ def test_sm90_ineligible_inputs_fall_back(monkeypatch):
     gen = case_generator("sm90-fallback")
     gathered = testing.make_grouped_gemm(testing.random_token_slots(300, [0, 1, 2], gen), num_groups=3, K=128,
                                          N=136, dtype=torch.bfloat16, device="cuda", gen=gen)
-    misaligned = testing.make_grouped_gemm(_grouped_runs([(0, 100), (1, 100)]), num_groups=2, K=128, N=136,
+    unaligned_x = testing.make_grouped_gemm(_grouped_runs([(0, 100), (1, 100)]), num_groups=2, K=128, N=136,
                                            dtype=torch.bfloat16, device="cuda", gen=gen, gathered=False)
-    flat = torch.empty(misaligned.x.numel() + 1, dtype=misaligned.x.dtype, device="cuda")
-    misaligned.x = flat[1:].view(misaligned.x.shape).copy_(misaligned.x)
+    unaligned_x.x = misaligned(unaligned_x.x)
     fp32_x = testing.make_grouped_gemm(_grouped_runs([(0, 100), (1, 100)]), num_groups=2, K=128, N=136,
                                        dtype=torch.bfloat16, device="cuda", gen=gen, gathered=False,
                                        x_dtype=torch.float32)
@@ -146,7 +145,7 @@ def test_sm90_ineligible_inputs_fall_back(monkeypatch):
     empty = testing.make_grouped_gemm(_grouped_runs([(0, 70), (-1, 30), (1, 90)]), num_groups=2, K=0, N=136,
                                       accumulate=False, alpha=float("nan"), dtype=torch.bfloat16, device="cuda",
                                       gen=gen, gathered=False)
-    for problem in (gathered, misaligned, fp32_x, sizes, k_zero, odd, empty):
+    for problem in (gathered, unaligned_x, fp32_x, sizes, k_zero, odd, empty):
         result = {}
         kernels = _kernels(lambda: result.setdefault("err", testing.run_and_check(lora_ops.ops.grouped_gemm, problem)))
         assert not any(PREP in k for k in kernels), sorted(kernels)

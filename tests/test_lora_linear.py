@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import lora_ops
 from lora_ops import reference
 
-from conftest import case_generator, cuda_kernel_names, sm90_built
+from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned, sm90_built
 
 # Relative error bounds against the float64 oracle (max |err| / max |ref|): float32 sums; half types add h's
 # rounding to x's dtype and the output's.
@@ -483,12 +483,10 @@ def test_cuda_composition_adds_a_bias_after_the_product_with_an_operand_off_16(o
     w = w * 1024 ** 0.5  # fold_linear's test's scale: outputs of tens, where the sums were off
     slots = torch.full((T,), -1, dtype=torch.int32, device="cuda")
     if off == "bias":
-        bias = torch.empty(bias.numel() + 1, dtype=bias.dtype, device="cuda")[1:].copy_(bias)
+        bias = misaligned(bias)
     else:
-        x = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        y = lora_ops.lora_linear(x, w, a, b, slots, scales, [0, 2568], bias)
-    names = {e.key for e in prof.key_averages()}
+        x = misaligned(x)
+    y, names = aten_op_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, [0, 2568], bias))
     assert "aten::mm" in names and "aten::add_" in names and "aten::addmm" not in names, names
     ref = x.double() @ w.double().t() + bias.double()
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
