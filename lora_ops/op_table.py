@@ -93,7 +93,8 @@ def _cell_index(axes: List[dict], values: Dict[str, int]) -> int:
 
 
 def _case_key(record: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in record.items()
+    # lists (a fused module's slice_widths) as tuples: the key is hashed
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in record.items()
                         if k not in ("backend", "us", "gbps", "tflops", "pct_roofline", "mode")))
 
 
@@ -207,8 +208,8 @@ def _class_range(bounds: Sequence[int], c: int) -> List[Optional[int]]:
 
 
 def _case_fields(record: dict) -> dict:
-    keep = ("T", "adapters", "rank", "pool_rank", "lora_ranks", "K", "N", "slices", "groups", "shape", "dtype",
-            "x_dtype", "y_dtype")
+    keep = ("T", "adapters", "rank", "pool_rank", "lora_ranks", "K", "N", "slices", "slice_widths", "groups", "shape",
+            "dtype", "x_dtype", "y_dtype")
     return {k: record[k] for k in keep if k in record}
 
 

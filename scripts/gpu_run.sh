@@ -43,9 +43,10 @@ done
 want() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T)) ==="; }
-# benchmarks/results/<date>-<gpu>: the bench's records' base name
+# benchmarks/results/<date>-<gpu>: the bench's records' base name; <gpu> is the model's word ("NVIDIA H100 80GB HBM3":
+# h100, "NVIDIA H200": h200), not the name's last word
 results_base() {
-  echo "benchmarks/results/$(date +%F)-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")"
+  echo "benchmarks/results/$(date +%F)-$($PY -c "import torch; print(torch.cuda.get_device_name().removeprefix('NVIDIA ').split()[0].split('-')[0].lower())")"
 }
 
 step build

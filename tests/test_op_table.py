@@ -51,8 +51,9 @@ def _rec(op, backend, us, T, mode="graph", dtype="bfloat16", **kw):
     else:
         fields = dict(adapters=4, rank=kw.get("rank", 16), pool_rank=kw.get("pool_rank", kw.get("rank", 16)),
                       K=4096, N=4096, slices=kw.get("slices", 1))
-        if "lora_ranks" in kw:
-            fields["lora_ranks"] = kw["lora_ranks"]
+        for name in ("lora_ranks", "slice_widths"):
+            if name in kw:
+                fields[name] = kw[name]
     return dict(op=op, backend=backend, mode=mode, dtype=dtype, T=T, us=us, **fields)
 
 
@@ -77,7 +78,9 @@ def test_build_gives_triton_only_regimes_it_wins_by_the_margin_and_marks_unmeasu
                + [dict(r, backend="torch_loop") for r in _pair("sgmv", 1.0, 1.0, T=40)]  # baselines: ignored
                + _pair("sgmv", 5.0, 5.0, T=100)                          # a tie keeps the C++ kernel
                + _pair("grouped_gemm", 50.0, 40.0, T=16384, N=16)         # a shrink
-               + _pair("lora_expand", 9.0, 3.0, T=32, slices=2))
+               + _pair("lora_expand", 9.0, 3.0, T=32, slices=2)
+               # a fused module's records carry its slice widths as a list
+               + _pair("lora_expand", 2.0, 8.0, T=8, slices=3, slice_widths=[4096, 1024, 1024]))
     table = op_table.build(records, META)
     op_table.validate(table)
     assert {k: table[k] for k in META} == META
@@ -103,7 +106,9 @@ def test_build_gives_triton_only_regimes_it_wins_by_the_margin_and_marks_unmeasu
     assert cell("grouped_gemm", positions=16384, n=16, k=4096)["backend"] == "triton"
     assert cell("grouped_gemm", positions=16384, n=4096, k=4096)["backend"] == "cuda"
     assert cell("lora_expand", positions=32, rank=16, slices=2, true_ranks=2)["backend"] == "triton"
-    assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 8
+    fused = cell("lora_expand", positions=8, rank=16, slices=3, true_ranks=2)
+    assert fused["backend"] == "cuda" and fused["cases"][0]["slice_widths"] == [4096, 1024, 1024]
+    assert sum(c["measured"] for op in op_table.OPS for c in table["ops"][op]["cells"]) == 9
     unmeasured = [c for op in op_table.OPS for c in table["ops"][op]["cells"] if not c["measured"]]
     assert all(c["backend"] == "cuda" and "cases" not in c for c in unmeasured)
 
