@@ -288,11 +288,11 @@ def test_cublaslt_takes_16_byte_aligned_operands_only(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("blas", [None, "cublaslt", "cublas"], ids=["auto", "cublaslt", "cublas"])
 @pytest.mark.parametrize("off", ["bias", "x", "x_bias_1_by_n"])  # a [1, N] bias: at::linear broadcasts it too
-def test_a_bias_with_an_operand_2_bytes_off_16_is_added_after_the_product(off, blas, monkeypatch):
-    """With x or a bf16 bias 2 bytes off a 16-byte boundary, cuBLASLt's bias epilogue put 5.9-9.9% of the outputs
-    2-3 ulps off: fold_linear's own call (H100, session 44) and at::linear's, ATen's addmm (session 45). fold_linear
-    adds such a bias after the product (aten::mm, then aten::add_: no addmm, no cuBLASLt call of its own), on either
-    library and at 16 tokens too, and every output is within its roundings of the float64 sum."""
+def test_an_operand_2_bytes_off_16_leaves_cublaslt_for_at_linear(off, blas, monkeypatch, full_precision_reduction):
+    """fold_linear's own cuBLASLt call takes 16-byte-aligned operands only, the kernels measured: with x or a bf16
+    bias 2 bytes off 16 it runs at::linear (ATen's addmm, its bias in the epilogue), on either library and at 16
+    tokens too, and every output is within its rounding of the float64 sum. The numbers there are torch's: with its
+    default reduced-precision reduction, 5.9% of them were 2-3 ulps further off (the fixture says why)."""
     if blas is None:
         monkeypatch.delenv("LORA_OPS_CUDA_FOLD_BLAS", raising=False)
     else:
@@ -308,7 +308,7 @@ def test_a_bias_with_an_operand_2_bytes_off_16_is_added_after_the_product(off, b
             bb = b.view(1, -1) if off == "x_bias_1_by_n" else b
         y, names = aten_op_names(lambda: lora_ops.fold_linear(xx, w, bb))
         _assert_product(y, x, w, b)
-        assert "aten::mm" in names and names & {"aten::add", "aten::add_"} and "aten::addmm" not in names, (T, names)
+        assert "aten::addmm" in names, (T, names)
 
 
 @pytest.mark.gpu

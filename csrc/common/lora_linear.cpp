@@ -3,16 +3,15 @@
 #include <vector>
 
 #include "checks.h"
-#include "safe_linear.h"
 
 namespace lora_ops {
 
 // y = x . weight^T (+ bias), then per slice each row's delta h . B[slot, slice rows]^T in float32, added to the
 // rounded base product and rounded again (without a bias, one rounding more than the kernels' single epilogue; with
-// one, the kernels add it after their rounded y, here it is in the base product, unless safe_linear adds it after
-// that product). Both products run
-// over every slot at once, dense (T x L*S*R, then T x L*R per output column), not a gather of A's or B's rows per
-// token: h of every slot, each row's own window kept, the others zero.
+// one, the kernels add it after their rounded y, here it is in the base product: at::linear's numbers, under torch's
+// reduced-precision-reduction flags, as the base model's own). Both products run over every slot at once, dense
+// (T x L*S*R, then T x L*R per output column), not a gather of A's or B's rows per token: h of every slot, each row's
+// own window kept, the others zero.
 at::Tensor lora_linear_composite(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
                                  const at::Tensor& lora_b, const at::Tensor& token_slot,
                                  const std::optional<at::Tensor>& lora_scales, at::OptionalIntArrayRef slice_offsets,
@@ -22,7 +21,7 @@ at::Tensor lora_linear_composite(const at::Tensor& x, const at::Tensor& weight, 
   const int64_t T = token_slot.size(0);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
-  at::Tensor y = safe_linear(x.reshape({T, K}), weight, bias);
+  at::Tensor y = at::linear(x.reshape({T, K}), weight, bias);
   if (T == 0 || L == 0 || R == 0 || K == 0 || N == 0) return y.reshape(out_sizes);
 
   const at::Tensor slot = token_slot.to(at::kLong);

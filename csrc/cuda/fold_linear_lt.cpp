@@ -134,7 +134,10 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                             &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes)),
         "setting the workspace limit");
-  const uint32_t float32_reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // or none: no split K
+  // a split K summed in float32 (or none): a bf16 sum of the parts, which torch lets its own cuBLAS calls pick
+  // (allow_bf16_reduced_precision_reduction), put 5.9% of a [96, 2568] product's outputs off tolerance (H100;
+  // benchmarks/bias_epilogue_probe.py)
+  const uint32_t float32_reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                             &float32_reduction, sizeof(float32_reduction)),
         "setting the reduction schemes");
@@ -162,8 +165,7 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
 
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream) {
   const Alignments align{alignment_of(p.x), alignment_of(p.w), alignment_of(p.y), alignment_of(bias)};
-  // 16-byte operands and rows only: with a bias 2 bytes off 16 this call put 9.9% of the outputs off tolerance
-  // (safe_linear.h says what is known of why)
+  // 16-byte operands and rows only, the kernels measured (an operand off 16 is a rare view: at::linear takes it)
   if (std::min({align.x, align.w, align.y, align.bias}) < 16 || p.x_row_stride % 8 != 0 || p.w_row_stride % 8 != 0 ||
       p.n % 8 != 0) {
     return false;

@@ -112,15 +112,15 @@ struct FoldLinearParams {
 };
 constexpr int64_t kFoldLinearMaxTokens = 64;
 // Supported: the checks above (y is not read). The launch returns cudaErrorNotSupported, launching nothing, where
-// CUTLASS's own host checks refuse the call (the caller then runs safe_linear).
+// CUTLASS's own host checks refuse the call (the caller then runs at::linear).
 bool fold_linear_sm90_supported(const FoldLinearParams& p, int cc_major, int cc_minor);
 cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stream);
 // fold_linear on cuBLASLt (fold_linear_lt.cpp): the same product, p.y [t, n] contiguous, plus bias [n] (x's dtype)
 // where not null; fp16 or bf16, every operand (the bias too) and row 16-byte aligned, a split K reduced in float32.
 // Automatic past the CUTLASS kernel's tokens up to kFoldLinearLtMaxTokens on 9.x devices, where it was measured to
-// beat cuBLAS (H100, llama3-8b at 80-128 tokens, before the float32-reduction mask; at 192-256 it lost: NOTES.md,
-// sessions 43-45). Returns false, launching nothing, where an operand is not aligned or cuBLASLt has no algorithm
-// for the call (the caller then runs safe_linear); a cuBLASLt error raises.
+// beat cuBLAS (H100, llama3-8b at 80-128 tokens, the same kernels with the float32-reduction mask; at 192 it lost:
+// NOTES.md, sessions 43-46). Returns false, launching nothing, where an operand is not aligned or cuBLASLt has no algorithm
+// for the call (the caller then runs at::linear); a cuBLASLt error raises.
 constexpr int64_t kFoldLinearLtMaxTokens = 128;
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream);
 

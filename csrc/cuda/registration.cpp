@@ -16,7 +16,6 @@
 
 #include "../common/checks.h"
 #include "../common/lora_linear.h"
-#include "../common/safe_linear.h"
 #include "../common/op_table.h"
 #include "kernels.h"
 
@@ -314,13 +313,12 @@ void grouped_gemm_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tenso
 // number of tokens), or never on them (at::linear, or cuBLASLt where LORA_OPS_CUDA_FOLD_BLAS=cublaslt forces it); unset
 // or "auto": the CUTLASS kernels up to kFoldLinearMaxTokens tokens where they serve, LORA_OPS_CUDA_FOLD_BLAS's
 // library elsewhere (and with a bias: the fold route's bias_cat is rare, e.g. Qwen2's qkv, and cuBLAS and cuBLASLt
-// add it in their epilogue, where every operand is aligned: safe_linear).
+// add it in their epilogue).
 enum class FoldLinearKernel { Auto, Cutlass, Cublas };
 // LORA_OPS_CUDA_FOLD_BLAS=cublaslt|cublas: fold_linear's calls that the CUTLASS kernel does not take on cuBLASLt
 // (cuda::fold_linear_lt) wherever it serves them (fp16/bf16, x contiguous, a bias of x's dtype, every operand and
-// row 16-byte aligned), or always on safe_linear (at::linear); unset or "auto": cuBLASLt where it was
-// measured to win, past kFoldLinearMaxTokens up to kFoldLinearLtMaxTokens tokens on a 9.x device, safe_linear
-// elsewhere.
+// row 16-byte aligned), or always on at::linear; unset or "auto": cuBLASLt where it was measured to win, past
+// kFoldLinearMaxTokens up to kFoldLinearLtMaxTokens tokens on a 9.x device, at::linear elsewhere.
 enum class FoldBlas { Auto, Cublaslt, Cublas };
 
 at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -334,7 +332,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   if (!half || x.dim() < 1 || weight.dim() != 2 || x.scalar_type() != weight.scalar_type() ||
       x.device() != weight.device() || x.size(-1) != weight.size(1) || !x.is_contiguous() || weight.stride(1) != 1 ||
       weight.stride(0) < weight.size(1) || (preferred == FoldLinearKernel::Cublas && blas != FoldBlas::Cublaslt)) {
-    return safe_linear(x, weight, bias);
+    return at::linear(x, weight, bias);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
@@ -345,7 +343,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
   cuda::FoldLinearParams p{x.data_ptr(), weight.data_ptr(), nullptr, t, n, k, k, weight.stride(0),
                            x.scalar_type() == at::kHalf ? DType::F16 : DType::BF16};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor y;  // made once a kernel takes the call (safe_linear makes its own)
+  at::Tensor y;  // made once a kernel takes the call (at::linear makes its own)
   if (!has_bias && preferred != FoldLinearKernel::Cublas &&
       (preferred == FoldLinearKernel::Cutlass || t <= cuda::kFoldLinearMaxTokens) &&
       cuda::fold_linear_sm90_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
@@ -374,7 +372,7 @@ at::Tensor fold_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
     p.y = y.data_ptr();
     if (cuda::fold_linear_lt(p, has_bias ? bias->data_ptr() : nullptr, device, stream)) return y;
   }
-  return safe_linear(x, weight, bias);
+  return at::linear(x, weight, bias);
 }
 
 // lora_linear's kernel parameters on the weights' side (W, A, B, the slices) for x's t contiguous rows at x_ptr,
