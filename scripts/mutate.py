@@ -824,14 +824,20 @@ def make_scratch(root: str, scratch: str, files: Sequence[str]) -> None:
 ORIGINAL_SUFFIX = ".mutate-orig"
 
 
-def restore_originals(tree: str) -> None:
-    """Put back every file that a killed run left mutated in tree (its original waits beside it)."""
-    for backup in {tree + os.sep + m.file + ORIGINAL_SUFFIX for m in MUTATIONS}:
+def restore_originals(tree: str) -> List[str]:
+    """Put back every file that a killed run left mutated in tree (its original waits beside it), dated now: the
+    build's objects were compiled from the mutated file, later than the original's date, so a build would keep them
+    (a GPU run's baseline once failed that way, on the killed run's bug). Returns the restored paths."""
+    restored = []
+    for backup in sorted({tree + os.sep + m.file + ORIGINAL_SUFFIX for m in MUTATIONS}):
         if not os.path.exists(backup):
             continue
         path = backup[:-len(ORIGINAL_SUFFIX)]
         print(f"mutate: restoring {os.path.relpath(path, tree)}, left mutated by a run that did not finish")
         shutil.move(backup, path)
+        os.utime(path)
+        restored.append(path)
+    return restored
 
 
 def _env(seed: int, gpu: bool) -> dict:
@@ -904,8 +910,7 @@ def main(argv=None) -> int:
 
     if args.in_place and args.scratch:
         sys.exit("mutate: --in-place and --scratch exclude each other")
-    if args.in_place:
-        restore_originals(ROOT)  # before the snippets are looked for
+    restored = restore_originals(ROOT) if args.in_place else []  # before the snippets are looked for
     files = worktree_files(ROOT)
     stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}
     for mid, why in stale.items():
@@ -927,6 +932,9 @@ def main(argv=None) -> int:
         logs = os.path.join(scratch, "mutation_logs")
         os.makedirs(logs, exist_ok=True)
         make_scratch(ROOT, scratch, files)
+    if any(p.endswith(CPP_SUFFIXES) for p in restored) and not build(scratch, env, os.path.join(logs, "restored.log")):
+        print(f"mutate: the checkout with its restored files does not build; see {logs}/restored.log")
+        return 2
     pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}
     lines = [f"mutate: {ROOT} -> {scratch}; LORA_OPS_TEST_SEED={seed}; "
              f"{'--fast (own test files)' if args.fast else 'every test file, -q -x'}; {'GPU' if args.gpu else 'CPU'}"]
