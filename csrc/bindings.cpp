@@ -139,8 +139,8 @@ TORCH_LIBRARY(lora_ops, m) {
   // into the base layer's GEMM).
   m.def((std::string("lora_expand") + lora_ops::schema::kLoraExpand).c_str());
   m.def((std::string("build_segments") + lora_ops::schema::kBuildSegments).c_str());
-  // y = x·weightᵀ (+ bias): the fold route's GEMM against [W; A of every slot]. at::linear on every backend (on CUDA
-  // cuBLASLt's own call at 65-128 tokens on sm_90); on sm_90 at decode sizes a GEMM that lets the lora_expand
+  // y = x·weightᵀ (+ bias): the fold route's GEMM against [W; A of every slot]. at::linear on every backend; on
+  // sm_90 the extension's own cuBLASLt call at 65-128 tokens, and at decode sizes a GEMM that lets the lora_expand
   // launched after it start before it ends (PDL). Unlike the ops above it has a backward: linear's,
   // wherever a gradient is wanted.
   m.def((std::string("fold_linear") + lora_ops::schema::kFoldLinear).c_str());

@@ -8,6 +8,7 @@ tests, and report whether they caught it. On demand, not in CI (a full run takes
     python scripts/mutate.py --gpu            # the GPU-only mutations (on the GPU box, after its CUDA build)
     python scripts/mutate.py --check          # only check that every snippet still applies; runs nothing
     python scripts/mutate.py --list           # the documented list of planted bugs
+    python scripts/mutate.py --restore        # only undo a killed --in-place run (scripts/gpu_run.sh, before its build)
     options: --log FILE (also write the report there), --scratch DIR (reuse a scratch copy and its C++ objects
              across runs), --in-place (no copy: plant the bugs in this checkout and rebuild with its own build
              directory, so a C++ mutation recompiles one file instead of the whole extension; for a throwaway tree
@@ -23,7 +24,7 @@ stale: the script stops with exit status 2 and says where else the snippet occur
 copy when the file is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore
 the file. With --in-place the same happens in this checkout: the original of a mutated file waits in
 <file>.mutate-orig until it is restored, and a run that was killed is undone by the next one, which restores any
-such file before it starts.
+such file (dated now, so that a build recompiles it) and rebuilds before it starts.
 
 The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
 with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
@@ -888,6 +889,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="store_true", help="run the GPU-only mutations (on a GPU machine)")
     ap.add_argument("--fast", action="store_true", help="run each mutation's own test files, not the whole suite")
     ap.add_argument("--check", action="store_true", help="only check that every snippet applies")
+    ap.add_argument("--restore", action="store_true",
+                    help="only put back the files a killed --in-place run left mutated (a build recompiles them)")
     ap.add_argument("--list", action="store_true", help="print the mutation list")
     ap.add_argument("--skip-stale", action="store_true", help="report stale mutations and run the others")
     ap.add_argument("--scratch", help="scratch directory to (re)use; default: a new temporary one, removed after")
@@ -910,6 +913,9 @@ def main(argv=None) -> int:
 
     if args.in_place and args.scratch:
         sys.exit("mutate: --in-place and --scratch exclude each other")
+    if args.restore:
+        restore_originals(ROOT)
+        return 0
     restored = restore_originals(ROOT) if args.in_place else []  # before the snippets are looked for
     files = worktree_files(ROOT)
     stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}
@@ -932,7 +938,10 @@ def main(argv=None) -> int:
         logs = os.path.join(scratch, "mutation_logs")
         os.makedirs(logs, exist_ok=True)
         make_scratch(ROOT, scratch, files)
-    if any(p.endswith(CPP_SUFFIXES) for p in restored) and not build(scratch, env, os.path.join(logs, "restored.log")):
+    # the checkout's own build (CUDA too, where a CPU run's mutations build without it): it is what stays
+    full_build_env = {k: v for k, v in env.items() if k != "LORA_OPS_NO_CUDA"}
+    rebuilt = os.path.join(logs, "restored.log")
+    if any(p.endswith(CPP_SUFFIXES) for p in restored) and not build(ROOT, full_build_env, rebuilt):
         print(f"mutate: the checkout with its restored files does not build; see {logs}/restored.log")
         return 2
     pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}

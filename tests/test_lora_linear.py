@@ -474,9 +474,10 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("off,T", [("x", 96), ("x", 129), ("bias", 129)])  # 96: the kernels' tokens, x off 16
 def test_cuda_composition_with_an_operand_off_16(off, T, monkeypatch, full_precision_reduction):
-    """x or the bias 2 bytes off 16 leaves the kernels for the ATen composition (its bias in addmm's epilogue). Rows
-    without a slot (the base product plus the bias) against float64, each output within its rounding, at the shape
-    where torch's default reduced-precision reduction put 5.9% of them 2-3 ulps further off (the fixture says why)."""
+    """x 2 bytes off 16, or 129 tokens, leaves the kernels for the ATen composition (its bias in addmm's epilogue),
+    with x or the bias 2 bytes off 16. Rows without a slot (the base product plus the bias) against float64, each
+    output within its rounding, at the shape where torch's default reduced-precision reduction put 5.9% of them past
+    the tolerance (the fixture says why)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     x, w, a, b, _, scales, bias = _inputs(T, 1024, 2568, 2, 16, [0, 2568], torch.bfloat16, "cuda", f"off16-{off}")
     w = w * 1024 ** 0.5  # fold_linear's test's scale: outputs of tens, where the sums were off

@@ -135,8 +135,8 @@ std::optional<cublasLtMatmulHeuristicResult_t> algorithm_for(cublasLtHandle_t ha
                                             &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes)),
         "setting the workspace limit");
   // a split K summed in float32 (or none): a bf16 sum of the parts, which torch lets its own cuBLAS calls pick
-  // (allow_bf16_reduced_precision_reduction), put 5.9% of a [96, 2568] product's outputs off tolerance (H100;
-  // benchmarks/bias_epilogue_probe.py)
+  // (allow_bf16_reduced_precision_reduction), put 5.9% of a [96, 2568] product's outputs off tolerance in ATen's
+  // addmm with an operand 2 bytes off 16 (H100; benchmarks/bias_epilogue_probe.py)
   const uint32_t float32_reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                             &float32_reduction, sizeof(float32_reduction)),

@@ -118,9 +118,9 @@ cudaError_t launch_fold_linear_sm90(const FoldLinearParams& p, cudaStream_t stre
 // fold_linear on cuBLASLt (fold_linear_lt.cpp): the same product, p.y [t, n] contiguous, plus bias [n] (x's dtype)
 // where not null; fp16 or bf16, every operand (the bias too) and row 16-byte aligned, a split K reduced in float32.
 // Automatic past the CUTLASS kernel's tokens up to kFoldLinearLtMaxTokens on 9.x devices, where it was measured to
-// beat cuBLAS (H100, llama3-8b at 80-128 tokens, the same kernels with the float32-reduction mask; at 192 it lost:
-// NOTES.md, sessions 43-46). Returns false, launching nothing, where an operand is not aligned or cuBLASLt has no algorithm
-// for the call (the caller then runs at::linear); a cuBLASLt error raises.
+// beat cuBLAS (H100, llama3-8b at 80-128 tokens; the same kernels with the float32-reduction mask; at 192 it
+// lost: NOTES.md, sessions 43-46). Returns false, launching nothing, where an operand is not aligned or cuBLASLt
+// has no algorithm for the call (the caller then runs at::linear); a cuBLASLt error raises.
 constexpr int64_t kFoldLinearLtMaxTokens = 128;
 bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cudaStream_t stream);
 
