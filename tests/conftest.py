@@ -16,6 +16,12 @@ from lora_ops import backends, op_table  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+
+def gpu_where_present(test):
+    """For a test that runs on the GPU where there is one, else on the CPU (Triton's interpreter): marked gpu there,
+    so that the GPU suite (pytest -m gpu) runs it, and unmarked here, so that CI's CPU suite does."""
+    return pytest.mark.gpu(test) if HAS_CUDA else test
+
 # Under pytest-xdist each worker would start one torch thread per core for the CPU work (the float64 oracle, the
 # inputs): n workers x n threads oversubscribe the machine n times over. Each worker takes its share of the cores.
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

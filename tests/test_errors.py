@@ -12,6 +12,8 @@ import lora_ops
 import lora_ops.ops as ops
 from lora_ops import backends, testing
 
+from conftest import gpu_where_present
+
 
 def sgmv_args(T=4, K=16, N=12, L=3, R=4, S=1, dtype=torch.float32):
     return dict(y=torch.randn(T, N, dtype=dtype), x=torch.randn(T, K, dtype=dtype),
@@ -368,6 +370,7 @@ for mod in mods:
         assert want in got, (got, want)
 
 
+@gpu_where_present
 @pytest.mark.skipif("triton" in backends.unavailable, reason="Triton not installed")
 def test_triton_refuses_sizes_its_kernels_cannot_launch():
     """Past CUDA's 65535 column programs, or a rank whose block passes Triton's 2**20 elements, the Triton entry

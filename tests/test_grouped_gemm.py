@@ -3,7 +3,7 @@ import torch
 
 from lora_ops import testing
 
-from conftest import case_generator, repeat_runs, triton_backend
+from conftest import case_generator, gpu_where_present, repeat_runs, triton_backend
 from grid import GG_CASES, GG_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -101,6 +101,7 @@ def test_triton_grouped_gemm_config_classes():
                                                        num_stages=3)
 
 
+@gpu_where_present
 @pytest.mark.parametrize("tile", ["big", "shrink", "expand"])
 def test_triton_grouped_gemm_tuned_tiles_match_the_oracle(tile):
     """Each tuned tile of the Triton table on a problem of its class (fp32 under the interpreter, bf16 on a GPU;
