@@ -29,7 +29,8 @@ such file (dated now, so that a build recompiles it) and rebuilds before it star
 The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
 with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
 the test files named one by one with the mutation's own first, so that a caught bug fails early: every
-tests/**/test_*.py file runs, as under `pytest tests`. ctest is not run: a bug only the C++ unit tests catch
+tests/**/test_*.py file runs, as under `pytest tests` (with --gpu, its GPU tests only, `-m gpu`, as the GPU job's
+suite: the planted bugs there are in code only a GPU runs). ctest is not run: a bug only the C++ unit tests catch
 reports as survived. A non-zero pytest exit status is "caught" (1: a test failed; negative: the process crashed,
 e.g. on an out-of-bounds access); zero is "survived". All pytest runs of one invocation share one
 LORA_OPS_TEST_SEED (printed; taken from the environment when set).
@@ -867,9 +868,15 @@ def test_files(files: Sequence[str], first: Sequence[str], only_first: bool) -> 
     return list(first) + [f for f in found if f not in first]
 
 
-def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float, workers: int = 0):
+NO_TESTS_COLLECTED = 5  # pytest's exit status
+
+
+def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float, workers: int = 0,
+              gpu: bool = False):
     """(pytest exit status or None on timeout, first failing test ids)."""
     cmd = [sys.executable, "-m", "pytest", *test_paths, "-q", "-x", "-p", "no:cacheprovider"]
+    if gpu:
+        cmd += ["-m", "gpu"]
     if workers:
         cmd += ["-n", str(workers)]
     with open(log_path, "w") as log:
@@ -953,7 +960,7 @@ def main(argv=None) -> int:
     runs = [m for m in chosen if m.id not in stale and m.needs_gpu == args.gpu]
     own = sorted({t for m in runs for t in m.tests}) if args.fast and all(m.tests for m in runs) else []
     rc, failed = run_tests(scratch, env, test_files(files, own, bool(own)), os.path.join(logs, "baseline.log"),
-                           args.timeout, args.workers)
+                           args.timeout, args.workers, args.gpu)
     if rc != 0:
         print(f"mutate: the UNMUTATED suite fails (exit {rc}: {failed[:3]}); see {logs}/baseline.log")
         return 2
@@ -998,7 +1005,7 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
         if cpp and not build(scratch, env, os.path.join(logs, f"{m.id}.build.log")):
             return m, "no build", time.time() - t0, f"the mutated tree does not compile: {logs}/{m.id}.build.log"
         rc, failed = run_tests(scratch, env, test_files(files, m.tests, args.fast),
-                               os.path.join(logs, f"{m.id}.log"), args.timeout, args.workers)
+                               os.path.join(logs, f"{m.id}.log"), args.timeout, args.workers, args.gpu)
     finally:
         _write(path, original)
         os.remove(backup)
@@ -1011,6 +1018,8 @@ def _run_one(m: Mutation, scratch: str, env: dict, logs: str, args, pristine: di
         return m, "caught", secs, f"timeout after {args.timeout:.0f} s (a hang)"
     if rc == 0:
         return m, "survived", secs, "every test passed"
+    if rc == NO_TESTS_COLLECTED:  # not a catch: nothing ran
+        return m, "survived", secs, "no test ran (none of its test files has a test of this run's selection)"
     what = f"exit {rc}" + (" (crash)" if rc < 0 else "")
     return m, "caught", secs, f"{what}: {failed[0] if failed else 'see ' + m.id + '.log'}"
 
