@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -24,17 +25,19 @@ namespace {
 
 // Device attributes the launch plans need, read once per device.
 int device_attribute(cudaDeviceAttr attr, int device) {
-  static int cached[3][64] = {};
+  constexpr int kCachedDevices = 64;
+  // atomic: calls from several threads read and fill it (relaxed: every thread writes the same value)
+  static std::atomic<int> cached[3][kCachedDevices] = {};
   const int which = attr == cudaDevAttrMultiProcessorCount ? 0 : attr == cudaDevAttrComputeCapabilityMajor ? 1 : 2;
   TORCH_INTERNAL_ASSERT(which < 2 || attr == cudaDevAttrComputeCapabilityMinor);
-  int& value = cached[which][device & 63];
+  const bool cacheable = device >= 0 && device < kCachedDevices;
   // stored plus one, so that 0 means "not read yet" (a minor version of 0 is a valid value)
-  if (value == 0) {
-    int read = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&read, attr, device));
-    value = read + 1;
-  }
-  return value - 1;
+  const int stored = cacheable ? cached[which][device].load(std::memory_order_relaxed) : 0;
+  if (stored != 0) return stored - 1;
+  int read = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&read, attr, device));
+  if (cacheable) cached[which][device].store(read + 1, std::memory_order_relaxed);
+  return read;
 }
 
 // ---- the op table (csrc/common/op_table.h): a call in a regime it gives to Triton is redispatched to
