@@ -1,15 +1,15 @@
 """Probe (issue 12): fold_linear's own cuBLASLt call (csrc/cuda/fold_linear_lt.cpp: the same mapping, alignment
-preferences, float32 split-K reduction and first heuristic algorithm) replayed through ctypes at several workspace limits, against cuBLAS
-(torch.mm), on the fold route's GEMMs of a llama3-8b layer; CUDA-graph replay, each call on its own copy of W
-(rotated past L2; benchmarks/fold_splitk_probe.py's cases). No build: the extension is not imported (torch's
-loaded libcublasLt answers the name).
+preferences, float32 split-K reduction and first heuristic algorithm) replayed through ctypes at several workspace
+limits, against cuBLAS (torch.mm), on the fold route's GEMMs of a llama3-8b layer; CUDA-graph replay, each call on
+its own copy of W (rotated past L2; benchmarks/fold_splitk_probe.py's cases). No build: the extension is not
+imported (torch's loaded libcublasLt answers the name).
 
     python3 benchmarks/lt_workspace_probe.py [--tokens 80,128] [--limits-mib 1,32]
 
 Per shape, T and limit: the chosen algorithm's id, split-K parts and reduction scheme (cublasLtReductionScheme_t),
 its workspace, µs, the ratio to cuBLAS and the product's error against the fp32 one. Session 44: ATen's cuBLASLt
-picked a down GEMM 0.83-0.87x cuBLAS's time with a 1-4 MiB limit and cuBLAS's own with 32 MiB; session 45 (H100,
-before the reduction mask): this call did the same (down 0.83-0.88x at 64-128 tokens, 1 MiB).
+picked a down GEMM 0.83-0.87x cuBLAS's time with a 1-4 MiB limit and cuBLAS's own with 32 MiB; this call did the
+same (H100: down 0.83-0.88x at 64-128 tokens, 1 MiB, session 45; with the reduction mask 0.83-0.86x, session 46).
 """
 import argparse
 import ctypes

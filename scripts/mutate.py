@@ -945,12 +945,12 @@ def main(argv=None) -> int:
         logs = os.path.join(scratch, "mutation_logs")
         os.makedirs(logs, exist_ok=True)
         make_scratch(ROOT, scratch, files)
-    # the checkout's own build (CUDA too, where a CPU run's mutations build without it): it is what stays
-    full_build_env = {k: v for k, v in env.items() if k != "LORA_OPS_NO_CUDA"}
-    rebuilt = os.path.join(logs, "restored.log")
-    if any(p.endswith(CPP_SUFFIXES) for p in restored) and not build(ROOT, full_build_env, rebuilt):
-        print(f"mutate: the checkout with its restored files does not build; see {logs}/restored.log")
-        return 2
+    if any(p.endswith(CPP_SUFFIXES) for p in restored):
+        # the checkout's own build, CUDA too (a CPU run's mutations build without it): it is what stays
+        full_build = {k: v for k, v in env.items() if k != "LORA_OPS_NO_CUDA"}
+        if not build(ROOT, full_build, os.path.join(logs, "restored.log")):
+            print(f"mutate: the checkout with its restored files does not build; see {logs}/restored.log")
+            return 2
     pristine = {p: open(p, "rb").read() for pattern in BUILT for p in glob.glob(os.path.join(scratch, pattern))}
     lines = [f"mutate: {ROOT} -> {scratch}; LORA_OPS_TEST_SEED={seed}; "
              f"{'--fast (own test files)' if args.fast else 'every test file, -q -x'}; {'GPU' if args.gpu else 'CPU'}"]

@@ -77,8 +77,8 @@ def full_precision_reduction():
     """torch's own cuBLAS calls (at::linear, addmm) sum a split K's parts in float32 for the test. torch's default
     lets them sum in bf16/fp16 (allow_*_reduced_precision_reduction), which put 5.9% of a bf16 [96, 2568] product's
     outputs past the tests' tolerance (2-3 ulps off the float64 sum) where an operand was 2 bytes off 16, 0% with
-    it off (H100, torch 2.11;
-    benchmarks/bias_epilogue_probe.py): for the tests of lora_ops' numbers on such an ATen path, not torch's."""
+    it off (H100, torch 2.11; benchmarks/bias_epilogue_probe.py): for the tests of lora_ops' numbers on such an ATen
+    path, not torch's."""
     matmul = torch.backends.cuda.matmul
     names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
     # torch's own getter: newer torch keeps a (reduced precision, split K) pair, of which the attribute shows one
