@@ -411,6 +411,11 @@ MUTATIONS: List[Mutation] = [
              "        run = next;",
              "CUDA pipelined runs kernel: every run of a warp multiplies the first run's B and h (the next trip "
              "loaded, never used)", needs_gpu=True, tests=EXPAND_T),
+    Mutation("cuda-expand-runs4-probe-half-the-groups", "csrc/cuda/lora_expand_rows.cu",
+             "RunsPipeline::None, 4>>(\n              p, groups_of(4),",
+             "RunsPipeline::None, 4>>(\n              p, groups_of(8),",
+             "CUDA runs kernel, the runs4 probe (64 ranks a trip, 4 positions a warp): its grid sized for 8 positions "
+             "a warp, so the second half of the positions gets no delta", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-segments-past-tile", "csrc/cuda/lora_expand_rows.cu",
              "m.row = ref.begin + lane < ref.end ? segment_row(",
              "m.row = lane < kRunPositions ? segment_row(",

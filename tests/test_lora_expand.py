@@ -294,12 +294,12 @@ def test_lora_expand_each_cuda_kernel(name, dtype, kernel, form, monkeypatch):
     assert _run_and_check(cuda, _problem(case, cuda, dtype, name, form=form), dtype) == ""
 
 
-def _runs_pipeline(name: str) -> tuple:
-    """(kPipeline: 0 None, 1 Copy; kPositions) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline, kPositions>
-    that ran, from its demangled name ("...RunsPipeline)1, 8>(...")."""
-    found = re.search(r"RunsPipeline\)(\d), (\d+)>", name)
+def _runs_instance(name: str) -> tuple:
+    """(kSteps; kPipeline: 0 None, 1 Copy; kPositions) of an expand_runs_kernel<TB, TH, TY, kSteps, kPipeline,
+    kPositions> that ran, from its demangled name ("...1, (lora_ops::cuda::(anonymous namespace)::RunsPipeline)1, 8>(...")."""
+    found = re.search(r"(\d), \([\w:() ]*RunsPipeline\)(\d), (\d+)>", name)
     assert found, name
-    return int(found.group(1)), int(found.group(2))
+    return tuple(int(v) for v in found.groups())
 
 
 def _cuda_kernels_run(args) -> set:
@@ -504,7 +504,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
         # fits, on 4 positions a warp where that grid fits
         fits = {p: (N // 128) * -(-T // (4 * p)) <= 3 * sms for p in (4, 8)}
         pipeline = (1, 4) if fits[4] else (1, 8) if fits[8] else (0, 8)
-        assert _runs_pipeline(ran[0]) == pipeline, ran
+        assert _runs_instance(ran[0])[1:] == pipeline, ran
     expected = args(final)
     with op_table.disabled():
         lora_ops.ops.lora_expand(*expected)
@@ -524,31 +524,42 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
         assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"
 
 
+# (LORA_OPS_CUDA_EXPAND_KERNEL, max rank, N, the runs kernel's (kSteps, kPipeline, kPositions) on 132 SMs)
+MANY_RUNS_CASES = [("runs", 16, 328, (1, 1, 4)), ("runs", 16, 12872, (1, 1, 8)),
+                   ("runs4", 64, 328, (4, 0, 4)), ("runs4", 64, 12872, (2, 0, 8)), ("runs4", 48, 328, (4, 0, 4)),
+                   ("runs4", 16, 328, (1, 1, 4))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("N, positions", [(328, 4), (12872, 8)])
+@pytest.mark.parametrize("forced, R, N, instance", MANY_RUNS_CASES, ids=[f"{c[0]}-r{c[1]}-{c[2]}" for c in MANY_RUNS_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_pipelined_runs_kernel_with_many_runs_a_warp(dtype, N, positions, monkeypatch):
+def test_runs_kernels_with_many_runs_a_warp(dtype, forced, R, N, instance, monkeypatch):
     """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 4 or 8 positions span 1-4 or 3-8
-    runs), true ranks 1-16 (the checked loads), a last pass of 72 columns, slots past the pool and rows of none:
-    the pipelined runs kernel named by its instantiation, against the oracle. On 4 positions a warp where that
-    grid fits at once (N = 328: 3 column blocks x 6 groups), on 8 where only that one fits (N = 12872: 101 column
-    blocks x 6 groups of 4-position warps is 606 CTAs, past an H200's 396 at 3 per SM; x 3 groups is 303)."""
+    runs), true ranks 1-R (the checked loads), a last pass of 72 columns, slots past the pool and rows of none:
+    the runs kernel named by its instantiation, against the oracle. At rank 16 ("runs") the pipelined kernel, on 4
+    positions a warp where that grid fits at once (N = 328: 3 column blocks x 6 groups), on 8 where only that one
+    fits (N = 12872: 101 column blocks x 6 groups of 4-position warps is 606 CTAs, past an H200's 396 at 3 per SM;
+    x 3 groups is 303). The probe "runs4" (the automatic choice, which takes the runs kernel here): at ranks 17-64
+    4 positions a warp and 64 ranks a trip where that grid fits at once (2 per SM: N = 328), else the two-step
+    kernel on 8 (N = 12872); at rank 16 as "runs"."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")
-    gen = case_generator(f"many-runs-runs-{N}-{dtype}")
-    T, L, R = 96, 40, 16
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
+    gen = case_generator(f"many-runs-{forced}-{R}-{N}-{dtype}")
+    T, L = 96, 40
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
     order = torch.sort(slots, stable=True)[1].int()
+    ranks = torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32)
+    ranks[0] = R  # one slot at the pool's rank: its passes take the unchecked trips
     args = [torch.randn(T, N, generator=gen).to(dtype), torch.randn(T, L, R, generator=gen).to(dtype),
             (torch.randn(L, N, R, generator=gen) / 4).to(dtype), None, slots[order.long()], order,
-            torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32), torch.rand(L, generator=gen) + 0.5]
+            ranks, torch.rand(L, generator=gen) + 0.5]
     on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     before = on_gpu[0].clone()
     ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_runs_kernel" in k]
     assert len(ran) == 1, ran
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # the grids' sizes above
-        assert _runs_pipeline(ran[0]) == (1, positions), ran
+        assert _runs_instance(ran[0]) == instance, ran
     on_gpu[0] = before.clone()
     with op_table.disabled():
         lora_ops.ops.lora_expand(*on_gpu)

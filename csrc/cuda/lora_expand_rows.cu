@@ -592,7 +592,8 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs: {
+    case ExpandKernel::Runs:
+    case ExpandKernel::RunsFour: {
       // CTAs of kWarps warps over the positions, `per_warp` of them a warp
       auto groups_of = [&](int per_warp) { return (p.seg.positions + kWarps * per_warp - 1) / (kWarps * per_warp); };
       const int64_t groups = groups_of(kRunPositions);
@@ -608,6 +609,13 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           if (launched || err4 != cudaSuccess) return err4;
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
+          if (launched || err != cudaSuccess) return err;
+        } else if (kernel == ExpandKernel::RunsFour && p.max_rank <= 64) {
+          // The probe (ExpandKernel::RunsFour): at rank 64 and 16 adapters over 64 tokens a warp's 8 positions span
+          // ~2.7 runs of two 32-rank trips each; here ~1.7 runs of one trip.
+          bool launched = false;
+          const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 4, RunsPipeline::None, 4>>(
+              p, groups_of(4), pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }
       }
