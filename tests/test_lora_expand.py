@@ -526,7 +526,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
 
 # (LORA_OPS_CUDA_EXPAND_KERNEL, max rank, N, the runs kernel's (kSteps, kPipeline, kPositions) on 132 SMs)
 MANY_RUNS_CASES = [("runs", 16, 328, (1, 1, 4)), ("runs", 16, 12872, (1, 1, 8)),
-                   ("runs4", 64, 328, (4, 0, 4)), ("runs4", 64, 12872, (2, 0, 8)), ("runs4", 48, 328, (4, 0, 4)),
+                   ("runs4", 64, 328, (4, 0, 4)), ("runs4", 64, 12872, (4, 0, 8)), ("runs4", 48, 328, (4, 0, 4)),
                    ("runs4", 16, 328, (1, 1, 4))]
 
 
@@ -540,8 +540,8 @@ def test_runs_kernels_with_many_runs_a_warp(dtype, forced, R, N, instance, monke
     positions a warp where that grid fits at once (N = 328: 3 column blocks x 6 groups), on 8 where only that one
     fits (N = 12872: 101 column blocks x 6 groups of 4-position warps is 606 CTAs, past an H200's 396 at 3 per SM;
     x 3 groups is 303). The probe "runs4" (the automatic choice, which takes the runs kernel here): at ranks 17-64
-    4 positions a warp and 64 ranks a trip where that grid fits at once (2 per SM: N = 328), else the two-step
-    kernel on 8 (N = 12872); at rank 16 as "runs"."""
+    64 ranks a trip, on 4 positions a warp where that grid fits at once (2 per SM: N = 328), else on 8 (N = 12872);
+    at rank 16 as "runs"."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)

@@ -30,7 +30,7 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the
 // one preferred. The order of the values after Auto is the order LORA_OPS_CUDA_EXPAND_KERNEL names them in.
 // RunsFour: a probe (session 47, for a same-binary A/B): the automatic choice, but where the runs kernel takes ranks
-// 17-64, 4 positions a warp and 64 ranks a trip, where that grid fits at once.
+// 17-64, 64 ranks a trip, on 4 positions a warp where that grid fits at once, else on 8.
 enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments, RunsFour };
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);

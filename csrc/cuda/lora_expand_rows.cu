@@ -612,11 +612,12 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           if (launched || err != cudaSuccess) return err;
         } else if (kernel == ExpandKernel::RunsFour && p.max_rank <= 64) {
           // The probe (ExpandKernel::RunsFour): at rank 64 and 16 adapters over 64 tokens a warp's 8 positions span
-          // ~2.7 runs of two 32-rank trips each; here ~1.7 runs of one trip.
+          // ~2.7 runs of two 32-rank trips each; here one trip a run, on ~1.7 runs where the 4-position grid fits.
           bool launched = false;
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 4, RunsPipeline::None, 4>>(
               p, groups_of(4), pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
+          return launch_kernel<expand_runs_kernel<TB, TH, TY, 4, RunsPipeline::None>>(p, groups, pdl, stream);
         }
       }
       return two ? launch_kernel<expand_runs_kernel<TB, TH, TY, 2, RunsPipeline::None>>(p, groups, pdl, stream)
