@@ -235,6 +235,16 @@ MUTATIONS: List[Mutation] = [
              'float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))',
              'float(config.get("lora_alpha", config["r"]))',
              "a config without lora_alpha scales by r / r instead of PEFT's default 8 / r", tests=SERVING_T),
+    Mutation("peft-trained-bias-skipped", "lora_ops/serving/peft_format.py",
+             '            if key.endswith(".bias"):\n                raise UnsupportedAdapterError(',
+             '            if key.endswith(".bias"):\n                continue\n                raise UnsupportedAdapterError(',
+             "an adapter's trained biases (bias='all'/'lora_only' on a model with biases) are dropped, not refused: "
+             "served without the biases PEFT puts in the base layers", tests=SERVING_T),
+    Mutation("pool-all-linear-takes-the-output-layer", "lora_ops/serving/pool.py",
+             "if output is not None and module is output}",
+             "if output is not None and module is output and False}",
+             "a pool made with target_modules='all-linear' also wraps the output layer (PEFT leaves it out)",
+             tests=SERVING_T),
 
     # ==== caught at ce06dbc already ====
     Mutation("cpu-sgmv-ignores-ranks", "csrc/cpu/sgmv.cpp",

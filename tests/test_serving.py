@@ -162,9 +162,13 @@ BAD = {
     "missing_weights": (dict(drop="weights"), AdapterFormatError, "adapter_model.safetensors not found"),
     "dora": (dict(config_change={"use_dora": True}), UnsupportedAdapterError, "DoRA"),
     "not_lora": (dict(config_change={"peft_type": "IA3"}), UnsupportedAdapterError, "peft_type IA3"),
-    "bias": (dict(config_change={"bias": "all"}), UnsupportedAdapterError, "bias"),
-    "unknown_target": (dict(config_change={"target_modules": ["q_proj", "c_attn"]}), AdapterShapeError,
-                       r"target_modules \['c_attn'\]"),
+    "bias": (dict(config_change={"bias": "all"}, weights_change=lambda w: {
+        **w, "base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+        UnsupportedAdapterError, r"q_proj\.bias' is a trained bias \(bias='all'\)"),
+    "module_not_pooled": (dict(config_change={"target_modules": SPECS["b"]["target_modules"] + ["c_attn"]},
+                               weights_change=lambda w: {
+        **w, **{k.replace("q_proj", "c_attn"): v.clone() for k, v in w.items() if ".0.self_attn.q_proj" in k}}),
+        AdapterShapeError, "model.layers.0.self_attn.c_attn is not a LoRA target"),
     "shape": (dict(weights_change=lambda w: {k: (v[:, :-1].contiguous() if "lora_A" in k else v) for k, v in w.items()}),
               AdapterShapeError, "features but the base layer"),
     "rank_over_max": (dict(config_change={"r": 32}, weights_change=lambda w: {
@@ -575,12 +579,17 @@ def test_pool_arguments_named_in_errors(adapters):
 
 
 def test_target_modules_by_peft_rule(adapters):
-    """target_modules as PEFT reads a LoraConfig's: a list of names or dotted suffixes, or a regular expression
-    matching whole names (a multimodal model's text layers without its vision tower's same-named ones)."""
+    """target_modules as PEFT reads a LoraConfig's: a list of names or dotted suffixes, a regular expression
+    matching whole names (a multimodal model's text layers without its vision tower's same-named ones), or
+    "all-linear": every linear layer but the output layer."""
     base, root = adapters
     everything = AdapterPool(copy.deepcopy(base)).modules
     suffix = AdapterPool(copy.deepcopy(base), target_modules=["self_attn.q_proj", "down_proj"]).modules
     assert sorted(suffix) == sorted(n for n in everything if n.endswith(("q_proj", "down_proj")))
+    all_linear = AdapterPool(copy.deepcopy(base), target_modules="All-Linear").modules  # PEFT's shorthand
+    assert sorted(all_linear) == sorted(n for n, m in base.named_modules()
+                                        if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert sorted(all_linear) == sorted(everything)  # the defaults are the Llama's linear layers but lm_head
     first_layer = AdapterPool(copy.deepcopy(base), target_modules=r"model\.layers\.0\..*_proj").modules
     assert sorted(first_layer) == sorted(n for n in everything if n.startswith("model.layers.0."))
     model, pool = _pool_model(base, root, [], target_modules=r".*\.0\.self_attn\.(q|v)_proj")

@@ -69,6 +69,11 @@ HONOURED = {
     "exclude_modules_regex": dict(target_modules=ALL7, exclude_modules=r".*\.1\.mlp\..*"),
     "target_modules_regex": dict(target_modules=r".*\.(q_proj|down_proj)"),
     "all_linear": dict(target_modules="all-linear"),
+    # PEFT raises only when no entry matches: the others are ignored
+    "target_modules_entry_matching_nothing": dict(target_modules=["q_proj", "v_proj", "query_key_value"]),
+    # a model without biases: PEFT saves none, and the adapter is plain LoRA (test_trained_biases_are_refused)
+    "bias_all_without_biases": dict(target_modules=["q_proj", "down_proj"], bias="all"),
+    "bias_lora_only_without_biases": dict(target_modules=["q_proj", "down_proj"], bias="lora_only"),
     "lora_dropout": dict(target_modules=["q_proj", "o_proj"], lora_dropout=0.5),
     "velora": dict(target_modules=["q_proj", "v_proj"], velora_config="VeloraConfig"),
     "monteclora": dict(target_modules=["q_proj"], monteclora_config="MontecloraConfig"),
@@ -129,7 +134,6 @@ def test_tensors_the_config_does_not_select_are_refused(base, tmp_path, case):
 
 UNSUPPORTED = {
     "use_dora": True,
-    "bias": "all",
     "lora_bias": True,
     "fan_in_fan_out": True,
     "modules_to_save": ["lm_head"],
@@ -142,7 +146,7 @@ UNSUPPORTED = {
     "arrow_config": {"top_k": 2},
     "kasa_config": {"beta": 0.1},
 }
-BASE_REWRITING_INITS = ["pissa", "pissa_niter_4", "corda", "olora", "loftq"]
+BASE_REWRITING_INITS = ["pissa", "pissa_niter_4", "corda", "olora", "lora_ga", "loftq"]
 
 
 def _refused(base, directory, match):
@@ -164,6 +168,16 @@ def test_base_rewriting_init_raises(base, tmp_path, init):
     directory = save_adapter(base, tmp_path / init, r=4, target_modules=["q_proj"])
     _rewrite(directory, config_change={"init_lora_weights": init})
     _refused(base, directory, "rewrites the base weights")
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_biases_are_refused(tmp_path, bias):
+    """On a model with biases (a Llama with attention_bias) PEFT saves the trained biases beside lora_A/lora_B;
+    they would replace the base model's, so the load names the first one and refuses the adapter."""
+    biased = llama(attention_bias=True)
+    directory = save_adapter(biased, tmp_path / bias, r=4, target_modules=["q_proj"], bias=bias)
+    assert any(k.endswith(".bias") for k in load_file(f"{directory}/adapter_model.safetensors"))
+    _refused(biased, directory, rf"\.bias' is a trained bias \(bias='{bias}'\)")
 
 
 def test_unknown_config_field_raises_when_set(base, tmp_path):

@@ -51,14 +51,15 @@ LORA_CONFIG_FIELDS: Dict[str, Tuple[str, str]] = {
     "rank_pattern": ("honoured", "PEFT's rule: the first key k with re.match(rf'(.*\\.)?({k})$', module path)"),
     "alpha_pattern": ("honoured", "the same rule as rank_pattern"),
     "target_modules": ("honoured", "PEFT's selection rule; every tensor in the file must be on a selected "
-                                   "module, and a list entry must name a module of this pool"),
+                                   "module of this pool (a list entry that matches nothing is ignored, as PEFT "
+                                   "ignores it)"),
     "exclude_modules": ("honoured", "part of PEFT's selection rule"),
     "layers_to_transform": ("honoured", "part of PEFT's selection rule"),
     "layers_pattern": ("honoured", "part of PEFT's selection rule"),
     "velora_config": ("honoured", "VeLoRA changes the backward only; its saved buffer is skipped"),
     "monteclora_config": ("honoured", "MonteCLoRA samples only in training; its saved sampler is skipped"),
-    "init_lora_weights": ("ignored", "init only; but pissa*, corda*, olora and loftq raise: PEFT rewrites the "
-                                     "base weights when it loads those"),
+    "init_lora_weights": ("ignored", "init only; but pissa*, corda*, olora, lora_ga and loftq raise: their init "
+                                     "rewrites the base weights"),
     "lora_dropout": ("ignored", "identity at inference"),
     "loftq_config": ("ignored", "init-time settings (the init itself is checked under init_lora_weights)"),
     "eva_config": ("ignored", "init-time settings; EVA's ranks are saved in rank_pattern"),
@@ -76,7 +77,8 @@ LORA_CONFIG_FIELDS: Dict[str, Tuple[str, str]] = {
     "peft_version": ("ignored", "metadata"),
     "inference_mode": ("ignored", "metadata"),
     "use_dora": ("unsupported", "DoRA adds a magnitude vector and a weight-norm division"),
-    "bias": ("unsupported", "'all'/'lora_only' biases replace the base model's biases"),
+    "bias": ("honoured", "'all'/'lora_only': PEFT saves the trained biases in the file, where they raise (they "
+                         "would replace the base model's); a model without biases saves none: plain LoRA"),
     "lora_bias": ("unsupported", "lora_B has a bias vector"),
     "fan_in_fan_out": ("unsupported", "Conv1D (GPT-2 style) layers"),
     "modules_to_save": ("unsupported", "whole modules replaced by trained copies"),
@@ -90,8 +92,9 @@ LORA_CONFIG_FIELDS: Dict[str, Tuple[str, str]] = {
     "kasa_config": ("unsupported", "KaSA puts singular values between A and B and truncates the base weight"),
 }
 _UNSET = (None, False, "", [], {})
-# Inits whose PEFT load rewrites the base weights (residual W - B0 A0, or a quantised W).
-_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq")
+# Inits that rewrite the base weights (a residual W - B0 A0, or a quantised W): PEFT redoes it when it loads a
+# pissa, corda, olora or loftq adapter, and cannot for lora_ga (its B0 A0 come from gradients).
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "lora_ga", "loftq")
 # Extra tensors that inference-equivalent variants save next to lora_A/lora_B, by the config field that adds them.
 _SKIPPED_TENSORS = {"velora_config": ".lora_velora_embed", "monteclora_config": ".lora_monteclora_sampler."}
 
@@ -113,7 +116,7 @@ def read_config(path: str) -> dict:
         raise UnsupportedAdapterError(f"{file}: peft_type {peft_type} is not supported (LORA only)")
     for field, value in config.items():
         treatment, note = LORA_CONFIG_FIELDS.get(field, ("unknown", ""))
-        is_set = value != "none" if field == "bias" else value not in _UNSET
+        is_set = value not in _UNSET
         if treatment == "unsupported" and is_set:
             raise UnsupportedAdapterError(f"{file}: {field}={value!r} is not supported ({note})")
         if treatment == "unknown" and is_set:
@@ -122,9 +125,10 @@ def read_config(path: str) -> dict:
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
         raise UnsupportedAdapterError(
-            f"{file}: init_lora_weights={init!r}: PEFT rewrites the base weights when it loads such an adapter, "
-            "and lora_ops serves adapters on an unchanged base. Convert it first with PEFT's "
-            "save_pretrained(..., path_initial_model_for_weight_conversion=...)")
+            f"{file}: init_lora_weights={init!r}: this init rewrites the base weights (PEFT redoes it when it loads "
+            "such an adapter, lora_ga's excepted, which it cannot redo), and lora_ops serves adapters on an "
+            "unchanged base. Convert it first with PEFT's save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...)")
     if config.get("target_modules") is None:
         raise AdapterFormatError(f"{file}: no target_modules")
     return config
@@ -227,7 +231,6 @@ def stage(config: dict, weights: Dict[str, torch.Tensor], modules: Mapping, max_
           path: str) -> Dict[str, StagedModule]:
     """Map an adapter's tensors onto pool modules (`modules`: name -> ModuleSlots); raises on anything the pool
     cannot serve exactly as PEFT would compute it."""
-    _check_targets(config, modules, path)
     pairs = _pairs(config, weights, path)
     r, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
@@ -286,21 +289,6 @@ def _assemble(mod, per_slice: Dict[int, _Slice], max_rank: int, path: str) -> St
     return StagedModule(A, B, rank, scale)
 
 
-def _check_targets(config: dict, modules: Mapping, path: str) -> None:
-    """A list of target_modules must name modules of this pool (PEFT's suffix rule): an adapter for another
-    architecture fails here instead of silently losing modules."""
-    targets = config["target_modules"]
-    if isinstance(targets, str):
-        return
-    known = [f"{m.name.rpartition('.')[0]}.{s}".lstrip(".") for m in modules.values() for s in m.slice_names]
-    known += list(modules)
-    missing = sorted(t for t in targets if not any(p == t or p.endswith(f".{t}") for p in known))
-    if missing:
-        leaves = sorted({p.rsplit(".", 1)[-1] for p in known})
-        raise AdapterShapeError(f"{path}: target_modules {missing} are not LoRA targets of this model/pool "
-                                f"(its modules end with {leaves})")
-
-
 def _pairs(config: dict, weights: Dict[str, torch.Tensor], path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     """{PEFT module path: {"A": lora_A, "B": lora_B}} from the file's tensor names."""
     skipped = [part for field, part in _SKIPPED_TENSORS.items() if config.get(field)]
@@ -312,6 +300,9 @@ def _pairs(config: dict, weights: Dict[str, torch.Tensor], path: str) -> Dict[st
         if not m:
             if "lora_magnitude_vector" in key:
                 raise UnsupportedAdapterError(f"{path}: DoRA weights ({key}) are not supported")
+            if key.endswith(".bias"):
+                raise UnsupportedAdapterError(f"{path}: {key!r} is a trained bias (bias={config.get('bias')!r}), "
+                                              "which would replace the base model's: not supported")
             raise UnsupportedAdapterError(f"{path}: tensor {key!r} is not a LoRA A/B weight "
                                           "(modules_to_save, bias or embedding LoRA are not supported)")
         pairs[m.group(1)][m.group(2)] = t

@@ -94,13 +94,18 @@ class ModuleSlots:
             self.kext_lora_b[slot].copy_(self.lora_b[slot])
 
 
-def _target_rule(target_modules) -> Callable[[str], bool]:
+def _target_rule(target_modules, model: nn.Module) -> Callable[[str], bool]:
     """Which module names the pool wraps, by PEFT's rule for a LoraConfig's target_modules: a string is a regular
     expression the whole name must match (e.g. r".*language_model.*\\.(q_proj|v_proj)", to leave a multimodal
-    model's vision tower alone); a list names modules by their name or a dotted suffix of it ("q_proj",
+    model's vision tower alone), or "all-linear" (any case): every linear layer but the output layer
+    (model.get_output_embeddings()); a list names modules by their name or a dotted suffix of it ("q_proj",
     "self_attn.q_proj"); None: LINEAR_TARGETS by their last name."""
     if target_modules is None:
         return lambda name: name.rsplit(".", 1)[-1] in LINEAR_TARGETS
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        excluded = {name for name, module in model.named_modules() if output is not None and module is output}
+        return lambda name: name not in excluded
     if isinstance(target_modules, str):
         try:
             pattern = re.compile(target_modules)
@@ -191,7 +196,7 @@ class AdapterPool:
             raise ValueError(f"num_slots, max_rank and max_batch_tokens must be >= 1, got {num_slots}, {max_rank} "
                              f"and {max_batch_tokens}")
         self.num_slots, self.max_rank = num_slots, max_rank
-        targeted = _target_rule(target_modules)
+        targeted = _target_rule(target_modules, model)
         # an earlier pool's layers are taken over whole: their base nn.Linear is not a target of its own
         wrapped = {name for name, module in model.named_modules() if isinstance(module, MultiLoRALinear)}
         self.modules: Dict[str, ModuleSlots] = {}
