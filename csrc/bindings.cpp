@@ -191,38 +191,59 @@ TORCH_LIBRARY_IMPL(lora_ops, CompositeExplicitAutograd, m) {
 // The ops that write y, and lora_linear, have no backward: with grad mode on, an input that requires grad is
 // refused (a backward would otherwise silently miss the LoRA delta, y's autograd history being left as it was).
 // A written y's version moves as after a native in-place op, so that autograd refuses a backward that saved y
-// before. One pass over the arguments, no allocation: every op here writes at most one argument (y).
+// before: in the ADInplaceOrView kernel, as torch's own in-place ops do, since under torch.inference_mode() a
+// normal tensor's write skips the Autograd keys but not that one. One pass over the arguments, no allocation:
+// every op here writes at most one argument (y).
 namespace {
+// The argument the op writes (y), or an undefined tensor.
+at::Tensor written_argument(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite() && stack[first + i].isTensor()) {
+      return stack[first + i].toTensor();
+    }
+  }
+  return {};
+}
+
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
   const bool grad_mode = c10::GradMode::is_enabled();
-  at::Tensor written;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor()) continue;
     TORCH_CHECK(!(grad_mode && v.toTensor().requires_grad()), op.schema().name(), ": ", args[i].name(),
                 " requires grad, and the op has no backward; call it under torch.no_grad() or "
                 "torch.inference_mode()");
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
-      written = v.toTensor();
-      // Refused before the kernel writes it, as torch's own in-place ops do: bump_version below would raise only
-      // after the update, and a caller retrying would add the delta twice.
-      TORCH_CHECK(!written.is_inference(), op.schema().name(), ": ", args[i].name(),
-                  " is an inference tensor (made under torch.inference_mode()): update it inside inference mode");
-    }
   }
+  // Refused before the kernel writes it, as torch's own in-place ops do: the version bump would raise only after
+  // the update, and a caller retrying would add the delta twice.
+  const at::Tensor written = written_argument(op, *stack);
+  TORCH_CHECK(!(written.defined() && written.is_inference()), op.schema().name(),
+              ": y is an inference tensor (made under torch.inference_mode()): update it inside inference mode");
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+void bump_written_version(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const at::Tensor written = written_argument(op, *stack);
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   if (written.defined()) torch::autograd::impl::bump_version(written);
 }
+
+constexpr const char* kWritingOps[] = {"sgmv", "lora_expand", "grouped_gemm", "_triton_sgmv", "_triton_lora_expand",
+                                       "_triton_grouped_gemm"};
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lora_ops, Autograd, m) {
   m.impl("fold_linear", &fold_linear_autograd);
-  for (const char* op : {"sgmv", "lora_expand", "grouped_gemm", "lora_linear", "_triton_sgmv",
-                         "_triton_lora_expand", "_triton_grouped_gemm"}) {
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
-  }
+  m.impl("lora_linear", torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
+  for (const char* op : kWritingOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad>());
+}
+
+TORCH_LIBRARY_IMPL(lora_ops, ADInplaceOrView, m) {
+  for (const char* op : kWritingOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_version>());
 }
 
 TORCH_LIBRARY_IMPL(lora_ops, Meta, m) {

@@ -5,6 +5,7 @@ against these functions. They return new tensors (float64 for the matmul ops) in
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -118,7 +119,7 @@ def lora_linear(x, weight, lora_a, lora_b, token_slot, lora_scales=None, slice_o
     """x · weightᵀ (+ bias) + each row's LoRA delta in float64, x [..., K]: for row t with slot l in [0, L) and
     slice s, ``y[t, off_s:off_s+1] += lora_scales[l] · (x[t] · A[l, s·R:(s+1)·R]ᵀ) · B[l, off_s:off_s+1]ᵀ``
     (h exact: the op rounds it to x's dtype)."""
-    x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    x2 = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1]).to(torch.float64)  # K = 0 too
     out = fold_linear(x2, weight, bias)
     num_slots, sr, _ = lora_a.shape
     n = lora_b.shape[1]

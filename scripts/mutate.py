@@ -171,10 +171,16 @@ MUTATIONS: List[Mutation] = [
              'check_index_tensor(op, "k_sizes", *k_sizes, y, std::nullopt, "")',
              "grouped_gemm's k_sizes length check removed (a short k_sizes is read past its end)", tests=ERR_T),
     Mutation("check-inference-y-after-write", "csrc/bindings.cpp",
-             '      TORCH_CHECK(!written.is_inference(), op.schema().name(), ": ", args[i].name(),\n'
-             '                  " is an inference tensor (made under torch.inference_mode()): update it inside inference mode");\n',
+             '  TORCH_CHECK(!(written.defined() && written.is_inference()), op.schema().name(),\n'
+             '              ": y is an inference tensor (made under torch.inference_mode()): update it inside inference '
+             'mode");\n',
              "",
              "an inference-mode y is written before the error (a retry adds the delta twice)", tests=ERR_T),
+    Mutation("check-y-version-not-bumped", "csrc/bindings.cpp",
+             "  if (written.defined()) torch::autograd::impl::bump_version(written);",
+             "",
+             "y's version never moves: a backward that saved y before the op wrote it runs with wrong gradients",
+             tests=ERR_T),
     Mutation("check-scale-float32-range", "csrc/common/checks.cpp",
              "  if (std::isfinite(value) && !std::isfinite(f)) {",
              "  if (false) {",

@@ -226,6 +226,18 @@ def test_sgmv_k0_nan_scale_leaves_y_bitwise(impl):
     assert torch.equal(y.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_sgmv_no_columns_allocates_nothing_by_rank(impl):
+    """N = 0: nothing to write; an expanded lora_a (stride 0) whose R of 2^30 costs no memory must not make the call
+    allocate by R (the CPU kernel's scratch is R floats a row)."""
+    dtype, dev = impl.dtypes[0], impl.device
+    R, K = 1 << 30, 8
+    y = torch.empty(4, 0, dtype=dtype, device=dev)
+    a = torch.zeros(1, 1, K, dtype=dtype, device=dev).expand(2, R, K)
+    b = torch.empty(2, 0, R, dtype=dtype, device=dev)
+    impl.module.sgmv(y, torch.randn(4, K, dtype=dtype, device=dev), a, b, i32([0, 4], dev), i32([1], dev))
+    assert y.shape == (4, 0)
+
+
 @pytest.mark.parametrize("accumulate", [True, False])
 def test_grouped_gemm_empty_reduction_is_zero(impl, accumulate):
     """k_l = 0 with a NaN alpha: the covered rows' first n_l columns become (accumulate ? y : 0), bitwise."""

@@ -166,14 +166,19 @@ def test_an_inference_tensor_y_is_refused_before_it_is_written(name):
         op(**args)
 
 
-def test_ops_bump_the_version_of_y():
-    """A backward that saved y before an op wrote it is refused, as after a native in-place op."""
-    args = sgmv_args()
-    w = torch.ones(12, requires_grad=True)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("name", list(OPS_WRITING_Y))
+def test_ops_bump_the_version_of_y(name, mode):
+    """A backward that saved y before an op wrote it is refused, as after a native in-place op, whether the op ran
+    under no_grad or under inference_mode (which skips the Autograd keys of a normal tensor's write, not its
+    version)."""
+    make, _ = OPS_WRITING_Y[name]
+    args = make()
+    w = torch.ones(args["y"].shape[1], requires_grad=True)
     loss = (args["y"] * w).sum()  # saves y
-    with torch.no_grad():
-        version = args["y"]._version
-        lora_ops.sgmv(**args)
+    version = args["y"]._version
+    with getattr(torch, mode)():
+        getattr(torch.ops.lora_ops, name).default(**args)
     assert args["y"]._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()

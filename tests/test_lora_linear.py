@@ -105,6 +105,7 @@ def test_cpu_empty_inputs(case):
     x, w, a, b, slots, scales, bias = _inputs(T, K, 8, 2, 4, [0, 8], torch.float32, "cpu", case)
     y = lora_ops.lora_linear(x, w, a, b, slots, scales, None, bias)
     assert torch.equal(y, F.linear(x, w, bias)) and y.shape == (T, 8)
+    assert torch.equal(reference.lora_linear(x, w, a, b, slots, scales, None, bias), y.double())  # the oracle too
 
 
 ERRORS = {

@@ -5,8 +5,9 @@
 
 namespace lora_ops::cpu {
 
-// Per row block and slice: each row's scaled h window to float once; each B row converted once and applied to
-// every row of the block.
+// Per row block and slice: each row's h window to float once; each B row converted once and applied to every row
+// of the block, the slot's coefficient times the dot (as sgmv and the CUDA kernels: an infinite scale times a
+// zero h would make NaN where coef times the dot is an inf of the dot's sign).
 void lora_expand(const ExpandParams& p) {
   const auto blocks = row_blocks(p.seg, p.rows, p.num_slots);
   const int64_t R = p.max_rank;
@@ -23,12 +24,11 @@ void lora_expand(const ExpandParams& p) {
         for (int64_t i = 0; i < blk.count; ++i) {
           load_floats(p.h_dtype, p.h, blk.rows[i] * p.h_row_stride + blk.slot * p.h_slot_stride + s * R, rank,
                       &h[i * R]);
-          for (int64_t j = 0; j < rank; ++j) h[i * R + j] *= coef;
           load_floats(p.y_dtype, p.y, blk.rows[i] * p.y_row_stride + lo, width, &yf[i * width]);
         }
         for (int64_t n = lo; n < hi; ++n) {
           load_floats(p.b_dtype, p.lora_b, blk.slot * p.b_stride0 + n * p.b_stride1, rank, bf.data());
-          for (int64_t i = 0; i < blk.count; ++i) yf[i * width + n - lo] += dot(&h[i * R], bf.data(), rank);
+          for (int64_t i = 0; i < blk.count; ++i) yf[i * width + n - lo] += coef * dot(&h[i * R], bf.data(), rank);
         }
         for (int64_t i = 0; i < blk.count; ++i) {
           store_floats(p.y_dtype, p.y, blk.rows[i] * p.y_row_stride + lo, width, &yf[i * width]);

@@ -12,7 +12,9 @@ namespace lora_ops::cpu {
 void sgmv(const SgmvParams& p) {
   // An empty reduction contributes exactly zero whatever the scales (docs/design.md §2): K = 0 leaves y bitwise
   // unchanged, even with a NaN or infinite scale (0 * NaN would write NaN; -0.0 + 0 would flip a sign bit).
-  if (p.k == 0) return;
+  // N = 0: nothing to write, and nothing to allocate (the scratch below grows with R, which an expanded lora_a
+  // can make any size).
+  if (p.k == 0 || p.n == 0) return;
   const auto blocks = row_blocks(p.seg, p.rows, p.num_slots);
   const int64_t K = p.k, R = p.max_rank, S = p.num_slices;
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t first, int64_t last) {
