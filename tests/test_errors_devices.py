@@ -51,8 +51,7 @@ def _call(route, op, args):
         getattr(lora_ops, op)(**args)
 
 
-# The Meta kernels of this tree run no checks at all (they return at once), so a call through the dispatcher
-# with one meta argument does nothing. The contract work makes them run the host checks: drop this marker then.
+# "dispatcher" with one meta argument reaches the Meta kernels, which run the host checks as the CPU kernels do.
 CPU_ROUTES = ["check", "triton", "dispatcher"]
 GPU_ROUTES = [pytest.param(r, marks=pytest.mark.gpu) for r in ("dispatcher-cuda", "triton-cuda")]
 

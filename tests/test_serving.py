@@ -150,6 +150,9 @@ def _tampered(root, tmp_path, name, config_change=None, weights_change=None, dro
         (out / "adapter_config.json").write_text(json.dumps(config))
     if drop != "weights":
         save_file(weights, str(out / "adapter_model.safetensors"))
+    if drop == "corrupt":  # the file cut short
+        data = (out / "adapter_model.safetensors").read_bytes()
+        (out / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
     return out
 
 
@@ -171,6 +174,10 @@ BAD = {
         AdapterShapeError, "model.layers.0.self_attn.c_attn is not a LoRA target"),
     "shape": (dict(weights_change=lambda w: {k: (v[:, :-1].contiguous() if "lora_A" in k else v) for k, v in w.items()}),
               AdapterShapeError, "features but the base layer"),
+    "rank_not_the_configs": (dict(config_change={"r": 8}), AdapterShapeError, "expected rank 8 from the config"),
+    "no_target_modules": (dict(config_change={"target_modules": None}), AdapterFormatError, "no target_modules"),
+    "unreadable_safetensors": (dict(weights_change=lambda w: w, drop="corrupt"), AdapterFormatError,
+                               "unreadable safetensors file"),
     "rank_over_max": (dict(config_change={"r": 32}, weights_change=lambda w: {
         k: (torch.randn(32, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 32)) for k, v in w.items()}),
         AdapterShapeError, "rank 32 > the pool's max_rank 16"),
@@ -178,6 +185,9 @@ BAD = {
                   AdapterFormatError, "has lora_A only"),
     "extra_tensor": (dict(weights_change=lambda w: {**w, "base_model.model.lm_head.weight": torch.zeros(2, 2)}),
                      UnsupportedAdapterError, "not a LoRA A/B weight"),
+    "non_finite_a": (dict(weights_change=lambda w: {k: (v.index_fill(1, torch.tensor([0]), float("nan"))
+                                                        if k == _first_key(w, "lora_A") else v) for k, v in w.items()}),
+                     AdapterFormatError, "holds inf or NaN"),
     "non_finite": (dict(weights_change=lambda w: {k: (v.index_fill(0, torch.tensor([0]), float("inf"))
                                                       if k == _first_key(w, "lora_B") else v) for k, v in w.items()}),
                    AdapterFormatError, "holds inf or NaN"),
@@ -521,6 +531,29 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
     assert args[4] == lin._slots.lora_b.shape[2]  # one slice: S * R rows per slot
 
 
+def test_fold_route_slot_windows_of_a_fused_module(adapters, monkeypatch):
+    """On a fused module (Phi-3's qkv_proj) fold_linear's slot window is S·R rows of [W; A], all of its slices'."""
+    from serving_models import fused_twin
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setenv("LORA_OPS_ROUTE", "fold-cuda")
+    base, _ = adapters
+    model = fused_twin(base)
+    pool = AdapterPool(model, num_slots=2, max_rank=8)
+    patch_model(model, pool)
+    lin = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), pool.batch([None, None]), Record():
+        lin(torch.randn(2, 64))
+    (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
+    assert len(lin._slots.slice_names) == 3 and args[4] == 3 * 8
+
+
 def test_kext_route_hands_lora_linear_the_pools_weights_and_the_steps_slots(adapters, monkeypatch):
     """The layer's kext route passes lora_linear the pool's tensors themselves, nothing copied per step: the base
     weight (w_cat's first rows), B (here, off lora_linear's CUDA kernels, lora_b itself: no copy; where they serve the
@@ -622,6 +655,23 @@ def test_replaced_base_weights_are_refused_and_in_place_ones_served(adapters, mo
             model(ids)
 
 
+@pytest.mark.parametrize("how", ["assign", "data"])
+@pytest.mark.parametrize("param", ["weight", "bias"])
+def test_a_replaced_bias_or_new_data_is_refused(param, how, tmp_path_factory):
+    """The guard covers the bias too (a view of bias_cat), and a Parameter kept but given other data (param.data =
+    ...), which the fold route would not see either."""
+    base, root = _model_and_adapters(tmp_path_factory, attention_bias=True)
+    model, pool = _pool_model(base, root, ["a"])
+    lin = model.get_submodule("model.layers.0.self_attn.q_proj").base
+    new = getattr(lin, param).detach() + 0.5
+    if how == "assign":
+        model.load_state_dict({f"model.layers.0.self_attn.q_proj.base.{param}": new}, strict=False, assign=True)
+    else:
+        getattr(lin, param).data = new
+    with torch.no_grad(), pool.batch(["a"], tokens_per_row=5), pytest.raises(RuntimeError, match="was replaced"):
+        model(torch.randint(0, 256, (1, 5)))
+
+
 def test_set_batch_rejects_bad_lengths(adapters):
     base, root = adapters
     model, pool = _pool_model(base, root, ["a"])
@@ -654,6 +704,15 @@ def test_nested_batches_leave_the_outer_routing_as_they_found_it(adapters):
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
     assert pool.current is None and pool._pins == {}
     assert (inner[0] - before[0]).abs().max() > 1e-3  # the inner block really routed otherwise
+
+
+def test_loading_a_loaded_name_is_refused(adapters):
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "c"])
+    state = _pool_state(pool)
+    with pytest.raises(ValueError, match="adapter 'a' is already loaded; unload it first"):
+        pool.load("a", str(root / "b"))
+    _assert_same_state(pool, state)
 
 
 def test_load_does_not_evict_an_adapter_of_the_active_routing(adapters):

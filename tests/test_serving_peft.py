@@ -48,12 +48,16 @@ PATTERNS = {
     "first_key_wins": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                            rank_pattern={"layers.0.self_attn.q_proj": 2, "q_proj": 6},
                            alpha_pattern={"o_proj": 3, "layers.1.self_attn.o_proj": 30}),
+    # PEFT anchors a key at a dotted boundary and at the end: "_proj" matches no module (a search would match all)
+    "unanchored_key_matches_nothing": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                           alpha_pattern={"_proj": 3}, rank_pattern={"proj": 2}),
     "rslora_with_rank_pattern": dict(r=4, lora_alpha=8, use_rslora=True,
                                      target_modules=["q_proj", "v_proj", "down_proj"],
                                      rank_pattern={"down_proj": 16, "v_proj": 2}),
 }
 
 
+@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")  # PEFT's, as it should
 @pytest.mark.parametrize("case", list(PATTERNS))
 def test_rank_and_alpha_patterns_match_peft(base, tmp_path, case):
     _assert_matches_peft(base, save_adapter(base, tmp_path / case, **PATTERNS[case]))
@@ -225,13 +229,36 @@ def sliced(base, tmp_path_factory):
     return fused_twin(base), {name: save_adapter(base, root / name, **kw) for name, kw in SLICED.items()}
 
 
-def test_per_slice_adapters_on_fused_modules_match_peft(base, sliced):
+@pytest.mark.parametrize("route", ["sgmv-cuda", "fold-cuda", "kext-cuda"])
+def test_per_slice_adapters_on_fused_modules_match_peft(base, sliced, route, monkeypatch):
+    """On each route the CPU takes when forced (its own is sgmv): the fold route's slot windows are S·R rows of
+    [W; A], the kext route's slices passed to lora_linear."""
+    monkeypatch.setenv("LORA_OPS_ROUTE", route)
     fused, dirs = sliced
     rows = ["s", "t", None, "u", "s", "z"]
     ids = torch.randint(0, VOCAB, (len(rows), 6))
     ref = peft_logits(peft_model(base, dirs), ids, rows)
     model, pool = pool_model(fused, dirs)
-    assert rel_err(pool_logits(model, pool, ids, rows), ref) < 1e-5
+    tol = 1e-5 if route.startswith("sgmv") else 2e-5  # fold, kext: h rounds to the activation dtype (fp32 here)
+    assert rel_err(pool_logits(model, pool, ids, rows), ref) < tol
+
+
+def test_a_fused_module_and_its_slice_both_given_are_refused(base, sliced, tmp_path):
+    """An adapter with weights for both k_proj and the fused qkv_proj holding it gives slice k twice: refused,
+    naming both modules, the pool unchanged."""
+    import shutil
+    fused, dirs = sliced
+    directory = shutil.copytree(dirs["t"], tmp_path / "t_and_qkv")
+    config = json.load(open(f"{directory}/adapter_config.json"))
+    prefix = "base_model.model.model.layers.0.self_attn"
+    _rewrite(directory, config_change={"target_modules": config["target_modules"] + ["qkv_proj"]},
+             weights_change=lambda w: {**w, f"{prefix}.qkv_proj.lora_A.weight": torch.randn(4, 64),
+                                       f"{prefix}.qkv_proj.lora_B.weight": torch.randn(64 + 2 * 32, 4)})
+    model, pool = pool_model(fused, {})
+    with pytest.raises(AdapterFormatError, match=r"self_attn.k_proj and .*self_attn.qkv_proj both give slice k_proj|"
+                                                 r"self_attn.qkv_proj and .*self_attn.k_proj both give slice k_proj"):
+        pool.load("x", directory)
+    assert pool.loaded == []
 
 
 def test_reused_slot_holds_no_stale_weights(base, sliced):
@@ -252,3 +279,39 @@ def test_reused_slot_holds_no_stale_weights(base, sliced):
     rows = ["s", "u", "s", None]
     ref = peft_logits(peft_model(base, {"s": dirs["s"], "u": dirs["u"]}), ids, rows)
     assert rel_err(pool_logits(model, pool, ids, rows), ref) < 1e-5
+
+
+def test_an_adapter_saved_under_transformers_4_paths_loads_as_peft_loads_it(tmp_path):
+    """Transformers 5 moved Gemma-3's text model (language_model.model.* is model.language_model.* now); an adapter
+    saved under the old paths is renamed by PEFT's own function when the pool loads it, as PEFT does, and computes
+    what the same adapter under the new paths computes in PEFT."""
+    conversion = pytest.importorskip("transformers.conversion_mapping")
+    pytest.importorskip("peft.utils.transformers_weight_conversion")
+    import copy
+    import shutil
+    import transformers
+    from lora_ops.serving import AdapterPool, patch_model
+    if conversion.get_checkpoint_conversion_mapping("gemma3") is None:
+        pytest.skip("this transformers has no conversion mapping for gemma3")
+    torch.manual_seed(0)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    base = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1)).eval()
+    new = save_adapter(base, tmp_path / "new", r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    old = shutil.copytree(new, tmp_path / "old")
+    _rewrite(old, weights_change=lambda w: {
+        k.replace("base_model.model.model.language_model.", "base_model.model.language_model.model."): v
+        for k, v in w.items()})
+    assert all(".language_model.model.layers." in k for k in load_file(f"{old}/adapter_model.safetensors"))
+    ids = torch.randint(0, VOCAB - 2, (2, 5))
+    ref = peft_logits(peft_model(base, {"x": new}), ids, ["x", None])
+    model = copy.deepcopy(base)
+    pool = AdapterPool(model, num_slots=2, max_rank=8, target_modules=r".*language_model.*_proj")
+    patch_model(model, pool)
+    pool.load("old", old)
+    assert rel_err(pool_logits(model, pool, ids, ["old", None]), ref) < 1e-5
+    with torch.no_grad():
+        assert (ref[0] - base(ids).logits[0]).abs().max() > 1e-3  # the adapter changes the output

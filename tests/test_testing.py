@@ -29,3 +29,29 @@ def test_a_cancelled_sum_may_leave_a_residue_only_in_a_row_the_op_writes():
     ref_poisoned = ref.clone()
     ref_poisoned[0, 1] = float("nan")
     assert check(residue, poisoned, ref_poisoned) == "1 elements outside the LoRA rows/columns changed"
+
+
+def test_padded_views_sit_in_nan_storage_with_other_strides():
+    """padded(): the values as a view whose storage around them is NaN (a kernel reading past the view picks up
+    NaN), every stride but the last unlike the contiguous one."""
+    values = torch.arange(6.0).view(2, 3)
+    view = testing.padded(values, 2, "cpu")
+    assert torch.equal(view, values) and view.stride() == (7, 1)
+    storage = testing.storage_snapshot(view)
+    inside = torch.zeros(storage.numel(), dtype=torch.bool)
+    inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+    assert storage[~inside].isnan().all() and storage.numel() == 6 * 7
+    assert testing.padded(values, 0, "cpu").is_contiguous()
+
+
+def test_check_outside_view_finds_a_write_past_the_view():
+    """check_outside_view: a change in y's row padding or a neighbouring column is reported, one inside y is not,
+    and a NaN kept as NaN is no change (bitwise)."""
+    y = testing.padded(torch.zeros(3, 4), 1, "cpu")
+    around = testing.storage_snapshot(y)
+    y += 1
+    assert testing.check_outside_view(y, around) == ""
+    neighbour = y.as_strided((1,), (1,), y.storage_offset() + 4)  # the column right of row 0
+    neighbour.fill_(5.0)
+    assert testing.check_outside_view(y, around) == ("1 elements outside the view (row padding, neighbouring "
+                                                     "columns) changed")

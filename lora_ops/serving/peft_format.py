@@ -9,7 +9,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -132,6 +132,31 @@ def read_config(path: str) -> dict:
     if config.get("target_modules") is None:
         raise AdapterFormatError(f"{file}: no target_modules")
     return config
+
+
+def transformers_key_renaming(model) -> Optional[Callable[[str, Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]]:
+    """Where transformers 5 moved a model type's modules (its checkpoint conversion mapping: e.g. Gemma-3's or
+    LLaVA's language_model.model.* is model.language_model.* now), PEFT renames the tensors of an adapter saved
+    under the old paths when it loads one; this returns that renaming, PEFT's own function, as (adapter directory,
+    tensors) -> tensors (paths already new stay as they are). None where the model's type has no mapping, or where
+    transformers or PEFT lack the functions (the old paths then fail as modules the pool does not wrap)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return None
+    if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
+        return None
+
+    def rename(path: str, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        try:
+            return convert_peft_adapter_state_dict_for_transformers(model, LoraConfig.from_pretrained(path), weights)
+        except Exception as exc:  # e.g. an MoE merge PEFT cannot make of these tensors
+            raise AdapterFormatError(f"{path}: PEFT's renaming of the adapter's tensors for transformers' "
+                                     f"{model_type} paths failed ({type(exc).__name__}: {exc})") from exc
+    return rename
 
 
 def read_weights(path: str) -> Dict[str, torch.Tensor]:

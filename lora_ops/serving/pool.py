@@ -14,7 +14,8 @@ from torch import nn
 
 from .. import ops, routes
 from .layer import MultiLoRALinear
-from .peft_format import FUSED_SLICES, AdapterShapeError, PoolFullError, read_config, read_weights, stage
+from .peft_format import (FUSED_SLICES, AdapterShapeError, PoolFullError, read_config, read_weights, stage,
+                          transformers_key_renaming)
 
 # Per-module LoRA names of common decoder models (and the fused modules of Phi-3 style models).
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
@@ -226,6 +227,7 @@ class AdapterPool:
         # captured before the switch stays right: A and B are zero past each slot's rank and in a cleared slot.
         self._one_rank = True
         self._batch = LoRABatch(next(iter(self.modules.values())).ranks.device, num_slots, max_batch_tokens)
+        self._rename_keys = transformers_key_renaming(model)
 
     @property
     def current(self) -> Optional[LoRABatch]:
@@ -321,6 +323,8 @@ class AdapterPool:
             raise ValueError(f"adapter {name!r} is already loaded; unload it first")
         config = read_config(path)
         weights = read_weights(path)
+        if self._rename_keys is not None:  # an adapter saved under transformers 4's module paths, as PEFT loads it
+            weights = self._rename_keys(path, weights)
         staged = stage(config, weights, self.modules, self.max_rank, path)
         slot, evict = self._free_slot()
         if evict is not None:
