@@ -2,6 +2,7 @@
 // their fake/autograd registrations. Device kernels register themselves from csrc/<backend>/registration.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -218,16 +219,17 @@ void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
                 " requires grad, and the op has no backward; call it under torch.no_grad() or "
                 "torch.inference_mode()");
   }
-  // Refused before the kernel writes it, as torch's own in-place ops do: the version bump would raise only after
-  // the update, and a caller retrying would add the delta twice.
-  const at::Tensor written = written_argument(op, *stack);
-  TORCH_CHECK(!(written.defined() && written.is_inference()), op.schema().name(),
-              ": y is an inference tensor (made under torch.inference_mode()): update it inside inference mode");
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
+// Outside inference mode this kernel runs for every call (the key is in the thread's included set), whatever keys
+// the arguments carry: an inference-tensor y is refused here, before the kernel writes it (the version bump would
+// raise only after the update, and a caller retrying would add the delta twice).
 void bump_written_version(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const at::Tensor written = written_argument(op, *stack);
+  TORCH_CHECK(!(written.defined() && written.is_inference() && !c10::InferenceMode::is_enabled()),
+              op.schema().name(), ": y is an inference tensor (made under torch.inference_mode()): update it inside "
+              "inference mode");
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   if (written.defined()) torch::autograd::impl::bump_version(written);
 }

@@ -148,15 +148,18 @@ def test_ops_refuse_inputs_that_require_grad(name, prefix):
             op(**args)
 
 
+@pytest.mark.parametrize("made_inside", ["y", "every_argument"])
 @pytest.mark.parametrize("name", list(OPS_WRITING_Y))
-def test_an_inference_tensor_y_is_refused_before_it_is_written(name):
+def test_an_inference_tensor_y_is_refused_before_it_is_written(name, made_inside):
     """Outside inference mode, y made inside it cannot take an in-place update: refused, naming y, before the kernel
-    writes it (a retry after the error would otherwise add the delta twice), as torch's in-place ops do; inside
-    inference mode the call runs."""
+    writes it (a retry after the error would otherwise add the delta twice), also where every argument was made
+    inside it (no Autograd key: only the ADInplaceOrView kernel sees the call); inside inference mode the call
+    runs."""
     make, _ = OPS_WRITING_Y[name]
     args = make()
     with torch.inference_mode():
-        args["y"] = args["y"].clone()
+        for key in ["y"] if made_inside == "y" else list(args):
+            args[key] = args[key].clone()
     before = args["y"].clone()
     op = getattr(torch.ops.lora_ops, name).default
     with pytest.raises(RuntimeError, match=rf"lora_ops::{name}: y is an inference tensor"):

@@ -152,6 +152,20 @@ def test_lora_expand_rank0_slot_ignores_its_scale(impl):
     _check_rank0_slot_ignores_its_scale(impl, impl.dtypes[0])
 
 
+def test_cpu_lora_expand_multiplies_the_dot_by_the_coefficient():
+    """scale * lora_scales[l] multiplies h . B^T, as in the oracle: a coefficient past float32's range (the kernels
+    form it in float32, design.md) is an inf that gives each output the infinity of its dot's sign (the oracle's,
+    in float64, is finite), where scaling h first would sum +inf and -inf into NaN (design.md: kernels that scale h
+    first give non-finite rows either way, so this is the CPU's)."""
+    gen = torch.Generator().manual_seed(47)
+    y, h, b = torch.zeros(3, 8), torch.randn(3, 2, 4, generator=gen), torch.randn(2, 8, 4, generator=gen)
+    args = (y, h, b, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    kwargs = dict(lora_scales=torch.tensor([1.0, 1e38]), scale=10.0)
+    ref = reference.lora_expand(*args, **kwargs)
+    lora_ops.ops.lora_expand(*args, **kwargs)
+    assert y.isinf().all() and torch.equal(y.sign().double(), ref.sign())
+
+
 def _check_rank0_slot_ignores_its_scale(impl, dtype, form="segments"):
     args = list(_problem(SGMV_CASES["mixed_ranks"], impl, dtype, key="rank0", form=form))  # slot 2 has rank 0
     args[7] = args[7].clone()
@@ -550,7 +564,8 @@ def test_runs_kernels_with_many_runs_a_warp(dtype, forced, R, N, instance, monke
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
     order = torch.sort(slots, stable=True)[1].int()
     ranks = torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32)
-    ranks[0] = R  # one slot at the pool's rank: its passes take the unchecked trips
+    ranks[int(slots[(slots >= 0) & (slots < L)][0])] = R  # a slot in use at the pool's rank (R = 16, 64: a whole
+    # trip, whose loads are unchecked)
     args = [torch.randn(T, N, generator=gen).to(dtype), torch.randn(T, L, R, generator=gen).to(dtype),
             (torch.randn(L, N, R, generator=gen) / 4).to(dtype), None, slots[order.long()], order,
             ranks, torch.rand(L, generator=gen) + 0.5]

@@ -655,21 +655,28 @@ def test_replaced_base_weights_are_refused_and_in_place_ones_served(adapters, mo
             model(ids)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("how", ["assign", "data"])
 @pytest.mark.parametrize("param", ["weight", "bias"])
-def test_a_replaced_bias_or_new_data_is_refused(param, how, tmp_path_factory):
+def test_a_replaced_bias_or_new_data_is_refused(param, how, compiled, tmp_path_factory):
     """The guard covers the bias too (a view of bias_cat), and a Parameter kept but given other data (param.data =
-    ...), which the fold route would not see either."""
+    ...), which the fold route would not see either: refused by the layer (another Parameter) or by set_batch
+    (other data, which a compiled model's guards do not see), before any output."""
     base, root = _model_and_adapters(tmp_path_factory, attention_bias=True)
     model, pool = _pool_model(base, root, ["a"])
+    run = torch.compile(model, backend="eager") if compiled else model
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad(), pool.batch(["a"], tokens_per_row=5):
+        run(ids)  # compiled (and guarded) before the change
     lin = model.get_submodule("model.layers.0.self_attn.q_proj").base
     new = getattr(lin, param).detach() + 0.5
     if how == "assign":
         model.load_state_dict({f"model.layers.0.self_attn.q_proj.base.{param}": new}, strict=False, assign=True)
     else:
         getattr(lin, param).data = new
-    with torch.no_grad(), pool.batch(["a"], tokens_per_row=5), pytest.raises(RuntimeError, match="was replaced"):
-        model(torch.randint(0, 256, (1, 5)))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="was replaced"):
+        with pool.batch(["a"], tokens_per_row=5):
+            run(ids)
 
 
 def test_set_batch_rejects_bad_lengths(adapters):

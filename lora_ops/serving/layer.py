@@ -47,16 +47,6 @@ class MultiLoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
-    def _base_replaced(self) -> bool:
-        """Whether the base weight or bias is no longer the view of w_cat / bias_cat the pool made: another
-        Parameter, or the same one given other data (param.data = ...). Under torch.compile, whose tensors have no
-        address, by identity alone (what its guards check)."""
-        m, weight, bias = self._slots, self.base.weight, self.base.bias
-        if weight is not m.base_params[0] or bias is not m.base_params[1]:
-            return True
-        return not torch.compiler.is_compiling() and (
-            weight.data_ptr() != m.w_cat.data_ptr() or (bias is not None and bias.data_ptr() != m.bias_cat.data_ptr()))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self._pool.current
         if batch is None:
@@ -65,11 +55,10 @@ class MultiLoRALinear(nn.Module):
             # the fold route's GEMM reads w_cat, not base.weight: without this its gradient would silently vanish
             raise RuntimeError(f"{self._slots.name}: the LoRA layers are for inference (the ops have no backward); "
                                "run the model under torch.no_grad() or torch.inference_mode()")
-        if self._base_replaced():
-            raise RuntimeError(f"{self._slots.name}: the base layer's weight or bias was replaced after the pool was "
-                               "built (e.g. load_state_dict(..., assign=True), or param.data = ...), and the fold "
-                               "route would read the old values; load weights in place (load_state_dict without "
-                               "assign) or build the pool after loading them")
+        # another Parameter (identity: what torch.compile's guards check too); the same one given other data is
+        # refused once a step, by AdapterPool.set_batch
+        if self.base.weight is not self._slots.base_params[0] or self.base.bias is not self._slots.base_params[1]:
+            raise RuntimeError(self._slots.replaced_message)
         if torch.is_autocast_enabled(x.device.type):
             raise RuntimeError(f"{self._slots.name}: the LoRA layers do not run under autocast; create the pool on "
                                "the model in its compute dtype (model.to(dtype) before AdapterPool)")

@@ -134,28 +134,40 @@ def read_config(path: str) -> dict:
     return config
 
 
-def transformers_key_renaming(model) -> Optional[Callable[[str, Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]]:
+KeyRenaming = Callable[[str, dict, Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+
+
+def transformers_key_renaming(model) -> Optional[KeyRenaming]:
     """Where transformers 5 moved a model type's modules (its checkpoint conversion mapping: e.g. Gemma-3's or
     LLaVA's language_model.model.* is model.language_model.* now), PEFT renames the tensors of an adapter saved
-    under the old paths when it loads one; this returns that renaming, PEFT's own function, as (adapter directory,
-    tensors) -> tensors (paths already new stay as they are). None where the model's type has no mapping, or where
-    transformers or PEFT lack the functions (the old paths then fail as modules the pool does not wrap)."""
+    under the old paths when it loads one; this returns that renaming, PEFT's own function, as (adapter
+    directory, its config as read_config returns it, tensors) -> tensors (paths already new stay as they are).
+    None where the model is not a transformers model of such a type, or transformers lacks the mapping (the old
+    paths then fail as modules the pool does not wrap). PEFT is imported at the first renaming, not here."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        return None
     try:
-        from peft import LoraConfig
-        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:
         return None
-    if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
+    if get_checkpoint_conversion_mapping(model_type) is None:
         return None
 
-    def rename(path: str, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def rename(path: str, config: dict, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         try:
-            return convert_peft_adapter_state_dict_for_transformers(model, LoraConfig.from_pretrained(path), weights)
+            from peft import LoraConfig
+            from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+        except ImportError as exc:
+            raise AdapterFormatError(f"{path}: renaming the adapter for transformers' {model_type} module paths "
+                                     f"needs PEFT's function for it ({exc})") from exc
+        fields = {f.name for f in dataclasses.fields(LoraConfig)}
+        peft_config = LoraConfig(**{k: v for k, v in config.items() if k in fields})
+        try:
+            return convert_peft_adapter_state_dict_for_transformers(model, peft_config, weights)
         except Exception as exc:  # e.g. an MoE merge PEFT cannot make of these tensors
             raise AdapterFormatError(f"{path}: PEFT's renaming of the adapter's tensors for transformers' "
-                                     f"{model_type} paths failed ({type(exc).__name__}: {exc})") from exc
+                                     f"{model_type} module paths failed ({type(exc).__name__}: {exc})") from exc
     return rename
 
 

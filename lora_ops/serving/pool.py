@@ -54,8 +54,13 @@ class ModuleSlots:
                 self.bias_cat[:N].copy_(base.bias)
                 base.bias = nn.Parameter(self.bias_cat[:N], requires_grad=base.bias.requires_grad)
         # The parameters that are views of w_cat and bias_cat: one replaced later (load_state_dict(assign=True),
-        # an assignment) leaves the fold route reading the old values; the layer refuses to run then.
+        # an assignment; the layer checks) or given other data (param.data = ...; set_batch checks) leaves the fold
+        # route reading the old values, so the model refuses to run then.
         self.base_params = (base.weight, base.bias)
+        self.replaced_message = (
+            f"{name}: the base layer's weight or bias was replaced after the pool was built (e.g. "
+            "load_state_dict(..., assign=True), or param.data = ...), and the fold route would read the old values; "
+            "load weights in place (load_state_dict without assign) or build the pool after loading them")
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, N, max_rank, **kw)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
@@ -77,6 +82,12 @@ class ModuleSlots:
                   self.scales):
             if t is not None:
                 torch._dynamo.mark_static(t)
+
+    def base_data_moved(self) -> bool:
+        """Whether the base weight or bias the pool made was given other data since (param.data = ...)."""
+        weight, bias = self.base_params
+        return weight.data_ptr() != self.w_cat.data_ptr() or (
+            bias is not None and bias.data_ptr() != self.bias_cat.data_ptr())
 
     def clear(self, slot: int) -> None:
         """Rank 0, and zeros in A and B: with or without ranks the ops add nothing for the slot."""
@@ -324,7 +335,7 @@ class AdapterPool:
         config = read_config(path)
         weights = read_weights(path)
         if self._rename_keys is not None:  # an adapter saved under transformers 4's module paths, as PEFT loads it
-            weights = self._rename_keys(path, weights)
+            weights = self._rename_keys(path, config, weights)
         staged = stage(config, weights, self.modules, self.max_rank, path)
         slot, evict = self._free_slot()
         if evict is not None:
@@ -368,6 +379,11 @@ class AdapterPool:
                              f"got {lengths}")
         lengths = [int(n) for n in lengths]
         adapters = list(adapters)
+        # once a step, in eager code (a compiled model's guards see a Parameter's identity, not its data): ~0.15 us
+        # a module
+        moved = next((m for m in self.modules.values() if m.base_data_moved()), None)
+        if moved is not None:
+            raise RuntimeError(moved.replaced_message)
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
         self._route(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
         return self._batch
