@@ -507,15 +507,9 @@ def test_a_second_pool_takes_over_a_patched_model(adapters):
         torch.testing.assert_close(model(ids).logits, base(ids).logits)
 
 
-@pytest.mark.parametrize("route", ["fold-cuda", "fold-triton"])
-def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkeypatch):
-    """The layer's fold route passes fold_linear the step's seg_indptr and the rows of one slot's window, so that
-    on sm_90 the GEMM skips the unused slots' A (on CPU every row is computed: F.linear's product)."""
+def _fold_linear_call(pool, lin, adapters, x):
+    """(the arguments of the one fold_linear call lin's forward makes under pool.batch(adapters), the batch)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    monkeypatch.setenv("LORA_OPS_ROUTE", route)
-    base, root = adapters
-    model, pool = _pool_model(base, root, ["a", "b"])
-    lin = model.get_submodule("model.layers.0.self_attn.q_proj")
     calls = []
 
     class Record(TorchDispatchMode):
@@ -523,9 +517,21 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
             calls.append((func, args))
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), pool.batch(["b", None, "a"]) as batch, Record():
-        lin(torch.randn(3, 64))
+    with torch.no_grad(), pool.batch(adapters) as batch, Record():
+        lin(x)
     (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
+    return args, batch
+
+
+@pytest.mark.parametrize("route", ["fold-cuda", "fold-triton"])
+def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkeypatch):
+    """The layer's fold route passes fold_linear the step's seg_indptr and the rows of one slot's window, so that
+    on sm_90 the GEMM skips the unused slots' A (on CPU every row is computed: F.linear's product)."""
+    monkeypatch.setenv("LORA_OPS_ROUTE", route)
+    base, root = adapters
+    model, pool = _pool_model(base, root, ["a", "b"])
+    lin = model.get_submodule("model.layers.0.self_attn.q_proj")
+    args, batch = _fold_linear_call(pool, lin, ["b", None, "a"], torch.randn(3, 64))
     assert args[1].data_ptr() == lin._slots.w_cat.data_ptr()
     assert args[3] is not None and args[3].data_ptr() == batch.seg_indptr.data_ptr()
     assert args[4] == lin._slots.lora_b.shape[2]  # one slice: S * R rows per slot
@@ -534,23 +540,13 @@ def test_fold_route_hands_fold_linear_the_steps_segments(adapters, route, monkey
 def test_fold_route_slot_windows_of_a_fused_module(adapters, monkeypatch):
     """On a fused module (Phi-3's qkv_proj) fold_linear's slot window is S·R rows of [W; A], all of its slices'."""
     from serving_models import fused_twin
-    from torch.utils._python_dispatch import TorchDispatchMode
     monkeypatch.setenv("LORA_OPS_ROUTE", "fold-cuda")
     base, _ = adapters
     model = fused_twin(base)
     pool = AdapterPool(model, num_slots=2, max_rank=8)
     patch_model(model, pool)
     lin = model.get_submodule("model.layers.0.self_attn.qkv_proj")
-    calls = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append((func, args))
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), pool.batch([None, None]), Record():
-        lin(torch.randn(2, 64))
-    (args,) = [a for func, a in calls if func is torch.ops.lora_ops.fold_linear.default]
+    args, _ = _fold_linear_call(pool, lin, [None, None], torch.randn(2, 64))
     assert len(lin._slots.slice_names) == 3 and args[4] == 3 * 8
 
 
