@@ -466,11 +466,11 @@ MUTATIONS: List[Mutation] = [
              "        run = next;",
              "CUDA pipelined runs kernel: every run of a warp multiplies the first run's B and h (the next trip "
              "loaded, never used)", needs_gpu=True, tests=EXPAND_T),
-    Mutation("cuda-expand-runs4-probe-32-rank-trips", "csrc/cuda/lora_expand_rows.cu",
+    Mutation("cuda-expand-runs-wide-trip-at-32-ranks", "csrc/cuda/lora_expand_rows.cu",
              "expand_runs_kernel<TB, TH, TY, 4, RunsPipeline::None, 4>>(",
              "expand_runs_kernel<TB, TH, TY, 2, RunsPipeline::None, 4>>(",
-             "CUDA runs kernel, the runs4 probe: 32 ranks a trip where its 4-position grid fits (not the 64 it "
-             "measures; the kernels' grid-stride loops keep any grid right, so the test names the instantiation)",
+             "CUDA runs kernel at ranks 33-64 and few rows a slot: 32 ranks a trip where its 4-position grid fits "
+             "(not 64; the kernels' grid-stride loops keep any grid right, so the test names the instantiation)",
              needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-segments-past-tile", "csrc/cuda/lora_expand_rows.cu",
              "m.row = ref.begin + lane < ref.end ? segment_row(",

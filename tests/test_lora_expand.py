@@ -538,29 +538,29 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
         assert torch.equal(call[0], expected[0]), f"a stale guess of {written} reached y"
 
 
-# (LORA_OPS_CUDA_EXPAND_KERNEL, max rank, N, the runs kernel's (kSteps, kPipeline, kPositions) on 132 SMs)
-MANY_RUNS_CASES = [("runs", 16, 328, (1, 1, 4)), ("runs", 16, 12872, (1, 1, 8)),
-                   ("runs4", 64, 328, (4, 0, 4)), ("runs4", 64, 12872, (4, 0, 8)), ("runs4", 48, 328, (4, 0, 4)),
-                   ("runs4", 16, 328, (1, 1, 4))]
+# (max rank, N, pool slots, the runs kernel's (kSteps, kPipeline, kPositions) on 132 SMs) for 96 positions
+MANY_RUNS_CASES = [(16, 328, 40, (1, 1, 4)), (16, 12872, 40, (1, 1, 8)), (64, 328, 40, (4, 0, 4)),
+                   (64, 12872, 40, (4, 0, 8)), (48, 328, 40, (4, 0, 4)), (64, 328, 24, (2, 0, 8))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("forced, R, N, instance", MANY_RUNS_CASES, ids=[f"{c[0]}-r{c[1]}-{c[2]}" for c in MANY_RUNS_CASES])
+@pytest.mark.parametrize("R, N, L, instance", MANY_RUNS_CASES,
+                         ids=[f"r{c[0]}-{c[1]}-L{c[2]}" for c in MANY_RUNS_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_runs_kernels_with_many_runs_a_warp(dtype, forced, R, N, instance, monkeypatch):
-    """96 rows on 40 slots in build_segments' order (runs of ~2.4 rows: a warp's 4 or 8 positions span 1-4 or 3-8
-    runs), true ranks 1-R (the checked loads), a last pass of 72 columns, slots past the pool and rows of none:
-    the runs kernel named by its instantiation, against the oracle. At rank 16 ("runs") the pipelined kernel, on 4
+def test_runs_kernels_with_many_runs_a_warp(dtype, R, N, L, instance, monkeypatch):
+    """96 rows on L slots in build_segments' order (runs of ~2.4 rows on 40 slots: a warp's 4 or 8 positions span
+    1-4 or 3-8 runs), true ranks 1-R (the checked loads), a last pass of 72 columns, slots past the pool and rows
+    of none: the runs kernel named by its instantiation, against the oracle. At rank 16 the pipelined kernel, on 4
     positions a warp where that grid fits at once (N = 328: 3 column blocks x 6 groups), on 8 where only that one
     fits (N = 12872: 101 column blocks x 6 groups of 4-position warps is 606 CTAs, past an H200's 396 at 3 per SM;
-    x 3 groups is 303). The probe "runs4" (the automatic choice, which takes the runs kernel here): at ranks 17-64
-    64 ranks a trip, on 4 positions a warp where that grid fits at once (2 per SM: N = 328), else on 8 (N = 12872);
-    at rank 16 as "runs"."""
+    x 3 groups is 303). At ranks 33-64 with fewer than 3 positions a pool slot (96 on 40), 64 ranks a trip, on 4
+    positions a warp where that grid fits at once (2 per SM: N = 328), else on 8 (N = 12872); with more (96 on 24),
+    two 32-rank trips on 8."""
     if backends.cuda_served_by.get("lora_expand") != "cuda":
         pytest.skip("the CUDA lora_expand kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", forced)
-    gen = case_generator(f"many-runs-{forced}-{R}-{N}-{dtype}")
-    T, L = 96, 40
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", "runs")
+    gen = case_generator(f"many-runs-{R}-{N}-{L}-{dtype}")
+    T = 96
     slots = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
     order = torch.sort(slots, stable=True)[1].int()
     ranks = torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32)

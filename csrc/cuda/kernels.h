@@ -29,9 +29,7 @@ cudaError_t launch_sgmv_shrink(const SgmvParams& p, const ShrinkPlan& plan, floa
 // predecessor.) The tensor-core kernels (lora_expand_rows.cu, below) where they serve; otherwise two kernels
 // (lora_expand.cu): one CTA per tile of positions up to 64 positions, per tile of a segment beyond (Auto), or the
 // one preferred. The order of the values after Auto is the order LORA_OPS_CUDA_EXPAND_KERNEL names them in.
-// RunsFour: a probe (session 47, for a same-binary A/B): the automatic choice, but where the runs kernel takes ranks
-// 17-64, 64 ranks a trip, on 4 positions a warp where that grid fits at once, else on 8.
-enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments, RunsFour };
+enum class ExpandKernel { Auto, Positions, Tiles, Rows, Runs, Segments };
 cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bool inputs_ready, int cc_major,
                                cudaStream_t stream);
 
@@ -48,6 +46,9 @@ bool mma_kernels_serve(const ExpandParams& p);
 // runs or fewer (csrc/cuda/NOTES.md). The order is taken on trust: token_indices in another order is served exactly, at up
 // to 8 serial runs per warp (forced at 32 positions over 32 slots: the step +42% against the rows kernel's +27%).
 constexpr int64_t kRunsMinPositionsPerSlot = 2;
+// Below this many positions per pool slot, the runs kernel takes a pool rank of 33-64 in one 64-rank trip a run (not
+// two of 32), on 4 positions a warp where that grid fits at once (csrc/cuda/NOTES.md, session 47).
+constexpr int64_t kRunsWideTripMaxPositionsPerSlot = 3;
 bool runs_kernel_pays(const ExpandParams& p);
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream);
 

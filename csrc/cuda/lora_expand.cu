@@ -411,8 +411,7 @@ cudaError_t launch_lora_expand(const ExpandParams& p, ExpandKernel preferred, bo
   if (automatic && cc_major >= 8 && mma_kernels_serve(p)) {  // mma.sync m16n8k16 in fp16/bf16: sm_80
     if (p.seg.indptr) return launch_lora_expand_mma(p, ExpandKernel::Segments, cc_major, stream);
     const bool runs = preferred == ExpandKernel::Runs || (preferred != ExpandKernel::Rows && runs_kernel_pays(p));
-    const ExpandKernel runs_kernel = preferred == ExpandKernel::RunsFour ? preferred : ExpandKernel::Runs;
-    return launch_lora_expand_mma(p, runs ? runs_kernel : ExpandKernel::Rows, cc_major, stream);
+    return launch_lora_expand_mma(p, runs ? ExpandKernel::Runs : ExpandKernel::Rows, cc_major, stream);
   }
   ExpandLaunch l{};
   // The rows form has a segment per position: the tiles kernel would make a tile of each.

@@ -592,8 +592,7 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
-    case ExpandKernel::Runs:
-    case ExpandKernel::RunsFour: {
+    case ExpandKernel::Runs: {
       // CTAs of kWarps warps over the positions, `per_warp` of them a warp
       auto groups_of = [&](int per_warp) { return (p.seg.positions + kWarps * per_warp - 1) / (kWarps * per_warp); };
       const int64_t groups = groups_of(kRunPositions);
@@ -610,9 +609,12 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
-        } else if (kernel == ExpandKernel::RunsFour && p.max_rank <= 64) {
-          // The probe (ExpandKernel::RunsFour): at rank 64 and 16 adapters over 64 tokens a warp's 8 positions span
-          // ~2.7 runs of two 32-rank trips each; here one trip a run, on ~1.7 runs where the 4-position grid fits.
+        } else if (p.max_rank > 32 && p.max_rank <= 64 &&
+                   p.seg.positions < kRunsWideTripMaxPositionsPerSlot * p.num_slots) {
+          // Few rows a slot: at rank 64 and 16 adapters over 64 tokens a warp's 8 positions span ~2.7 runs of two
+          // 32-rank trips each; here one trip a run, on ~1.7 runs where the 4-position grid fits (H200, 10c8576:
+          // the decode step at 64/16/64 +58.4 -> +54.3% on llama3-8b, +63.0 -> +58.0% on qwen2-7b; at 96 tokens a
+          // tie, at 128 1-2 points slower, hence the bound; 246 registers, 2 CTAs per SM).
           bool launched = false;
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 4, RunsPipeline::None, 4>>(
               p, groups_of(4), pdl, stream, &launched);

@@ -91,10 +91,10 @@ SgmvKernel preferred_sgmv_kernel() {
 // the decode sgmv's second step; rows, runs: the rows form's tensor-core kernels, segments: the segment form's,
 // where they serve, else the automatic choice); unset or "auto": the tensor-core kernels where they serve (the
 // segments kernel given segments; given rows, the runs kernel where it pays, else the rows kernel), else by the
-// number of positions. runs4: a probe of the automatic choice (cuda::ExpandKernel::RunsFour).
+// number of positions.
 cuda::ExpandKernel preferred_expand_kernel() {
   return preferred_kernel<cuda::ExpandKernel>("LORA_OPS_CUDA_EXPAND_KERNEL",
-                                              {"positions", "tiles", "rows", "runs", "segments", "runs4"});
+                                              {"positions", "tiles", "rows", "runs", "segments"});
 }
 
 // Positions above which the tensor-core kernel takes over (64-row tiles amortise A and B over many rows).
