@@ -58,7 +58,7 @@ class MultiLoRALinear(nn.Module):
         # another Parameter (identity: what torch.compile's guards check too); the same one given other data is
         # refused once a step, by AdapterPool.set_batch
         if self.base.weight is not self._slots.base_params[0] or self.base.bias is not self._slots.base_params[1]:
-            raise RuntimeError(self._slots.replaced_message)
+            raise self._slots.replaced_error()
         if torch.is_autocast_enabled(x.device.type):
             raise RuntimeError(f"{self._slots.name}: the LoRA layers do not run under autocast; create the pool on "
                                "the model in its compute dtype (model.to(dtype) before AdapterPool)")

@@ -57,10 +57,6 @@ class ModuleSlots:
         # an assignment; the layer checks) or given other data (param.data = ...; set_batch checks) leaves the fold
         # route reading the old values, so the model refuses to run then.
         self.base_params = (base.weight, base.bias)
-        self.replaced_message = (
-            f"{name}: the base layer's weight or bias was replaced after the pool was built (e.g. "
-            "load_state_dict(..., assign=True), or param.data = ...), and the fold route would read the old values; "
-            "load weights in place (load_state_dict without assign) or build the pool after loading them")
         self.lora_a = self.w_cat[N:].view(num_slots, S * max_rank, base.in_features)
         self.lora_b = torch.zeros(num_slots, N, max_rank, **kw)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=base.weight.device)
@@ -82,6 +78,12 @@ class ModuleSlots:
                   self.scales):
             if t is not None:
                 torch._dynamo.mark_static(t)
+
+    def replaced_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"{self.name}: the base layer's weight or bias was replaced after the pool was built (e.g. "
+            "load_state_dict(..., assign=True), or param.data = ...), and the fold route would read the old values; "
+            "load weights in place (load_state_dict without assign) or build the pool after loading them")
 
     def base_data_moved(self) -> bool:
         """Whether the base weight or bias the pool made was given other data since (param.data = ...)."""
@@ -383,7 +385,7 @@ class AdapterPool:
         # a module
         moved = next((m for m in self.modules.values() if m.base_data_moved()), None)
         if moved is not None:
-            raise RuntimeError(moved.replaced_message)
+            raise moved.replaced_error()
         slots = torch.tensor([self.slot(a) for a in adapters], dtype=torch.int32)
         self._route(slots.repeat_interleave(torch.tensor(lengths, dtype=torch.int64)))
         return self._batch
