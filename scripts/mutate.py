@@ -31,8 +31,9 @@ with -x (stop at the first failure: a caught bug costs seconds, the verdict is t
 the test files named one by one with the mutation's own first, so that a caught bug fails early: every
 tests/**/test_*.py file runs, as under `pytest tests` (with --gpu, its GPU tests only, `-m gpu`, as the GPU job's
 suite: the planted bugs there are in code only a GPU runs). ctest is not run: a bug only the C++ unit tests catch
-reports as survived. A non-zero pytest exit status is "caught" (1: a test failed; negative: the process crashed,
-e.g. on an out-of-bounds access); zero is "survived". All pytest runs of one invocation share one
+reports as survived. A non-zero pytest exit status is "caught" (1: a test failed; 2 with --workers: pytest-xdist
+ends a -x session as interrupted after its first failure; negative: the process crashed, e.g. on an out-of-bounds
+access); zero is "survived". All pytest runs of one invocation share one
 LORA_OPS_TEST_SEED (printed; taken from the environment when set).
 
 Refreshing the list after a refactor: run --check. For a stale mutation it names the files where its snippet
