@@ -15,8 +15,6 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -668,12 +666,9 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
   // Programmatic launch (sm_90) for the one-step kernels only: after the fold route's GEMM, which lets its
   // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
   // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
-  // 19), while at rank 16 it is the fold route's gain (T=16: +24.1 -> +21.1%).
-  // Probe (session 48, to be settled and removed): LORA_OPS_CUDA_EXPAND_PDL=wide launches the two-rank-step kernels
-  // programmatically too (their kGuesses stay off: they wait before their first load).
-  const char* probe = std::getenv("LORA_OPS_CUDA_EXPAND_PDL");
-  const bool wide = probe != nullptr && std::strcmp(probe, "wide") == 0;
-  const bool pdl = cc_major >= 9 && (wide || !two_rank_steps(p));  // the rows and runs kernels' kGuesses: this rule
+  // 19; again with the 64-rank trip on an H100, session 48: T=64 +48.5 -> +57.3%), while at rank 16 it is the fold
+  // route's gain (T=16: +24.1 -> +21.1%).
+  const bool pdl = cc_major >= 9 && !two_rank_steps(p);  // the rows and runs kernels' kGuesses follows this rule
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
