@@ -10,7 +10,9 @@
 // and they want a chunk of few rows and many columns (B for the CTA's columns kept in shared memory, so that the
 // fewer rows per chunk do not multiply B's reads); if every shape stays near 75%, it is not, and the loss is the
 // pipeline's own. Read-only variants (no store) ask the same of the prefill sgmv's shrink, which reads x in 64-row x
-// 128-byte pieces.
+// 128-byte pieces. register_stream walks the 64 x 64 and 8 x 512 chunks without shared memory or barriers, to
+// tell the staging's cost from the order's. (Until session 48 the rmw kernels' stores compiled to four 4-byte
+// stores a piece, against the elementwise baseline's and the kernels' 16-byte ones: store16 now.)
 // Build and run (any sm_80+ GPU): nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/piece_probe.cu -o /tmp/piece_probe
 // && /tmp/piece_probe
 #include <cuda_bf16.h>
@@ -45,6 +47,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// One 16-byte store (ptxas otherwise split some into four 4-byte stores where the sum's registers were not adjacent).
+__device__ __forceinline__ void store16(__nv_bfloat16* ptr, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 
 // The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
 // order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
@@ -95,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
         const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
 #pragma unroll
         for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
-        *reinterpret_cast<uint4*>(piece_at(c, j)) = v;
+        store16(piece_at(c, j), v);
       } else {
         sum += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
       }
@@ -103,6 +111,50 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
   }
   cp_async_wait<0>();
   if (!kWrite && sum == 1234.5f) checksum[blockIdx.x] = sum;  // keeps the reads; never true for the fill below
+}
+
+// The same tile walk as chunk_stream's rmw, without shared memory or barriers: each thread keeps its own pieces of
+// the next kDepth chunks in registers (loads issued kDepth chunks ahead, 16 * kPieces * kDepth bytes a thread), adds
+// one and stores them. Against chunk_stream at the same shape it separates what the staged pipeline costs (the
+// cp.async round trip through shared memory, a barrier a chunk) from what the access order costs (session 48: 64 x
+// 64 chunks 82.7% of copy, 8 x 512 86%, the elementwise stream 95%; NOTES.md, grouped_gemm).
+template <int ROWS, int kDepth>
+__global__ void __launch_bounds__(kThreads) register_stream(__nv_bfloat16* y) {
+  constexpr int COLS = kChunkElems / ROWS;
+  constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
+  constexpr int kChunks = kRowBlocks * kColBlocks;
+  constexpr int kRowPieces = COLS / 8;
+  static_assert(kChunks % kDepth == 0, "the ring turns whole");
+  const int tiles_per_row = kCols / kTileCols;
+  const int64_t row0 = (int64_t)(blockIdx.x / tiles_per_row) * kTileRows;
+  const int col0 = (blockIdx.x % tiles_per_row) * kTileCols;
+  auto piece_at = [&](int c, int j) {  // row-block order, as chunk_stream's
+    const int64_t r = row0 + (c / kColBlocks) * ROWS;
+    const int col = col0 + (c % kColBlocks) * COLS;
+    const int p = threadIdx.x + j * kThreads;
+    return y + (r + p / kRowPieces) * kCols + col + (p % kRowPieces) * 8;
+  };
+  uint4 ring[kDepth][kPieces];
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d) {
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) ring[d][j] = *reinterpret_cast<const uint4*>(piece_at(d, j));
+  }
+  const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
+  for (int c0 = 0; c0 < kChunks; c0 += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {  // chunk c0 + d from slot d, then chunk c0 + d + kDepth into it
+#pragma unroll
+      for (int j = 0; j < kPieces; ++j) {
+        uint4 v = ring[d][j];
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
+        store16(piece_at(c0 + d, j), v);
+        if (c0 + d + kDepth < kChunks) ring[d][j] = *reinterpret_cast<const uint4*>(piece_at(c0 + d + kDepth, j));
+      }
+    }
+  }
 }
 
 // torch's y.add_(1) alike: grid-stride, one 16-byte piece per thread and step (the elementwise baseline).
@@ -165,6 +217,29 @@ void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
               kRowMajor ? "row-block" : "col-block", us, gbs, 100.0 * gbs / copy_gbs);
 }
 
+// register_stream at one shape and depth, checked like chunk_stream (every element once) and timed.
+template <int ROWS, int kDepth>
+void run_register_shape(__nv_bfloat16* y, double copy_gbs) {
+  const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
+  const size_t n = (size_t)kRows * kCols;
+  CHECK(cudaMemset(y, 0, n * 2));
+  register_stream<ROWS, kDepth><<<ctas, kThreads>>>(y);
+  CHECK(cudaDeviceSynchronize());
+  uint16_t* host = static_cast<uint16_t*>(std::malloc(n * 2));
+  CHECK(cudaMemcpy(host, y, n * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; ++i) {
+    if (host[i] != 0x3f80) {  // bf16 1.0
+      std::printf("register stream %d-row chunks: not every element written once\n", ROWS);
+      std::exit(1);
+    }
+  }
+  std::free(host);
+  const float us = time_us([&] { register_stream<ROWS, kDepth><<<ctas, kThreads>>>(y); });
+  const double gbs = 2.0 * kRows * (double)kCols * 2 / us * 1e-3;
+  std::printf("rmw   %2d x %4d (%4d-byte pieces), registers, %d ahead: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n", ROWS,
+              kChunkElems / ROWS, kChunkElems / ROWS * 2, kDepth, us, gbs, 100.0 * gbs / copy_gbs);
+}
+
 template <bool kRowMajor, bool kWrite>
 void run_shapes(__nv_bfloat16* y, float* checksum, double copy_gbs) {
   run_shape<64, kRowMajor, kWrite>(y, checksum, copy_gbs);
@@ -199,6 +274,10 @@ int main() {
   run_shapes<true, true>(y, checksum, copy_gbs);
   run_shapes<false, true>(y, checksum, copy_gbs);
   run_shapes<true, false>(y, checksum, copy_gbs);
+  run_register_shape<64, 2>(y, copy_gbs);
+  run_register_shape<64, 4>(y, copy_gbs);
+  run_register_shape<8, 2>(y, copy_gbs);
+  run_register_shape<8, 4>(y, copy_gbs);
   CHECK(cudaFree(y));
   CHECK(cudaFree(other));
   CHECK(cudaFree(checksum));
