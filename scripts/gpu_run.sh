@@ -3,10 +3,10 @@
 #   tests      ctest + the GPU pytest suite (-m gpu: the CPU-only tests run in CI)
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
-#   probes     the session's open questions that need no bench run: benchmarks/bias_epilogue_probe.py (a bias with
-#              x or itself 2 bytes off 16: torch's and fold_linear's outputs against float64, reduced-precision
-#              reduction on and off) and benchmarks/lt_workspace_probe.py at the 1 MiB limit (fold_linear's
-#              cuBLASLt picks: split-K parts, reduction scheme, time against cuBLAS); ~1 minute, not in the default
+#   probes     the session's open questions that need no bench run: benchmarks/piece_probe.cu (a y stream's
+#              bandwidth by chunk shape, staged and in registers, against the elementwise stream: what keeps
+#              grouped_gemm's LoRA expand and the prefill sgmv's expand near 75-80% of the copy rate; NOTES.md,
+#              grouped_gemm, session 48); seconds, not in the default
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
 #              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
 #              (lora_ops/op_table.json)
@@ -101,9 +101,8 @@ fi
 
 if want probes; then
   step probes
-  $PY benchmarks/bias_epilogue_probe.py 2>&1 | tee "$OUT/bias-epilogue-probe.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  $PY benchmarks/lt_workspace_probe.py --tokens 64,80,128,192 --limits-mib 1 2>&1 | tee "$OUT/lt-workspace-probe.log"
+  nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/piece_probe.cu -o build/piece_probe \
+    && build/piece_probe 2>&1 | tee "$OUT/piece-probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
