@@ -435,10 +435,12 @@ def bench_build_segments(device, records, failures, log):
 # ---- lora_expand: the decode route's expand alone (h from the base GEMM against [W; A of every slot]) ----
 
 # Decode steps of issue 12 (rank 16, 32-slot pool; o/down N = 4096, gate_up 2 × 14336, qkv 4096/1024/1024), then the
-# rank-64 row and the fold route's largest regime (the serving layer folds up to 1024 tokens).
+# rank-64 row and the fold route's largest regime (the serving layer folds up to 1024 tokens), then true-rank cost:
+# adapters below the pool's rank, whose trips the kernels mask.
 GPU_EXPAND_CASES = [Case(32, 32, 16), Case(32, 32, 16, N=28672, slices=2),
                     Case(32, 32, 16, N=6144, slices=3, slice_widths=QKV_WIDTHS),
-                    Case(128, 32, 16), Case(64, 16, 64), Case(1024, 8, 16)]
+                    Case(128, 32, 16), Case(64, 16, 64), Case(1024, 8, 16),
+                    Case(64, 16, 16, pool_rank=64), Case(32, 32, 8, pool_rank=16)]
 CPU_EXPAND_CASES = [Case(8, 4, 16, N=1024), Case(32, 8, 16, N=1024, slices=2)]
 
 
