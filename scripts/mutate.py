@@ -452,6 +452,11 @@ MUTATIONS: List[Mutation] = [
              "CUDA rows and runs kernels: a partial rank step takes the unchecked loads, reading h and B past the "
              "slot's rank (NaN there reaches y; the pipelined runs kernel's trips too)", needs_gpu=True,
              tests=EXPAND_T),
+    Mutation("cuda-expand-checked-trip-unmasked", "csrc/cuda/lora_expand_rows.cu",
+             "  if constexpr (kChecked) {  // by the rank only",
+             "  if constexpr (false) {  // by the rank only",
+             "CUDA tensor-core expand: a checked trip's loads are never masked, so B and h past a slot's rank (inside "
+             "its 4-element read) reach the mma (NaN padding reaches y)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-runs-one-run", "csrc/cuda/lora_expand_rows.cu",
              "run.rows = __ballot_sync(kAll, (todo >> lane & 1) && slot == run.slot);",
              "run.rows = __ballot_sync(kAll, (todo >> lane & 1) != 0);",

@@ -33,16 +33,19 @@ constexpr int kRunPositions = 8;           // the mma's N: positions per warp of
 // How the runs kernel overlaps the trips of a warp's runs (expand_runs).
 enum class RunsPipeline { None, Copy };
 
-// 4 consecutive 16-bit elements, zero from element `valid` on (valid <= 0: none read).
+// 4 consecutive 16-bit elements as stored (valid <= 0: none read, zeros); mask4 then zeroes those from element
+// `valid` on. Apart, so that a trip issues every load before its first mask: a mask right after its load made
+// each load of a checked trip wait for the one before (ptxas placed it there and gave it the load's scoreboard), a
+// chain of ~70 dependent loads a trip at ranks below the trip's or a partial pass (csrc/cuda/NOTES.md session 48).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
-  if (valid <= 0) return make_uint2(0, 0);
-  uint2 v = *static_cast<const uint2*>(ptr);
-  if (valid < 4) {
-    const uint64_t keep = (uint64_t{1} << (16 * valid)) - 1;
-    const uint64_t bits = ((uint64_t)v.y << 32 | v.x) & keep;
-    v = make_uint2((uint32_t)bits, (uint32_t)(bits >> 32));
-  }
-  return v;
+  return valid > 0 ? *static_cast<const uint2*>(ptr) : make_uint2(0, 0);
+}
+
+__device__ __forceinline__ uint2 mask4(uint2 v, int valid) {
+  if (valid >= 4) return v;
+  const uint64_t keep = valid > 0 ? (uint64_t{1} << (16 * valid)) - 1 : 0;
+  const uint64_t bits = ((uint64_t)v.y << 32 | v.x) & keep;
+  return make_uint2((uint32_t)bits, (uint32_t)(bits >> 32));
 }
 
 // One trip's loads: 16 * kSteps rank columns of h and of B's columns 2g, 2g + 1 of every tile of a pass.
@@ -76,27 +79,45 @@ __device__ __forceinline__ void load_h_hi_lo(const float* h, int valid, uint32_t
 // Issues a trip's loads. Lane (g, t) reads ranks j + 4t .. j + 4t + 3 of h and of B's columns 2g and 2g + 1 of
 // every tile: the mma's k pairs (2t, 2t+1) and (2t+8, 2t+9) are those ranks, and its rows g and g + 8 those
 // columns. Unchecked where the trip lies inside the rank and the slice (uniform over the warp; a rank-16k adapter
-// over whole passes), masked elsewhere.
+// over whole passes), masked elsewhere: every load first, then the masks (load4).
 // h_live false: this lane's h is zeros (the runs and segments kernels: its N column is a row outside the run).
 template <int kSteps, bool kChecked, class TB, class TH>
 __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool h_live, const TB* b_lane,
                                           int64_t b_stride1, int j, int rank, int pass_cols, int g, int t) {
+  // The ranks of step u this lane reads inside the rank (>= 4: all), and of tile i's columns (none past the pass;
+  // even slice widths: both columns).
+  auto valid_at = [&](int u) { return kChecked ? rank - (j + 16 * u) - 4 * t : 4; };
+  auto tile_valid = [&](int u, int i) { return !kChecked || 16 * i + 2 * g < pass_cols ? valid_at(u) : 0; };
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
-    const int jj = j + 16 * u, valid = kChecked ? rank - jj - 4 * t : 4;
+    const int jj = j + 16 * u;
     if constexpr (std::is_same_v<TH, float>) {
-      load_h_hi_lo<TB>(h + jj + 4 * t, h_live ? valid : 0, trip.h[u], trip.h_lo[u]);
+      load_h_hi_lo<TB>(h + jj + 4 * t, h_live ? valid_at(u) : 0, trip.h[u], trip.h_lo[u]);
     } else {
-      const uint2 hv = load4(h + jj + 4 * t, h_live ? valid : 0);
+      const uint2 hv = load4(h + jj + 4 * t, h_live ? valid_at(u) : 0);
       trip.h[u][0] = hv.x;
       trip.h[u][1] = hv.y;
     }
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
-      const int v = !kChecked || 16 * i + 2 * g < pass_cols ? valid : 0;  // even slice widths: both columns
       const TB* col = b_lane + (int64_t)(16 * i) * b_stride1 + jj;
-      trip.b[u][i][0] = load4(col, v);
-      trip.b[u][i][1] = load4(col + b_stride1, v);
+      trip.b[u][i][0] = load4(col, tile_valid(u, i));
+      trip.b[u][i][1] = load4(col + b_stride1, tile_valid(u, i));
+    }
+  }
+  if constexpr (kChecked) {  // by the rank only: what the column check or h_live left unread is zeros already
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      if constexpr (!std::is_same_v<TH, float>) {  // float32 h: load_h_hi_lo masked it (load_f4)
+        const uint2 hv = mask4(make_uint2(trip.h[u][0], trip.h[u][1]), valid_at(u));
+        trip.h[u][0] = hv.x;
+        trip.h[u][1] = hv.y;
+      }
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        trip.b[u][i][0] = mask4(trip.b[u][i][0], valid_at(u));
+        trip.b[u][i][1] = mask4(trip.b[u][i][1], valid_at(u));
+      }
     }
   }
 }
