@@ -67,11 +67,14 @@ __device__ __forceinline__ float4 load_f4(const float* ptr, int valid) {
   return v;
 }
 
-// A lane's 4 ranks of float32 h (`valid` of them inside the rank) as the mma's two k-pair words of bf16 (hi) and
-// their rounding remainders (lo): ~16 bits of h, below the output's own rounding.
+// A lane's 4 ranks of float32 h as load_trip leaves them (the floats' bits in hi[0], hi[1], lo[0], lo[1]), split in
+// place into the mma's two k-pair words of bf16 (hi) and their rounding remainders (lo): ~16 bits of h, below the
+// output's own rounding. Apart from the load, as the masks are (load4): split at once, h's load held back the
+// trip's B loads behind it.
 template <class TB>
-__device__ __forceinline__ void load_h_hi_lo(const float* h, int valid, uint32_t hi[2], uint32_t lo[2]) {
-  const float4 v = load_f4(h, valid);
+__device__ __forceinline__ void split_h(uint32_t hi[2], uint32_t lo[2]) {
+  const float4 v = make_float4(__uint_as_float(hi[0]), __uint_as_float(hi[1]), __uint_as_float(lo[0]),
+                               __uint_as_float(lo[1]));
   split_pack<TB>(make_float2(v.x, v.y), &hi[0], &lo[0]);
   split_pack<TB>(make_float2(v.z, v.w), &hi[1], &lo[1]);
 }
@@ -91,8 +94,12 @@ __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool 
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
     const int jj = j + 16 * u;
-    if constexpr (std::is_same_v<TH, float>) {
-      load_h_hi_lo<TB>(h + jj + 4 * t, h_live ? valid_at(u) : 0, trip.h[u], trip.h_lo[u]);
+    if constexpr (std::is_same_v<TH, float>) {  // split after the trip's loads (split_h)
+      const float4 hv = load_f4(h + jj + 4 * t, h_live ? valid_at(u) : 0);
+      trip.h[u][0] = __float_as_uint(hv.x);
+      trip.h[u][1] = __float_as_uint(hv.y);
+      trip.h_lo[u][0] = __float_as_uint(hv.z);
+      trip.h_lo[u][1] = __float_as_uint(hv.w);
     } else {
       const uint2 hv = load4(h + jj + 4 * t, h_live ? valid_at(u) : 0);
       trip.h[u][0] = hv.x;
@@ -105,10 +112,14 @@ __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool 
       trip.b[u][i][1] = load4(col + b_stride1, tile_valid(u, i));
     }
   }
+  if constexpr (std::is_same_v<TH, float>) {
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) split_h<TB>(trip.h[u], trip.h_lo[u]);
+  }
   if constexpr (kChecked) {  // by the rank only: what the column check or h_live left unread is zeros already
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      if constexpr (!std::is_same_v<TH, float>) {  // float32 h: load_h_hi_lo masked it (load_f4)
+      if constexpr (!std::is_same_v<TH, float>) {  // float32 h: load_f4 read none past the rank
         const uint2 hv = mask4(make_uint2(trip.h[u][0], trip.h[u][1]), valid_at(u));
         trip.h[u][0] = hv.x;
         trip.h[u][1] = hv.y;
