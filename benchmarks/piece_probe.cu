@@ -54,6 +54,15 @@ __device__ __forceinline__ void store16(__nv_bfloat16* ptr, uint4 v) {
                : "memory");
 }
 
+// A 16-byte piece of 8 bf16 elements, each plus one.
+__device__ __forceinline__ uint4 plus_one(uint4 v) {
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+  const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
+  return v;
+}
+
 // The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
 // order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
 // kWrite: y += 1 written back (the expand); else the chunk is summed into a checksum (the shrink's reads).
@@ -99,11 +108,7 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
     for (int j = 0; j < kPieces; ++j) {
       uint4 v = *reinterpret_cast<const uint4*>(&stage[c % kStages][(threadIdx.x + j * kThreads) * 8]);
       if constexpr (kWrite) {
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-        const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
-        store16(piece_at(c, j), v);
+        store16(piece_at(c, j), plus_one(v));
       } else {
         sum += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
       }
@@ -140,17 +145,12 @@ __global__ void __launch_bounds__(kThreads) register_stream(__nv_bfloat16* y) {
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) ring[d][j] = *reinterpret_cast<const uint4*>(piece_at(d, j));
   }
-  const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
   for (int c0 = 0; c0 < kChunks; c0 += kDepth) {
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {  // chunk c0 + d from slot d, then chunk c0 + d + kDepth into it
 #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
-        uint4 v = ring[d][j];
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
-        store16(piece_at(c0 + d, j), v);
+        store16(piece_at(c0 + d, j), plus_one(ring[d][j]));
         if (c0 + d + kDepth < kChunks) ring[d][j] = *reinterpret_cast<const uint4*>(piece_at(c0 + d + kDepth, j));
       }
     }
@@ -159,13 +159,8 @@ __global__ void __launch_bounds__(kThreads) register_stream(__nv_bfloat16* y) {
 
 // torch's y.add_(1) alike: grid-stride, one 16-byte piece per thread and step (the elementwise baseline).
 __global__ void add_one(__nv_bfloat16* y, int64_t pieces) {
-  const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < pieces; i += (int64_t)gridDim.x * blockDim.x) {
-    uint4 v = reinterpret_cast<const uint4*>(y)[i];
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) h[e] = __hadd2(h[e], one);
-    reinterpret_cast<uint4*>(y)[i] = v;
+    reinterpret_cast<uint4*>(y)[i] = plus_one(reinterpret_cast<const uint4*>(y)[i]);
   }
 }
 
@@ -185,12 +180,12 @@ float time_us(Launch&& launch, int iters = 20) {
   return 1e3f * ms / iters;
 }
 
-// Whether one pass of the rmw kernel over zeros leaves every element of y at exactly 1 (each touched once).
-template <int ROWS, bool kRowMajor>
-bool touches_each_once(__nv_bfloat16* y, int ctas) {
+// Whether one pass of an rmw kernel (launch) over zeros leaves every element of y at exactly 1 (each touched once).
+template <class Launch>
+bool touches_each_once(__nv_bfloat16* y, Launch&& launch) {
   const size_t n = (size_t)kRows * kCols;
   CHECK(cudaMemset(y, 0, n * 2));
-  chunk_stream<ROWS, kRowMajor, true><<<ctas, kThreads>>>(y, nullptr);
+  launch();
   CHECK(cudaDeviceSynchronize());
   uint16_t* host = static_cast<uint16_t*>(std::malloc(n * 2));
   CHECK(cudaMemcpy(host, y, n * 2, cudaMemcpyDeviceToHost));
@@ -204,7 +199,8 @@ template <int ROWS, bool kRowMajor, bool kWrite>
 void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
   if (!kRowMajor && (ROWS == kTileRows || kChunkElems / ROWS == kTileCols)) return;  // one order: printed once
   const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
-  if (kWrite && !touches_each_once<ROWS, kRowMajor>(y, ctas)) {
+  auto rmw_pass = [&] { chunk_stream<ROWS, kRowMajor, true><<<ctas, kThreads>>>(y, nullptr); };
+  if (kWrite && !touches_each_once(y, rmw_pass)) {
     std::printf("%d-row chunks, %s order: not every element written once\n", ROWS, kRowMajor ? "row" : "col");
     std::exit(1);
   }
@@ -221,20 +217,12 @@ void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
 template <int ROWS, int kDepth>
 void run_register_shape(__nv_bfloat16* y, double copy_gbs) {
   const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
-  const size_t n = (size_t)kRows * kCols;
-  CHECK(cudaMemset(y, 0, n * 2));
-  register_stream<ROWS, kDepth><<<ctas, kThreads>>>(y);
-  CHECK(cudaDeviceSynchronize());
-  uint16_t* host = static_cast<uint16_t*>(std::malloc(n * 2));
-  CHECK(cudaMemcpy(host, y, n * 2, cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < n; ++i) {
-    if (host[i] != 0x3f80) {  // bf16 1.0
-      std::printf("register stream %d-row chunks: not every element written once\n", ROWS);
-      std::exit(1);
-    }
+  auto launch = [&] { register_stream<ROWS, kDepth><<<ctas, kThreads>>>(y); };
+  if (!touches_each_once(y, launch)) {
+    std::printf("register stream %d-row chunks: not every element written once\n", ROWS);
+    std::exit(1);
   }
-  std::free(host);
-  const float us = time_us([&] { register_stream<ROWS, kDepth><<<ctas, kThreads>>>(y); });
+  const float us = time_us(launch);
   const double gbs = 2.0 * kRows * (double)kCols * 2 / us * 1e-3;
   std::printf("rmw   %2d x %4d (%4d-byte pieces), registers, %d ahead: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n", ROWS,
               kChunkElems / ROWS, kChunkElems / ROWS * 2, kDepth, us, gbs, 100.0 * gbs / copy_gbs);
