@@ -12,7 +12,11 @@
 // pipeline's own. Read-only variants (no store) ask the same of the prefill sgmv's shrink, which reads x in 64-row x
 // 128-byte pieces. register_stream walks the 64 x 64 and 8 x 512 chunks without shared memory or barriers, to
 // tell the staging's cost from the order's. (Until session 48 the rmw kernels' stores compiled to four 4-byte
-// stores a piece, against the elementwise baseline's and the kernels' 16-byte ones: store16 now.)
+// stores a piece, against the elementwise baseline's and the kernels' 16-byte ones: store16 now.) The "combine"
+// rows add what the expand kernels do between a chunk's landing and its store: the +1 as a pass over the staged
+// chunk in the mma accumulators' layout (each warp 16 rows x 64 columns, a lane's pairs in rows g and g + 8, rows
+// padded by 16 bytes as the kernels' are), then a second barrier, then the stores from shared memory (session 49:
+// grouped_gemm's expand at 32 x 128 reached 81% where the staged stream reached 94%).
 // Build and run (any sm_80+ GPU): nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/piece_probe.cu -o /tmp/piece_probe
 // && /tmp/piece_probe
 #include <cuda_bf16.h>
@@ -66,13 +70,20 @@ __device__ __forceinline__ uint4 plus_one(uint4 v) {
 // The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
 // order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
 // kWrite: y += 1 written back (the expand); else the chunk is summed into a checksum (the shrink's reads).
-template <int ROWS, bool kRowMajor, bool kWrite>
+// kCombine (with kWrite): the +1 in shared memory, in the accumulators' layout, behind a barrier (see the top).
+template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false>
 __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float* checksum) {
   constexpr int COLS = kChunkElems / ROWS;
   constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
   constexpr int kChunks = kRowBlocks * kColBlocks;
   constexpr int kRowPieces = COLS / 8;  // 16-byte pieces in one row of a chunk
-  __shared__ __align__(16) __nv_bfloat16 stage[kStages][kChunkElems];
+  constexpr int kStride = kCombine ? COLS + 8 : COLS;  // a staged row (elements)
+  static_assert(!kCombine || (kWrite && ROWS % 16 == 0 && COLS % 64 == 0), "warp tiles of 16 x 64");
+  __shared__ __align__(16) __nv_bfloat16 stage[kStages][ROWS * kStride];
+  auto staged = [&](int c, int j) {  // this thread's piece j of chunk c, in shared memory
+    const int p = threadIdx.x + j * kThreads;
+    return &stage[c % kStages][p / kRowPieces * kStride + p % kRowPieces * 8];
+  };
   const int tiles_per_row = kCols / kTileCols;
   const int64_t row0 = (int64_t)(blockIdx.x / tiles_per_row) * kTileRows;
   const int col0 = (blockIdx.x % tiles_per_row) * kTileCols;
@@ -91,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
   };
   auto load = [&](int c) {
 #pragma unroll
-    for (int j = 0; j < kPieces; ++j) cp_async16(&stage[c % kStages][(threadIdx.x + j * kThreads) * 8], piece_at(c, j));
+    for (int j = 0; j < kPieces; ++j) cp_async16(staged(c, j), piece_at(c, j));
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -104,10 +115,26 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
     __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
     if (c + kStages - 1 < kChunks) load(c + kStages - 1);
     cp_async_commit();
+    if constexpr (kCombine) {  // the warp's 16 x 64 of the chunk, in m16n8 accumulator pairs
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+      __nv_bfloat16* band = &stage[c % kStages][warp % (ROWS / 16) * 16 * kStride + warp / (ROWS / 16) * 64];
+      const __nv_bfloat162 one = __floats2bfloat162_rn(1.f, 1.f);
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          auto* pair = reinterpret_cast<__nv_bfloat162*>(band + (g + 8 * h) * kStride + ni * 8 + 2 * t);
+          *pair = __hadd2(*pair, one);
+        }
+      }
+      __syncthreads();  // the chunk's pairs are written; its pieces go out whole
+    }
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
-      uint4 v = *reinterpret_cast<const uint4*>(&stage[c % kStages][(threadIdx.x + j * kThreads) * 8]);
-      if constexpr (kWrite) {
+      uint4 v = *reinterpret_cast<const uint4*>(staged(c, j));
+      if constexpr (kCombine) {
+        store16(piece_at(c, j), v);
+      } else if constexpr (kWrite) {
         store16(piece_at(c, j), plus_one(v));
       } else {
         sum += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
@@ -195,22 +222,23 @@ bool touches_each_once(__nv_bfloat16* y, Launch&& launch) {
   return ok;
 }
 
-template <int ROWS, bool kRowMajor, bool kWrite>
+template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false>
 void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
   if (!kRowMajor && (ROWS == kTileRows || kChunkElems / ROWS == kTileCols)) return;  // one order: printed once
   const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
-  auto rmw_pass = [&] { chunk_stream<ROWS, kRowMajor, true><<<ctas, kThreads>>>(y, nullptr); };
+  auto rmw_pass = [&] { chunk_stream<ROWS, kRowMajor, true, kCombine><<<ctas, kThreads>>>(y, nullptr); };
   if (kWrite && !touches_each_once(y, rmw_pass)) {
     std::printf("%d-row chunks, %s order: not every element written once\n", ROWS, kRowMajor ? "row" : "col");
     std::exit(1);
   }
-  const float us = time_us([&] { chunk_stream<ROWS, kRowMajor, kWrite><<<ctas, kThreads>>>(y, checksum); });
+  const float us =
+      time_us([&] { chunk_stream<ROWS, kRowMajor, kWrite, kCombine><<<ctas, kThreads>>>(y, checksum); });
   const double bytes = (kWrite ? 2.0 : 1.0) * kRows * (double)kCols * 2;
   const double gbs = bytes / us * 1e-3;
   // % of the copy's rate (its read and write bytes together), for the read-only walks too
-  std::printf("%-5s %2d x %4d (%4d-byte pieces), %s order: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n",
+  std::printf("%-5s %2d x %4d (%4d-byte pieces), %s order%s: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n",
               kWrite ? "rmw" : "read", ROWS, kChunkElems / ROWS, kChunkElems / ROWS * 2,
-              kRowMajor ? "row-block" : "col-block", us, gbs, 100.0 * gbs / copy_gbs);
+              kRowMajor ? "row-block" : "col-block", kCombine ? ", combine" : "", us, gbs, 100.0 * gbs / copy_gbs);
 }
 
 // register_stream at one shape and depth, checked like chunk_stream (every element once) and timed.
@@ -266,6 +294,9 @@ int main() {
   run_register_shape<64, 4>(y, copy_gbs);
   run_register_shape<8, 2>(y, copy_gbs);
   run_register_shape<8, 4>(y, copy_gbs);
+  run_shape<64, true, true, true>(y, checksum, copy_gbs);
+  run_shape<32, true, true, true>(y, checksum, copy_gbs);
+  run_shape<16, true, true, true>(y, checksum, copy_gbs);
   CHECK(cudaFree(y));
   CHECK(cudaFree(other));
   CHECK(cudaFree(checksum));
