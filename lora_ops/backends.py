@@ -1,8 +1,8 @@
 """Which backend serves which op on which device, as data (xformers style), and the Triton registration.
 
 Dispatch (docs/design.md §3): CPU -> csrc/cpu; CUDA -> csrc/cuda when compiled in (which hands the regimes that
-lora_ops/op_table.json gives to Triton over to it), else Triton; LORA_OPS_BACKEND=triton forces Triton on CUDA;
-PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
+its GPU's op table, lora_ops/op_tables/, gives to Triton over to it), else Triton; LORA_OPS_BACKEND=triton forces
+Triton on CUDA; PrivateUse1 (torch_npu's "npu") -> csrc/ascend when built with CANN. Every refusal carries a
 reason, printed by `python -m lora_ops.info`.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def noting_the_op_table(op: str, kernel):
     launcher), and nothing to graph replay. (A catch in C++ could not annotate it: the error arrives there as a
     Python exception, and _C has no Python symbols.)"""
     note = (f"lora_ops: raised in lora_ops::_triton_{op} (Triton's kernel). A CUDA call of lora_ops.{op} is routed "
-            "there when the op table (lora_ops/op_table.json) gives its regime to Triton; LORA_OPS_OP_TABLE=off "
+            "there when the op table (lora_ops/op_tables/) gives its regime to Triton; LORA_OPS_OP_TABLE=off "
             "keeps every call on the C++ kernels.")
 
     @functools.wraps(kernel)

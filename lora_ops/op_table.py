@@ -1,10 +1,17 @@
 """Which backend the CUDA kernels of sgmv, lora_expand and grouped_gemm hand each call to, per regime: data measured
 by the op bench, not code (docs/design.md §3).
 
-The table (op_table.json beside this file) is written from the op bench's own graph-replay records
-(`python -m lora_ops.bench --ops --op-table lora_ops/op_table.json`) and records the GPU, commit and date of the
-measurement; a results file with failures, or from a partial run (CPU, --quick, --impls, some ops left out, fp32),
-or without a case of every op timed on both backends, makes none (results_problems). At import, lora_ops hands
+A table is written from the op bench's own graph-replay records (`python -m lora_ops.bench --ops --op-table
+lora_ops/op_tables/<gpu>.json`) and records the GPU, commit and date of the measurement. One is packaged per GPU
+model measured (op_tables/h200.json, op_tables/h100.json: the model's word of the device name, gpu_word); at import
+the table of the GPU the process sees first is installed, or, for a GPU without one, the reference GPU's
+(REFERENCE_GPU: the H200, the issues' GPU). The GPU is named without initialising CUDA (which a process that forks
+workers must not do at import): through CUDA when torch has already initialised it, else through NVML, the
+driver's management library, at the first index CUDA_VISIBLE_DEVICES names (visible_gpu_name; NVML numbers the
+GPUs in PCI order, CUDA by default fastest first: the two agree where every GPU is of one model). A process with
+GPUs of several models takes one table for all of them. A results file with failures, or from a partial run (CPU,
+--quick, --impls, some ops left out, fp32), or without a case of every op timed on both backends, makes no table
+(results_problems). At import, lora_ops hands
 the table to the C++ side (csrc/common/op_table.h, in every build); the C++ CUDA kernels look a call up there and
 redispatch one in a Triton regime to lora_ops::_triton_<op>, in C++, with no Python on the C++ kernels' path. It
 applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not when
@@ -16,7 +23,8 @@ backend on a measured case. A closer tie stays on the C++ kernel, which is cheap
 to Triton pays a hop into Python, where Triton launches its kernel; graph replay does not) and whose win or loss
 by a few percent is within the spread of one measurement.
 
-LORA_OPS_OP_TABLE=off keeps every call on the C++ kernels; LORA_OPS_OP_TABLE=<path> loads another table.
+LORA_OPS_OP_TABLE=off keeps every call on the C++ kernels; LORA_OPS_OP_TABLE=<path> loads that table, whatever the
+GPU.
 
 A regime is one class per axis; the classes of an axis are given by inclusive upper bounds, the last class is
 open-ended, so the classes of every axis cover all values >= 1 and the cells (row-major over the axes) cover
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import itertools
 import json
 import os
@@ -41,7 +50,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "op_table.json")
+TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "op_tables")
+REFERENCE_GPU = "h200"  # the issues' GPU: its table serves a GPU that has none of its own
 OPS = ("sgmv", "lora_expand", "grouped_gemm")
 BACKENDS = ("cuda", "triton")
 # The dtypes the table applies to (the C++ kernels treat both alike); records in others are not used.
@@ -257,8 +267,51 @@ def choice(table: dict, op: str, **values: int) -> str:
     return spec["cells"][_cell_index(spec["axes"], values)]["backend"]
 
 
-def load(path: str = PATH) -> dict:
-    with open(path) as f:
+def gpu_word(device_name: str) -> str:
+    """The model's word of a device name, as the bench's results files are named: "NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100"."""
+    words = device_name.removeprefix("NVIDIA ").split()
+    return words[0].split("-")[0].lower() if words else ""
+
+
+def path_for(device_name: Optional[str]) -> str:
+    """The packaged table of this GPU's model, else the reference GPU's."""
+    own = os.path.join(TABLES_DIR, f"{gpu_word(device_name)}.json") if device_name else None
+    return own if own and os.path.isfile(own) else os.path.join(TABLES_DIR, f"{REFERENCE_GPU}.json")
+
+
+def packaged_paths() -> List[str]:
+    return sorted(os.path.join(TABLES_DIR, f) for f in os.listdir(TABLES_DIR) if f.endswith(".json"))
+
+
+def visible_gpu_name() -> Optional[str]:
+    """The name of the first GPU this process sees, without initialising CUDA; None without one (or without NVML)."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = visible.split(",")[0].strip() if visible is not None else "0"
+    return _nvml_device_name(int(first)) if first.isdigit() else None  # "" or a UUID: none named here
+
+
+def _nvml_device_name(index: int) -> Optional[str]:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:  # no NVIDIA driver
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        device, name = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+        if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(device)) != 0:
+            return None
+        return name.value.decode() if nvml.nvmlDeviceGetName(device, name, ctypes.c_uint(len(name))) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def load(path: Optional[str] = None) -> dict:
+    """The table at `path` (default: the reference GPU's), validated."""
+    with open(path or path_for(None)) as f:
         table = json.load(f)
     validate(table)
     return table
@@ -307,10 +360,19 @@ def _set_cpp_table(op: str, table: Optional[dict]) -> None:
         [b for a in spec["axes"] for b in a["max"]], [int(c["backend"] == "triton") for c in spec["cells"]])
 
 
-def install_default() -> None:
-    """At import: the packaged table, another one (LORA_OPS_OP_TABLE=<path>), or none (LORA_OPS_OP_TABLE=off)."""
+def default_path() -> Optional[str]:
+    """The table install_default installs: LORA_OPS_OP_TABLE's path, none for "off", else the packaged table of the
+    GPU this process sees first (path_for)."""
     setting = os.environ.get("LORA_OPS_OP_TABLE", "").strip()
-    install(None if setting.lower() == "off" else load(setting or PATH))
+    if setting.lower() == "off":
+        return None
+    return setting or path_for(visible_gpu_name() if cuda_kernels_take_tables() else None)
+
+
+def install_default() -> None:
+    """At import: default_path's table, or none."""
+    path = default_path()
+    install(None if path is None else load(path))
 
 
 @contextlib.contextmanager

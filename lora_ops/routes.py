@@ -10,8 +10,8 @@ all --routes lora_ops/routes.json`):
   slot's, as extra columns of W's rows) that starts while the shrink runs (programmatic dependent launch); h is
   rounded to the activation dtype, as on the fold route. Backend "cuda" only: the op has no Triton kernel (off
   its CUDA kernels' regime, and off CUDA, it runs a composition of torch ops);
-- backend "cuda" (the public op: the C++ kernels, which hand the regimes lora_ops/op_table.json gives to Triton
-  over to it) or "triton" (the Triton kernel by name).
+- backend "cuda" (the public op: the C++ kernels, which hand the regimes their GPU's op table, lora_ops/op_tables/,
+  gives to Triton over to it) or "triton" (the Triton kernel by name).
 
 Regimes are ranges of T, the rows of the layer's input; each entry covers T up to its max_tokens (the last one
 has none: every larger T). A table may split them by the pool's max rank R ("ranks": classes up to max_rank, the

@@ -9,7 +9,7 @@
 #              75-80% of the copy rate; NOTES.md, grouped_gemm, sessions 48-49); seconds, not in the default
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
 #              benchmarks/results/<date>-<gpu>.*, and, without extra bench arguments, the op table it measures
-#              (lora_ops/op_table.json)
+#              (lora_ops/op_tables/<gpu>.json)
 #   routes     python -m lora_ops.bench --decode-step --routes, once per model shape: issue 12's rows, then every
 #              route at every regime and adapter mix, and the serving layer's route table of the three shapes from
 #              them (lora_ops/routes.json; 562 s with the build at 68dc283: a device call of its own; not in the
@@ -43,11 +43,10 @@ done
 want() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T)) ==="; }
-# benchmarks/results/<date>-<gpu>: the bench's records' base name; <gpu> is the model's word ("NVIDIA H100 80GB HBM3":
-# h100, "NVIDIA H200": h200), not the name's last word
-results_base() {
-  echo "benchmarks/results/$(date +%F)-$($PY -c "import torch; print(torch.cuda.get_device_name().removeprefix('NVIDIA ').split()[0].split('-')[0].lower())")"
-}
+# The GPU model's word ("NVIDIA H100 80GB HBM3": h100, "NVIDIA H200": h200), not the name's last word: the name of
+# the bench's records (benchmarks/results/<date>-<gpu>) and of the GPU's op table (lora_ops/op_tables/<gpu>.json).
+gpu_word() { $PY -c "import torch; from lora_ops import op_table; print(op_table.gpu_word(torch.cuda.get_device_name()))"; }
+results_base() { echo "benchmarks/results/$(date +%F)-$(gpu_word)"; }
 
 step build
 # A planted bug a killed mutate run left in this tree goes back first, dated now: the copy of the tree this call
@@ -126,8 +125,8 @@ if want bench; then
       && cp "$name.json" "$OUT"/ && for f in "${parts[@]}"; do rm -f "$OUT/$(basename "$f")"; done || status=1
     rm -f "${parts[@]}" "${parts[@]/%.json/.csv}" "${parts[@]/%.json/.png}"
     if [ ${#bench_args[@]} -eq 0 ]; then
-      $PY -m lora_ops.bench.report "$name.json" --op-table lora_ops/op_table.json && cp lora_ops/op_table.json "$OUT"/ \
-        || status=1
+      table="lora_ops/op_tables/$(gpu_word).json"
+      $PY -m lora_ops.bench.report "$name.json" --op-table "$table" && cp "$table" "$OUT"/ || status=1
     fi
   fi
 fi

@@ -834,6 +834,16 @@ MUTATIONS: List[Mutation] = [
              ":",
              "the bench times the kext route past the tokens its kernels serve (its composition)",
              tests=("tests/test_bench.py",)),
+    # ==== session 49: an op table per GPU model ====
+    Mutation("op-table-ignores-the-gpu", "lora_ops/op_table.py",
+             "    return setting or path_for(visible_gpu_name() if cuda_kernels_take_tables() else None)",
+             "    return setting or path_for(None)",
+             "every GPU gets the reference GPU's op table, an H100 too", tests=("tests/test_op_table.py",)),
+    Mutation("op-table-nvml-ignores-visible-devices", "lora_ops/op_table.py",
+             '    first = visible.split(",")[0].strip() if visible is not None else "0"',
+             '    first = "0"',
+             "the op table is chosen by GPU 0 whatever CUDA_VISIBLE_DEVICES makes the process see",
+             tests=("tests/test_op_table.py",)),
 ]
 
 

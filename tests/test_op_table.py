@@ -1,6 +1,7 @@
-"""The CUDA kernels' op table (lora_ops/op_table.py, op_table.json): built from bench records, covering every regime,
-looked up alike in Python and in the C++ kernels, and overridable; on a GPU, the regimes it gives to Triton run
-Triton's kernels and match the oracle."""
+"""The CUDA kernels' op tables (lora_ops/op_table.py, op_tables/<gpu>.json): built from bench records, covering every
+regime, one per GPU model measured and chosen by the GPU without initialising CUDA, looked up alike in Python and in
+the C++ kernels, and overridable; on a GPU, the regimes it gives to Triton run Triton's kernels and match the
+oracle."""
 import itertools
 import json
 import os
@@ -27,19 +28,25 @@ def _regime_points(op):
     return itertools.product(*(_boundary_values(bounds) for _, bounds in op_table.AXES[op]))
 
 
-def test_committed_table_covers_every_regime_and_says_where_it_came_from():
-    table = op_table.load()
+PACKAGED = op_table.packaged_paths()
+
+
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_committed_table_covers_every_regime_and_says_where_it_came_from(path):
+    table = op_table.load(path)
     for key in ("gpu", "git_sha", "date", "torch", "source"):
         assert table.get(key), f"the table does not say which measurement it came from ({key})"
+    assert os.path.basename(path) == f"{op_table.gpu_word(table['gpu'])}.json", "a table is named by its GPU"
     for op in op_table.OPS:
         names = [name for name, _ in op_table.AXES[op]]
         for point in _regime_points(op):
             assert op_table.choice(table, op, **dict(zip(names, point))) in op_table.BACKENDS
 
 
-def test_committed_table_is_the_builder_output_of_its_results_file():
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_committed_table_is_the_builder_output_of_its_results_file(path):
     """No hand-written entry: the table is exactly what the builder makes of the results file it names."""
-    table = op_table.load()
+    table = op_table.load(path)
     with open(os.path.join(ROOT, "benchmarks", "results", table["source"])) as f:
         result = json.load(f)
     assert op_table.build(result["records"], report.table_meta(result, table["source"])) == table
@@ -226,12 +233,65 @@ def test_choice_follows_the_class_bounds():
     assert op_table.choice(table, "grouped_gemm", positions=257, n=128, k=128) == "cuda"
 
 
+def test_the_reference_table_is_packaged_and_an_h100_has_its_own():
+    assert op_table.path_for(None) in PACKAGED and op_table.load()["gpu"] == "NVIDIA H200"
+    assert op_table.load(op_table.path_for("NVIDIA H100 80GB HBM3"))["gpu"].startswith("NVIDIA H100")
+
+
+@pytest.mark.parametrize("name,word", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "geforce"),
+                                       ("", "")])
+def test_gpu_word_is_the_models_word(name, word):
+    assert op_table.gpu_word(name) == word
+
+
+@pytest.mark.parametrize("name,table_gpu", [("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"),
+                                            ("NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3"),
+                                            ("NVIDIA A100-SXM4-80GB", "NVIDIA H200"), (None, "NVIDIA H200")])
+def test_import_installs_the_table_of_the_gpu_it_sees(name, table_gpu, monkeypatch):
+    """A GPU model with a table of its own gets it; any other GPU, or none, the reference GPU's."""
+    seen = []
+    monkeypatch.setattr(op_table, "install", seen.append)
+    monkeypatch.setattr(op_table, "visible_gpu_name", lambda: name)
+    monkeypatch.setattr(op_table, "cuda_kernels_take_tables", lambda: True)
+    monkeypatch.delenv("LORA_OPS_OP_TABLE", raising=False)
+    op_table.install_default()
+    assert seen.pop()["gpu"] == table_gpu
+
+
+@pytest.mark.parametrize("visible,index", [(None, 0), ("1,0", 1), (" 2", 2), ("", None), ("GPU-5d8f0c1e", None),
+                                           ("-1", None)])
+def test_the_gpu_is_named_through_nvml_at_the_first_visible_index(visible, index, monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(op_table, "_nvml_device_name", lambda i: asked.append(i) or "NVIDIA H100 80GB HBM3")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert op_table.visible_gpu_name() == (None if index is None else "NVIDIA H100 80GB HBM3")
+    assert asked == ([] if index is None else [index])
+
+
+def test_import_leaves_cuda_uninitialised_and_nvml_answers_or_says_none():
+    """Choosing the table must not initialise CUDA (a process that forks workers after importing lora_ops could not
+    use CUDA in them); without an NVIDIA driver NVML says None, with one it names the GPU that CUDA names."""
+    script = ("import torch, lora_ops\nfrom lora_ops import op_table\nprint(torch.cuda.is_initialized())\n"
+              "print(op_table._nvml_device_name(0))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "False"
+    if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert op_table.gpu_word(out[1]) == op_table.gpu_word(torch.cuda.get_device_name(0))
+    else:
+        assert out[1] == "None" or torch.cuda.is_available()
+
+
 def test_override_picks_the_table_at_import(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(op_table, "install", seen.append)
     monkeypatch.delenv("LORA_OPS_OP_TABLE", raising=False)
     op_table.install_default()
-    assert seen.pop() == op_table.load()
+    assert seen.pop() == op_table.load(op_table.default_path())
     monkeypatch.setenv("LORA_OPS_OP_TABLE", "off")
     op_table.install_default()
     assert seen.pop() is None

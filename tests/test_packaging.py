@@ -1,5 +1,5 @@
 """What the built package must be: a wheel of lora_ops holds its data files beside its modules (setup.py's
-PACKAGE_DATA): an installed, not editable, copy reads them from its own directory. Without op_table.json, `import
+PACKAGE_DATA): an installed, not editable, copy reads them from its own directory. Without its op table, `import
 lora_ops` raised FileNotFoundError from a wheel before session 42 (the editable installs that the tests use read the
 source tree). And _C shares torch's OpenMP runtime."""
 import glob
@@ -15,10 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_data_file_of_the_package_goes_into_a_wheel():
     setup = runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="lora_ops_setup")  # defines, does not build
-    listed = set(setup["PACKAGE_DATA"]["lora_ops"])
-    data = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "lora_ops", "*.json"))}
-    assert {"op_table.json", "routes.json"} <= data
-    assert data <= listed, f"not packaged: {sorted(data - listed)}"
+    package = os.path.join(ROOT, "lora_ops")
+    listed = {p for pattern in setup["PACKAGE_DATA"]["lora_ops"] for p in glob.glob(os.path.join(package, pattern))}
+    data = set(glob.glob(os.path.join(package, "*.json")) + glob.glob(os.path.join(package, "op_tables", "*.json")))
+    assert {os.path.join(package, "routes.json"), os.path.join(package, "op_tables", "h200.json")} <= data
+    assert data <= listed, f"not packaged: {sorted(os.path.relpath(p, package) for p in data - listed)}"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings (Linux)")

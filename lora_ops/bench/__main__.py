@@ -74,9 +74,9 @@ def main(argv=None) -> int:
                     help=f"with the op bench: which ops, comma-separated (default: {','.join(OP_KINDS)})")
     ap.add_argument("--op-table", default=None, metavar="PATH",
                     help="with the op bench: write the CUDA kernels' op table from this run's graph records "
-                         "(lora_ops/op_table.json; needs --out, whose .json the table names as its source, a CUDA "
-                         "device, bf16 or fp16, every op and implementation, not --quick; a run with failures "
-                         "writes none)")
+                         "(lora_ops/op_tables/<gpu>.json; needs --out, whose .json the table names as its source, "
+                         "a CUDA device, bf16 or fp16, every op and implementation, not --quick; a run with "
+                         "failures writes none)")
     ap.add_argument("--decode-step", action="store_true", help="the decode-step bench (CUDA only; see decode_step.py)")
     ap.add_argument("--models", default="llama3-8b",
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")

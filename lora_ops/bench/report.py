@@ -4,7 +4,7 @@ table and its claims cannot drift from the data:
     python -m lora_ops.bench.report benchmarks/results/2026-11-30-h200.json --readme README.md
 
 rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
-`--op-table lora_ops/op_table.json` it also writes the CUDA kernels' op table from the file's records
+`--op-table lora_ops/op_tables/h200.json` it also writes the CUDA kernels' op table from the file's records
 (lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems);
 with `--routes lora_ops/routes.json` the serving layer's routes table from a route sweep's records (the decode-step
 bench's --routes writes the same table).
@@ -356,7 +356,8 @@ def main(argv=None) -> int:
                                                "merged, see merge)")
     ap.add_argument("--readme", default=None, help="rewrite this file's bench section (default: print it)")
     ap.add_argument("--op-table", default=None, metavar="PATH",
-                    help="write the op table built from the file's records (lora_ops/op_table.json) instead")
+                    help="write the op table built from the file's records (lora_ops/op_tables/<gpu>.json, "
+                         "<gpu> as op_table.gpu_word names the records' GPU) instead")
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="write the serving layer's routes table built from the file's route-sweep records "
                          "(lora_ops/routes.json; what --decode-step --routes writes) instead")
