@@ -7,11 +7,11 @@ model measured (op_tables/h200.json, op_tables/h100.json: the model's word of th
 the table of the GPU the process sees first is installed, or, for a GPU without one, the reference GPU's
 (REFERENCE_GPU: the H200, the issues' GPU). The GPU is named without initialising CUDA (which a process that forks
 workers must not do at import): through CUDA when torch has already initialised it, else through NVML, the
-driver's management library, at the first index CUDA_VISIBLE_DEVICES names (visible_gpu_name; NVML numbers the
-GPUs in PCI order, CUDA by default fastest first: the two agree where every GPU is of one model). A process with
-GPUs of several models takes one table for all of them. A results file with failures, or from a partial run (CPU,
---quick, --impls, some ops left out, fp32), or without a case of every op timed on both backends, makes no table
-(results_problems). At import, lora_ops hands
+driver's management library, as the first entry of CUDA_VISIBLE_DEVICES names it, by index or UUID
+(visible_gpu_name; NVML numbers the GPUs in PCI order, CUDA by default fastest first: the two agree where every
+GPU is of one model). A process with GPUs of several models takes one table for all of them. A results file with
+failures, or from a partial run (CPU, --quick, --impls, some ops left out, fp32), or without a case of every op
+timed on both backends, makes no table (results_problems). At import, lora_ops hands
 the table to the C++ side (csrc/common/op_table.h, in every build); the C++ CUDA kernels look a call up there and
 redispatch one in a Triton regime to lora_ops::_triton_<op>, in C++, with no Python on the C++ kernels' path. It
 applies to fp16/bf16 weights (the measured dtypes; fp32 stays on the C++ kernels), and not when
@@ -267,10 +267,14 @@ def choice(table: dict, op: str, **values: int) -> str:
     return spec["cells"][_cell_index(spec["axes"], values)]["backend"]
 
 
+_BRANDS = ("nvidia", "geforce", "rtx", "tesla", "quadro")  # words before the model's in a device name
+
+
 def gpu_word(device_name: str) -> str:
-    """The model's word of a device name, as the bench's results files are named: "NVIDIA H100 80GB HBM3" -> "h100",
-    "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100"."""
-    words = device_name.removeprefix("NVIDIA ").split()
+    """The model's word of a device name, as the bench's results files and the op tables are named: "NVIDIA H100
+    80GB HBM3" -> "h100", "NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" ->
+    "4090". Variants of one model (an H100's SXM, PCIe and NVL forms) share the word, and so the table."""
+    words = [w for w in device_name.split() if w.lower() not in _BRANDS]
     return words[0].split("-")[0].lower() if words else ""
 
 
@@ -285,26 +289,37 @@ def packaged_paths() -> List[str]:
 
 
 def visible_gpu_name() -> Optional[str]:
-    """The name of the first GPU this process sees, without initialising CUDA; None without one (or without NVML)."""
+    """The name of the first GPU this process sees (CUDA's device 0), without initialising CUDA; None where it sees
+    none ("" or a negative index first in CUDA_VISIBLE_DEVICES), or where NVML cannot name it."""
     if torch.cuda.is_initialized():
-        return torch.cuda.get_device_name(torch.cuda.current_device())
+        return torch.cuda.get_device_name(0)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     first = visible.split(",")[0].strip() if visible is not None else "0"
-    return _nvml_device_name(int(first)) if first.isdigit() else None  # "" or a UUID: none named here
+    return _nvml_device_name(first) if first and not first.startswith("-") else None
 
 
-def _nvml_device_name(index: int) -> Optional[str]:
+def _nvml_device_name(device: str) -> Optional[str]:
+    """NVML's name of the GPU with this index (decimal digits) or UUID ("GPU-…", "MIG-…"); None without an NVIDIA
+    driver, or where NVML finds no such GPU."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:  # no NVIDIA driver
-        return None
-    if nvml.nvmlInit_v2() != 0:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+    except (OSError, AttributeError):  # no driver, or an NVML without the entry point
         return None
     try:
-        device, name = ctypes.c_void_p(), ctypes.create_string_buffer(96)
-        if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(device)) != 0:
+        handle, name = ctypes.c_void_p(), ctypes.create_string_buffer(96)
+        if device.isascii() and device.isdecimal():
+            if int(device) >= 1 << 32:
+                return None
+            found = nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(int(device)), ctypes.byref(handle))
+        else:
+            found = nvml.nvmlDeviceGetHandleByUUID(device.encode(), ctypes.byref(handle))
+        if found != 0 or nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(len(name))) != 0:
             return None
-        return name.value.decode() if nvml.nvmlDeviceGetName(device, name, ctypes.c_uint(len(name))) == 0 else None
+        return name.value.decode("ascii", "replace")
+    except AttributeError:
+        return None
     finally:
         nvml.nvmlShutdown()
 
@@ -317,8 +332,10 @@ def load(path: Optional[str] = None) -> dict:
     return table
 
 
-# The table the C++ kernels hold now (None: none, every call on the C++ kernels).
+# The table the C++ kernels hold now (None: none, every call on the C++ kernels), and the file install_default
+# read it from.
 installed: Optional[dict] = None
+installed_path: Optional[str] = None
 
 
 def cuda_kernels_take_tables() -> bool:
@@ -362,17 +379,22 @@ def _set_cpp_table(op: str, table: Optional[dict]) -> None:
 
 def default_path() -> Optional[str]:
     """The table install_default installs: LORA_OPS_OP_TABLE's path, none for "off", else the packaged table of the
-    GPU this process sees first (path_for)."""
+    GPU this process sees first (path_for; the GPU is not looked up where no table would be used: without the C++
+    CUDA kernels, or without Triton)."""
+    from . import backends
     setting = os.environ.get("LORA_OPS_OP_TABLE", "").strip()
     if setting.lower() == "off":
         return None
-    return setting or path_for(visible_gpu_name() if cuda_kernels_take_tables() else None)
+    used = cuda_kernels_take_tables() and "triton" not in backends.unavailable
+    return setting or path_for(visible_gpu_name() if used else None)
 
 
 def install_default() -> None:
     """At import: default_path's table, or none."""
+    global installed_path
     path = default_path()
     install(None if path is None else load(path))
+    installed_path = path
 
 
 @contextlib.contextmanager

@@ -836,7 +836,7 @@ MUTATIONS: List[Mutation] = [
              tests=("tests/test_bench.py",)),
     # ==== session 49: an op table per GPU model ====
     Mutation("op-table-ignores-the-gpu", "lora_ops/op_table.py",
-             "    return setting or path_for(visible_gpu_name() if cuda_kernels_take_tables() else None)",
+             "    return setting or path_for(visible_gpu_name() if used else None)",
              "    return setting or path_for(None)",
              "every GPU gets the reference GPU's op table, an H100 too", tests=("tests/test_op_table.py",)),
     Mutation("op-table-nvml-ignores-visible-devices", "lora_ops/op_table.py",

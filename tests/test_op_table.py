@@ -239,8 +239,9 @@ def test_the_reference_table_is_packaged_and_an_h100_has_its_own():
 
 
 @pytest.mark.parametrize("name,word", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "geforce"),
-                                       ("", "")])
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "4090"),
+                                       ("NVIDIA RTX A6000", "a6000"), ("Tesla V100-SXM2-16GB", "v100"),
+                                       ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "h100"), ("", "")])
 def test_gpu_word_is_the_models_word(name, word):
     assert op_table.gpu_word(name) == word
 
@@ -254,14 +255,15 @@ def test_import_installs_the_table_of_the_gpu_it_sees(name, table_gpu, monkeypat
     monkeypatch.setattr(op_table, "install", seen.append)
     monkeypatch.setattr(op_table, "visible_gpu_name", lambda: name)
     monkeypatch.setattr(op_table, "cuda_kernels_take_tables", lambda: True)
+    monkeypatch.delitem(backends.unavailable, "triton", raising=False)
     monkeypatch.delenv("LORA_OPS_OP_TABLE", raising=False)
     op_table.install_default()
     assert seen.pop()["gpu"] == table_gpu
 
 
-@pytest.mark.parametrize("visible,index", [(None, 0), ("1,0", 1), (" 2", 2), ("", None), ("GPU-5d8f0c1e", None),
-                                           ("-1", None)])
-def test_the_gpu_is_named_through_nvml_at_the_first_visible_index(visible, index, monkeypatch):
+@pytest.mark.parametrize("visible,index", [(None, "0"), ("1,0", "1"), (" 2", "2"), ("GPU-5d8f0c1e,0", "GPU-5d8f0c1e"),
+                                           ("", None), ("-1", None), (",0", None)])
+def test_the_gpu_is_named_through_nvml_as_cuda_visible_devices_names_the_first(visible, index, monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(op_table, "_nvml_device_name", lambda i: asked.append(i) or "NVIDIA H100 80GB HBM3")
@@ -273,17 +275,42 @@ def test_the_gpu_is_named_through_nvml_at_the_first_visible_index(visible, index
     assert asked == ([] if index is None else [index])
 
 
-def test_import_leaves_cuda_uninitialised_and_nvml_answers_or_says_none():
-    """Choosing the table must not initialise CUDA (a process that forks workers after importing lora_ops could not
-    use CUDA in them); without an NVIDIA driver NVML says None, with one it names the GPU that CUDA names."""
-    script = ("import torch, lora_ops\nfrom lora_ops import op_table\nprint(torch.cuda.is_initialized())\n"
-              "print(op_table._nvml_device_name(0))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert out[0] == "False"
-    if torch.cuda.is_available() and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        assert op_table.gpu_word(out[1]) == op_table.gpu_word(torch.cuda.get_device_name(0))
-    else:
-        assert out[1] == "None" or torch.cuda.is_available()
+@pytest.mark.parametrize("device", ["\u00b2", "4294967296", "GPU-00000000-0000-0000-0000-000000000000", "MIG-x"])
+def test_nvml_names_no_gpu_for_an_index_or_uuid_it_does_not_have(device):
+    """Whether or not there is a driver: no exception, no GPU 0 for an index past 32 bits, None."""
+    assert op_table._nvml_device_name(device) is None
+
+
+def _after_import(script: str, visible_devices=None) -> list:
+    """The output lines of `script` run after `import torch, lora_ops` in a fresh process, with CUDA_VISIBLE_DEVICES
+    unset or as given."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    out = subprocess.run([sys.executable, "-c", "import torch, lora_ops\nfrom lora_ops import op_table\n" + script],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")
+
+
+def test_import_leaves_cuda_uninitialised():
+    """Choosing the table must not initialise CUDA: a process that forks workers after importing lora_ops could not
+    use CUDA in them (the GPU test below forks one)."""
+    assert _after_import("print(torch.cuda.is_initialized())")[0] == "False"
+
+
+@pytest.mark.gpu
+def test_nvml_names_the_gpu_cuda_names_and_a_forked_worker_can_use_cuda():
+    out = _after_import("print(op_table.visible_gpu_name())\nprint(op_table.installed_path)\n"
+                        "import os\npid = os.fork()\n"
+                        "if pid == 0:\n"
+                        "    os._exit(0 if torch.ones(4, device='cuda').sum().item() == 4 else 3)\n"
+                        "print(os.waitpid(pid, 0)[1])\nprint(torch.cuda.get_device_name(0))")
+    nvml_name, path, child_status, cuda_name = out[:4]
+    assert op_table.gpu_word(nvml_name) == op_table.gpu_word(cuda_name), (nvml_name, cuda_name)
+    assert path == op_table.path_for(cuda_name)
+    assert child_status == "0", "a worker forked after the import could not use CUDA"
+    assert _after_import("print(op_table.visible_gpu_name())", visible_devices="")[0] == "None"
 
 
 def test_override_picks_the_table_at_import(monkeypatch, tmp_path):
@@ -291,7 +318,7 @@ def test_override_picks_the_table_at_import(monkeypatch, tmp_path):
     monkeypatch.setattr(op_table, "install", seen.append)
     monkeypatch.delenv("LORA_OPS_OP_TABLE", raising=False)
     op_table.install_default()
-    assert seen.pop() == op_table.load(op_table.default_path())
+    assert seen.pop() in [op_table.load(path) for path in PACKAGED]
     monkeypatch.setenv("LORA_OPS_OP_TABLE", "off")
     op_table.install_default()
     assert seen.pop() is None
