@@ -16,7 +16,9 @@
 // rows add what the expand kernels do between a chunk's landing and its store: the +1 as a pass over the staged
 // chunk in the mma accumulators' layout (each warp 16 rows x 64 columns, a lane's pairs in rows g and g + 8, rows
 // padded by 16 bytes as the kernels' are), then a second barrier, then the stores from shared memory (session 49:
-// grouped_gemm's expand at 32 x 128 reached 81% where the staged stream reached 94%).
+// grouped_gemm's expand at 32 x 128 reached 81% where the staged stream reached 94%). "combine + w" also stages
+// each chunk's w (its 64 columns x 16 ranks of a 1 MB B, 8 groups, from L2 after the first reads) beside y, as
+// grouped_gemm's expand does at K = 16: the whole memory traffic of that kernel without its mma.
 // Build and run (any sm_80+ GPU): nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/piece_probe.cu -o /tmp/piece_probe
 // && /tmp/piece_probe
 #include <cuda_bf16.h>
@@ -70,9 +72,11 @@ __device__ __forceinline__ uint4 plus_one(uint4 v) {
 // The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
 // order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
 // kWrite: y += 1 written back (the expand); else the chunk is summed into a checksum (the shrink's reads).
-// kCombine (with kWrite): the +1 in shared memory, in the accumulators' layout, behind a barrier (see the top).
-template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false>
-__global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float* checksum) {
+// kCombine (with kWrite): the +1 in shared memory, in the accumulators' layout, behind a barrier (see the top);
+// kWithW: each chunk's w staged too (w: kGroups x kCols x kWRanks, read, not used).
+constexpr int kWRanks = 16, kGroups = 8;
+template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false, bool kWithW = false>
+__global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float* checksum, const __nv_bfloat16* w) {
   constexpr int COLS = kChunkElems / ROWS;
   constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
   constexpr int kChunks = kRowBlocks * kColBlocks;
@@ -80,6 +84,8 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
   constexpr int kStride = kCombine ? COLS + 8 : COLS;  // a staged row (elements)
   static_assert(!kCombine || (kWrite && ROWS % 16 == 0 && COLS % 64 == 0), "warp tiles of 16 x 64");
   __shared__ __align__(16) __nv_bfloat16 stage[kStages][ROWS * kStride];
+  constexpr int kWPieces = kWithW ? COLS * kWRanks / 8 : 0;  // 16-byte pieces of a chunk's w
+  __shared__ __align__(16) __nv_bfloat16 wstage[kStages][kWithW ? COLS * kWRanks : 8];
   auto staged = [&](int c, int j) {  // this thread's piece j of chunk c, in shared memory
     const int p = threadIdx.x + j * kThreads;
     return &stage[c % kStages][p / kRowPieces * kStride + p % kRowPieces * 8];
@@ -103,6 +109,13 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
   auto load = [&](int c) {
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) cp_async16(staged(c, j), piece_at(c, j));
+    if constexpr (kWithW) {
+      int64_t r;
+      int col;
+      chunk_origin(c, &r, &col);
+      const __nv_bfloat16* wc = w + ((int64_t)(blockIdx.x % kGroups) * kCols + col) * kWRanks;
+      for (int p = threadIdx.x; p < kWPieces; p += kThreads) cp_async16(&wstage[c % kStages][p * 8], wc + p * 8);
+    }
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -222,23 +235,24 @@ bool touches_each_once(__nv_bfloat16* y, Launch&& launch) {
   return ok;
 }
 
-template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false>
-void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs) {
+template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false, bool kWithW = false>
+void run_shape(__nv_bfloat16* y, float* checksum, double copy_gbs, const __nv_bfloat16* w = nullptr) {
   if (!kRowMajor && (ROWS == kTileRows || kChunkElems / ROWS == kTileCols)) return;  // one order: printed once
   const int ctas = (kRows / kTileRows) * (kCols / kTileCols);
-  auto rmw_pass = [&] { chunk_stream<ROWS, kRowMajor, true, kCombine><<<ctas, kThreads>>>(y, nullptr); };
+  auto rmw_pass = [&] { chunk_stream<ROWS, kRowMajor, true, kCombine, kWithW><<<ctas, kThreads>>>(y, nullptr, w); };
   if (kWrite && !touches_each_once(y, rmw_pass)) {
     std::printf("%d-row chunks, %s order: not every element written once\n", ROWS, kRowMajor ? "row" : "col");
     std::exit(1);
   }
   const float us =
-      time_us([&] { chunk_stream<ROWS, kRowMajor, kWrite, kCombine><<<ctas, kThreads>>>(y, checksum); });
+      time_us([&] { chunk_stream<ROWS, kRowMajor, kWrite, kCombine, kWithW><<<ctas, kThreads>>>(y, checksum, w); });
   const double bytes = (kWrite ? 2.0 : 1.0) * kRows * (double)kCols * 2;
   const double gbs = bytes / us * 1e-3;
   // % of the copy's rate (its read and write bytes together), for the read-only walks too
   std::printf("%-5s %2d x %4d (%4d-byte pieces), %s order%s: %7.1f us  %6.0f GB/s  %5.1f%% of copy\n",
               kWrite ? "rmw" : "read", ROWS, kChunkElems / ROWS, kChunkElems / ROWS * 2,
-              kRowMajor ? "row-block" : "col-block", kCombine ? ", combine" : "", us, gbs, 100.0 * gbs / copy_gbs);
+              kRowMajor ? "row-block" : "col-block", kWithW ? ", combine + w" : kCombine ? ", combine" : "", us, gbs,
+              100.0 * gbs / copy_gbs);
 }
 
 // register_stream at one shape and depth, checked like chunk_stream (every element once) and timed.
@@ -270,13 +284,16 @@ void run_shapes(__nv_bfloat16* y, float* checksum, double copy_gbs) {
 
 int main() {
   const size_t bytes = (size_t)kRows * kCols * 2;
-  __nv_bfloat16 *y = nullptr, *other = nullptr;
+  __nv_bfloat16 *y = nullptr, *other = nullptr, *w = nullptr;
   float* checksum = nullptr;
   CHECK(cudaMalloc(&y, bytes));
   CHECK(cudaMalloc(&other, bytes));
   CHECK(cudaMalloc(&checksum, sizeof(float) * (kRows / kTileRows) * (kCols / kTileCols)));
   CHECK(cudaMemset(y, 0, bytes));
   CHECK(cudaMemset(other, 0, bytes));
+  const size_t w_bytes = (size_t)kGroups * kCols * kWRanks * 2;
+  CHECK(cudaMalloc(&w, w_bytes));
+  CHECK(cudaMemset(w, 0, w_bytes));
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const float copy_us = time_us([&] { CHECK(cudaMemcpyAsync(other, y, bytes, cudaMemcpyDeviceToDevice)); });
@@ -297,8 +314,10 @@ int main() {
   run_shape<64, true, true, true>(y, checksum, copy_gbs);
   run_shape<32, true, true, true>(y, checksum, copy_gbs);
   run_shape<16, true, true, true>(y, checksum, copy_gbs);
+  run_shape<64, true, true, true, true>(y, checksum, copy_gbs, w);
   CHECK(cudaFree(y));
   CHECK(cudaFree(other));
+  CHECK(cudaFree(w));
   CHECK(cudaFree(checksum));
   return 0;
 }

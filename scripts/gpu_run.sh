@@ -4,7 +4,7 @@
 #   sanitizer  compute-sanitizer memcheck over the garbage-metadata GPU tests and a short CUDA fuzz run
 #   demo       python -m lora_ops.demo
 #   probes     the session's open questions that need no bench run: benchmarks/piece_probe.cu (a y stream's
-#              bandwidth by chunk shape, staged, in registers and with the expand kernels' combine pass, against
+#              bandwidth by chunk shape, staged, in registers and with the expand kernels' combine pass and w, against
 #              the elementwise stream: what keeps grouped_gemm's LoRA expand and the prefill sgmv's expand near
 #              75-80% of the copy rate; NOTES.md, grouped_gemm, sessions 48-49); seconds, not in the default
 #   bench      python -m lora_ops.bench --ops, then --decode-step --models all (two processes), merged into
