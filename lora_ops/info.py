@@ -65,7 +65,8 @@ def _op_table_lines() -> list:
         why = ("LORA_OPS_OP_TABLE=off" if setting.lower() == "off"
                else f"triton {backends.unavailable.get('triton', 'absent')}")
         return [f"op table: none ({why}): the C++ CUDA kernels serve every regime"]
-    where = setting or os.path.relpath(op_table.installed_path, os.path.dirname(os.path.dirname(op_table.__file__)))
+    root = os.path.dirname(os.path.dirname(op_table.__file__))
+    where = setting or os.path.relpath(op_table.path_for(table["gpu"]), root)  # a packaged table is named by its GPU
     lines = [f"op table ({where}; measured on {table['gpu']}, {table['date']}, "
              f"commit {short_sha(table['git_sha'])}; fp16/bf16 weights; a forced LORA_OPS_CUDA_*_KERNEL bypasses it):"]
     lines += [f"  {op:<14} {op_table.describe(table, op)}" for op in op_table.OPS]

@@ -284,10 +284,6 @@ def path_for(device_name: Optional[str]) -> str:
     return own if own and os.path.isfile(own) else os.path.join(TABLES_DIR, f"{REFERENCE_GPU}.json")
 
 
-def packaged_paths() -> List[str]:
-    return sorted(os.path.join(TABLES_DIR, f) for f in os.listdir(TABLES_DIR) if f.endswith(".json"))
-
-
 def visible_gpu_name() -> Optional[str]:
     """The name of the first GPU this process sees (CUDA's device 0), without initialising CUDA; None where it sees
     none ("" or a negative index first in CUDA_VISIBLE_DEVICES), or where NVML cannot name it."""
@@ -332,10 +328,8 @@ def load(path: Optional[str] = None) -> dict:
     return table
 
 
-# The table the C++ kernels hold now (None: none, every call on the C++ kernels), and the file install_default
-# read it from.
+# The table the C++ kernels hold now (None: none, every call on the C++ kernels).
 installed: Optional[dict] = None
-installed_path: Optional[str] = None
 
 
 def cuda_kernels_take_tables() -> bool:
@@ -391,10 +385,8 @@ def default_path() -> Optional[str]:
 
 def install_default() -> None:
     """At import: default_path's table, or none."""
-    global installed_path
     path = default_path()
     install(None if path is None else load(path))
-    installed_path = path
 
 
 @contextlib.contextmanager

@@ -43,16 +43,6 @@ done
 want() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $* ($(date +%T)) ==="; }
-# The GPU model's word ("NVIDIA H100 80GB HBM3": h100, "NVIDIA H200": h200), not the name's last word: the name of
-# the bench's records (benchmarks/results/<date>-<gpu>) and of the GPU's op table (lora_ops/op_tables/<gpu>.json).
-gpu_word() {
-  $PY -c "import torch; from lora_ops import op_table; print(op_table.gpu_word(torch.cuda.get_device_name()))"
-}
-results_base() {
-  local word
-  word=$(gpu_word) && [ -n "$word" ] || { echo "gpu_run: no GPU word for the results' name" >&2; exit 1; }
-  echo "benchmarks/results/$(date +%F)-$word"
-}
 
 step build
 # A planted bug a killed mutate run left in this tree goes back first, dated now: the copy of the tree this call
@@ -65,6 +55,12 @@ t0=$(date +%s)
 $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 || exit 1
 echo "build took $(( $(date +%s) - t0 )) s"
 $PY -m lora_ops.info | tee "$OUT/info.log"
+# The GPU model's word ("NVIDIA H100 80GB HBM3": h100, "NVIDIA H200": h200), not the name's last word: the name of
+# the bench's records (benchmarks/results/<date>-<gpu>) and of the GPU's op table (lora_ops/op_tables/<gpu>.json).
+gpu=$($PY -c "import torch; from lora_ops import op_table
+print(op_table.gpu_word(torch.cuda.get_device_name()))")
+[ -n "$gpu" ] || { echo "gpu_run: no GPU model word"; exit 1; }
+results_base="benchmarks/results/$(date +%F)-$gpu"
 
 if want tests; then
   step ctest
@@ -113,7 +109,7 @@ fi
 
 if want bench; then
   step bench
-  name=$(results_base) || exit 1
+  name=$results_base
   # The op bench and the decode-step bench run as two processes, so that one's results survive the other's crash
   # or timeout (each part is copied to $OUT when done); then merged into <name>.json, and the op table is written
   # from the merged file, only from a full run: none with extra bench arguments (e.g. --quick).
@@ -131,9 +127,8 @@ if want bench; then
       && cp "$name.json" "$OUT"/ && for f in "${parts[@]}"; do rm -f "$OUT/$(basename "$f")"; done || status=1
     rm -f "${parts[@]}" "${parts[@]/%.json/.csv}" "${parts[@]/%.json/.png}"
     if [ ${#bench_args[@]} -eq 0 ]; then
-      word=$(gpu_word) && [ -n "$word" ] || { echo "gpu_run: no GPU word for the op table's name"; exit 1; }
-      $PY -m lora_ops.bench.report "$name.json" --op-table "lora_ops/op_tables/$word.json" \
-        && cp "lora_ops/op_tables/$word.json" "$OUT"/ || status=1
+      $PY -m lora_ops.bench.report "$name.json" --op-table "lora_ops/op_tables/$gpu.json" \
+        && cp "lora_ops/op_tables/$gpu.json" "$OUT"/ || status=1
     fi
   fi
 fi
@@ -142,7 +137,7 @@ if want routes; then
   to_out() { [ "$OUT" = benchmarks/results ] || cp "$@" "$OUT"/; }  # a local run's $OUT is where they are
   # One process per model shape (issue 12's rows, then every route at every regime and mix: ~2.5 minutes each),
   # each copied to $OUT when done; then the serving layer's table of the three shapes from their merged records.
-  name=$(results_base) && name+=-routes || exit 1
+  name=$results_base-routes
   runs=()
   for model in ${ROUTES_MODELS:-llama3-8b qwen2-7b llama3-70b-tp8}; do
     # without the vllm peer (its compile and eager steps): the stage runs near the call's limit

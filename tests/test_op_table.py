@@ -2,6 +2,7 @@
 regime, one per GPU model measured and chosen by the GPU without initialising CUDA, looked up alike in Python and in
 the C++ kernels, and overridable; on a GPU, the regimes it gives to Triton run Triton's kernels and match the
 oracle."""
+import glob
 import itertools
 import json
 import os
@@ -28,7 +29,7 @@ def _regime_points(op):
     return itertools.product(*(_boundary_values(bounds) for _, bounds in op_table.AXES[op]))
 
 
-PACKAGED = op_table.packaged_paths()
+PACKAGED = sorted(glob.glob(os.path.join(op_table.TABLES_DIR, "*.json")))
 
 
 @pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
@@ -301,14 +302,14 @@ def test_import_leaves_cuda_uninitialised():
 
 @pytest.mark.gpu
 def test_nvml_names_the_gpu_cuda_names_and_a_forked_worker_can_use_cuda():
-    out = _after_import("print(op_table.visible_gpu_name())\nprint(op_table.installed_path)\n"
+    out = _after_import("print(op_table.visible_gpu_name())\nprint(op_table.installed['gpu'])\n"
                         "import os\npid = os.fork()\n"
                         "if pid == 0:\n"
                         "    os._exit(0 if torch.ones(4, device='cuda').sum().item() == 4 else 3)\n"
                         "print(os.waitpid(pid, 0)[1])\nprint(torch.cuda.get_device_name(0))")
-    nvml_name, path, child_status, cuda_name = out[:4]
+    nvml_name, installed_gpu, child_status, cuda_name = out[:4]
     assert op_table.gpu_word(nvml_name) == op_table.gpu_word(cuda_name), (nvml_name, cuda_name)
-    assert path == op_table.path_for(cuda_name)
+    assert installed_gpu == op_table.load(op_table.path_for(cuda_name))["gpu"]
     assert child_status == "0", "a worker forked after the import could not use CUDA"
     assert _after_import("print(op_table.visible_gpu_name())", visible_devices="")[0] == "None"
 
