@@ -71,16 +71,33 @@ __device__ __forceinline__ uint4 plus_one(uint4 v) {
 
 // The CTA's tile: kTileRows rows from row0, kTileCols columns from col0; chunk c of it, ROWS x COLS, in row-block
 // order (kRowMajor: the chunks of one row block, left to right, then the next block) or column-block order.
+template <int ROWS, bool kRowMajor>
+struct Walk {
+  static constexpr int COLS = kChunkElems / ROWS;
+  static constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
+  static constexpr int kChunks = kRowBlocks * kColBlocks;
+  static constexpr int kRowPieces = COLS / 8;  // 16-byte pieces in one row of a chunk
+  static __device__ int64_t row(int c) {  // chunk c's first row and column in y
+    const int rb = kRowMajor ? c / kColBlocks : c % kRowBlocks;
+    return (int64_t)(blockIdx.x / (kCols / kTileCols)) * kTileRows + rb * ROWS;
+  }
+  static __device__ int col(int c) {
+    return blockIdx.x % (kCols / kTileCols) * kTileCols + (kRowMajor ? c % kColBlocks : c / kRowBlocks) * COLS;
+  }
+  static __device__ __nv_bfloat16* piece(__nv_bfloat16* y, int c, int j) {  // this thread's piece j of chunk c
+    const int p = threadIdx.x + j * kThreads;
+    return y + (row(c) + p / kRowPieces) * kCols + col(c) + (p % kRowPieces) * 8;
+  }
+};
+
 // kWrite: y += 1 written back (the expand); else the chunk is summed into a checksum (the shrink's reads).
 // kCombine (with kWrite): the +1 in shared memory, in the accumulators' layout, behind a barrier (see the top);
 // kWithW: each chunk's w staged too (w: kGroups x kCols x kWRanks, read, not used).
 constexpr int kWRanks = 16, kGroups = 8;
 template <int ROWS, bool kRowMajor, bool kWrite, bool kCombine = false, bool kWithW = false>
 __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float* checksum, const __nv_bfloat16* w) {
-  constexpr int COLS = kChunkElems / ROWS;
-  constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
-  constexpr int kChunks = kRowBlocks * kColBlocks;
-  constexpr int kRowPieces = COLS / 8;  // 16-byte pieces in one row of a chunk
+  using W = Walk<ROWS, kRowMajor>;
+  constexpr int COLS = W::COLS, kChunks = W::kChunks, kRowPieces = W::kRowPieces;
   constexpr int kStride = kCombine ? COLS + 8 : COLS;  // a staged row (elements)
   static_assert(!kCombine || (kWrite && ROWS % 16 == 0 && COLS % 64 == 0), "warp tiles of 16 x 64");
   __shared__ __align__(16) __nv_bfloat16 stage[kStages][ROWS * kStride];
@@ -90,30 +107,12 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
     const int p = threadIdx.x + j * kThreads;
     return &stage[c % kStages][p / kRowPieces * kStride + p % kRowPieces * 8];
   };
-  const int tiles_per_row = kCols / kTileCols;
-  const int64_t row0 = (int64_t)(blockIdx.x / tiles_per_row) * kTileRows;
-  const int col0 = (blockIdx.x % tiles_per_row) * kTileCols;
-  auto chunk_origin = [&](int c, int64_t* r, int* col) {
-    const int rb = kRowMajor ? c / kColBlocks : c % kRowBlocks;
-    const int cb = kRowMajor ? c % kColBlocks : c / kRowBlocks;
-    *r = row0 + rb * ROWS;
-    *col = col0 + cb * COLS;
-  };
-  auto piece_at = [&](int c, int j) {  // this thread's piece j of chunk c, in y
-    int64_t r;
-    int col;
-    chunk_origin(c, &r, &col);
-    const int p = threadIdx.x + j * kThreads;
-    return y + (r + p / kRowPieces) * kCols + col + (p % kRowPieces) * 8;
-  };
+  auto piece_at = [&](int c, int j) { return W::piece(y, c, j); };
   auto load = [&](int c) {
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) cp_async16(staged(c, j), piece_at(c, j));
     if constexpr (kWithW) {
-      int64_t r;
-      int col;
-      chunk_origin(c, &r, &col);
-      const __nv_bfloat16* wc = w + ((int64_t)(blockIdx.x % kGroups) * kCols + col) * kWRanks;
+      const __nv_bfloat16* wc = w + ((int64_t)(blockIdx.x % kGroups) * kCols + W::col(c)) * kWRanks;
       for (int p = threadIdx.x; p < kWPieces; p += kThreads) cp_async16(&wstage[c % kStages][p * 8], wc + p * 8);
     }
   };
@@ -165,20 +164,10 @@ __global__ void __launch_bounds__(kThreads) chunk_stream(__nv_bfloat16* y, float
 // 64 chunks 82.7% of copy, 8 x 512 86%, the elementwise stream 95%; NOTES.md, grouped_gemm).
 template <int ROWS, int kDepth>
 __global__ void __launch_bounds__(kThreads) register_stream(__nv_bfloat16* y) {
-  constexpr int COLS = kChunkElems / ROWS;
-  constexpr int kRowBlocks = kTileRows / ROWS, kColBlocks = kTileCols / COLS;
-  constexpr int kChunks = kRowBlocks * kColBlocks;
-  constexpr int kRowPieces = COLS / 8;
+  using W = Walk<ROWS, true>;  // row-block order
+  constexpr int kChunks = W::kChunks;
   static_assert(kChunks % kDepth == 0, "the ring turns whole");
-  const int tiles_per_row = kCols / kTileCols;
-  const int64_t row0 = (int64_t)(blockIdx.x / tiles_per_row) * kTileRows;
-  const int col0 = (blockIdx.x % tiles_per_row) * kTileCols;
-  auto piece_at = [&](int c, int j) {  // row-block order, as chunk_stream's
-    const int64_t r = row0 + (c / kColBlocks) * ROWS;
-    const int col = col0 + (c % kColBlocks) * COLS;
-    const int p = threadIdx.x + j * kThreads;
-    return y + (r + p / kRowPieces) * kCols + col + (p % kRowPieces) * 8;
-  };
+  auto piece_at = [&](int c, int j) { return W::piece(y, c, j); };
   uint4 ring[kDepth][kPieces];
 #pragma unroll
   for (int d = 0; d < kDepth; ++d) {
