@@ -580,3 +580,39 @@ def test_runs_kernels_with_many_runs_a_warp(dtype, R, N, L, instance, monkeypatc
         lora_ops.ops.lora_expand(*on_gpu)
     ref = reference.lora_expand(*args)
     assert testing.check_against_reference(on_gpu[0], before, ref, dtype) == ""
+
+
+# (max rank, pool slots, the segments kernel's kSteps) for 96 positions
+SEGMENTS_STEPS_CASES = [(64, 40, 4), (48, 40, 4), (64, 24, 2), (16, 40, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R, L, steps", SEGMENTS_STEPS_CASES, ids=[f"r{c[0]}-L{c[1]}" for c in SEGMENTS_STEPS_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_segments_kernel_rank_steps(dtype, R, L, steps):
+    """The segment form's 96 positions on L slots (segments of ~2.4 rows on 40 slots), true ranks 1-R (the checked
+    loads), a last pass of 72 columns (N = 328), slots past the pool and rows of none: the segments kernel named by
+    its rank steps, against the oracle. At ranks 33-64 with fewer than 3 positions a pool slot (96 on 40) one trip of
+    64 ranks a tile (kSteps 4), with more (96 on 24) two of 32, at rank 16 one of 16."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    gen = case_generator(f"segments-steps-{R}-{L}-{dtype}")
+    T, N = 96, 328
+    token_lora = torch.randint(-1, L + 2, (T,), generator=gen, dtype=torch.int32)  # -1 and past the pool: no slot
+    seg = lora_ops.build_segments(token_lora.cuda(), L)
+    ranks = torch.randint(1, R + 1, (L,), generator=gen, dtype=torch.int32)
+    ranks[int(token_lora[(token_lora >= 0) & (token_lora < L)][0])] = R  # a slot in use at the pool's rank
+    args = [torch.randn(T, N, generator=gen).to(dtype), torch.randn(T, L, R, generator=gen).to(dtype),
+            (torch.randn(L, N, R, generator=gen) / 4).to(dtype), seg.seg_indptr.cpu(), seg.seg_lora.cpu(),
+            seg.token_indices.cpu(), ranks, torch.rand(L, generator=gen) + 0.5]
+    on_gpu = [a.cuda() for a in args]
+    before = on_gpu[0].clone()
+    ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_segments_kernel" in k]
+    assert len(ran) == 1, ran
+    found = re.search(r"expand_segments_kernel<[^<>]*, (\d)>", ran[0])
+    assert found and int(found.group(1)) == steps, ran
+    on_gpu[0] = before.clone()
+    with op_table.disabled():
+        lora_ops.ops.lora_expand(*on_gpu)
+    ref = reference.lora_expand(*args)
+    assert testing.check_against_reference(on_gpu[0], before, ref, dtype) == ""
