@@ -478,11 +478,6 @@ MUTATIONS: List[Mutation] = [
              "CUDA runs kernel at ranks 33-64 and few rows a slot: 32 ranks a trip where its 4-position grid fits "
              "(not 64; the kernels' grid-stride loops keep any grid right, so the test names the instantiation)",
              needs_gpu=True, tests=EXPAND_T),
-    Mutation("cuda-expand-segments-wide-trip-at-32-ranks", "csrc/cuda/lora_expand_rows.cu",
-             "launch_kernel<expand_segments_kernel<TB, TH, TY, 4>>(",
-             "launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(",
-             "CUDA segments kernel at ranks 33-64 and few rows a slot: 32 ranks a trip (not 64; right either way, so "
-             "the test names the instantiation)", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-segments-past-tile", "csrc/cuda/lora_expand_rows.cu",
              "m.row = ref.begin + lane < ref.end ? row : -1;",
              "m.row = lane < kRunPositions ? segment_row(p.seg, ref.begin + lane, p.rows) : -1;",

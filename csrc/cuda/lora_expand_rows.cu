@@ -621,21 +621,12 @@ cudaError_t launch_if_one_pass(const ExpandParams& p, int64_t groups, bool pdl, 
 // H200: the runs kernel at rank 64 9.28 -> 8.49 us).
 bool two_rank_steps(const ExpandParams& p) { return p.max_rank >= 32; }
 
-// One 64-rank trip (four rank steps) instead of two of 32, at a pool rank of 33-64 and few positions a pool slot
-// (kRunsWideTripMaxPositionsPerSlot): the runs and segments kernels with a 16-bit y and h.
-bool wide_trip_pays(const ExpandParams& p) {
-  return p.max_rank > 32 && p.max_rank <= 64 && p.seg.positions < kRunsWideTripMaxPositionsPerSlot * p.num_slots;
-}
-
 template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
   const bool two = two_rank_steps(p);
   switch (kernel) {
     case ExpandKernel::Segments: {
       const int64_t groups = (max_segment_tiles(p.seg, kRunPositions) + kWarps - 1) / kWarps;
-      if constexpr (sizeof(TY) == 2 && !std::is_same_v<TH, float>) {
-        if (wide_trip_pays(p)) return launch_kernel<expand_segments_kernel<TB, TH, TY, 4>>(p, groups, pdl, stream);
-      }
       return two ? launch_kernel<expand_segments_kernel<TB, TH, TY, 2>>(p, groups, pdl, stream)
                  : launch_kernel<expand_segments_kernel<TB, TH, TY, 1>>(p, groups, pdl, stream);
     }
@@ -656,7 +647,8 @@ cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, c
           const cudaError_t err = launch_if_one_pass<expand_runs_kernel<TB, TH, TY, 1, RunsPipeline::Copy>>(
               p, groups, pdl, stream, &launched);
           if (launched || err != cudaSuccess) return err;
-        } else if (wide_trip_pays(p)) {
+        } else if (p.max_rank > 32 && p.max_rank <= 64 &&
+                   p.seg.positions < kRunsWideTripMaxPositionsPerSlot * p.num_slots) {
           // Few rows a slot: at rank 64 and 16 adapters over 64 tokens a warp's 8 positions span ~2.7 runs of two
           // 32-rank trips each; here one trip a run, on ~1.7 runs where the 4-position grid fits (H200, 10c8576:
           // the decode step at 64/16/64 +58.4 -> +54.3% on llama3-8b, +63.0 -> +58.0% on qwen2-7b; at 96 tokens a
