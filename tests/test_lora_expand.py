@@ -617,3 +617,30 @@ def test_segments_kernel_rank_steps(dtype, R, L, steps):
         lora_ops.ops.lora_expand(*on_gpu)
     ref = reference.lora_expand(*args)
     assert testing.check_against_reference(on_gpu[0], before, ref, dtype) == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("probe", ["wide", "spread"])
+@pytest.mark.parametrize("T", [64, 200])
+def test_expand_pdl_probe_launches(probe, T, monkeypatch):
+    """LORA_OPS_CUDA_EXPAND_PDL (session 50's probe, to be removed once measured): the rank >= 32 kernels launched
+    programmatically, "spread" with the shared memory that caps their CTAs a SM; the rows form in build_segments'
+    order (the fold route's) at a pool rank of 64 and 48, against the oracle."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_PDL", probe)
+    for R in (64, 48):
+        gen = case_generator(f"pdl-probe-{probe}-{T}-{R}")
+        L, N = 32, 4096
+        slots = torch.randint(-1, L, (T,), generator=gen, dtype=torch.int32)
+        order = torch.sort(slots, stable=True)[1].int()
+        bf16 = lambda t: t.to(torch.bfloat16)
+        args = [bf16(torch.randn(T, N, generator=gen)), bf16(torch.randn(T, L, R, generator=gen)),
+                bf16(torch.randn(L, N, R, generator=gen) / 4), None, slots[order.long()], order, None,
+                torch.rand(L, generator=gen) + 0.5]
+        on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        before = on_gpu[0].clone()
+        with op_table.disabled():
+            lora_ops.ops.lora_expand(*on_gpu)
+        ref = reference.lora_expand(*args)
+        assert testing.check_against_reference(on_gpu[0], before, ref, torch.bfloat16) == "", R
