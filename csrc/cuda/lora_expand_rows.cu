@@ -494,7 +494,8 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // still wait for it (NOTES.md, session 24).
 //
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
-// is not programmatic, the wait returns at once, and a guess would only add its check.
+// is not programmatic (but under the LORA_OPS_CUDA_EXPAND_PDL probe, whose multi-step kernels wait before their
+// first load), the wait returns at once, and a guess would only add its check.
 template <int kSteps>
 __device__ constexpr bool kGuesses =
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -752,8 +753,9 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
   // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
   // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
   // 19; again with the 64-rank trip on an H100, session 48: T=64 +48.5 -> +57.3%), while at rank 16 it is the fold
-  // route's gain (T=16: +24.1 -> +21.1%).
-  const bool pdl = cc_major >= 9 && (pdl_probe() != PdlProbe::Off || !two_rank_steps(p));  // kGuesses: see there
+  // route's gain (T=16: +24.1 -> +21.1%). The probe launches the multi-step kernels programmatically too (its
+  // getenv only where it could change the launch).
+  const bool pdl = cc_major >= 9 && (!two_rank_steps(p) || pdl_probe() != PdlProbe::Off);  // kGuesses: see there
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
