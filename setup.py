@@ -212,7 +212,7 @@ def _build_ext(info):
 # The files beside the Python modules that a wheel must hold: lora_ops reads its GPU's op table at import
 # (op_table.install_default), the serving layer its routes, lora_ops.info the build record; _C links the Ascend
 # kernel library (CANN builds). tests/test_packaging.py checks every JSON file of the package is listed.
-PACKAGE_DATA = {"lora_ops": ["_build_info.json", "op_tables/*.json", "routes.json", "liblora_ops_ascend_kernels.so"]}
+PACKAGE_DATA = {"lora_ops": ["_build_info.json", "op_tables/*.json", "route_tables/*.json", "liblora_ops_ascend_kernels.so"]}
 
 
 def main():

@@ -35,8 +35,10 @@ def report() -> str:
                  f"K-extended GEMM [x | h]·[W | B]ᵀ launched early: {cutlass}")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()
-    table = routes.load()
-    lines.append(f"serving routes on CUDA (lora_ops/routes.json; measured on {table['gpu']}, {table['date']}, commit "
+    path = routes.default_path()
+    table = routes.load(path)
+    where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(routes.__file__))))
+    lines.append(f"serving routes on CUDA ({where}; measured on {table['gpu']}, {table['date']}, commit "
                  f"{short_sha(table['git_sha'])}; a pool takes the table of the shape nearest its modules):")
     lines += [f"  {line}" for line in routes.describe(table)]
     if info.get("backends", {}).get("ascend", {}).get("built"):

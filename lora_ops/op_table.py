@@ -278,10 +278,11 @@ def gpu_word(device_name: str) -> str:
     return words[0].split("-")[0].lower() if words else ""
 
 
-def path_for(device_name: Optional[str]) -> str:
-    """The packaged table of this GPU's model, else the reference GPU's."""
-    own = os.path.join(TABLES_DIR, f"{gpu_word(device_name)}.json") if device_name else None
-    return own if own and os.path.isfile(own) else os.path.join(TABLES_DIR, f"{REFERENCE_GPU}.json")
+def path_for(device_name: Optional[str], tables_dir: str = TABLES_DIR) -> str:
+    """The packaged table of this GPU's model in tables_dir (the op tables', or routes.TABLES_DIR), else the reference
+    GPU's."""
+    own = os.path.join(tables_dir, f"{gpu_word(device_name)}.json") if device_name else None
+    return own if own and os.path.isfile(own) else os.path.join(tables_dir, f"{REFERENCE_GPU}.json")
 
 
 def visible_gpu_name() -> Optional[str]:

@@ -1,8 +1,9 @@
 """Which LoRA route and backend the serving layer uses for a forward of T tokens on a CUDA device: data, not code.
 
-The table (routes.json beside this file) is written by the decode-step bench, which times every route on every
-regime and keeps the least slow over the regime's ends and mixes (`python -m lora_ops.bench --decode-step --models
-all --routes lora_ops/routes.json`):
+The table (route_tables/<gpu>.json beside this file, one per GPU model measured; the GPU this process sees first
+takes its own model's, else the H200's, as the op tables go) is written by the decode-step bench, which times every
+route on every regime and keeps the least slow over the regime's ends and mixes (`python -m lora_ops.bench
+--decode-step --models all --routes lora_ops/route_tables/<gpu>.json`):
 
 - route "sgmv": the base layer's GEMM, then the fused sgmv op (shrink and expand of the adapters present);
 - route "fold": one GEMM against [W; A of every slot] gives y and every used slot's h, then the lora_expand op;
@@ -36,9 +37,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import backends
+from . import backends, op_table
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.json")
+TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "route_tables")
+PATH = os.path.join(TABLES_DIR, f"{op_table.REFERENCE_GPU}.json")  # the reference GPU's (the issues' GPU)
 BACKENDS = ("cuda", "triton")
 # Every (route, backend) there is: kext is one op, lora_linear, which has no Triton kernel.
 PAIRS = (("sgmv", "cuda"), ("sgmv", "triton"), ("fold", "cuda"), ("fold", "triton"), ("kext", "cuda"))
@@ -73,6 +75,14 @@ _ops: Dict[Tuple[str, str], Callable] = {}
 def load(path: str = PATH) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def default_path() -> str:
+    """The packaged table the serving layer takes: that of the GPU this process sees first (op_table.path_for, named
+    without initialising CUDA), else the reference GPU's. A GPU's route choices differ with its balance of bandwidth
+    and launch latency (the H200's table on an H100: one regime 7.4% off its fastest route, csrc/cuda/NOTES.md
+    session 50)."""
+    return op_table.path_for(op_table.visible_gpu_name(), TABLES_DIR)
 
 
 def model_tables(table: dict) -> List[dict]:
@@ -274,7 +284,7 @@ def preload() -> None:
 def _load() -> List[List[dict]]:
     """Each model table's rank classes, with the kext regimes' fallbacks, read and checked once."""
     if _tables is None:
-        install(load())
+        install(load(default_path()))
     return _tables
 
 

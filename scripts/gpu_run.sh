@@ -12,10 +12,11 @@
 #              (lora_ops/op_tables/<gpu>.json)
 #   routes     python -m lora_ops.bench --decode-step --routes, once per model shape: issue 12's rows, then every
 #              route at every regime and adapter mix, and the serving layer's route table of the three shapes from
-#              them (lora_ops/routes.json; 562 s with the build at 68dc283: a device call of its own; not in the
-#              default). ROUTES_MODELS="a b" sweeps those shapes only (the sweep in two device calls), each
-#              shape's records to $OUT; the table is then merged where all three are, e.g. here:
-#              python -m lora_ops.bench.report <the three records> --out <name> --routes lora_ops/routes.json
+#              them for this GPU's model (lora_ops/route_tables/<gpu>.json; 562 s with the build at 68dc283: a
+#              device call of its own; not in the default). ROUTES_MODELS="a b" sweeps those shapes only (the sweep
+#              in two device calls), each shape's records to $OUT; the table is then merged where all three are,
+#              e.g. here: python -m lora_ops.bench.report <the three records> --out <name> --routes
+#              lora_ops/route_tables/<gpu>.json
 #   mutate     scripts/mutate.py --gpu --fast --in-place: the GPU-only planted bugs (minutes; not in the default)
 #   envab      an A/B of one environment variable on the decode step, each arm its own process, arms interleaved
 #              in rounds (a ratio between runs minutes apart carries their drift): AB_VAR, AB_VALUES (space-separated;
@@ -148,12 +149,14 @@ if want routes; then
     rm -f "$name-$model-table.json" "$name-$model.csv" "$name-$model.png"
     [ -f "$name-$model.json" ] && runs+=("$name-$model.json") && to_out "$name-$model.json"
   done
+  table=lora_ops/route_tables/$gpu.json  # this GPU's (the serving layer's on GPUs of its model)
   if [ -n "${ROUTES_MODELS:-}" ]; then
-    echo "swept ${#runs[@]} shape(s) of ROUTES_MODELS; merge the three shapes' records into lora_ops/routes.json" \
-      "with python -m lora_ops.bench.report ... --routes lora_ops/routes.json"
+    echo "swept ${#runs[@]} shape(s) of ROUTES_MODELS; merge the three shapes' records into $table" \
+      "with python -m lora_ops.bench.report ... --routes $table"
     [ ${#runs[@]} -eq "$(echo $ROUTES_MODELS | wc -w)" ] || status=1
-  elif [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes lora_ops/routes.json; then
-    to_out "$name.json" lora_ops/routes.json
+  elif [ ${#runs[@]} -eq 3 ] && $PY -m lora_ops.bench.report "${runs[@]}" --out "$name" --routes "$table"; then
+    to_out "$name.json"
+    [ "$OUT" = benchmarks/results ] || cp "$table" "$OUT/route-table-$gpu.json"  # beside the op table's $gpu.json
     rm -f "${runs[@]}" "$name.csv" "$name.png"
     [ "$OUT" = benchmarks/results ] || for f in "${runs[@]}"; do rm -f "$OUT/$(basename "$f")"; done
   else

@@ -316,6 +316,15 @@ def _runs_instance(name: str) -> tuple:
     return tuple(int(v) for v in found.groups())
 
 
+def _skip_without_early_launch():
+    """The CUDA expand kernels, sm_90 (programmatic dependent launch) and Triton (late_copy)."""
+    if backends.cuda_served_by.get("lora_expand") != "cuda":
+        pytest.skip("the CUDA lora_expand kernels are not built")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    pytest.importorskip("triton")
+
+
 def _cuda_kernels_run(args) -> set:
     """The lora_ops CUDA kernels that one lora_expand call on args runs (the op table off)."""
     with op_table.disabled():
@@ -485,11 +494,7 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
     wave of one-pass CTAs), and at 4 * 65535 + 8 positions the rows kernel's grid (65535 groups of 4 warps) leaves its
     first warps a second position after a redo. The runs kernel runs pipelined where its grid fits at once: on 4
     positions a warp at 64, on 8 at 4096 (where only the grid of 8 fits), and not at 16384."""
-    if backends.cuda_served_by.get("lora_expand") != "cuda":
-        pytest.skip("the CUDA lora_expand kernels are not built")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90")
-    pytest.importorskip("triton")
+    _skip_without_early_launch()
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = case_generator(f"late-metadata-{kernel}-{written}")
@@ -628,11 +633,7 @@ def test_expand_pdl_probe_waits_for_late_slots(probe, kernel, monkeypatch):
     a kernel that lets them start at once and writes the rows' slots late (late_copy, over slots of no adapter): y
     as the oracle gives it with the final slots, the rows form in build_segments' order (the fold route's) at rank
     64 on 32 slots, the kernel named by its instantiation."""
-    if backends.cuda_served_by.get("lora_expand") != "cuda":
-        pytest.skip("the CUDA lora_expand kernels are not built")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90")
-    pytest.importorskip("triton")
+    _skip_without_early_launch()
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_PDL", probe)
     monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
     gen = case_generator(f"pdl-probe-{probe}-{kernel}")

@@ -17,8 +17,9 @@ def test_every_data_file_of_the_package_goes_into_a_wheel():
     setup = runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="lora_ops_setup")  # defines, does not build
     package = os.path.join(ROOT, "lora_ops")
     listed = {p for pattern in setup["PACKAGE_DATA"]["lora_ops"] for p in glob.glob(os.path.join(package, pattern))}
-    data = set(glob.glob(os.path.join(package, "*.json")) + glob.glob(os.path.join(package, "op_tables", "*.json")))
-    assert {os.path.join(package, "routes.json"), os.path.join(package, "op_tables", "h200.json")} <= data
+    data = set(glob.glob(os.path.join(package, "*.json")) + glob.glob(os.path.join(package, "op_tables", "*.json"))
+               + glob.glob(os.path.join(package, "route_tables", "*.json")))
+    assert {os.path.join(package, "route_tables", "h200.json"), os.path.join(package, "op_tables", "h200.json")} <= data
     assert data <= listed, f"not packaged: {sorted(os.path.relpath(p, package) for p in data - listed)}"
 
 

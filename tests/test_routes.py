@@ -1,14 +1,17 @@
-"""The serving layer's route table (lora_ops/routes.json, written by the decode-step bench): it covers every
-regime with a route that exists, and every route on each of its backends gives PEFT's outputs."""
+"""The serving layer's route tables (lora_ops/route_tables/<gpu>.json, written by the decode-step bench): each
+covers every regime with a route that exists, the GPU's own is taken, and every route on each of its backends
+gives PEFT's outputs."""
 import copy
+import glob
 import json
+import os
 import pathlib
 import re
 
 import pytest
 import torch
 
-from lora_ops import routes
+from lora_ops import op_table, routes
 
 import serving_models
 from conftest import cuda_kernel_names, sm90_built
@@ -24,6 +27,29 @@ def biased_adapters(tmp_path_factory):
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.1)  # transformers initialises them to zero
     return base, root
+
+
+PACKAGED = sorted(glob.glob(os.path.join(routes.TABLES_DIR, "*.json")))
+
+
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_every_packaged_table_is_named_by_its_gpu(path):
+    """A route table is named by the model's word of the GPU it was measured on (the op tables' rule), and the
+    reference GPU has one, which every other GPU takes."""
+    assert os.path.basename(path) == f"{op_table.gpu_word(routes.load(path)['gpu'])}.json"
+    assert routes.PATH in PACKAGED
+
+
+@pytest.mark.parametrize("name, table", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                         ("NVIDIA A100-SXM4-80GB", "a100"), (None, "h200")])
+def test_the_serving_layer_takes_its_gpus_table(name, table, tmp_path, monkeypatch):
+    """The table the serving layer installs is that of the GPU the process sees first, by its model's word, else the
+    reference GPU's (no GPU, or a model without a table)."""
+    for word in ("h200", "h100"):  # a directory of tables whose gpu fields say which file was read
+        (tmp_path / f"{word}.json").write_text(json.dumps({"gpu": word}))
+    monkeypatch.setattr(routes, "TABLES_DIR", str(tmp_path))
+    monkeypatch.setattr(op_table, "visible_gpu_name", lambda: name)
+    assert routes.load(routes.default_path())["gpu"] == (table if table != "a100" else "h200")
 
 
 def test_kext_max_tokens_is_the_kernels_bound():

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                     help=f"decode-step model shapes, comma-separated or 'all' ({', '.join(decode_step.MODELS)})")
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="with --decode-step: time every route per regime on each --models shape and write the "
-                         "routes table of each (the serving layer's: lora_ops/routes.json, of all three shapes)")
+                         "routes table of each (the serving layer's: lora_ops/route_tables/<gpu>.json, of all three shapes)")
     ap.add_argument("--between-modules", action="store_true",
                     help="with --decode-step: a kernel writes each module's input just before it, as a model's norms "
                          "and activations do (see decode_step.py)")
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
     swept = set(decode_step.MODELS) if args.models == "all" else set(args.models.split(","))
-    serving_file = args.routes and os.path.abspath(args.routes) == os.path.abspath(routes.PATH)
+    serving_file = args.routes and os.path.dirname(os.path.abspath(args.routes)) == os.path.abspath(routes.TABLES_DIR)
     if serving_file and swept != set(decode_step.MODELS):
         ap.error(f"--routes {args.routes}: the serving layer's file holds every shape's table: give --models all "
                  "(or write elsewhere and build it with python -m lora_ops.bench.report --routes)")

@@ -522,7 +522,7 @@ def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, floa
 
 
 def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict:
-    """The serving layer's routes table (lora_ops/routes.json) from a route sweep's decode-step records: a table
+    """The serving layer's routes table (lora_ops/route_tables/<gpu>.json) from a route sweep's decode-step records: a table
     per model shape (with its modules' (K, N), which a pool is matched to), of rank classes, each measured at its
     mixes (rank, adapter count) at every regime's sample T (the last record of each route counts): each class's
     routes by regime (choose_routes), with every mix's times and the chosen route's worst slowdown. Raises

@@ -6,7 +6,7 @@ table and its claims cannot drift from the data:
 rewrites the part of README.md between the `<!-- bench:begin -->` and `<!-- bench:end -->` markers; with
 `--op-table lora_ops/op_tables/h200.json` it also writes the CUDA kernels' op table from the file's records
 (lora_ops/op_table.py), unless the file has failures or comes from a partial run (op_table.results_problems);
-with `--routes lora_ops/routes.json` the serving layer's routes table from a route sweep's records (the decode-step
+with `--routes lora_ops/route_tables/<gpu>.json` the serving layer's routes table from a route sweep's records (the decode-step
 bench's --routes writes the same table).
 Several files of one commit and GPU (the op bench and the decode-step bench run as separate processes, so that
 one's results survive the other's crash or timeout) are merged first; `--out PATH` writes the merged results."""
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
                          "<gpu> as op_table.gpu_word names the records' GPU) instead")
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="write the serving layer's routes table built from the file's route-sweep records "
-                         "(lora_ops/routes.json; what --decode-step --routes writes) instead")
+                         "(lora_ops/route_tables/<gpu>.json; what --decode-step --routes writes) instead")
     ap.add_argument("--routes-models", default="llama3-8b,qwen2-7b,llama3-70b-tp8",
                     help="with --routes: the models whose sweeps the table is built from, the first the default "
                          "where a pool's modules are as near two (default: llama3-8b,qwen2-7b,llama3-70b-tp8)")
