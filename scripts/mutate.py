@@ -452,6 +452,11 @@ MUTATIONS: List[Mutation] = [
              "CUDA rows and runs kernels: a partial rank step takes the unchecked loads, reading h and B past the "
              "slot's rank (NaN there reaches y; the pipelined runs kernel's trips too)", needs_gpu=True,
              tests=EXPAND_T),
+    Mutation("cuda-expand-keep-bits-off-by-one", "csrc/cuda/lora_expand_rows.cu",
+             "  return valid >= 4 ? ~uint64_t{0} : some;",
+             "  return valid >= 3 ? ~uint64_t{0} : some;",
+             "CUDA tensor-core expand: a checked trip keeps a 4-element read whole where 3 of its ranks are valid, so "
+             "the element past a slot's rank reaches the mma", needs_gpu=True, tests=EXPAND_T),
     Mutation("cuda-expand-checked-trip-unmasked", "csrc/cuda/lora_expand_rows.cu",
              "  if constexpr (kChecked) {  // by the rank only",
              "  if constexpr (false) {  // by the rank only",

@@ -36,18 +36,25 @@ constexpr int kRunPositions = 8;           // the mma's N: positions per warp of
 enum class RunsPipeline { None, Copy };
 
 // 4 consecutive 16-bit elements as stored (valid <= 0: none read, zeros); mask4 then zeroes those from element
-// `valid` on. Apart, so that a trip issues every load before its first mask: a mask right after its load made
-// each load of a checked trip wait for the one before (ptxas placed it there and gave it the load's scoreboard), a
-// chain of ~70 dependent loads a trip at ranks below the trip's or a partial pass (csrc/cuda/NOTES.md session 48).
+// `valid` on (keep_bits(valid)). Apart, so that a trip issues every load before its first mask: a mask right after
+// its load made each load of a checked trip wait for the one before (ptxas placed it there and gave it the load's
+// scoreboard), a chain of ~70 dependent loads a trip at ranks below the trip's or a partial pass (csrc/cuda/NOTES.md
+// session 48).
 __device__ __forceinline__ uint2 load4(const void* ptr, int valid) {
   return valid > 0 ? *static_cast<const uint2*>(ptr) : make_uint2(0, 0);
 }
 
-__device__ __forceinline__ uint2 mask4(uint2 v, int valid) {
-  if (valid >= 4) return v;
-  const uint64_t keep = valid > 0 ? (uint64_t{1} << (16 * valid)) - 1 : 0;
-  const uint64_t bits = ((uint64_t)v.y << 32 | v.x) & keep;
-  return make_uint2((uint32_t)bits, (uint32_t)(bits >> 32));
+// The bits of 4 16-bit elements that a mask from element `valid` on keeps (all at valid >= 4, none at valid <= 0):
+// worked out once a rank step, for all of its words. Worked out in each word's mask (a branch on valid >= 4 there),
+// ptxas rebuilt it per word behind a branch: ~14 instructions a word after the trip's loads landed, ~240 a 16-rank
+// step of a pass (csrc/cuda/NOTES.md session 50).
+__device__ __forceinline__ uint64_t keep_bits(int valid) {
+  const uint64_t some = (uint64_t{1} << (16 * std::clamp(valid, 0, 3))) - 1;  // valid 0: none
+  return valid >= 4 ? ~uint64_t{0} : some;
+}
+
+__device__ __forceinline__ uint2 mask4(uint2 v, uint64_t keep) {
+  return make_uint2(v.x & (uint32_t)keep, v.y & (uint32_t)(keep >> 32));
 }
 
 // One trip's loads: 16 * kSteps rank columns of h and of B's columns 2g, 2g + 1 of every tile of a pass.
@@ -121,15 +128,16 @@ __device__ __forceinline__ void load_trip(Trip<kSteps>& trip, const TH* h, bool 
   if constexpr (kChecked) {  // by the rank only: what the column check or h_live left unread is zeros already
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
+      const uint64_t keep = keep_bits(valid_at(u));
       if constexpr (!std::is_same_v<TH, float>) {  // float32 h: load_f4 read none past the rank
-        const uint2 hv = mask4(make_uint2(trip.h[u][0], trip.h[u][1]), valid_at(u));
+        const uint2 hv = mask4(make_uint2(trip.h[u][0], trip.h[u][1]), keep);
         trip.h[u][0] = hv.x;
         trip.h[u][1] = hv.y;
       }
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        trip.b[u][i][0] = mask4(trip.b[u][i][0], valid_at(u));
-        trip.b[u][i][1] = mask4(trip.b[u][i][1], valid_at(u));
+        trip.b[u][i][0] = mask4(trip.b[u][i][0], keep);
+        trip.b[u][i][1] = mask4(trip.b[u][i][1], keep);
       }
     }
   }
