@@ -4,6 +4,7 @@ refused from a partial run and written from a full one's results file, and the R
 lora_expand and grouped_gemm tables."""
 import dataclasses
 import json
+import os
 import subprocess
 from types import SimpleNamespace
 
@@ -699,6 +700,15 @@ def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     with pytest.raises(SystemExit):  # one shape's sweep would overwrite the three shapes' tables
         bench.main(["--device", "cuda", "--decode-step", "--routes", routes.PATH])
     assert "holds every shape's table: give --models all" in capsys.readouterr().err
+
+
+def test_bench_writes_a_serving_route_table_of_its_own_gpu_only(capsys, monkeypatch):
+    """A route sweep on one GPU model does not overwrite another model's packaged table (routes.PATH, the H200's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--decode-step", "--models", "all", "--routes", routes.PATH])
+    assert "this GPU's is " + os.path.join(routes.TABLES_DIR, "h100.json") in capsys.readouterr().err
 
 
 def test_case_slice_offsets():

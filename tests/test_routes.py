@@ -32,24 +32,32 @@ def biased_adapters(tmp_path_factory):
 PACKAGED = sorted(glob.glob(os.path.join(routes.TABLES_DIR, "*.json")))
 
 
-@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
-def test_every_packaged_table_is_named_by_its_gpu(path):
-    """A route table is named by the model's word of the GPU it was measured on (the op tables' rule), and the
-    reference GPU has one, which every other GPU takes."""
-    assert os.path.basename(path) == f"{op_table.gpu_word(routes.load(path)['gpu'])}.json"
+def test_the_reference_gpu_has_a_table():
     assert routes.PATH in PACKAGED
 
 
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_every_packaged_table_is_named_by_its_gpu(path):
+    """A route table is named by the model's word of the GPU it was measured on (the op tables' rule), which every
+    GPU of that model takes."""
+    assert os.path.basename(path) == f"{op_table.gpu_word(routes.load(path)['gpu'])}.json"
+
+
 @pytest.mark.parametrize("name, table", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
-                                         ("NVIDIA A100-SXM4-80GB", "a100"), (None, "h200")])
+                                         ("NVIDIA A100-SXM4-80GB", "h200"), (None, "h200")])
 def test_the_serving_layer_takes_its_gpus_table(name, table, tmp_path, monkeypatch):
-    """The table the serving layer installs is that of the GPU the process sees first, by its model's word, else the
-    reference GPU's (no GPU, or a model without a table)."""
+    """The table the serving layer installs (at its first use) is that of the GPU the process sees first, by its
+    model's word, else the reference GPU's (no GPU, or a model without a table)."""
     for word in ("h200", "h100"):  # a directory of tables whose gpu fields say which file was read
         (tmp_path / f"{word}.json").write_text(json.dumps({"gpu": word}))
     monkeypatch.setattr(routes, "TABLES_DIR", str(tmp_path))
     monkeypatch.setattr(op_table, "visible_gpu_name", lambda: name)
-    assert routes.load(routes.default_path())["gpu"] == (table if table != "a100" else "h200")
+    monkeypatch.setattr(routes, "_tables", None)  # restored after the test, with _modules
+    monkeypatch.setattr(routes, "_modules", None)
+    installed = []
+    monkeypatch.setattr(routes, "install", installed.append)
+    routes._load()
+    assert [t["gpu"] for t in installed] == [table]
 
 
 def test_kext_max_tokens_is_the_kernels_bound():
@@ -60,19 +68,24 @@ def test_kext_max_tokens_is_the_kernels_bound():
     assert bound and int(bound.group(1)) == routes.KEXT_MAX_TOKENS
 
 
-def test_committed_table_is_the_sweeps_output_of_its_results_file():
-    """No hand-written entry: the table is exactly what the bench's table builder makes of the sweep's records it
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_committed_table_is_the_sweeps_output_of_its_results_file(path):
+    """No hand-written entry: each table is exactly what the bench's table builder makes of the sweep's records it
     names (benchmarks/results/<source>)."""
     from lora_ops.bench import decode_step, report
-    table = routes.load()
+    table = routes.load(path)
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / table["source"]
     result = json.loads(path.read_text())
     models = [m["model"] for m in routes.model_tables(table)]
     assert decode_step.routes_table(result["records"], report.table_meta(result, table["source"]), models) == table
 
 
-def test_committed_table_covers_every_regime():
-    table = routes.load()
+@pytest.mark.parametrize("path", PACKAGED, ids=os.path.basename)
+def test_committed_table_covers_every_regime(path, monkeypatch):
+    table = routes.load(path)
+    monkeypatch.setattr(routes, "_tables", None)  # restored after the test, with _modules
+    monkeypatch.setattr(routes, "_modules", None)
+    routes.install(table)  # what pick reads
     routes.validate(table)
     models = routes.model_tables(table)
     assert [m["model"] for m in models] == ["llama3-8b", "qwen2-7b", "llama3-70b-tp8"]  # the bench's three shapes

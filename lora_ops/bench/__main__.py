@@ -109,6 +109,11 @@ def main(argv=None) -> int:
     if serving_file and swept != set(decode_step.MODELS):
         ap.error(f"--routes {args.routes}: the serving layer's file holds every shape's table: give --models all "
                  "(or write elsewhere and build it with python -m lora_ops.bench.report --routes)")
+    if serving_file and args.device.startswith("cuda") and torch.cuda.is_available():
+        own = f"{op_table.gpu_word(torch.cuda.get_device_name(torch.device(args.device)))}.json"
+        if os.path.basename(args.routes) != own:  # another GPU's table would be overwritten with this one's times
+            ap.error(f"--routes {args.routes}: the serving layer's tables are named by the GPU they were measured on; "
+                     f"this GPU's is {os.path.join(os.path.dirname(args.routes), own)}")
     try:
         steps = decode_step.parse_steps(args.steps) if args.steps else None
     except ValueError as e:
