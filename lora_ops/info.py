@@ -37,8 +37,7 @@ def report() -> str:
     lines += _op_table_lines()
     path = routes.default_path()
     table = routes.load(path)
-    where = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(routes.__file__))))
-    lines.append(f"serving routes on CUDA ({where}; measured on {table['gpu']}, {table['date']}, commit "
+    lines.append(f"serving routes on CUDA ({_packaged(path)}; measured on {table['gpu']}, {table['date']}, commit "
                  f"{short_sha(table['git_sha'])}; a pool takes the table of the shape nearest its modules):")
     lines += [f"  {line}" for line in routes.describe(table)]
     if info.get("backends", {}).get("ascend", {}).get("built"):
@@ -57,6 +56,11 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def _packaged(path: str) -> str:
+    """A file of the package as the README names it (lora_ops/...)."""
+    return os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(lora_ops.__file__))))
+
+
 def _op_table_lines() -> list:
     """Which regimes the C++ CUDA kernels hand to Triton (lora_ops/op_table.py), or why none."""
     setting = os.environ.get("LORA_OPS_OP_TABLE", "").strip()
@@ -67,8 +71,7 @@ def _op_table_lines() -> list:
         why = ("LORA_OPS_OP_TABLE=off" if setting.lower() == "off"
                else f"triton {backends.unavailable.get('triton', 'absent')}")
         return [f"op table: none ({why}): the C++ CUDA kernels serve every regime"]
-    root = os.path.dirname(os.path.dirname(op_table.__file__))
-    where = setting or os.path.relpath(op_table.path_for(table["gpu"]), root)  # a packaged table is named by its GPU
+    where = setting or _packaged(op_table.path_for(table["gpu"]))  # a packaged table is named by its GPU
     lines = [f"op table ({where}; measured on {table['gpu']}, {table['date']}, "
              f"commit {short_sha(table['git_sha'])}; fp16/bf16 weights; a forced LORA_OPS_CUDA_*_KERNEL bypasses it):"]
     lines += [f"  {op:<14} {op_table.describe(table, op)}" for op in op_table.OPS]

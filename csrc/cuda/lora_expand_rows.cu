@@ -637,17 +637,7 @@ cudaError_t launch_spread(dim3 grid, cudaStream_t stream, const ExpandParams& p,
   size_t smem = 0;
   if (per_sm < resident / sms) smem = (size_t)((sm_bytes / (per_sm + 1) + 1 - reserved + 1023) / 1024 * 1024);
   if ((err = allow_dynamic_smem((const void*)kKernel, smem)) != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(32 * kWarps);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kKernel, p, passes);
+  return launch_pdl_smem(kKernel, grid, 32 * kWarps, smem, true, stream, p, passes);
 }
 
 template <auto kKernel>
