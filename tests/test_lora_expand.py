@@ -622,39 +622,3 @@ def test_segments_kernel_rank_steps(dtype, R, L, steps):
         lora_ops.ops.lora_expand(*on_gpu)
     ref = reference.lora_expand(*args)
     assert testing.check_against_reference(on_gpu[0], before, ref, dtype) == ""
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("probe", ["wide", "spread"])
-@pytest.mark.parametrize("kernel", ["rows", "runs"])
-def test_expand_pdl_probe_waits_for_late_slots(probe, kernel, monkeypatch):
-    """LORA_OPS_CUDA_EXPAND_PDL (session 50's probe, to be removed once measured): the rank >= 32 kernels launched
-    programmatically ("spread": with the shared memory that holds the runs kernel's 128 CTAs here to one a SM) after
-    a kernel that lets them start at once and writes the rows' slots late (late_copy, over slots of no adapter): y
-    as the oracle gives it with the final slots, the rows form in build_segments' order (the fold route's) at rank
-    64 on 32 slots, the kernel named by its instantiation."""
-    _skip_without_early_launch()
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_PDL", probe)
-    monkeypatch.setenv("LORA_OPS_CUDA_EXPAND_KERNEL", kernel)
-    gen = case_generator(f"pdl-probe-{probe}-{kernel}")
-    T, L, N, R = 64, 32, 4096, 64
-    bf16 = lambda t: t.to(torch.bfloat16)
-    y0, h = bf16(torch.randn(T, N, generator=gen)), bf16(torch.randn(T, L, R, generator=gen))
-    lora_b = bf16(torch.randn(L, N, R, generator=gen) / 4)
-    token_lora = torch.randint(0, L, (T,), generator=gen, dtype=torch.int32)
-    order = torch.sort(token_lora, stable=True)[1].int()
-    slots, scales = token_lora[order.long()], torch.rand(L, generator=gen) + 0.5
-
-    def call(row_slots):
-        return [y0.cuda(), h.cuda(), lora_b.cuda(), None, row_slots.cuda(), order.cuda(), None, scales.cuda()]
-
-    ran = [k for k in _cuda_kernels_run(call(slots)) if f"expand_{kernel}_kernel" in k]
-    assert len(ran) == 1, ran
-    if kernel == "runs" and torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        assert _runs_instance(ran[0]) == (4, 0, 4), ran  # one 64-rank trip, 4 positions a warp: 128 CTAs
-    args = call(torch.full((T,), -1, dtype=torch.int32))
-    with op_table.disabled():
-        late_copy()(slots.cuda(), args[4])
-        lora_ops.ops.lora_expand(*args)
-    ref = reference.lora_expand(y0, h, lora_b, None, slots, order, None, scales)
-    assert testing.check_against_reference(args[0], y0.cuda(), ref, torch.bfloat16) == ""

@@ -348,15 +348,14 @@ __device__ __forceinline__ void allow_dependents_to_launch() {
 #endif
 }
 
-// Launches kernel<<<grid, threads, smem, stream>>>(args...), programmatically dependent on the previous kernel in
+// Launches kernel<<<grid, threads, 0, stream>>>(args...), programmatically dependent on the previous kernel in
 // the stream when `pdl` (sm_90+).
 template <class... KArgs, class... Args>
-cudaError_t launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem, bool pdl,
-                            cudaStream_t stream, Args... args) {
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, bool pdl, cudaStream_t stream,
+                       Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -364,12 +363,6 @@ cudaError_t launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, int threads, si
   cfg.attrs = &attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
-template <class... KArgs, class... Args>
-cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, bool pdl, cudaStream_t stream,
-                       Args... args) {
-  return launch_pdl_smem(kernel, grid, threads, 0, pdl, stream, args...);
 }
 
 }  // namespace lora_ops::cuda

@@ -15,8 +15,6 @@
 // FFMA stream (bf16 -> float conversion and a select per element) were ~1,000 instructions per warp on gate_up at
 // T=32 (csrc/cuda/NOTES.md).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -502,8 +500,7 @@ __device__ __forceinline__ bool cta_columns(const ExpandParams& p, int passes, i
 // still wait for it (NOTES.md, session 24).
 //
 // kGuesses: launch_lora_expand_mma's rule for a programmatic launch (one rank step, sm_90 on). Elsewhere the launch
-// is not programmatic (but under the LORA_OPS_CUDA_EXPAND_PDL probe, whose multi-step kernels wait before their
-// first load), the wait returns at once, and a guess would only add its check.
+// is not programmatic, the wait returns at once, and a guess would only add its check.
 template <int kSteps>
 __device__ constexpr bool kGuesses =
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -603,51 +600,11 @@ cudaError_t passes_of(const ExpandParams& p, int64_t groups, int* passes) {
   return cudaSuccess;
 }
 
-// Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
-// instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
-// H200: the runs kernel at rank 64 9.28 -> 8.49 us).
-bool two_rank_steps(const ExpandParams& p) { return p.max_rank >= 32; }
-
-// Probe (session 50, to be settled and removed; csrc/cuda/NOTES.md): LORA_OPS_CUDA_EXPAND_PDL=wide launches the
-// two-rank-step kernels programmatically too (session 48: slower at rank 64 on llama3-8b, not known why); =spread
-// does so with dynamic shared memory that holds such a kernel to ceil(CTAs / SMs) CTAs a SM where its registers
-// would allow more. A test of session 48's guess: CTAs launched early are placed as the fold GEMM's CTAs leave,
-// several on each SM freed first, where launched after it they spread one a SM.
-enum class PdlProbe { Off, Wide, Spread };
-PdlProbe pdl_probe() {
-  const char* v = std::getenv("LORA_OPS_CUDA_EXPAND_PDL");
-  if (v == nullptr) return PdlProbe::Off;
-  if (std::strcmp(v, "wide") == 0) return PdlProbe::Wide;
-  return std::strcmp(v, "spread") == 0 ? PdlProbe::Spread : PdlProbe::Off;
-}
-
-// The spread probe's launch: shared memory (unused) such that ceil(CTAs / SMs) CTAs fit an SM and one more does
-// not, rounded up to 1 KB (the SM's shared memory over per_sm + 1 CTAs, each with the per-block reservation).
-template <auto kKernel>
-cudaError_t launch_spread(dim3 grid, cudaStream_t stream, const ExpandParams& p, int passes) {
-  int device = 0, sms = 0, sm_bytes = 0, reserved = 0;
-  int64_t resident = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-  if (err == cudaSuccess) err = resident_ctas<kKernel>(32 * kWarps, &resident);
-  if (err != cudaSuccess) return err;
-  const int64_t per_sm = ((int64_t)grid.x * grid.y + sms - 1) / sms;
-  size_t smem = 0;
-  if (per_sm < resident / sms) smem = (size_t)((sm_bytes / (per_sm + 1) + 1 - reserved + 1023) / 1024 * 1024);
-  if ((err = allow_dynamic_smem((const void*)kKernel, smem)) != cudaSuccess) return err;
-  return launch_pdl_smem(kKernel, grid, 32 * kWarps, smem, true, stream, p, passes);
-}
-
 template <auto kKernel>
 cudaError_t launch_passes(const ExpandParams& p, int64_t groups, int passes, bool pdl, cudaStream_t stream) {
   const int64_t blocks = slice_column_blocks(p, passes * kPassCols);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid((unsigned)blocks, (unsigned)std::min<int64_t>(groups, 65535));
-  if (pdl && two_rank_steps(p) && pdl_probe() == PdlProbe::Spread) {
-    return launch_spread<kKernel>(grid, stream, p, passes);
-  }
   return launch_pdl(kKernel, grid, 32 * kWarps, pdl, stream, p, passes);
 }
 
@@ -666,6 +623,11 @@ cudaError_t launch_if_one_pass(const ExpandParams& p, int64_t groups, bool pdl, 
   *launched = err == cudaSuccess && passes == 1;
   return *launched ? launch_passes<kKernel>(p, groups, 1, pdl, stream) : err;
 }
+
+// Two rank steps per trip from rank 32: one trip per 32 ranks instead of 16, for fewer CTAs per SM (rows kernel 3
+// instead of 4, runs and segments kernels 2 instead of 4, or 3 with a float32 y: kRunsCtasPerSm; measured on the
+// H200: the runs kernel at rank 64 9.28 -> 8.49 us).
+bool two_rank_steps(const ExpandParams& p) { return p.max_rank >= 32; }
 
 template <class TB, class TH, class TY>
 cudaError_t launch_steps(const ExpandParams& p, ExpandKernel kernel, bool pdl, cudaStream_t stream) {
@@ -751,9 +713,9 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
   // dependents launch early, the early launch of the two-step kernels made a llama3-8b decode step at rank 64
   // slower (T=32, 16 adapters: +74.3% with it, +64.6% without, as after cuBLAS's GEMM; csrc/cuda/NOTES.md, session
   // 19; again with the 64-rank trip on an H100, session 48: T=64 +48.5 -> +57.3%), while at rank 16 it is the fold
-  // route's gain (T=16: +24.1 -> +21.1%). The probe launches the multi-step kernels programmatically too (its
-  // getenv only where it could change the launch).
-  const bool pdl = cc_major >= 9 && (!two_rank_steps(p) || pdl_probe() != PdlProbe::Off);  // kGuesses: see there
+  // route's gain (T=16: +24.1 -> +21.1%). Nor is it where the early CTAs land: held to one a SM by unused shared
+  // memory, the early launch still lost (H100, session 51: T=64 +51.5 -> +57.3%).
+  const bool pdl = cc_major >= 9 && !two_rank_steps(p);  // the rows and runs kernels' kGuesses follows this rule
   if (p.b_dtype == DType::F16) return launch_typed<__half, __half>(p, kernel, pdl, stream);  // float32 h: bf16 B only
   return p.h_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, kernel, pdl, stream)
                                  : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, kernel, pdl, stream);
