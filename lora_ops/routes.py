@@ -62,6 +62,15 @@ def timed_names(tokens: int) -> Tuple[str, ...]:
 # the 70B shard's 33-64 by 10%, 513-1024 at rank 64 by 12-16%).
 REGIME_BOUNDS = (4, 16, 32, 48, 64, 80, 96, 128, 256, 512, 768, 1024, 2048, None)
 REGIME_SAMPLES = REGIME_BOUNDS[:-1] + (4096,)
+# The sweep then splits, at its middle, a regime whose route is more than SPLIT_ABOVE slower than the fastest at one
+# of its two ends where another route is within it at each end alone (the fastest route changes between the ends,
+# not between the mixes), its ends at least SPLIT_MIN_TOKENS apart, the worst first, up to SPLIT_MAX_SAMPLES extra
+# samples a rank class and model (each costs the class's mixes times every route: ~3 s a mix on an H100). A table
+# holds these regimes' bounds besides REGIME_BOUNDS. Issue 12's 5% rule: the fixed bounds left regimes 6.7-12% off
+# at one end where the lead changes between them (H100 d32e1d1, H200 a24a444; lora_ops/NOTES.md session 51).
+SPLIT_ABOVE = 1.05
+SPLIT_MIN_TOKENS = 16
+SPLIT_MAX_SAMPLES = 3
 # The rank classes (upper bound of the pool's max rank) and the mixes (rank, adapter count) the bench measures each
 # at: the decode-step bench's steps (issue 12's four rows: 32 adapters and one at rank 16, 16 at rank 64).
 RANK_BOUNDS = (32, None)

@@ -12,9 +12,10 @@
 #              (lora_ops/op_tables/<gpu>.json)
 #   routes     python -m lora_ops.bench --decode-step --routes, once per model shape: issue 12's rows, then every
 #              route at every regime and adapter mix, and the serving layer's route table of the three shapes from
-#              them for this GPU's model (lora_ops/route_tables/<gpu>.json; 562 s with the build at 68dc283: a
-#              device call of its own; not in the default). ROUTES_MODELS="a b" sweeps those shapes only (the sweep
-#              in two device calls), each shape's records to $OUT; the table is then merged where all three are,
+#              them for this GPU's model (lora_ops/route_tables/<gpu>.json; 562 s with the build at 68dc283, and
+#              since the sweep splits regimes (session 51) up to ~9 steps more a shape: two device calls; not in the
+#              default). ROUTES_MODELS="a b" sweeps those shapes only (the sweep in two device calls), each shape's
+#              records to $OUT; the table is then merged where all three are,
 #              e.g. here: python -m lora_ops.bench.report <the three records> --out <name> --routes
 #              lora_ops/route_tables/<gpu>.json
 #   mutate     scripts/mutate.py --gpu --fast --in-place: the GPU-only planted bugs (minutes; not in the default)

@@ -584,6 +584,43 @@ def test_route_choice_bounds_the_worst_slowdown_at_both_ends_of_a_regime_and_ove
     assert choose_routes([[at_128, at_256]])[1] == ("sgmv-cuda", pytest.approx(1.01))
 
 
+def _regime(T: int, slowdown: float, *mixes: dict) -> dict:
+    """A routes table's regime measured at T: its chosen route's worst slowdown and its mixes' times."""
+    return dict(measured_T=T, slowdown=slowdown, us=[dict(m, base=1.0) for m in mixes])
+
+
+def test_split_points_are_the_middles_of_regimes_whose_lead_changes_between_their_ends():
+    """split_points: the middle of each regime more than SPLIT_ABOVE off at an end, the worst first; none where the
+    ends are closer than SPLIT_MIN_TOKENS, where the mixes disagree at one end (no T between the ends helps), or
+    for the first regime (one end); the regime's own routes set the pace at its lower end."""
+    from lora_ops.bench.decode_step import split_points
+    at = lambda T, slowdown, fold, sgmv: _regime(T, slowdown, {"fold-cuda": fold, "sgmv-cuda": sgmv})
+    assert split_points([at(512, 1.0, 1.0, 2.0), at(768, 1.06, 1.0, 1.5), at(1024, 1.3, 1.3, 1.0)]) == [896, 640]
+    assert split_points([at(512, 1.0, 1.0, 2.0), at(768, 1.05, 1.0, 1.05)]) == []  # within 5%
+    assert split_points([_regime(4, 1.3, {"a": 1.0, "b": 1.3})]) == []  # the first regime: one end
+    assert split_points([at(64, 1.0, 1.0, 1.2), at(72, 1.2, 1.2, 1.0)]) == []  # 8 tokens apart
+    assert split_points([at(64, 1.0, 1.0, 1.2), at(80, 1.2, 1.2, 1.0)]) == [72]
+    # at 768 fold-cuda leads with one adapter and sgmv-cuda by as much with 32: no route is within 5% there
+    split_mixes = _regime(768, 1.1, {"fold-cuda": 1.0, "sgmv-cuda": 1.1}, {"fold-cuda": 1.1, "sgmv-cuda": 1.0})
+    assert split_points([split_mixes, _regime(1024, 1.1, {"fold-cuda": 1.1, "sgmv-cuda": 1.0},
+                                               {"fold-cuda": 1.1, "sgmv-cuda": 1.0})]) == []
+    # kext-cuda, fastest at 128 but not timed at 256, does not make 128 an end where no route of 129-256 is within
+    # 5%: fold-cuda leads both routes of the regime there
+    low = _regime(128, 1.0, {"fold-cuda": 1.0, "sgmv-cuda": 1.3, "kext-cuda": 0.5})
+    assert split_points([low, _regime(256, 1.3, {"fold-cuda": 1.3, "sgmv-cuda": 1.0})]) == [192]
+
+
+def test_class_samples_take_a_split_only_where_every_mix_has_every_route():
+    from lora_ops.bench.decode_step import class_samples
+    full = lambda T: {"base": 1.0, **{n: 2.0 for n in routes.timed_names(T)}}
+    mixes = ((16, 32), (16, 1))
+    timed = {("m", T, a, r): full(T) for T in routes.REGIME_SAMPLES + (896, 1536) for r, a in mixes}
+    timed[("m", 1536, 1, 16)].pop("fold-triton")  # one route missing in one mix
+    timed[("m", 3072, 32, 16)] = full(3072)  # one mix only
+    timed[("other", 640, 32, 16)] = timed[("other", 640, 1, 16)] = full(640)  # another model's
+    assert class_samples(timed, "m", mixes) == sorted(routes.REGIME_SAMPLES + (896,))
+
+
 def _stand_in_step(model, step, device, records, failures, log, *rest):
     """bench_step's records on stand-in timings: kext-cuda wins at rank 16 up to KEXT_MAX_TOKENS (the bench times
     it no further), fold-cuda beyond, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both; on the 70B shard
@@ -611,9 +648,13 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),
                              models)
     assert failures == []
+    # each class of llama3-8b split three times (SPLIT_MAX_SAMPLES) where its route is 8-25% slower at 1024 tokens
+    # than sgmv-cuda there and the fastest at 768, the worse half again each time; the shard's routes tie nowhere
+    splits = (896, 960, 992)
     assert sorted(set(ran), key=str) == sorted({(m, decode_step.Step(T, a, r)) for m in models
                                                 for mixes in routes.CLASS_MIXES for r, a in mixes
-                                                for T in routes.REGIME_SAMPLES}, key=str)
+                                                for T in routes.REGIME_SAMPLES + (splits if m == models[0] else ())},
+                                               key=str)
     table = routes.load(path)
     routes.validate(table)
     llama, shard = routes.model_tables(table)
@@ -628,13 +669,18 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     for c, mixes in zip(classes, routes.CLASS_MIXES):
         rank = mixes[0][0]
         got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
-        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 512; beyond, at both ends. At
+        bounds = [r["max_tokens"] for r in c["regimes"]]
+        assert bounds == sorted(routes.REGIME_BOUNDS[:-1] + splits) + [None]
+        assert [r["measured_T"] for r in c["regimes"]] == bounds[:-1] + [routes.REGIME_SAMPLES[-1]]
+        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 992; beyond, at both ends. At
         # rank 16 kext-cuda in the regimes up to KEXT_MAX_TOKENS; fold-cuda in the next (kext-cuda is not timed at
         # its upper end, fold-cuda 4% slower at its lower)
-        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in routes.REGIME_BOUNDS) if rank == 16 else 0
+        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in bounds) if rank == 16 else 0
         assert got == ["kext-cuda"] * kext + [want[rank] if b is not None and b <= 1024 else "sgmv-cuda"
-                                             for b in routes.REGIME_BOUNDS[kext:]]
+                                             for b in bounds[kext:]]
         assert got[-2:] == ["sgmv-cuda"] * 2
+        slowdowns = {r["max_tokens"]: r["slowdown"] for r in c["regimes"]}
+        assert slowdowns[896] == slowdowns[960] == 1.0 and slowdowns[1024] > routes.SPLIT_ABOVE  # the budget spent
         assert all(len(r["us"]) == len(mixes) and r["us"][0]["base"] == 100.0 for r in c["regimes"])
         assert c["regimes"][0]["slowdown"] == 1.0 and max(r["slowdown"] for r in c["regimes"]) > 1.0
     # The same table from the run's results file (python -m lora_ops.bench.report --routes), and none from a

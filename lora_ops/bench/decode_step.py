@@ -521,13 +521,44 @@ def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, floa
     return chosen
 
 
+def split_points(regimes: List[dict]) -> List[int]:
+    """Where a route sweep times a rank class again (routes.SPLIT_ABOVE), the worst regime first: the middle of each
+    regime (a table's, with its mixes' times) whose route is more than SPLIT_ABOVE slower than the fastest at one of
+    its two ends, where at each end alone a route is within it (else the mixes disagree, and no split helps), and
+    whose ends are at least SPLIT_MIN_TOKENS apart."""
+    def within(times: List[Dict[str, float]], names: List[str]) -> bool:
+        ends = [{n: t for n, t in mix.items() if n in names} for mix in times]
+        return route_table.least_worst(ends, names)[1] <= route_table.SPLIT_ABOVE
+
+    points = []
+    for below, regime in zip(regimes, regimes[1:]):
+        lo, hi = below["measured_T"], regime["measured_T"]
+        names = [n for n in regime["us"][0] if n != "base"]  # those that serve the regime (choose_routes)
+        if (regime["slowdown"] > route_table.SPLIT_ABOVE and hi - lo >= route_table.SPLIT_MIN_TOKENS
+                and within(below["us"], names) and within(regime["us"], names)):
+            points.append((-regime["slowdown"], (lo + hi) // 2))
+    return [T for _, T in sorted(points)]
+
+
+def class_samples(timed: Dict[Tuple[str, int, int, int], Dict[str, float]], model: str,
+                  mixes: Sequence[Tuple[int, int]]) -> List[int]:
+    """A rank class's sample T: routes.REGIME_SAMPLES, and each other T at which every mix of the class has the base
+    and every route timed (the sweep's splits, split_points)."""
+    def complete(T: int) -> bool:
+        return all(set(timed.get((model, T, adapters, rank), {})) == {"base", *route_table.timed_names(T)}
+                   for rank, adapters in mixes)
+
+    extra = {T for m, T, _, _ in timed if m == model and T not in route_table.REGIME_SAMPLES and complete(T)}
+    return sorted({*route_table.REGIME_SAMPLES, *extra})
+
+
 def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict:
     """The serving layer's routes table (lora_ops/route_tables/<gpu>.json) from a route sweep's decode-step records: a table
     per model shape (with its modules' (K, N), which a pool is matched to), of rank classes, each measured at its
-    mixes (rank, adapter count) at every regime's sample T (the last record of each route counts): each class's
-    routes by regime (choose_routes), with every mix's times and the chosen route's worst slowdown. Raises
-    ValueError unless every route and backend was timed at every sample step (a run of some routes, --impls, makes
-    no table)."""
+    mixes (rank, adapter count) at its sample T (class_samples; the last record of each route counts), each sample
+    the top of a regime (the largest: every larger T): each class's routes by regime (choose_routes), with every
+    mix's times and the chosen route's worst slowdown. Raises ValueError unless every route and backend was timed
+    at every step of routes.REGIME_SAMPLES (a run of some routes, --impls, makes no table)."""
     timed: Dict[Tuple[str, int, int, int], Dict[str, float]] = {}
     for r in records:  # the base and lora_ops' routes: a peer's time (the vllm route) is no route of a table;
         # the sweep's step is the linear layers alone: a --between-modules run's records at a sample step are not it
@@ -538,20 +569,18 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
     for model in models:
         classes = []
         for max_rank, mixes in zip(route_table.RANK_BOUNDS, route_table.CLASS_MIXES):
-            timings = [[timed.get((model, T, adapters, rank), {}) for T in route_table.REGIME_SAMPLES]
-                       for rank, adapters in mixes]
+            sample_T = class_samples(timed, model, mixes)
+            timings = [[timed.get((model, T, adapters, rank), {}) for T in sample_T] for rank, adapters in mixes]
             samples = [[{k: v for k, v in t.items() if k != "base"} for t in mix] for mix in timings]
             for (rank, adapters), mix in zip(mixes, samples):
-                missing = [T for T, sample in zip(route_table.REGIME_SAMPLES, mix)
-                           if set(sample) != set(route_table.timed_names(T))]
+                missing = [T for T, sample in zip(sample_T, mix) if set(sample) != set(route_table.timed_names(T))]
                 if missing:
                     raise ValueError(f"{model}: not every route ({', '.join(route_table.NAMES)}; kext up to "
                                      f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} "
                                      f"adapters, T = {missing}")
             regimes = []
             choices = choose_routes(samples)
-            for i, (bound, T, (choice, worst)) in enumerate(zip(route_table.REGIME_BOUNDS, route_table.REGIME_SAMPLES,
-                                                                choices)):
+            for i, (bound, T, (choice, worst)) in enumerate(zip([*sample_T[:-1], None], sample_T, choices)):
                 route, backend = choice.split("-")
                 regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T,
                                     slowdown=round(worst, 3), us=[mix[i] for mix in timings]))
@@ -566,18 +595,40 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
 
 def write_routes(path: str, device, records, failures, log, meta: dict, models: Sequence[str]) -> None:
     """Times every route at each regime's sample T, for each rank class at its mixes, on each of `models`' shapes,
-    and writes the table of each model's classes' routes by regime (routes_table) to `path`. A run in which any
-    route failed or gave a wrong result writes none."""
+    then at the splits of each class's regimes (split_points, up to routes.SPLIT_MAX_SAMPLES a class, one a class
+    at a time, the table worked out again after each), and writes the table of each model's classes' routes by
+    regime (routes_table) to `path`. A run in which any route failed or gave a wrong result writes none."""
     import json
 
     failures_before = len(failures)
     first = len(records)
+
+    def sweep(model: str, mixes, T: int) -> None:
+        for rank, adapters in mixes:
+            bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log,
+                       only=route_table.NAMES)  # lora_ops' routes: a table chooses among them
+
     for model in models:
         for mixes in route_table.CLASS_MIXES:
-            for rank, adapters in mixes:
-                for T in route_table.REGIME_SAMPLES:
-                    bench_step(MODELS[model], Step(T, adapters, rank), device, records, failures, log,
-                               only=route_table.NAMES)  # lora_ops' routes: a table chooses among them
+            for T in route_table.REGIME_SAMPLES:
+                sweep(model, mixes, T)
+        splits = [0] * len(route_table.CLASS_MIXES)
+        while len(failures) == failures_before:
+            try:
+                table = routes_table(records[first:], meta, [model])
+            except ValueError:
+                break  # said below, where the whole table is made
+            todo = []
+            for i, c in enumerate(route_table.rank_classes(route_table.model_tables(table)[0])):
+                points = split_points(c["regimes"])
+                if points and splits[i] < route_table.SPLIT_MAX_SAMPLES:
+                    splits[i] += 1
+                    todo.append((route_table.CLASS_MIXES[i], points[0]))
+            if not todo:
+                break
+            for mixes, T in todo:
+                log(f"routes: {model}: a regime split at T={T} (mixes {mixes})")
+                sweep(model, mixes, T)
     try:
         table = routes_table(records[first:], meta, models)
     except ValueError as exc:
