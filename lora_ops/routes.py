@@ -63,7 +63,7 @@ def timed_names(tokens: int) -> Tuple[str, ...]:
 REGIME_BOUNDS = (4, 16, 32, 48, 64, 80, 96, 128, 256, 512, 768, 1024, 2048, None)
 REGIME_SAMPLES = REGIME_BOUNDS[:-1] + (4096,)
 # The sweep then splits, at its middle, a regime whose route is more than SPLIT_ABOVE slower than the fastest at one
-# of its two ends where another route is within it at each end alone (the fastest route changes between the ends,
+# of its two ends where some route is within it at each end alone (the fastest route changes between the ends,
 # not between the mixes), its ends at least SPLIT_MIN_TOKENS apart, the worst first, up to SPLIT_MAX_SAMPLES extra
 # samples a rank class and model (each costs the class's mixes times every route: ~3 s a mix on an H100). A table
 # holds these regimes' bounds besides REGIME_BOUNDS. Issue 12's 5% rule: the fixed bounds left regimes 6.7-12% off

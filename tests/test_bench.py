@@ -590,45 +590,68 @@ def _regime(T: int, slowdown: float, *mixes: dict) -> dict:
 
 
 def test_split_points_are_the_middles_of_regimes_whose_lead_changes_between_their_ends():
-    """split_points: the middle of each regime more than SPLIT_ABOVE off at an end, the worst first; none where the
-    ends are closer than SPLIT_MIN_TOKENS, where the mixes disagree at one end (no T between the ends helps), or
-    for the first regime (one end); the regime's own routes set the pace at its lower end."""
+    """split_points: the middle (rounded down) of each regime more than SPLIT_ABOVE off at an end, the worst first;
+    none where the ends are closer than SPLIT_MIN_TOKENS, where the mixes disagree at either end (no T between the
+    ends helps), or for the first regime (one end); the regime's own routes set the pace at its lower end."""
     from lora_ops.bench.decode_step import split_points
     at = lambda T, slowdown, fold, sgmv: _regime(T, slowdown, {"fold-cuda": fold, "sgmv-cuda": sgmv})
     assert split_points([at(512, 1.0, 1.0, 2.0), at(768, 1.06, 1.0, 1.5), at(1024, 1.3, 1.3, 1.0)]) == [896, 640]
     assert split_points([at(512, 1.0, 1.0, 2.0), at(768, 1.05, 1.0, 1.05)]) == []  # within 5%
-    assert split_points([_regime(4, 1.3, {"a": 1.0, "b": 1.3})]) == []  # the first regime: one end
+    assert split_points([at(64, 1.3, 1.0, 1.3), at(128, 1.0, 1.0, 1.2)]) == []  # the first regime: one end
     assert split_points([at(64, 1.0, 1.0, 1.2), at(72, 1.2, 1.2, 1.0)]) == []  # 8 tokens apart
-    assert split_points([at(64, 1.0, 1.0, 1.2), at(80, 1.2, 1.2, 1.0)]) == [72]
-    # at 768 fold-cuda leads with one adapter and sgmv-cuda by as much with 32: no route is within 5% there
-    split_mixes = _regime(768, 1.1, {"fold-cuda": 1.0, "sgmv-cuda": 1.1}, {"fold-cuda": 1.1, "sgmv-cuda": 1.0})
-    assert split_points([split_mixes, _regime(1024, 1.1, {"fold-cuda": 1.1, "sgmv-cuda": 1.0},
-                                               {"fold-cuda": 1.1, "sgmv-cuda": 1.0})]) == []
+    assert split_points([at(64, 1.0, 1.0, 1.2), at(81, 1.2, 1.2, 1.0)]) == [72]
+    # fold-cuda leads with one adapter and sgmv-cuda by as much with 32, at the lower end or at the upper: no route
+    # is within 5% there
+    disagree = ({"fold-cuda": 1.0, "sgmv-cuda": 1.1}, {"fold-cuda": 1.1, "sgmv-cuda": 1.0})
+    agree = lambda fold, sgmv: ({"fold-cuda": fold, "sgmv-cuda": sgmv},) * 2
+    assert split_points([_regime(768, 1.1, *disagree), _regime(1024, 1.1, *agree(1.1, 1.0))]) == []
+    assert split_points([_regime(768, 1.0, *agree(1.0, 1.2)), _regime(1024, 1.1, *disagree)]) == []
+    assert split_points([_regime(768, 1.0, *agree(1.0, 1.2)), _regime(1024, 1.1, *agree(1.1, 1.0))]) == [896]
     # kext-cuda, fastest at 128 but not timed at 256, does not make 128 an end where no route of 129-256 is within
     # 5%: fold-cuda leads both routes of the regime there
     low = _regime(128, 1.0, {"fold-cuda": 1.0, "sgmv-cuda": 1.3, "kext-cuda": 0.5})
     assert split_points([low, _regime(256, 1.3, {"fold-cuda": 1.3, "sgmv-cuda": 1.0})]) == [192]
 
 
-def test_class_samples_take_a_split_only_where_every_mix_has_every_route():
-    from lora_ops.bench.decode_step import class_samples
-    full = lambda T: {"base": 1.0, **{n: 2.0 for n in routes.timed_names(T)}}
+def _times(T: int) -> dict:
+    """Stand-in times of every route at T: fold-cuda fastest up to 768 tokens, sgmv-cuda (11% ahead) from 1000."""
+    us = {"base": 1.0, **{n: 300.0 for n in routes.timed_names(T)}}
+    return dict(us, **{"fold-cuda": 100.0, "sgmv-cuda": 90.0 if T >= 1000 else 200.0})
+
+
+def test_class_regimes_split_as_the_sweep_does_and_take_no_other_steps():
+    """class_regimes replays the sweep's splits from the records: the split due until it is timed for the base and
+    every route of every mix, then the next; a complete step that no split asked for (another step of the run, a
+    merged sweep's split) is no bound, and a split timed incompletely is none either."""
+    from lora_ops.bench.decode_step import class_regimes
     mixes = ((16, 32), (16, 1))
-    timed = {("m", T, a, r): full(T) for T in routes.REGIME_SAMPLES + (896, 1536) for r, a in mixes}
-    timed[("m", 1536, 1, 16)].pop("fold-triton")  # one route missing in one mix
-    timed[("m", 3072, 32, 16)] = full(3072)  # one mix only
-    timed[("other", 640, 32, 16)] = timed[("other", 640, 1, 16)] = full(640)  # another model's
-    assert class_samples(timed, "m", mixes) == sorted(routes.REGIME_SAMPLES + (896,))
+    timed = {("m", T, a, r): _times(T) for T in routes.REGIME_SAMPLES + (200,) for r, a in mixes}
+    timed[("other", 896, 32, 16)] = timed[("other", 896, 1, 16)] = _times(896)  # another model's
+    bounds = lambda regimes: [r["max_tokens"] for r in regimes]
+    regimes, due = class_regimes(timed, "m", mixes)
+    assert bounds(regimes) == list(routes.REGIME_BOUNDS) and due == 896  # 768-1024: fold-cuda 11% off at 1024
+    assert regimes[routes.REGIME_BOUNDS.index(1024)]["slowdown"] == pytest.approx(100 / 90, abs=1e-3)
+    timed[("m", 896, 32, 16)] = _times(896)
+    timed[("m", 896, 1, 16)] = {k: v for k, v in _times(896).items() if k != "base"}  # no base time in one mix
+    assert class_regimes(timed, "m", mixes)[1] == 896
+    timed[("m", 896, 1, 16)] = _times(896)
+    regimes, due = class_regimes(timed, "m", mixes)
+    assert bounds(regimes) == sorted(routes.REGIME_BOUNDS[:-1] + (896,)) + [None] and due == 960
+    for T in (960, 992):
+        timed.update({("m", T, a, r): _times(T) for r, a in mixes})
+    regimes, due = class_regimes(timed, "m", mixes)  # SPLIT_MAX_SAMPLES: no fourth split is due
+    assert bounds(regimes) == sorted(routes.REGIME_BOUNDS[:-1] + (896, 960, 992)) + [None] and due is None
+    assert [r["measured_T"] for r in regimes] == bounds(regimes)[:-1] + [routes.REGIME_SAMPLES[-1]]
 
 
 def _stand_in_step(model, step, device, records, failures, log, *rest):
     """bench_step's records on stand-in timings: kext-cuda wins at rank 16 up to KEXT_MAX_TOKENS (the bench times
-    it no further), fold-cuda beyond, fold-triton at rank 64, sgmv-cuda from 1024 tokens at both; on the 70B shard
-    sgmv-cuda everywhere."""
+    it no further) and at rank 64 up to 48 tokens, fold-cuda beyond at rank 16, fold-triton at rank 64, sgmv-cuda
+    from 1024 tokens at both; on the 70B shard sgmv-cuda everywhere."""
     us = {"base": 100.0, "fold-cuda": 130.0 if step.rank == 16 else 190.0, "fold-triton": 150.0,
           "sgmv-cuda": 120.0 if step.T >= 1024 or model.name == "llama3-70b-tp8" else 200.0, "sgmv-triton": 210.0}
     if step.T <= routes.KEXT_MAX_TOKENS:
-        us["kext-cuda"] = 125.0 if step.rank == 16 else 160.0
+        us["kext-cuda"] = 125.0 if step.rank == 16 else (140.0 if step.T <= 48 else 160.0)
     records += [dict(op="decode_step", model=model.name, backend=b, us=v, T=step.T, adapters=step.adapters,
                      rank=step.rank) for b, v in us.items()]
 
@@ -644,45 +667,46 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
                         or only == routes.NAMES and _stand_in_step(model, step, *rest))  # lora_ops' routes alone
     path = str(tmp_path / "routes.json")
     failures = []
-    models = ["llama3-8b", "llama3-70b-tp8"]
+    models = ["llama3-8b", "qwen2-7b", "llama3-70b-tp8"]
     decode_step.write_routes(path, "cuda", [], failures, lambda s: None, dict(gpu="test", git_sha="x", date="d"),
                              models)
     assert failures == []
-    # each class of llama3-8b split three times (SPLIT_MAX_SAMPLES) where its route is 8-25% slower at 1024 tokens
-    # than sgmv-cuda there and the fastest at 768, the worse half again each time; the shard's routes tie nowhere
+    # each class of llama3-8b and of qwen2-7b split three times (SPLIT_MAX_SAMPLES, a model's own) where its route
+    # is 8-25% slower at 1024 tokens than sgmv-cuda there and the fastest at 768, the worse half again each time
+    # (not rank 64's 49-64 tokens, 6.7% off: the worst first); the shard's routes tie nowhere
     splits = (896, 960, 992)
     assert sorted(set(ran), key=str) == sorted({(m, decode_step.Step(T, a, r)) for m in models
                                                 for mixes in routes.CLASS_MIXES for r, a in mixes
-                                                for T in routes.REGIME_SAMPLES + (splits if m == models[0] else ())},
+                                                for T in routes.REGIME_SAMPLES + (splits if m != models[2] else ())},
                                                key=str)
     table = routes.load(path)
     routes.validate(table)
-    llama, shard = routes.model_tables(table)
-    assert [llama["model"], shard["model"]] == models
+    assert [m["model"] for m in routes.model_tables(table)] == models
+    *split, shard = routes.model_tables(table)
     assert shard["modules"] == [[8192, 1280], [1024, 8192], [8192, 7168], [3584, 8192]]
     assert {r["route"] for c in routes.rank_classes(shard) for r in c["regimes"]} == {"sgmv"}
-    classes = routes.rank_classes(llama)
-    assert [c["max_rank"] for c in classes] == list(routes.RANK_BOUNDS)
-    assert [[(m["rank"], m["adapters"]) for m in c["mixes"]] for c in classes] == \
-        [list(mixes) for mixes in routes.CLASS_MIXES]
-    want = {16: "fold-cuda", 64: "fold-triton"}
-    for c, mixes in zip(classes, routes.CLASS_MIXES):
-        rank = mixes[0][0]
-        got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
-        bounds = [r["max_tokens"] for r in c["regimes"]]
-        assert bounds == sorted(routes.REGIME_BOUNDS[:-1] + splits) + [None]
-        assert [r["measured_T"] for r in c["regimes"]] == bounds[:-1] + [routes.REGIME_SAMPLES[-1]]
-        # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 992; beyond, at both ends. At
-        # rank 16 kext-cuda in the regimes up to KEXT_MAX_TOKENS; fold-cuda in the next (kext-cuda is not timed at
-        # its upper end, fold-cuda 4% slower at its lower)
-        kext = sum(b is not None and b <= routes.KEXT_MAX_TOKENS for b in bounds) if rank == 16 else 0
-        assert got == ["kext-cuda"] * kext + [want[rank] if b is not None and b <= 1024 else "sgmv-cuda"
-                                             for b in bounds[kext:]]
-        assert got[-2:] == ["sgmv-cuda"] * 2
-        slowdowns = {r["max_tokens"]: r["slowdown"] for r in c["regimes"]}
-        assert slowdowns[896] == slowdowns[960] == 1.0 and slowdowns[1024] > routes.SPLIT_ABOVE  # the budget spent
-        assert all(len(r["us"]) == len(mixes) and r["us"][0]["base"] == 100.0 for r in c["regimes"])
-        assert c["regimes"][0]["slowdown"] == 1.0 and max(r["slowdown"] for r in c["regimes"]) > 1.0
+    # up to 1024: sgmv-cuda wins at 1024 by 8% (rank 16), but is 54% slower at 992; beyond, at both ends. kext-cuda
+    # at rank 16 in the regimes up to KEXT_MAX_TOKENS, fold-cuda in the next (kext-cuda is not timed at its upper
+    # end, fold-cuda 4% slower at its lower); at rank 64 up to 64 tokens (6.7% off there, fold-triton 7.1% at 48)
+    want = {16: ("fold-cuda", routes.KEXT_MAX_TOKENS), 64: ("fold-triton", 64)}
+    for model_table in split:
+        classes = routes.rank_classes(model_table)
+        assert [c["max_rank"] for c in classes] == list(routes.RANK_BOUNDS)
+        assert [[(m["rank"], m["adapters"]) for m in c["mixes"]] for c in classes] == \
+            [list(mixes) for mixes in routes.CLASS_MIXES]
+        for c, mixes in zip(classes, routes.CLASS_MIXES):
+            fold, kext_up_to = want[mixes[0][0]]
+            got = [f"{r['route']}-{r['backend']}" for r in c["regimes"]]
+            bounds = [r["max_tokens"] for r in c["regimes"]]
+            assert bounds == sorted(routes.REGIME_BOUNDS[:-1] + splits) + [None]
+            assert [r["measured_T"] for r in c["regimes"]] == bounds[:-1] + [routes.REGIME_SAMPLES[-1]]
+            assert got == ["kext-cuda" if b is not None and b <= kext_up_to else
+                           fold if b is not None and b <= 1024 else "sgmv-cuda" for b in bounds]
+            assert got[-2:] == ["sgmv-cuda"] * 2
+            slowdowns = {r["max_tokens"]: r["slowdown"] for r in c["regimes"]}
+            assert slowdowns[896] == slowdowns[960] == 1.0 and slowdowns[1024] > routes.SPLIT_ABOVE  # budget spent
+            assert all(len(r["us"]) == len(mixes) and r["us"][0]["base"] == 100.0 for r in c["regimes"])
+            assert c["regimes"][0]["slowdown"] == 1.0 and max(r["slowdown"] for r in c["regimes"]) > 1.0
     # The same table from the run's results file (python -m lora_ops.bench.report --routes), and none from a
     # file with failures or without the sweep.
     records = []
@@ -692,7 +716,11 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     # peer's record (a run's vllm route), faster than every route: no table chooses a peer
     stale = dict(next(r for r in records if r["backend"] == "fold-triton"), us=1.0)
     peer = dict(records[0], backend="vllm", us=0.5)
-    results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[], records=[stale] + records + [peer])
+    # another step of the run, every route timed (--steps 200/16/64 beside --routes): no split asked for it
+    other = []
+    _stand_in_step(decode_step.MODELS["llama3-8b"], decode_step.Step(200, 16, 64), "cuda", other, [], None)
+    results = dict(gpu="test", git_sha="x", date="d", torch="t", failures=[],
+                   records=[stale] + other + records + [peer])
     (tmp_path / "run.json").write_text(json.dumps(results))
     assert report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "again.json"),
                         "--routes-models", ",".join(models)]) == 0
@@ -709,7 +737,8 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
             report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json"),
                          "--routes-models", ",".join(models)])
         assert not (tmp_path / "none.json").exists()
-    (tmp_path / "run.json").write_text(json.dumps(results))
+    (tmp_path / "run.json").write_text(json.dumps(dict(results, records=[r for r in records
+                                                                         if r["model"] != "qwen2-7b"])))
     with pytest.raises(SystemExit):  # the default's three models: qwen2-7b has no sweep in the run
         report.main([str(tmp_path / "run.json"), "--routes", str(tmp_path / "none.json")])
     failing = lambda model, step, device, records, failures, *rest, **kw: failures.append("fold-cuda raised")
@@ -725,8 +754,10 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16) == ("kext", "cuda")
     assert routes.pick(routes.KEXT_MAX_TOKENS, "cuda", 16, kext_serves=False) == ("fold", "cuda")
     assert routes.pick(routes.KEXT_MAX_TOKENS + 1, "cuda", 16) == ("fold", "cuda")
-    assert routes.pick(64, "cuda", 64) == ("fold", "triton")
-    assert routes.pick(64, "cuda", 16, True, 1) == ("sgmv", "cuda")
+    assert routes.pick(64, "cuda", 64) == ("kext", "cuda")
+    assert routes.pick(80, "cuda", 64) == ("fold", "triton")
+    assert routes.pick(900, "cuda", 64) == routes.pick(1000, "cuda", 64) == ("fold", "triton")  # the splits
+    assert routes.pick(64, "cuda", 16, True, 2) == ("sgmv", "cuda")
     assert decode_step.serving_default(decode_step.MODELS["llama3-70b-tp8"], decode_step.Step(64, 32, 16)) == \
         "sgmv-cuda"
     assert decode_step.serving_default(decode_step.MODELS["llama3-8b"], decode_step.Step(64, 32, 16)) == "kext-cuda"

@@ -96,6 +96,7 @@ def test_committed_table_covers_every_regime(path, monkeypatch):
         for c in routes.rank_classes(model):
             mine = [r["max_tokens"] for r in c["regimes"]]  # the sweep's bounds, and its splits (split_points)
             assert set(routes.REGIME_BOUNDS) <= set(mine) and mine[-1] is None
+            assert [r["measured_T"] for r in c["regimes"]] == mine[:-1] + [routes.REGIME_SAMPLES[-1]]
             bounds |= set(mine[:-1])
         for tokens in (1, *[t for b in sorted(bounds) for t in (b, b + 1)], 1 << 20):
             for max_rank in (1, 16, 32, 33, 64, 256):

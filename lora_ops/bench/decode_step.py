@@ -540,52 +540,74 @@ def split_points(regimes: List[dict]) -> List[int]:
     return [T for _, T in sorted(points)]
 
 
-def class_samples(timed: Dict[Tuple[str, int, int, int], Dict[str, float]], model: str,
-                  mixes: Sequence[Tuple[int, int]]) -> List[int]:
-    """A rank class's sample T: routes.REGIME_SAMPLES, and each other T at which every mix of the class has the base
-    and every route timed (the sweep's splits, split_points)."""
+Timed = Dict[Tuple[str, int, int, int], Dict[str, float]]  # (model, T, adapters, rank): {"base" or route: us}
+
+
+def timed_steps(records: List[dict]) -> Timed:
+    """The decode-step records a routes table is made of: the base and lora_ops' routes (a peer's time, the vllm
+    route, is no route of a table), the last record of each counting, none of a --between-modules run (the sweep's
+    step is the linear layers alone)."""
+    timed: Timed = {}
+    for r in records:
+        if r.get("op") == "decode_step" and not r.get("between_modules") and (
+                r["backend"] == "base" or r["backend"] in route_table.NAMES):
+            timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
+    return timed
+
+
+def regimes_at(timed: Timed, model: str, mixes: Sequence[Tuple[int, int]], sample_T: List[int]) -> List[dict]:
+    """A rank class's regimes, each up to one of `sample_T` (the last: every larger T), measured there: its route
+    (choose_routes), every mix's times and the route's worst slowdown. Raises ValueError unless every route was
+    timed at every sample for every mix."""
+    timings = [[timed.get((model, T, adapters, rank), {}) for T in sample_T] for rank, adapters in mixes]
+    samples = [[{k: v for k, v in t.items() if k != "base"} for t in mix] for mix in timings]
+    for (rank, adapters), mix in zip(mixes, samples):
+        missing = [T for T, sample in zip(sample_T, mix) if set(sample) != set(route_table.timed_names(T))]
+        if missing:
+            raise ValueError(f"{model}: not every route ({', '.join(route_table.NAMES)}; kext up to "
+                             f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} adapters, "
+                             f"T = {missing}")
+    regimes = []
+    for i, (bound, T, (choice, worst)) in enumerate(zip([*sample_T[:-1], None], sample_T, choose_routes(samples))):
+        route, backend = choice.split("-")
+        regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T, slowdown=round(worst, 3),
+                            us=[mix[i] for mix in timings]))
+    return regimes
+
+
+def class_regimes(timed: Timed, model: str, mixes: Sequence[Tuple[int, int]]) -> Tuple[List[dict], Optional[int]]:
+    """A rank class's regimes as the route sweep makes them: at routes.REGIME_SAMPLES, then split at split_points'
+    first (the worst regime's middle), one split at a time, up to SPLIT_MAX_SAMPLES; and the split the sweep times
+    next (None: none is due). A split without the base and every route timed for every mix ends the splits there,
+    and a T that no split asked for is not a sample, so that the sweep and bench.report --routes make the same
+    table from the same records (other steps of the run, a second sweep merged, do not move its bounds)."""
     def complete(T: int) -> bool:
         return all(set(timed.get((model, T, adapters, rank), {})) == {"base", *route_table.timed_names(T)}
                    for rank, adapters in mixes)
 
-    extra = {T for m, T, _, _ in timed if m == model and T not in route_table.REGIME_SAMPLES and complete(T)}
-    return sorted({*route_table.REGIME_SAMPLES, *extra})
+    sample_T = list(route_table.REGIME_SAMPLES)
+    while True:
+        regimes = regimes_at(timed, model, mixes, sample_T)
+        points = split_points(regimes)
+        if not points or len(sample_T) - len(route_table.REGIME_SAMPLES) >= route_table.SPLIT_MAX_SAMPLES:
+            return regimes, None
+        if not complete(points[0]):
+            return regimes, points[0]
+        sample_T = sorted(sample_T + [points[0]])
 
 
 def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict:
-    """The serving layer's routes table (lora_ops/route_tables/<gpu>.json) from a route sweep's decode-step records: a table
-    per model shape (with its modules' (K, N), which a pool is matched to), of rank classes, each measured at its
-    mixes (rank, adapter count) at its sample T (class_samples; the last record of each route counts), each sample
-    the top of a regime (the largest: every larger T): each class's routes by regime (choose_routes), with every
-    mix's times and the chosen route's worst slowdown. Raises ValueError unless every route and backend was timed
-    at every step of routes.REGIME_SAMPLES (a run of some routes, --impls, makes no table)."""
-    timed: Dict[Tuple[str, int, int, int], Dict[str, float]] = {}
-    for r in records:  # the base and lora_ops' routes: a peer's time (the vllm route) is no route of a table;
-        # the sweep's step is the linear layers alone: a --between-modules run's records at a sample step are not it
-        if r.get("op") == "decode_step" and not r.get("between_modules") and (
-                r["backend"] == "base" or r["backend"] in route_table.NAMES):
-            timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
+    """The serving layer's routes table (lora_ops/route_tables/<gpu>.json) from a route sweep's decode-step records
+    (timed_steps): a table per model shape (with its modules' (K, N), which a pool is matched to), of rank classes,
+    each measured at its mixes (rank, adapter count): each class's regimes (class_regimes). Raises ValueError unless
+    every route and backend was timed at every step of routes.REGIME_SAMPLES (a run of some routes, --impls, makes
+    no table)."""
+    timed = timed_steps(records)
     tables = []
     for model in models:
-        classes = []
-        for max_rank, mixes in zip(route_table.RANK_BOUNDS, route_table.CLASS_MIXES):
-            sample_T = class_samples(timed, model, mixes)
-            timings = [[timed.get((model, T, adapters, rank), {}) for T in sample_T] for rank, adapters in mixes]
-            samples = [[{k: v for k, v in t.items() if k != "base"} for t in mix] for mix in timings]
-            for (rank, adapters), mix in zip(mixes, samples):
-                missing = [T for T, sample in zip(sample_T, mix) if set(sample) != set(route_table.timed_names(T))]
-                if missing:
-                    raise ValueError(f"{model}: not every route ({', '.join(route_table.NAMES)}; kext up to "
-                                     f"{route_table.KEXT_MAX_TOKENS} tokens) timed at rank {rank}, {adapters} "
-                                     f"adapters, T = {missing}")
-            regimes = []
-            choices = choose_routes(samples)
-            for i, (bound, T, (choice, worst)) in enumerate(zip([*sample_T[:-1], None], sample_T, choices)):
-                route, backend = choice.split("-")
-                regimes.append(dict(max_tokens=bound, route=route, backend=backend, measured_T=T,
-                                    slowdown=round(worst, 3), us=[mix[i] for mix in timings]))
-            classes.append(dict(max_rank=max_rank, mixes=[dict(rank=r, adapters=a) for r, a in mixes],
-                                regimes=regimes))
+        classes = [dict(max_rank=max_rank, mixes=[dict(rank=r, adapters=a) for r, a in mixes],
+                        regimes=class_regimes(timed, model, mixes)[0])
+                   for max_rank, mixes in zip(route_table.RANK_BOUNDS, route_table.CLASS_MIXES)]
         modules = [list(kn) for kn in MODELS[model].kn()]
         tables.append(dict(model=model, modules=modules, ranks=classes))
     table = dict(meta, models=tables)
@@ -595,8 +617,8 @@ def routes_table(records: List[dict], meta: dict, models: Sequence[str]) -> dict
 
 def write_routes(path: str, device, records, failures, log, meta: dict, models: Sequence[str]) -> None:
     """Times every route at each regime's sample T, for each rank class at its mixes, on each of `models`' shapes,
-    then at the splits of each class's regimes (split_points, up to routes.SPLIT_MAX_SAMPLES a class, one a class
-    at a time, the table worked out again after each), and writes the table of each model's classes' routes by
+    then at the splits class_regimes asks for (one a class at a time, its regimes worked out again after each),
+    and writes the table of each model's classes' routes by
     regime (routes_table) to `path`. A run in which any route failed or gave a wrong result writes none."""
     import json
 
@@ -612,21 +634,18 @@ def write_routes(path: str, device, records, failures, log, meta: dict, models: 
         for mixes in route_table.CLASS_MIXES:
             for T in route_table.REGIME_SAMPLES:
                 sweep(model, mixes, T)
-        splits = [0] * len(route_table.CLASS_MIXES)
+        tried = set()  # a split timed without every route (no failure said) is not asked for again
         while len(failures) == failures_before:
             try:
-                table = routes_table(records[first:], meta, [model])
+                due = [(mixes, class_regimes(timed_steps(records[first:]), model, mixes)[1])
+                       for mixes in route_table.CLASS_MIXES]
             except ValueError:
                 break  # said below, where the whole table is made
-            todo = []
-            for i, c in enumerate(route_table.rank_classes(route_table.model_tables(table)[0])):
-                points = split_points(c["regimes"])
-                if points and splits[i] < route_table.SPLIT_MAX_SAMPLES:
-                    splits[i] += 1
-                    todo.append((route_table.CLASS_MIXES[i], points[0]))
-            if not todo:
+            due = [(mixes, T) for mixes, T in due if T is not None and (mixes, T) not in tried]
+            if not due:
                 break
-            for mixes, T in todo:
+            for mixes, T in due:
+                tried.add((mixes, T))
                 log(f"routes: {model}: a regime split at T={T} (mixes {mixes})")
                 sweep(model, mixes, T)
     try:
