@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import itertools
 import json
 import os
@@ -295,9 +296,11 @@ def visible_gpu_name() -> Optional[str]:
     return _nvml_device_name(first) if first and not first.startswith("-") else None
 
 
+@functools.lru_cache(maxsize=None)
 def _nvml_device_name(device: str) -> Optional[str]:
     """NVML's name of the GPU with this index (decimal digits) or UUID ("GPU-…", "MIG-…"); None without an NVIDIA
-    driver, or where NVML finds no such GPU."""
+    driver, or where NVML finds no such GPU. Asked once a process and device: the op table and the route table both
+    name the GPU, and each nvmlInit attaches every GPU."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         if nvml.nvmlInit_v2() != 0:

@@ -282,6 +282,34 @@ def test_nvml_names_no_gpu_for_an_index_or_uuid_it_does_not_have(device):
     assert op_table._nvml_device_name(device) is None
 
 
+def test_nvml_is_asked_once_a_process_and_device(monkeypatch):
+    """The op table and the route table both name the GPU: NVML is initialised (every GPU attached) once per device
+    asked, not once per table."""
+    inits = []
+
+    class StandInNvml:
+        def nvmlInit_v2(self):
+            return inits.append(1) or 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            return 0
+
+        def nvmlDeviceGetName(self, handle, name, length):
+            name.value = b"NVIDIA H100 80GB HBM3"
+            return 0
+
+        def nvmlShutdown(self):
+            return 0
+
+    monkeypatch.setattr(op_table.ctypes, "CDLL", lambda path: StandInNvml())
+    op_table._nvml_device_name.cache_clear()
+    try:
+        assert [op_table._nvml_device_name(d) for d in ("0", "0", "1", "0")] == ["NVIDIA H100 80GB HBM3"] * 4
+        assert len(inits) == 2  # devices 0 and 1
+    finally:
+        op_table._nvml_device_name.cache_clear()  # the stand-in's answers are not this machine's
+
+
 def _after_import(script: str, visible_devices=None) -> list:
     """The output lines of `script` run after `import torch, lora_ops` in a fresh process, with CUDA_VISIBLE_DEVICES
     unset or as given."""
