@@ -50,6 +50,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -979,6 +980,14 @@ def test_files(files: Sequence[str], first: Sequence[str], only_first: bool) -> 
 NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 
+def stop_on_sigterm() -> None:
+    """`timeout` (a device call's limit) ends a run with SIGTERM, which by default ends Python without running its
+    finally blocks: an in-place run then left its planted bug in the file and in the build, and the GPU tests after
+    it failed on that bug (session 51). As SystemExit it unwinds through _run_one, which puts both back (and
+    subprocess.run kills the pytest it waits for)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str, timeout: float, workers: int = 0,
               gpu: bool = False):
     """(pytest exit status or None on timeout, first failing test ids)."""
@@ -1031,6 +1040,7 @@ def main(argv=None) -> int:
     if args.restore:
         restore_originals(ROOT)
         return 0
+    stop_on_sigterm()
     restored = restore_originals(ROOT) if args.in_place else []  # before the snippets are looked for
     files = worktree_files(ROOT)
     stale = {m.id: why for m in chosen if (why := stale_reason(m, ROOT, files))}

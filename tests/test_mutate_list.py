@@ -1,6 +1,7 @@
 """The planted-bug list (scripts/mutate.py) stays in step with the code: every mutation's snippet occurs exactly
 once in its file. A stale entry is a test that silently stopped existing."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,3 +30,44 @@ def test_a_killed_runs_file_is_restored_newer_than_its_objects(tmp_path, monkeyp
     assert path.read_text() == "original" and not backup.exists()
     assert path.stat().st_mtime > 1_000_000 + 86400
     assert mutate.restore_originals(str(tmp_path)) == []
+
+
+def test_a_run_ended_by_sigterm_puts_the_file_and_the_build_back(tmp_path, monkeypatch):
+    """`timeout` ends a device call's run with SIGTERM: the mutated file and the build made from it go back before
+    the process exits (the tests after such a run failed on its bug while the default action skipped the restore).
+    In a process of its own, whose SIGTERM arrives while its tests run."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import argparse, os, signal, sys
+sys.path.insert(0, {os.path.join(ROOT, "scripts")!r})
+import mutate
+tree = sys.argv[1]
+m = next(m for m in mutate.MUTATIONS if m.file.endswith(mutate.CPP_SUFFIXES))
+path, built = os.path.join(tree, m.file), os.path.join(tree, "_C.so")
+os.makedirs(os.path.dirname(path))
+open(path, "w").write("before\\n" + m.original + "\\nafter\\n")
+open(built, "wb").write(b"pristine build")
+
+def build(scratch, env, log_path):
+    assert m.replacement in open(path).read()  # the planted bug is in place while it builds and tests
+    open(built, "wb").write(b"build of the planted bug")
+    return True
+
+def run_tests(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the call's limit, while the tests run
+    sys.exit("SIGTERM did not stop the run")
+
+mutate.build, mutate.run_tests = build, run_tests
+mutate.stop_on_sigterm()
+args = argparse.Namespace(fast=True, timeout=60.0, workers=0, gpu=False)
+mutate._run_one(m, tree, {{}}, tree, args, {{built: b"pristine build"}}, [])
+""")
+    tree = tmp_path / "tree"
+    run = subprocess.run([sys.executable, str(driver), str(tree)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import mutate
+    m = next(m for m in mutate.MUTATIONS if m.file.endswith(mutate.CPP_SUFFIXES))
+    assert (tree / m.file).read_text() == "before\n" + m.original + "\nafter\n"
+    assert not (tree / (m.file + mutate.ORIGINAL_SUFFIX)).exists()
+    assert (tree / "_C.so").read_bytes() == b"pristine build"
