@@ -163,9 +163,11 @@ def _other_timed(us: Dict[str, float]) -> Dict[str, float]:
 
 
 def least_worst(samples: List[Dict[str, float]], names) -> Tuple[str, float]:
-    """Of `names`, the route whose worst slowdown against the fastest timed route of each sample ({route: us}) is
-    smallest, the faster in the last sample on a tie; with that slowdown (1.0: the fastest in every sample)."""
-    worst = {n: max(s.get(n, math.inf) / min(s.values()) for s in samples) for n in names}
+    """Of `names`, the route whose worst slowdown against the fastest of `names` timed in each sample ({route: us};
+    other entries, e.g. the base or a route that serves only the regime below, set no pace) is smallest, the faster
+    in the last sample on a tie; with that slowdown (1.0: the fastest in every sample)."""
+    fastest = [min(t for n, t in s.items() if n in names) for s in samples]
+    worst = {n: max(s.get(n, math.inf) / f for s, f in zip(samples, fastest)) for n in names}
     best = min(names, key=lambda n: (worst[n], samples[-1].get(n, math.inf)))
     return best, worst[best]
 

@@ -600,9 +600,9 @@ MUTATIONS: List[Mutation] = [
              "the decode step times the C++ kernels without the op table the serving layer runs with",
              tests=("tests/test_bench.py",)),
     # ---- the decode-step bench ----
-    Mutation("routes-choice-paced-by-routes-below", "lora_ops/bench/decode_step.py",
-             "        ends = [{n: t for n, t in mix[j].items() if n in names} for mix in samples for j in sorted({max(i - 1, 0), i})]\n",
-             "        ends = [mix[j] for mix in samples for j in sorted({max(i - 1, 0), i})]\n",
+    Mutation("routes-choice-paced-by-routes-below", "lora_ops/routes.py",
+             "    fastest = [min(t for n, t in s.items() if n in names) for s in samples]",
+             "    fastest = [min(s.values()) for s in samples]",
              "the route sweep measures a regime's lower end against a route that serves only the regime below",
              tests=("tests/test_bench.py",)),
     Mutation("routes-bounds-not-integers", "lora_ops/routes.py",
@@ -751,8 +751,8 @@ MUTATIONS: List[Mutation] = [
              "the routes table takes a step's first record of a route, not the sweep's (the issue rows run first)",
              tests=("tests/test_bench.py",)),
     Mutation("route-choice-first-mix-only", "lora_ops/bench/decode_step.py",
-             "if n in names} for mix in samples for j",
-             "if n in names} for mix in samples[:1] for j",
+             "ends = [mix[j] for mix in samples for j in",
+             "ends = [mix[j] for mix in samples[:1] for j in",
              "each regime's route is chosen on the first adapter mix alone (the 70B shard's T=32 went to kext, 10% "
              "slower than fold with one adapter)",
              tests=("tests/test_bench.py",)),

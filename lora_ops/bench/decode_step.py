@@ -514,9 +514,9 @@ def choose_routes(samples: List[List[Dict[str, float]]]) -> List[Tuple[str, floa
     chosen = []
     for i in range(len(samples[0])):
         names = list(samples[0][i])  # the routes that serve the regime: those timed at its sample
-        # each end against the fastest of those routes: a route that serves only the regime below (kext at 128
-        # tokens, for 129-256) must not set the pace there
-        ends = [{n: t for n, t in mix[j].items() if n in names} for mix in samples for j in sorted({max(i - 1, 0), i})]
+        # each end against the fastest of those routes (least_worst): a route that serves only the regime below
+        # (kext at 128 tokens, for 129-256) must not set the pace there
+        ends = [mix[j] for mix in samples for j in sorted({max(i - 1, 0), i})]
         chosen.append(route_table.least_worst(ends, names))  # one not timed everywhere: inf
     return chosen
 
@@ -527,8 +527,7 @@ def split_points(regimes: List[dict]) -> List[int]:
     its two ends, where at each end alone a route is within it (else the mixes disagree, and no split helps), and
     whose ends are at least SPLIT_MIN_TOKENS apart."""
     def within(times: List[Dict[str, float]], names: List[str]) -> bool:
-        ends = [{n: t for n, t in mix.items() if n in names} for mix in times]
-        return route_table.least_worst(ends, names)[1] <= route_table.SPLIT_ABOVE
+        return route_table.least_worst(times, names)[1] <= route_table.SPLIT_ABOVE
 
     points = []
     for below, regime in zip(regimes, regimes[1:]):
