@@ -86,7 +86,7 @@ if want sanitizer; then
   # kernel ran skips that check (tests/conftest.py cuda_kernel_names); without it such a test fails.
   memcheck=(env LORA_OPS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --error-exitcode 9)
   "${memcheck[@]}" $PY -m pytest tests -q -p no:cacheprovider -m gpu \
-    -k "$edge or sorted_rows_ or many_slots" \
+    -k "$edge or sorted_rows_ or many_slots or segments_kernel" \
     2>&1 | tee "$OUT/sanitizer.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if [ -d tests/fuzz ]; then

@@ -325,11 +325,13 @@ def _skip_without_early_launch():
     pytest.importorskip("triton")
 
 
-def _cuda_kernels_run(args) -> set:
-    """The lora_ops CUDA kernels that one lora_expand call on args runs (the op table off)."""
+def _cuda_kernels_run(args, name: str = "") -> list | None:
+    """The lora_ops CUDA kernels whose names hold name that one lora_expand call on args runs (the op table off);
+    None where the profiler sees nothing (under compute-sanitizer: conftest.cuda_kernel_names), so that the callers
+    skip their checks of which kernel ran, and keep their checks of what it computed."""
     with op_table.disabled():
         _, ran = cuda_kernel_names(lambda: lora_ops.ops.lora_expand(*args))
-    return {k for k in ran if "lora_ops::cuda::" in k}
+    return sorted(k for k in ran if "lora_ops::cuda::" in k and name in k) if ran else None
 
 
 @pytest.mark.gpu
@@ -353,9 +355,9 @@ def test_lora_expand_cuda_kernel_choice(T, forced, form, monkeypatch):
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     case = lambda g: (testing.random_token_slots(T, [0, 2, 5], g), dict(K=32, N=300, max_rank=16))
     args = _problem(case, cuda, torch.bfloat16, key=f"choice-{T}", form=form)
-    ran = _cuda_kernels_run(args)
-    assert any(f"expand_{expected}_kernel" in k for k in ran), ran
-    assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
+    ran = _cuda_kernels_run(args, "expand_")
+    if ran is not None:
+        assert ran and all(f"expand_{expected}_kernel" in k for k in ran), ran
 
 
 @pytest.mark.gpu
@@ -373,10 +375,10 @@ def test_lora_expand_fallback_kernel(dtype, N, form, T):
     args = _problem(case, cuda, dtype, key=f"fallback-{N}-{T}", form=form)
     before = args[0].clone()
     ref = reference.lora_expand(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
-    ran = _cuda_kernels_run(args)
+    ran = _cuda_kernels_run(args, "expand_")
     expected = "tiles" if form == "segments" and T > 64 else "positions"
-    assert any(f"expand_{expected}_kernel" in k for k in ran), ran
-    assert not any("expand_" in k and f"expand_{expected}_kernel" not in k for k in ran), ran
+    if ran is not None:
+        assert ran and all(f"expand_{expected}_kernel" in k for k in ran), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 
@@ -409,7 +411,7 @@ def test_lora_expand_float32_h_on_tensor_cores_with_bf16_b(dtype, form, h_scale)
         expected = ("expand_segments_kernel",) if form == "segments" else ("expand_rows_kernel", "expand_runs_kernel")
     else:
         expected = ("expand_positions_kernel", "expand_tiles_kernel")
-    assert any(k in e for e in ran for k in expected), ran
+    assert ran is None or any(k in e for e in ran for k in expected), ran
     assert testing.check_against_reference(args[0], before, ref, dtype) == ""
 
 
@@ -517,9 +519,9 @@ def test_metadata_written_after_an_early_trigger_is_the_one_used(kernel, T, writ
                 meta["token_indices"].to(device), meta["ranks"].to(device), meta["scales"].to(device))
 
     expected = args(final)
-    ran = [k for k in _cuda_kernels_run(expected) if f"expand_{kernel}_kernel" in k]
-    assert len(ran) == 1, ran
-    if kernel == "runs":  # pipelined (3 CTAs per SM) where its one-pass grid (column blocks x groups of 4 warps)
+    ran = _cuda_kernels_run(expected, f"expand_{kernel}_kernel")
+    assert ran is None or len(ran) == 1, ran
+    if ran and kernel == "runs":  # pipelined (3 CTAs per SM) where its one-pass grid (column blocks x groups of 4 warps)
         # fits, on 4 positions a warp where that grid fits
         fits = {p: (N // 128) * -(-T // (4 * p)) <= 3 * sms for p in (4, 8)}
         pipeline = (1, 4) if fits[4] else (1, 8) if fits[8] else (0, 8)
@@ -576,9 +578,9 @@ def test_runs_kernels_with_many_runs_a_warp(dtype, R, N, L, instance, monkeypatc
             ranks, torch.rand(L, generator=gen) + 0.5]
     on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     before = on_gpu[0].clone()
-    ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_runs_kernel" in k]
-    assert len(ran) == 1, ran
-    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # the grids' sizes above
+    ran = _cuda_kernels_run(on_gpu, "expand_runs_kernel")
+    assert ran is None or len(ran) == 1, ran
+    if ran and torch.cuda.get_device_properties(0).multi_processor_count == 132:  # the grids' sizes above
         assert _runs_instance(ran[0]) == instance, ran
     on_gpu[0] = before.clone()
     with op_table.disabled():
@@ -613,10 +615,10 @@ def test_segments_kernel_rank_steps(dtype, R, L, steps):
             seg.token_indices.cpu(), ranks, torch.rand(L, generator=gen) + 0.5]
     on_gpu = [a.cuda() for a in args]
     before = on_gpu[0].clone()
-    ran = [k for k in _cuda_kernels_run(on_gpu) if "expand_segments_kernel" in k]
-    assert len(ran) == 1, ran
-    found = re.search(r"expand_segments_kernel<[^<>]*, (\d)>", ran[0])
-    assert found and int(found.group(1)) == steps, ran
+    ran = _cuda_kernels_run(on_gpu, "expand_segments_kernel")
+    if ran is not None:
+        found = len(ran) == 1 and re.search(r"expand_segments_kernel<[^<>]*, (\d)>", ran[0])
+        assert found and int(found.group(1)) == steps, ran
     on_gpu[0] = before.clone()
     with op_table.disabled():
         lora_ops.ops.lora_expand(*on_gpu)
