@@ -71,7 +71,7 @@ def main():
             one_off = sum("build_segments" in name for name, _, _ in events)  # once per step, before the layers
             per_layer = (len(events) - one_off) // args.layers
             total = events[-1][2] - events[one_off][1]
-            print(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank} {route}: {len(events)} kernels,"
+            print(f"{model.name} {step.label()} {route}: {len(events)} kernels,"
                   f" {total:.1f} us for {args.layers} layers ({total / args.layers:.1f} per layer)")
             first = one_off + per_layer * (args.layers // 2)  # the middle layer's first kernel
             prev_end = events[first - 1][2]

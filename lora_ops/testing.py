@@ -68,6 +68,18 @@ class GroupedGemmProblem:
                 self.n_sizes, self.k_sizes, self.alpha, self.accumulate)
 
 
+def drawn_sizes(num_tokens: int, num_adapters: int, gen: torch.Generator) -> List[int]:
+    """Tokens per adapter as a serving batch has them: one each (the first num_tokens where there are fewer), then
+    each other token on an adapter drawn at random, so the sizes are uneven (random_token_slots' default is as even
+    as possible, which puts a run of rows of one slot at every multiple of the size in build_segments' order)."""
+    sizes = [int(i < num_tokens) for i in range(num_adapters)]
+    rest = num_tokens - sum(sizes)
+    if rest > 0:
+        drawn = torch.bincount(torch.randint(num_adapters, (rest,), generator=gen), minlength=num_adapters)
+        sizes = [n + int(d) for n, d in zip(sizes, drawn)]
+    return sizes
+
+
 def random_token_slots(num_tokens: int, adapters: Sequence[int], gen: torch.Generator,
                        sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Each token's slot, adapters spread randomly over the batch (continuous batching, not contiguous).

@@ -277,6 +277,25 @@ def test_decode_step_checks_the_timed_graphs_last_layer(monkeypatch):
     assert len(failures) == 1 and "first-only" in failures[0] and "relative error" in failures[0]
 
 
+def test_decode_step_drawn_spread_puts_uneven_rows_on_every_adapter(monkeypatch):
+    """A step given /drawn has every adapter on at least one row and the rows spread unevenly (testing.drawn_sizes),
+    where the default spreads them evenly; its records say which, and the routes right on both."""
+    decode_step = _replay_eagerly(monkeypatch)
+    monkeypatch.setattr(decode_step, "routes", lambda: {"sgmv-cpu": ("sgmv", torch.ops.lora_ops.sgmv.default),
+                                                        "fold-cpu": ("fold", torch.ops.lora_ops.lora_expand.default)})
+    model = decode_step.ModelShape("tiny", hidden=64, q=64, kv=32, intermediate=128, layers=2)
+    sizes = {}
+    for spread in decode_step.SPREADS:
+        step = decode_step.Step(T=24, adapters=6, rank=4, spread=spread)
+        counts = torch.bincount(decode_step.Setup(model, step, "cpu").token_lora.long(), minlength=32)
+        sizes[spread] = sorted(counts[counts > 0].tolist())
+        records, failures = [], []
+        decode_step.bench_step(model, step, "cpu", records, failures, print)
+        assert not failures and all(r["spread"] == spread for r in records)
+    assert sizes["even"] == [4] * 6
+    assert len(sizes["drawn"]) == 6 and sum(sizes["drawn"]) == 24 and sizes["drawn"] != [4] * 6
+
+
 def test_decode_step_marks_the_route_the_serving_layer_takes(monkeypatch):
     """Each step's record of the route the routes table gives that step says so (serving_default), and no other
     record does: the report's "serving default" column reads it. A table of three regimes, so that each step's
@@ -766,7 +785,10 @@ def test_routes_table_has_a_class_per_pool_rank_with_the_fastest_route_per_regim
 def test_decode_step_steps_option_parses_and_refuses_bad_steps(capsys):
     from lora_ops.bench import decode_step
     assert decode_step.parse_steps("16/16/64,4/4/8") == [decode_step.Step(16, 16, 64), decode_step.Step(4, 4, 8)]
+    assert decode_step.parse_steps("64/16/64/drawn,4/4/8/even") == [decode_step.Step(64, 16, 64, "drawn"),
+                                                                    decode_step.Step(4, 4, 8)]
     for bad, msg in (("16/16", "three positive integers"), ("0/1/16", "three positive integers"),
+                     ("64/16/64/lumpy", "/even or /drawn"), ("64/16/drawn", "three positive integers"),
                      ("8/33/16", "more adapters than the pool's 32 slots")):
         with pytest.raises(SystemExit):
             bench.main(["--device", "cuda", "--decode-step", "--steps", bad])

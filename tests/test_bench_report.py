@@ -1,6 +1,7 @@
 """The decode-step bench's records and their tables in the report, on the CPU: a step timed with input writers
-(--between-modules) is never shown or chosen beside one timed without, the copy floor is recorded and rendered
-(and records from before it still render), and --parts divides each part by a base timed in its own rounds."""
+(--between-modules), or with its rows spread unevenly over its adapters (/drawn), is never shown or chosen beside one
+timed without, the copy floor is recorded and rendered (and records from before it still render), and --parts
+divides each part by a base timed in its own rounds."""
 import json
 
 import pytest
@@ -24,6 +25,21 @@ def _step_record(backend, us, base_us, between=None, **extra):
 def _run(records):
     return dict(gpu="test GPU", git_sha="abc1234", date="2026-12-01", torch="2.x", copy_tbps=4.2, failures=[],
                 records=records)
+
+
+def test_a_drawn_step_has_a_row_of_its_own_and_no_route_table_regime():
+    """A step with drawn adapter sizes beside the even one of the same T, adapters and rank: a row of its own, marked
+    drawn, and left out of what a routes table is made of (its sweep's steps are even; records from before the
+    spread was recorded are)."""
+    even = [_step_record("base", 4000.0, 4000.0), _step_record("fold-cuda", 5200.0, 4000.0, spread="even"),
+            _step_record("kext-cuda", 4800.0, 4000.0)]
+    drawn = [_step_record("base", 4100.0, 4100.0, spread="drawn"),
+             _step_record("fold-cuda", 5700.0, 4100.0, spread="drawn")]
+    rows = [line for line in report._decode_table(even + drawn) if line.startswith("| llama3-8b ")]
+    assert rows == ["| llama3-8b | 32 | 32 | 16 | 4.00 ms | +19.2% | +19.2% | — | +30% | **+20%** |",
+                    "| llama3-8b | 32 | 32 drawn | 16 | 4.10 ms | +19.2% | +19.2% | — | **+39%** | — |"]
+    assert decode_step.timed_steps(even + drawn) == {("llama3-8b", 32, 32, 16): {
+        "base": 4000.0, "fold-cuda": 5200.0, "kext-cuda": 4800.0}}
 
 
 def test_a_default_and_a_between_modules_run_merge_into_separate_decode_tables(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""lora_ops.testing's comparison with the float64 oracle (check_against_reference), which every parity test uses."""
+"""lora_ops.testing: its comparison with the float64 oracle (check_against_reference), which every parity test uses,
+and the adapter sizes of its batches."""
 import torch
 
 from lora_ops import testing
@@ -55,3 +56,15 @@ def test_check_outside_view_finds_a_write_past_the_view():
     neighbour.fill_(5.0)
     assert testing.check_outside_view(y, around) == ("1 elements outside the view (row padding, neighbouring "
                                                      "columns) changed")
+
+
+def test_drawn_sizes_put_every_adapter_on_a_row_and_the_rest_at_random():
+    """drawn_sizes: one token each (the first num_tokens adapters where there are fewer tokens), the others drawn, so
+    the sizes sum to the tokens and, over many tokens, differ (an even spread would be [16] * 4)."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = testing.drawn_sizes(64, 4, gen)
+    assert sum(sizes) == 64 and min(sizes) >= 1 and len(set(sizes)) > 1
+    assert testing.drawn_sizes(3, 5, gen) == [1, 1, 1, 0, 0]
+    assert testing.drawn_sizes(5, 5, gen) == [1] * 5
+    draws = [testing.drawn_sizes(20, 6, torch.Generator().manual_seed(k)) for k in (7, 7, 8)]
+    assert draws[0] == draws[1] != draws[2]  # the generator's, nothing else's

@@ -3,7 +3,10 @@
 Every linear layer of the model (fused qkv with GQA slices, o, fused gate_up, down; attention is left out: LoRA
 does not change it) runs once per layer, captured as ONE CUDA graph per step and replayed; weights rotate
 through HBM as in a real step (a step's weights are many times the L2). Each row of the batch is on a random
-adapter of a 32-slot pool. Routes:
+adapter of a 32-slot pool, the adapters spread over the rows as evenly as possible (testing.random_token_slots), or,
+for a step given as T/adapters/rank/drawn, one row each and the other rows on adapters drawn at random
+(testing.drawn_sizes: uneven, as a serving batch's are; even sizes put a run of one slot's rows at every multiple of
+the size in build_segments' order, which a kernel taking positions in fixed groups can be lucky with). Routes:
 
 - base:        the base GEMMs alone (cuBLAS).
 - sgmv-<b>:    base GEMM + the fused sgmv op per layer, backend <b> (cuda: the C++ kernels; triton).
@@ -88,24 +91,35 @@ MODELS = {
 }
 
 
+SPREADS = ("even", "drawn")  # how a step's rows spread over its adapters (the module docstring)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     T: int
     adapters: int
     rank: int
+    spread: str = "even"
+
+    def label(self) -> str:
+        """The step as the log names it."""
+        drawn = " (drawn)" if self.spread == "drawn" else ""
+        return f"T={self.T} adapters={self.adapters}{drawn} rank={self.rank}"
 
 
 STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64)]
 
 
 def parse_steps(text: str) -> List[Step]:
-    """'T/adapters/rank,...' (the --steps option) as steps; a ValueError names the bad one."""
+    """'T/adapters/rank[/spread],...' (the --steps option) as steps; a ValueError names the bad one."""
     steps = []
     for item in text.split(","):
         fields = item.split("/")
+        spread = fields.pop() if len(fields) == 4 and fields[3] in SPREADS else "even"
         if len(fields) != 3 or not all(f.isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"{item!r} is not T/adapters/rank with three positive integers")
-        step = Step(*map(int, fields))
+            raise ValueError(f"{item!r} is not T/adapters/rank with three positive integers, then optionally "
+                             f"/{' or /'.join(SPREADS)}")
+        step = Step(*map(int, fields), spread)
         if step.adapters > POOL_SLOTS:
             raise ValueError(f"{item!r}: more adapters than the pool's {POOL_SLOTS} slots")
         steps.append(step)
@@ -188,7 +202,8 @@ class Setup:
         self.model, self.step, self.between = model, step, between
         gen = torch.Generator().manual_seed(seed)
         slots = torch.randperm(POOL_SLOTS, generator=gen)[:step.adapters].tolist()
-        self.token_lora = testing.random_token_slots(step.T, slots, gen).to(device)
+        sizes = testing.drawn_sizes(step.T, step.adapters, gen) if step.spread == "drawn" else None
+        self.token_lora = testing.random_token_slots(step.T, slots, gen, sizes).to(device)
         # Every slot holds an adapter of the pool's rank on every module: the serving layer passes no ranks then
         self.ranks = None
         self.scales = (torch.rand(POOL_SLOTS, generator=gen) * 2 + 0.5).to(device)
@@ -373,12 +388,13 @@ def bench_step(model: ModelShape, step: Step, device, records: List[dict], failu
     ref, ref_last = s.reference(0), s.reference(-1)
     floor, fold_floor = floors_pct(model, step)
     copy_floor = floor_copy_us(model, step, copy_tbps)
-    # between_modules in every record: the report never puts a step timed with input writers beside one without
+    # between_modules and spread in every record: the report never puts a step timed with input writers beside one
+    # without, nor drawn adapter sizes beside even ones
     row = dict(op="decode_step", model=model.name, T=step.T, adapters=step.adapters, rank=step.rank,
-               between_modules=between, floor_pct=round(floor, 2), fold_floor_pct=round(fold_floor, 2),
-               floor_copy_us=None if copy_floor is None else round(copy_floor, 1))
+               spread=step.spread, between_modules=between, floor_pct=round(floor, 2),
+               fold_floor_pct=round(fold_floor, 2), floor_copy_us=None if copy_floor is None else round(copy_floor, 1))
     writer = ", an input writer before each module" if between else ""
-    log(f"{model.name} T={step.T} adapters={step.adapters} rank={step.rank}: floor +{floor:.1f}%, "
+    log(f"{model.name} {step.label()}: floor +{floor:.1f}%, "
         f"the fold route's +{fold_floor:.1f}% (every slot's A){writer}")
     def fail(name: str, what: str, message: str) -> None:
         """A route that raised or was wrong: logged, and a failure of the run unless it is a peer (measured, not
@@ -545,10 +561,11 @@ Timed = Dict[Tuple[str, int, int, int], Dict[str, float]]  # (model, T, adapters
 def timed_steps(records: List[dict]) -> Timed:
     """The decode-step records a routes table is made of: the base and lora_ops' routes (a peer's time, the vllm
     route, is no route of a table), the last record of each counting, none of a --between-modules run (the sweep's
-    step is the linear layers alone)."""
+    step is the linear layers alone) or of drawn adapter sizes (its steps' are even; records from before the spread
+    was recorded are)."""
     timed: Timed = {}
     for r in records:
-        if r.get("op") == "decode_step" and not r.get("between_modules") and (
+        if r.get("op") == "decode_step" and not r.get("between_modules") and r.get("spread", "even") == "even" and (
                 r["backend"] == "base" or r["backend"] in route_table.NAMES):
             timed.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r["us"]
     return timed

@@ -87,9 +87,9 @@ def _decode_table(records: List[dict], between: bool = False) -> List[str]:
            + "fold floor | serving default | " + " | ".join(routes) + " |",
            "|---|---|---|---|---|---|---|---|" + "---|" * (len(routes) + copy)]
     steps: Dict[tuple, Dict[str, dict]] = {}
-    for r in rows:
-        steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"]), {})[r["backend"]] = r
-    for (model, T, adapters, rank), by in steps.items():
+    for r in rows:  # records from before the spread was recorded have even sizes
+        steps.setdefault((r["model"], r["T"], r["adapters"], r["rank"], r.get("spread", "even")), {})[r["backend"]] = r
+    for (model, T, adapters, rank, spread), by in steps.items():
         base = by.get("base")
         if base is None:
             continue
@@ -105,7 +105,8 @@ def _decode_table(records: List[dict], between: bool = False) -> List[str]:
         floors = f"+{base['floor_pct']:.1f}% | "
         if copy:
             floors += "— | " if base.get("floor_copy_pct") is None else f"+{base['floor_copy_pct']:.1f}% | "
-        out.append(f"| {model} | {T} | {adapters} | {rank} | {base['us'] / 1e3:.2f} ms | {floors}"
+        drawn = " drawn" if spread == "drawn" else ""
+        out.append(f"| {model} | {T} | {adapters}{drawn} | {rank} | {base['us'] / 1e3:.2f} ms | {floors}"
                    f"{_fold_floor(model, T, adapters, rank)} | {default} | " + " | ".join(cells) + " |")
     return out
 
