@@ -31,6 +31,7 @@ def test_quick_cpu_bench_times_every_op_kind(quick_run):
     kinds = {(r["op"], r["backend"]) for r in recs}
     for op in ("sgmv", "lora_expand", "grouped_gemm"):
         assert (op, "cpu") in kinds and (op, "torch_loop") in kinds, op
+    assert ("sgmv", "gg_composed") in kinds  # checked against the oracle before it is timed, as every one
     assert ("build_segments", "cpu") in kinds
     timed = [r for r in recs if r["op"] != "build_segments"]
     assert all(r["sets"] == 1 and r["rotated_bytes"] > 0 for r in timed) and result["l2_bytes"] is None
@@ -808,6 +809,19 @@ def test_bench_writes_a_serving_route_table_of_its_own_gpu_only(capsys, monkeypa
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--decode-step", "--models", "all", "--routes", routes.PATH])
     assert "this GPU's is " + os.path.join(routes.TABLES_DIR, "h100.json") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gg_composed_is_the_sgmv_on_slices_and_true_ranks(dtype):
+    """The op bench's gg_composed baseline (lora_ops.grouped_gemm twice a slice) against the oracle, where the quick
+    bench's case has neither: three slices of unequal widths, adapters of rank 8 in a rank-16 pool (the ops get
+    lora_ranks)."""
+    case = ops.Case(40, 5, 8, K=64, N=96, slices=3, slice_widths=(48, 32, 16), pool_rank=16, pool_slots=8)
+    pb = ops.Problem(case, dtype, "cpu", seed=11)
+    before = pb.p.y.clone()
+    ops.gg_composed(pb, pb.p.y)
+    ref = reference.sgmv(*pb.p.args(before))
+    assert testing.check_against_reference(pb.p.y, before, ref, dtype) == ""
 
 
 def test_case_slice_offsets():

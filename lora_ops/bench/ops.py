@@ -1,6 +1,7 @@
 """The op bench: sgmv, lora_expand, grouped_gemm and build_segments on every available backend against baselines
 (docs/design.md §6): a PyTorch per-adapter (per-group) loop, gather+bmm, and torch._grouped_mm where present, and
-for sgmv on CUDA vLLM's Triton LoRA ops where its peer is built (lora_ops.bench.peers).
+for sgmv lora_ops.grouped_gemm twice (the two-kernel composition the fused sgmv must beat) and on CUDA vLLM's Triton
+LoRA ops where its peer is built (lora_ops.bench.peers).
 
 Every implementation is checked against the float64 oracle on the first and last input sets before it is timed,
 and on CUDA so is one replay of the graph that is timed; a wrong or crashing implementation of lora_ops (or a
@@ -213,6 +214,22 @@ def grouped_mm(pb: Problem, y):
         y[:, lo:hi].index_add_(0, idx, (d * coef).to(y.dtype))
 
 
+def gg_composed(pb: Problem, y):
+    """sgmv as lora_ops.grouped_gemm twice a slice (h through memory in float32, the rows' coefficients between):
+    what the fused sgmv kernels, which keep h on chip, gain over the project's own two-kernel composition. At
+    prefill h is ~1% of the bytes, so only the second launch and h's round trip separate them."""
+    p = pb.p
+    R, r = pb.case.R, pb.case.rank  # the true rank: rows beyond it in a larger pool are not part of the adapter
+    coef = (p.lora_scales[pb.token_lora.long()] * p.scale)[:, None]
+    for s in range(len(pb.offsets) - 1):
+        lo, hi = pb.offsets[s], pb.offsets[s + 1]
+        h = torch.empty(p.x.shape[0], r, dtype=torch.float32, device=y.device)
+        lora_ops.grouped_gemm(h, p.x, p.lora_a[:, s * R:s * R + r], p.seg_indptr, p.seg_lora, p.token_indices,
+                              accumulate=False)
+        h.mul_(coef)
+        lora_ops.grouped_gemm(y[:, lo:hi], h, p.lora_b[:, lo:hi, :r], p.seg_indptr, p.seg_lora, p.token_indices)
+
+
 def vllm(pb: Problem, y):
     """vLLM's Triton LoRA ops, lora_shrink then lora_expand, in vLLM's layout (lora_ops.bench.peers)."""
     ops = peers.vllm_ops()[0]
@@ -228,6 +245,7 @@ def implementations(device) -> Dict[str, Callable]:
     impls = _our_implementations(device, "sgmv")
     impls["torch_loop"] = torch_loop
     impls["gather_bmm"] = gather_bmm
+    impls["gg_composed"] = gg_composed
     if device != "cpu" and hasattr(torch, "_grouped_mm"):
         impls["grouped_mm"] = grouped_mm
     if device != "cpu" and peers.vllm_ops()[0] is not None:

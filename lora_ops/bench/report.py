@@ -24,7 +24,7 @@ from .peers import PEERS  # other projects' kernels in the same harness
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 OURS = ("cuda", "cuda-rows", "triton", "triton-rows")  # -rows: lora_expand's rows form
-BASELINES = ("grouped_mm", "torch_loop", "gather_bmm")
+BASELINES = ("grouped_mm", "torch_loop", "gather_bmm", "gg_composed")  # gg_composed: sgmv as two grouped_gemm
 
 
 def write(result: dict, out: str) -> None:
