@@ -824,6 +824,19 @@ def test_gg_composed_is_the_sgmv_on_slices_and_true_ranks(dtype):
     assert testing.check_against_reference(pb.p.y, before, ref, dtype) == ""
 
 
+def test_gg_composed_halves_take_the_op_tables_backends():
+    """gg_composed runs each half where the op table puts its regime, as the serving dispatch would: on the H200's
+    table the LoRA shrink past 4096 rows (n = 16, K = 4096) on Triton, its expand (k = 16) and every half at 4096
+    rows on the C++ kernels; without a table (the CPU, no Triton) every half on lora_ops.ops."""
+    pytest.importorskip("triton")
+    import lora_ops.triton as lt
+    table = op_table.load(op_table.path_for("NVIDIA H200"))
+    cpp = lora_ops.ops.grouped_gemm
+    assert ops.gg_halves(table, 16384, 4096, 16, [4096]) == (lt.grouped_gemm, [cpp])
+    assert ops.gg_halves(table, 4096, 4096, 16, [4096, 1024]) == (cpp, [cpp, cpp])
+    assert ops.gg_halves(None, 16384, 4096, 16, [4096, 1024]) == (cpp, [cpp, cpp])
+
+
 def test_case_slice_offsets():
     qkv = ops.Case(64, 16, 16, N=6144, slices=3, slice_widths=ops.QKV_WIDTHS)
     assert qkv.offsets == [0, 4096, 5120, 6144]

@@ -91,7 +91,9 @@ MODELS = {
 }
 
 
-SPREADS = ("even", "drawn")  # how a step's rows spread over its adapters (the module docstring)
+# How a step's rows spread over its adapters (the module docstring); with one adapter, or no more tokens than
+# adapters, the two give the same batch.
+SPREADS = ("even", "drawn")
 
 
 @dataclasses.dataclass(frozen=True)
