@@ -90,8 +90,9 @@ def main(argv=None) -> int:
                     help="with --decode-step: also time each route's parts alone (GEMMs, expand, sgmv), and each "
                          "module's layers alone through the base GEMM and each fold and kext route")
     ap.add_argument("--steps", default=None, metavar="T/ADAPTERS/RANK[/drawn],...",
-                    help="with --decode-step: these steps instead of issue 12's four (e.g. 16/16/64,64/16/64/drawn: "
-                         "/drawn spreads the rows over the adapters unevenly, as a serving batch does)")
+                    help="with --decode-step: these steps instead of the default six (issue 12's four, then two of "
+                         "them drawn; e.g. 16/16/64,64/16/64/drawn: /drawn spreads the rows over the adapters "
+                         "unevenly, as a serving batch does)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")

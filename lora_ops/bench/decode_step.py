@@ -109,7 +109,10 @@ class Step:
         return f"T={self.T} adapters={self.adapters}{drawn} rank={self.rank}"
 
 
-STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64)]
+# Issue 12's four rows, then two of them as a serving batch spreads its rows (what the even spread hides: with 4 rows
+# on each adapter, each in a run of its own of the expand kernel's 4-position warps)
+STEPS = [Step(32, 32, 16), Step(128, 32, 16), Step(32, 1, 16), Step(64, 16, 64), Step(128, 32, 16, "drawn"),
+         Step(64, 16, 64, "drawn")]
 
 
 def parse_steps(text: str) -> List[Step]:
