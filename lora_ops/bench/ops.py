@@ -215,6 +215,14 @@ def grouped_mm(pb: Problem, y):
         y[:, lo:hi].index_add_(0, idx, (d * coef).to(y.dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _serving_op_table() -> Optional[dict]:
+    """The op table the serving dispatch installs on this GPU (op_table.install_default; none without Triton), read
+    once a process: the op bench runs with it off."""
+    path = op_table.default_path() if "triton" not in backends.unavailable else None
+    return None if path is None else op_table.load(path)
+
+
 def gg_halves(table: Optional[dict], T: int, K: int, rank: int, widths: List[int]) -> Tuple[Callable, List[Callable]]:
     """The grouped_gemm of gg_composed's shrink (T rows, K -> rank) and of each slice's expand (rank -> its width),
     on the backend the op table gives its regime, as the serving dispatch would (the op bench runs with the table
@@ -236,8 +244,7 @@ def gg_composed(pb: Problem, y):
     p = pb.p
     R, r = pb.case.R, pb.case.rank  # the true rank: rows beyond it in a larger pool are not part of the adapter
     if "gg_composed" not in pb.peer:  # made on the first call, which is eager (checked before it is timed)
-        path = op_table.default_path() if p.x.is_cuda and "triton" not in backends.unavailable else None
-        halves = gg_halves(None if path is None else op_table.load(path), p.x.shape[0], p.x.shape[1], r,
+        halves = gg_halves(_serving_op_table() if p.x.is_cuda else None, p.x.shape[0], p.x.shape[1], r,
                            [hi - lo for lo, hi in zip(pb.offsets, pb.offsets[1:])])
         pb.peer["gg_composed"] = (halves, (p.lora_scales[pb.token_lora.long()] * p.scale)[:, None])
     (shrink, expands), coef = pb.peer["gg_composed"]
