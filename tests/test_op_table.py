@@ -15,7 +15,7 @@ import torch
 from lora_ops import backends, op_table, reference, testing
 from lora_ops.bench import report
 
-from conftest import case_generator, triton_backend
+from conftest import case_generator, cuda_kernel_names, triton_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -463,11 +463,8 @@ def test_an_error_of_the_triton_twin_says_the_op_table_routes_there():
 
 def _profiled_kernels(fn):
     """The names of the GPU kernels fn launches: a Triton kernel by its bare name, a C++ one demangled with its
-    namespace and arguments."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages()}
+    namespace and arguments (conftest.cuda_kernel_names)."""
+    return cuda_kernel_names(fn)[1]
 
 
 def _routed_problem(op, T=2048, dtype=torch.bfloat16, device="cuda"):
