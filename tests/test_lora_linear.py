@@ -249,16 +249,30 @@ def test_compiles_without_graph_breaks_or_recompiles_across_batch_mixes(device):
 
 # ---- CUDA ----
 
-def _ran_kext(keys) -> bool:
-    """The shrink and the K-extended GEMM (mangled names: ...kext_shrink_kernel..., ...KextMainloop...)."""
-    return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
+# LORA_OPS_CUDA_KEXT_KERNEL: the shrink then the K-extended GEMM (the default), or the fused GEMM alone (its A tiles
+# compute h, its W tiles wait for them: lora_linear_sm90.cu).
+KEXT_KERNELS = ["shrink", "fused"]
 
 
-def _assert_kext_ran(keys) -> None:
+def _prefer_kext(monkeypatch, kernel: str) -> None:
+    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_KERNEL", kernel)
+
+
+def _ran_kext(keys, kernel: str = "shrink") -> bool:
+    """The kext kernels of `kernel` (mangled names: ...kext_shrink_kernel..., ...KextMainloop...; the fused GEMM's
+    also ...KextFusedEpilogue...) and not the other's."""
+    shrink = any("kext_shrink_kernel" in k for k in keys)
+    fused = any("KextFusedEpilogue" in k for k in keys)
+    if kernel == "fused":
+        return fused and not shrink
+    return shrink and not fused and any("KextMainloop" in k for k in keys)
+
+
+def _assert_kext_ran(keys, kernel: str = "shrink") -> None:
     """The kext kernels ran where the sm_90a kernels are built, and only there. Under compute-sanitizer the profiler
     sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing to check."""
     if keys:
-        assert _ran_kext(keys) == sm90_built(), keys
+        assert _ran_kext(keys, kernel) == sm90_built(), keys
 
 
 def _kext_schedule(keys) -> str:
@@ -297,15 +311,39 @@ CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384], "qkv128": [0, 128, 25
 @pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64, 65, 128])
 @pytest.mark.parametrize("slices", list(CUDA_SLICES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
+@pytest.mark.parametrize("kernel", KEXT_KERNELS)
+def test_cuda_kernels_match_the_oracle(T, slices, dtype, kernel, monkeypatch):
+    """Each token tile, one slice and three (the fused GEMM's A tiles: 1 of 64 rows, 3 spanning slots and slices)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES[slices]
     args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"cuda-{T}-{slices}", **CUDA_SHAPE)
     x, w, a, b, slots, scales, bias = args
     for with_bias in (None, bias):
         y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
-        _assert_kext_ran(ran)
+        _assert_kext_ran(ran, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, L, R", [(32, 32, 16), (64, 16, 64), (16, 64, 16)])  # issue 12's pools; 64 slots
+def test_cuda_fused_gemm_over_serving_pools(T, L, R, monkeypatch):
+    """The fused GEMM at a decode step's pools (qkv of 3 slices): many A tiles, most of them of slots no row uses
+    (skipped loads, zeros written), and consecutive calls with other slot mixes, each of which must wait for its
+    own A tiles (the counters back at zero after each launch; h's memory reused by the caching allocator)."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    _prefer_kext(monkeypatch, "fused")
+    offsets = [0, 256, 320, 384]
+    args = _inputs(T, K=1536, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                   key=f"fused-pool-{T}-{L}-{R}")
+    x, w, a, b, _, scales, _ = args
+    gen = case_generator(f"lora_linear-fused-mixes-{T}-{L}-{R}")
+    for used in (1, 2, L):  # adapters in the batch
+        slots = torch.randperm(L, generator=gen)[:used][torch.randint(0, used, (T,), generator=gen)]
+        slots = slots.to(torch.int32).cuda()
+        y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets))
+        _assert_oracle(y, (x, w, a, b, slots, scales), offsets)
+        _assert_kext_ran(ran, "fused")
 
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
@@ -403,9 +441,11 @@ def test_cuda_65_to_128_token_tile_choice(case, expected, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("used", [[], [2], [0, 3], [0, 1, 2, 3]], ids=["none", "one", "two", "all"])
-def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
-    """The GEMM skips the B blocks of slots no row uses (from token_slot itself): any mix gives the oracle's
-    product, and equals the composition to within one rounding."""
+@pytest.mark.parametrize("kernel", KEXT_KERNELS)
+def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used, kernel, monkeypatch):
+    """The GEMM skips the B blocks of slots no row uses (from token_slot itself; the fused GEMM also the A tiles of
+    such slots): any mix gives the oracle's product, and equals the composition to within one rounding."""
+    _prefer_kext(monkeypatch, kernel)
     T, offsets = 24, CUDA_SLICES["qkv"]
     slots = [used[t % len(used)] if used else -1 for t in range(T)]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"used-{used}", slots=slots,
@@ -418,12 +458,15 @@ def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
 
 @pytest.mark.gpu
 # the 64 tile's rows 32-63, the 128-token tiles' 64-127
-@pytest.mark.parametrize("T, tile", [(33, "auto"), (64, "auto"), (65, "auto"), (128, "auto"), (65, "128x128"),
-                                     (128, "128x128")])
-def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, monkeypatch):
+@pytest.mark.parametrize("T, tile, kernel", [(33, "auto", "shrink"), (64, "auto", "shrink"), (65, "auto", "shrink"),
+                                             (128, "auto", "shrink"), (65, "128x128", "shrink"),
+                                             (128, "128x128", "shrink"), (33, "auto", "fused"), (128, "auto", "fused")])
+def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, kernel, monkeypatch):
     """The GEMM's slot mask covers every row of its tile: a slot only the batch's last row uses still has its B
-    blocks read (a mask of the first rows only would skip them, and that row's delta would be lost)."""
+    blocks read (a mask of the first rows only would skip them, and that row's delta would be lost; in the fused
+    GEMM, also its A tile)."""
     _prefer_tile(monkeypatch, tile)
+    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES["qkv" if tile == "auto" else "qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"last-row-{T}",
                    slots=[-1] * (T - 1) + [3], **CUDA_SHAPE)
@@ -435,9 +478,12 @@ def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, monkeypatch):
 
 @pytest.mark.gpu
 # the 64 and the two 128-token tiles, full
-@pytest.mark.parametrize("T, slices, tile", [(64, "one", "auto"), (128, "qkv", "auto"), (128, "qkv128", "128x128")])
-def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, monkeypatch):
+@pytest.mark.parametrize("T, slices, tile, kernel", [(64, "one", "auto", "shrink"), (128, "qkv", "auto", "shrink"),
+                                                     (128, "qkv128", "128x128", "shrink"), (64, "one", "auto", "fused"),
+                                                     (128, "qkv", "auto", "fused")])
+def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, kernel, monkeypatch):
     _prefer_tile(monkeypatch, tile)
+    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES[slices]
     x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
                                        **CUDA_SHAPE)
@@ -451,9 +497,12 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, tile", [(32, "auto"), (128, "auto"), (128, "128x128")])  # the 32 and 128-token tiles
-def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, monkeypatch):
+# the 32 and 128-token tiles
+@pytest.mark.parametrize("T, tile, kernel", [(32, "auto", "shrink"), (128, "auto", "shrink"), (128, "128x128", "shrink"),
+                                             (32, "auto", "fused"), (128, "auto", "fused")])
+def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, kernel, monkeypatch):
     _prefer_tile(monkeypatch, tile)
+    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES["qkv" if tile == "auto" else "qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)
     x, w, a, b, slots, scales, _ = args

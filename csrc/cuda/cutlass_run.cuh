@@ -24,13 +24,16 @@ namespace lora_ops::cuda {
 // contiguous), T (fp16/bf16) in, D (default T) out, float accumulation, TMA loads and stores, as many pipeline
 // stages as the shared memory left by the epilogue holds. Ping-pong (two consumer warpgroups on alternate tiles)
 // by default; kCooperative: both on one tile of 128 or more W rows, 64 each. (benchmarks/fold_splitk_probe.cu
-// takes float D: partial sums of a split K.)
-template <class T, class Tile, class Cluster, bool kCooperative = false, class D = T>
+// takes float D: partial sums of a split K.) kNoSmemEpilogue: CUTLASS's epilogue of per-thread stores from the
+// accumulators (no shared memory, no store pipeline: lora_linear's fused GEMM skips some tiles' stores).
+template <class T, class Tile, class Cluster, bool kCooperative = false, class D = T, bool kNoSmemEpilogue = false>
 struct DecodeCollectives {
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   static constexpr int kAlignD = 16 / sizeof(D);
-  using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                              cutlass::epilogue::TmaWarpSpecialized>;
+  using EpilogueSchedule = std::conditional_t<
+      kNoSmemEpilogue, cutlass::epilogue::NoSmemWarpSpecialized,
+      std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                         cutlass::epilogue::TmaWarpSpecialized>>;
   using KernelSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<

@@ -11,9 +11,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../common/checks.h"
 #include "../common/lora_linear.h"
@@ -403,11 +406,25 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   const int device = weight.get_device();
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
+  p.kernel = preferred_kernel<cuda::KextKernel>("LORA_OPS_CUDA_KEXT_KERNEL", {"shrink", "fused"});
+  p.counters = nullptr;  // lora_linear_cuda's, for the fused GEMM
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
   }
   return p;
+}
+
+// The fused kext GEMM's counter pair on this stream (cuda::LoraLinearParams::counters): made zero by the stream's first
+// fused call, kept for the process (every launch leaves them zero), one pair a stream so that no two launches in
+// flight share one. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
+uint32_t* kext_counters(const at::Device& device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static auto* pairs = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& pair = (*pairs)[{device.index(), stream}];
+  if (!pair.defined()) pair = at::zeros({2}, at::TensorOptions().device(device).dtype(at::kInt));
+  return reinterpret_cast<uint32_t*>(pair.data_ptr<int32_t>());
 }
 
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
@@ -432,11 +449,13 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       auto sizes = x.sizes().vec();
       sizes.back() = N;
       const at::Tensor y = at::empty(sizes, x.options());
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       p->token_slot = slots.data_ptr<int32_t>();
       p->scales = scales.data_ptr<float>();
       p->h = h.data_ptr();
       p->y = y.data_ptr();
-      C10_CUDA_CHECK(cuda::launch_lora_linear_sm90(*p, c10::cuda::getCurrentCUDAStream()));
+      if (p->kernel == cuda::KextKernel::Fused) p->counters = kext_counters(x.device(), stream);
+      C10_CUDA_CHECK(cuda::launch_lora_linear_sm90(*p, stream));
       if (bias.has_value()) y.add_(*bias);
       return y;
     }
