@@ -326,16 +326,21 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, L, R", [(32, 32, 16), (64, 16, 64), (16, 64, 16)])  # issue 12's pools; 64 slots
-def test_cuda_fused_gemm_over_serving_pools(T, L, R, monkeypatch):
+# issue 12's pools, 64 slots; then more tiles than an H100's or H200's 132 SMs (CTAs of the persistent grid with two
+# tiles: 216 = 24 A + 192 W, A tiles on the first warp group with W tiles on the second; 198 = 192 A + 6 W, A tiles
+# on both warp groups and past the first round)
+@pytest.mark.parametrize("T, L, R, offsets", [(32, 32, 16, [0, 256, 320, 384]), (64, 16, 64, [0, 256, 320, 384]),
+                                              (16, 64, 16, [0, 256, 320, 384]),
+                                              (32, 32, 16, [0, 8192, 10240, 12288]), (16, 64, 64, [0, 256, 320, 384])],
+                         ids=["32x16", "16x64", "64x16", "216_tiles", "198_tiles"])
+def test_cuda_fused_gemm_over_serving_pools(T, L, R, offsets, monkeypatch):
     """The fused GEMM at a decode step's pools (qkv of 3 slices): many A tiles, most of them of slots no row uses
     (skipped loads, zeros written), and consecutive calls with other slot mixes, each of which must wait for its
     own A tiles (the counters back at zero after each launch; h's memory reused by the caching allocator)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     _prefer_kext(monkeypatch, "fused")
-    offsets = [0, 256, 320, 384]
-    args = _inputs(T, K=1536, N=384, L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
-                   key=f"fused-pool-{T}-{L}-{R}")
+    args = _inputs(T, K=1536, N=offsets[-1], L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                   key=f"fused-pool-{T}-{L}-{R}-{offsets[-1]}")
     x, w, a, b, _, scales, _ = args
     gen = case_generator(f"lora_linear-fused-mixes-{T}-{L}-{R}")
     for used in (1, 2, L):  # adapters in the batch
@@ -511,14 +516,40 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, k
         _assert_schedule(ran, "Cooperative")
     assert all(torch.equal(first, lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)) for _ in range(5))
     static_slots = slots.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    # a call on the capture stream first: the fused GEMM's counters are made by a stream's first call outside a
+    # capture (without one, its capture runs the two-launch kernels: the next test)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
+    _assert_kext_ran(ran, kernel if tile == "auto" else "shrink")
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
         out = lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets)
     gen = case_generator("lora_linear-graph-mix")
     for _ in range(3):  # each replay reads the slots written before it
         static_slots.copy_(torch.randint(-1, 4, (T,), generator=gen, dtype=torch.int32))
         graph.replay()
         assert torch.equal(out, lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
+        _assert_oracle(out, (x, w, a, b, static_slots, scales), offsets)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_gemm_first_called_in_a_capture_runs_the_two_launch_kernels(monkeypatch):
+    """A stream's first fused call inside a capture has no counters (their zero fill would run only with that
+    graph): the capture takes the two-launch kernels, and its replays are right."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    _prefer_kext(monkeypatch, "fused")
+    offsets = CUDA_SLICES["qkv"]
+    x, w, a, b, slots, scales, _ = _inputs(32, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                                           key="fused-capture", **CUDA_SHAPE)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()  # a stream no call has used
+    with torch.cuda.graph(graph, stream=stream):
+        out = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        _assert_oracle(out, (x, w, a, b, slots, scales), offsets)
 
 
 @pytest.mark.gpu

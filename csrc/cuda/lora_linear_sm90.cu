@@ -266,13 +266,16 @@ struct KextMainloop : Base {
   // kFused: the W tiles' producer, before its first h block: every A tile's h is written (acquire, then the proxy
   // fence: h came through generic stores, TMA reads it through the async proxy). The last W tile past its wait
   // sets both counters back to zero for the next launch (nothing reads them after it in this one). A wait that
-  // never ends is a bug: it traps (an error of the launch) instead of hanging the device.
+  // never ends is a bug: it traps after 2^22 polls (seconds; the A tiles take microseconds, under compute-sanitizer
+  // milliseconds), an error of the launch, instead of hanging the device. Progress needs the CTAs holding A tiles
+  // to run, which the persistent grid (one CTA an SM, at most the SMs) gives on a GPU no other persistent kernel
+  // holds.
   CUTLASS_DEVICE static void wait_for_a_tiles(Params const& p) {
     uint32_t done = 0;
-    for (long polls = 0;; ++polls) {
+    for (int polls = 0;; ++polls) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(p.ext.counters) : "memory");
       if (done >= uint32_t(p.ext.a_tiles)) break;
-      if (polls > (1l << 26)) __trap();
+      if (polls > (1 << 22)) __trap();
       __nanosleep(32);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");

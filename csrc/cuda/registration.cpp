@@ -416,14 +416,21 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
 }
 
 // The fused kext GEMM's counter pair on this stream (cuda::LoraLinearParams::counters): made zero by the stream's first
-// fused call, kept for the process (every launch leaves them zero), one pair a stream so that no two launches in
-// flight share one. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
+// fused call outside a graph capture, kept for the process (every launch leaves them zero), one pair a stream so that
+// no two launches in flight share one (graphs captured on one stream share its pair: replay them one at a time).
+// None (nullptr: the two-launch kernels run) for a stream's first call during a capture, where the zero fill would
+// run only with that graph. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
 uint32_t* kext_counters(const at::Device& device, cudaStream_t stream) {
   static std::mutex mutex;
   static auto* pairs = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
   const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& pair = (*pairs)[{device.index(), stream}];
-  if (!pair.defined()) pair = at::zeros({2}, at::TensorOptions().device(device).dtype(at::kInt));
+  const auto found = pairs->find({device.index(), stream});
+  if (found != pairs->end()) return reinterpret_cast<uint32_t*>(found->second.data_ptr<int32_t>());
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) return nullptr;
+  const at::Tensor pair = at::zeros({2}, at::TensorOptions().device(device).dtype(at::kInt));  // on this stream
+  pairs->emplace(std::make_pair(device.index(), stream), pair);
   return reinterpret_cast<uint32_t*>(pair.data_ptr<int32_t>());
 }
 
