@@ -13,7 +13,7 @@
 // W stream. H200, llama3-8b decode steps (the probe it came from, one call): T=32/1 adapter +9.8% against the
 // fold route's +12.7%, T=32/32 +18.1 against +23.2, T=64/32 +20.8 against +34.8.
 // The GEMM: no split-K, deterministic.
-// LORA_OPS_CUDA_KEXT_KERNEL=fused: one launch instead (KextFused below): the GEMM's M holds the pool's A rows
+// LORA_OPS_CUDA_KEXT_KERNEL=fused: one launch instead (KextFusedGemm below): the GEMM's M holds the pool's A rows
 // before W's, so its first tiles (A tiles, in every CTA before its W tiles) compute h from x and the used slots' A
 // as the shrink does, and each W tile's producer waits for all A tiles (a counter) before its first h block, where
 // the two-launch GEMM waits for the shrink. Written without a GPU in session 53 (csrc/cuda/NOTES.md: the design,
@@ -68,7 +68,7 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
-  // The fused GEMM's (KextFused): lora_a as [L * S * R, k_x] (row s*S*R + j*R + r: slot s, slice j, rank row r),
+  // The fused GEMM's (KextFusedGemm): lora_a as [L * S * R, k_x] (row s*S*R + j*R + r: slot s, slice j, rank row r),
   // the A tiles before the W tiles in M (a_tiles of them, a_rows = L * S * R rows in them), each slot's scale, the
   // counters (A tiles done, W tiles past their wait) and the W tiles' number.
   ElementA const* lora_a = nullptr;
@@ -80,7 +80,7 @@ struct KextExtension {
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
 // and b_cols (the A operand). Only the producer (load) differs; the consumers multiply whatever the stages hold.
-// kFused (KextFused): M also holds the A tiles, first; they load the pool's A against x, and their consumers write
+// kFused (KextFusedGemm): M also holds the A tiles, first; they load the pool's A against x, and their consumers write
 // h from their accumulators (mma() below); the W tiles wait for all of them instead of for a shrink kernel.
 template <class Base, bool kFused = false>
 struct KextMainloop : Base {
