@@ -461,12 +461,6 @@ def test_an_error_of_the_triton_twin_says_the_op_table_routes_there():
 
 # ---- on a GPU: the regimes the table gives to Triton ----
 
-def _profiled_kernels(fn):
-    """The names of the GPU kernels fn launches: a Triton kernel by its bare name, a C++ one demangled with its
-    namespace and arguments (conftest.cuda_kernel_names)."""
-    return cuda_kernel_names(fn)[1]
-
-
 def _routed_problem(op, T=2048, dtype=torch.bfloat16, device="cuda"):
     """A problem of `op` in a regime that a test table gives to Triton (positions 1024-4096, rank 17-32,
     slices 2+; grouped_gemm: positions 257-4096, n <= 128, k > 128), with every optional argument away from its
@@ -537,7 +531,7 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
     try:
         op_table.install(table)
         y = before.clone()
-        kernels = _profiled_kernels(lambda: public(*_args(op, p, y)))
+        kernels = cuda_kernel_names(lambda: public(*_args(op, p, y)))[1]
         assert TRITON_KERNEL[op] in kernels, kernels
         assert not testing.check_against_reference(y, before, ref, _weights_dtype(op, p))
         y_graph = before.clone()  # capturable: no host sync on the way to Triton
@@ -562,7 +556,7 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
         # Forcing the C++ backend: LORA_OPS_OP_TABLE=off (no table), or a forced C++ kernel where there is one.
         with op_table.disabled():
             y_off = before.clone()
-            _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_off))))
+            _assert_cpp_ran(op, cuda_kernel_names(lambda: public(*_args(op, p, y_off)))[1])
             assert not testing.check_against_reference(y_off, before, ref, _weights_dtype(op, p))
         forced = {"sgmv": ("LORA_OPS_CUDA_SGMV_KERNEL", "split", "sgmv_shrink"),
                   "lora_expand": ("LORA_OPS_CUDA_EXPAND_KERNEL", "tiles", "expand_tiles_kernel"),
@@ -571,14 +565,14 @@ def test_triton_regime_runs_triton_and_matches_the_oracle(op, monkeypatch):
             variable, value, kernel = forced[op]
             monkeypatch.setenv(variable, value)
             y_forced = before.clone()
-            _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p, y_forced))), (kernel,))
+            _assert_cpp_ran(op, cuda_kernel_names(lambda: public(*_args(op, p, y_forced)))[1], (kernel,))
             assert not testing.check_against_reference(y_forced, before, ref, _weights_dtype(op, p))
             monkeypatch.delenv(variable)
         # fp32 weights stay on the C++ kernels: the table was measured on fp16/bf16
         p32, _ = _routed_problem(op, dtype=torch.float32)
         ref32 = oracle(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in _args(op, p32)])
         y32 = p32.y.clone()
-        _assert_cpp_ran(op, _profiled_kernels(lambda: public(*_args(op, p32, y32))))
+        _assert_cpp_ran(op, cuda_kernel_names(lambda: public(*_args(op, p32, y32)))[1])
         assert not testing.check_against_reference(y32, p32.y, ref32, torch.float32)
     finally:
         op_table.install(previous)

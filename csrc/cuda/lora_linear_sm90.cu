@@ -69,13 +69,13 @@ struct KextExtension {
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
   // The fused GEMM's (KextFusedGemm): lora_a as [L * S * R, k_x] (row s*S*R + j*R + r: slot s, slice j, rank row r),
-  // the A tiles before the W tiles in M (a_tiles of them, a_rows = L * S * R rows in them), each slot's scale, the
-  // counters (A tiles done, W tiles past their wait) and the W tiles' number.
+  // the A tiles before the W tiles in M (a_tiles of them, over its L * S * R rows), each slot's scale and the
+  // counters (A tiles done, W tiles past their wait).
   ElementA const* lora_a = nullptr;
   StrideA d_lora_a;
   const float* scales = nullptr;
   uint32_t* counters = nullptr;
-  int a_tiles = 0, a_rows = 0, w_tiles = 0;
+  int a_tiles = 0;
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
@@ -125,9 +125,11 @@ struct KextMainloop : Base {
     typename Base::Params::TMA_B tma_load_h;
     Extension ext;
     int k_x_tiles = 0, slice_h_tiles = 0;
+    int a_rows = 0, w_tiles = 0;  // kFused: lora_a's rows (L * S * R), the W tiles
   };
 
   CUTLASS_HOST_DEVICE static int slice_h_cols(Extension const& e) { return e.num_slots * e.rank; }  // one slice's L*R
+  CUTLASS_HOST_DEVICE static int a_rows(Extension const& e) { return e.num_slots * e.num_slices * e.rank; }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
@@ -148,7 +150,7 @@ struct KextMainloop : Base {
                                              SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
     if constexpr (kFused) {
       const auto* lora_a = reinterpret_cast<InternalElementA const*>(e.lora_a);
-      p.tma_load_lora_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(lora_a, e.a_rows, e.k_x, e.d_lora_a),
+      p.tma_load_lora_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(lora_a, a_rows(e), e.k_x, e.d_lora_a),
                                                SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
     }
     p.tma_load_b = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor(x, N, e.k_x, args.dB), SmemLayoutB{}(_, _, Int<0>{}),
@@ -161,6 +163,8 @@ struct KextMainloop : Base {
     p.ext = e;
     p.k_x_tiles = e.k_x / kBlockK;
     p.slice_h_tiles = slice_h_cols(e) / kBlockK;
+    p.a_rows = a_rows(e);
+    p.w_tiles = w_rows / kBlockM;
     return p;
   }
 
@@ -169,12 +173,10 @@ struct KextMainloop : Base {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     const Extension& e = args.ext;
     typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
-    const bool fused_ok =
-        !kFused || (e.lora_a != nullptr && e.scales != nullptr && e.counters != nullptr && e.a_tiles >= 1 &&
-                    e.a_rows == e.num_slots * e.num_slices * e.rank && (e.a_tiles - 1) * kBlockM < e.a_rows &&
-                    e.a_tiles * kBlockM <= e.a_rows + kBlockM - 1 && N <= kBlockN &&  // one token tile: mma()'s tile order
-                    e.w_tiles == (M - e.a_tiles * kBlockM) / kBlockM && e.w_tiles >= 1);
     const int w_rows = M - (kFused ? e.a_tiles * kBlockM : 0);
+    const bool fused_ok = !kFused || (e.lora_a != nullptr && e.scales != nullptr && e.counters != nullptr &&
+                                      e.a_tiles == (a_rows(e) + kBlockM - 1) / kBlockM && w_rows >= kBlockM &&
+                                      N <= kBlockN);  // one token tile: mma()'s tile order
     return Base::can_implement(problem_shape, base) && fused_ok && w_rows % kBlockM == 0 && e.k_x > 0 &&
            e.k_x % kBlockK == 0 && slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) &&
            e.num_slices >= 1 && e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots &&
@@ -279,7 +281,7 @@ struct KextMainloop : Base {
       __nanosleep(32);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    if (atomicAdd(p.ext.counters + 1, 1u) == uint32_t(p.ext.w_tiles) - 1) {
+    if (atomicAdd(p.ext.counters + 1, 1u) == uint32_t(p.w_tiles) - 1) {
       atomicExch(p.ext.counters, 0u);
       atomicExch(p.ext.counters + 1, 0u);
     }
@@ -362,7 +364,7 @@ struct KextMainloop : Base {
     if (!elected) return;
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     const int row0 = int(m_coord) * kBlockM, sr = p.ext.num_slices * p.ext.rank;
-    const int last_row = (row0 + kBlockM < p.ext.a_rows ? row0 + kBlockM : p.ext.a_rows) - 1;
+    const int last_row = (row0 + kBlockM < p.a_rows ? row0 + kBlockM : p.a_rows) - 1;
     const bool needed = (used_ & slot_window(row0 / sr, last_row / sr)) != 0;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -429,7 +431,7 @@ struct KextMainloop : Base {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       const int row = tile * kBlockM + get<0>(coords(i)), t = get<1>(coords(i));
-      if (row >= e.a_rows || t >= e.num_tokens) continue;
+      if (row >= p.a_rows || t >= e.num_tokens) continue;
       const int s = row / sr, j = row % sr / e.rank, r = row % e.rank;
       const float v = __ldg(e.token_slot + t) == s ? __ldg(e.scales + s) * accum(i) : 0.f;
       h[int64_t(t) * e.num_slices * lr + j * lr + s * e.rank + r] = InternalElementB(v);
@@ -564,9 +566,7 @@ typename G::Device::Arguments kext_fused_arguments(const LoraLinearParams& p) {
   constexpr int kRows = size<0>(typename G::Tile{});
   auto args = kext_arguments<G>(p);
   auto& e = args.mainloop.ext;
-  e.a_rows = int(p.num_slots * p.num_slices * p.rank);
-  e.a_tiles = (e.a_rows + kRows - 1) / kRows;
-  e.w_tiles = int(p.n / kRows);
+  e.a_tiles = int((p.num_slots * p.num_slices * p.rank + kRows - 1) / kRows);
   e.lora_a = static_cast<const T*>(p.lora_a);
   e.d_lora_a = typename K::StrideA{p.a_row_stride, Int<1>{}, int64_t{0}};
   e.scales = p.scales;
