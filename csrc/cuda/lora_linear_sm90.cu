@@ -427,14 +427,16 @@ struct KextMainloop : Base {
     Tensor coords = tiled_mma.get_slice(thread).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
     const Extension& e = p.ext;
     const int sr = e.num_slices * e.rank, lr = e.num_slots * e.rank;
-    auto* h = reinterpret_cast<InternalElementB*>(const_cast<ElementB*>(e.h));
+    // ElementB, not InternalElementB: the latter is the raw bits TMA moves (an unsigned integer of the element's
+    // width), to which a float converts as a number.
+    auto* h = const_cast<ElementB*>(e.h);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       const int row = tile * kBlockM + get<0>(coords(i)), t = get<1>(coords(i));
       if (row >= p.a_rows || t >= e.num_tokens) continue;
       const int s = row / sr, j = row % sr / e.rank, r = row % e.rank;
       const float v = __ldg(e.token_slot + t) == s ? __ldg(e.scales + s) * accum(i) : 0.f;
-      h[int64_t(t) * e.num_slices * lr + j * lr + s * e.rank + r] = InternalElementB(v);
+      h[int64_t(t) * e.num_slices * lr + j * lr + s * e.rank + r] = ElementB(v);
     }
     // every thread's stores, then one release of the tile (a named barrier per warp group: user ids start past
     // CUTLASS's own)
