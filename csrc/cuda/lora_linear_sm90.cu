@@ -17,7 +17,8 @@
 // before W's, so its first tiles (A tiles, in every CTA before its W tiles) compute h from x and the used slots' A
 // as the shrink does, and each W tile's producer waits for all A tiles (a counter) before its first h block, where
 // the two-launch GEMM waits for the shrink. Written without a GPU in session 53 (csrc/cuda/NOTES.md: the design,
-// why the A tile releases h from the mainloop's mma() and not from its epilogue); not the default until measured.
+// why the A tile releases h from the mainloop's mma() and not from its epilogue; session 54: its first GPU run);
+// not the default until measured.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
