@@ -2,11 +2,20 @@
 
     python scripts/extension_stamp.py check    prints "up to date: ..." (exit 0) or "<what>: <why>" (exit 1)
     python scripts/extension_stamp.py record   after a successful build: the state `check` saw becomes the stamp
+    python scripts/extension_stamp.py stamp-prebuilt DIR   DIR holds _C.so and _build_info.json built from this
+                                               tree by this Python (scripts/device_prebuild.sh): record what from
+    python scripts/extension_stamp.py use-prebuilt DIR     put DIR's extension in place (exit 0) where it was built
+                                               from this tree's sources for this Python's minor version and torch;
+                                               else say why not (exit 1) and leave lora_ops/ alone
 
 The stamp (build/extension-stamp.json) holds what the last build was made from: a hash of every file under
 csrc/ and of setup.py, the backends setup.py chose (its own _configure: CUDA or not, arch list, toolkit), torch's
 version and the Python. A build is needed when any of those differ, when _C.so is missing, or when this Python
 does not have lora_ops installed (editable) from this checkout.
+
+A prebuilt extension (gpu_run.sh on the device machine) is matched by its sources, torch's version and Python's
+minor version only: it was built elsewhere (another toolkit path, no GPU), and the tree it serves is imported from
+its checkout (PYTHONPATH), not installed.
 """
 import contextlib
 import hashlib
@@ -14,6 +23,7 @@ import importlib.metadata
 import io
 import json
 import os
+import shutil
 import sys
 import urllib.parse
 
@@ -27,18 +37,65 @@ def _sha(path):
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
+def _source_hashes():
+    files = {"setup.py": _sha(os.path.join(ROOT, "setup.py"))}
+    for folder, _, names in os.walk(os.path.join(ROOT, "csrc")):
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, ROOT)] = _sha(path)
+    return files
+
+
 def _state():
     sys.path.insert(0, ROOT)
     import setup  # setup.py's own backend choice, so that this never disagrees with what it builds
 
     with contextlib.redirect_stdout(io.StringIO()):
         info = setup._configure()
-    files = {"setup.py": _sha(os.path.join(ROOT, "setup.py"))}
-    for folder, _, names in os.walk(os.path.join(ROOT, "csrc")):
-        for name in names:
-            path = os.path.join(folder, name)
-            files[os.path.relpath(path, ROOT)] = _sha(path)
-    return {"python": sys.executable, "torch": info["torch"], "backends": info["backends"], "files": files}
+    return {"python": sys.executable, "torch": info["torch"], "backends": info["backends"], "files": _source_hashes()}
+
+
+PREBUILT_FILES = ("_C.so", "_build_info.json")
+
+
+def _prebuilt_key():
+    import torch
+
+    # the sources only: a note (csrc/**/*.md) written after the build does not change what it would build
+    files = {path: sha for path, sha in _source_hashes().items() if not path.endswith(".md")}
+    return {"python": "%d.%d" % sys.version_info[:2], "torch": torch.__version__, "files": files}
+
+
+def stamp_prebuilt(folder):
+    with open(os.path.join(folder, "stamp.json"), "w") as f:
+        json.dump(_prebuilt_key(), f, indent=1)
+    return 0
+
+
+def use_prebuilt(folder, target=os.path.join(ROOT, "lora_ops")):
+    try:
+        with open(os.path.join(folder, "stamp.json")) as f:
+            built = json.load(f)
+    except FileNotFoundError:
+        print(f"no prebuilt extension in {folder}")
+        return 1
+    here = _prebuilt_key()
+    reasons = [f"{key} {built[key]} there, {here[key]} here" for key in ("python", "torch") if built[key] != here[key]]
+    changed = sorted(p for p in set(here["files"]) | set(built["files"]) if here["files"].get(p) != built["files"].get(p))
+    if changed:
+        reasons.append(f"built from other sources ({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''})")
+    missing = [name for name in PREBUILT_FILES if not os.path.exists(os.path.join(folder, name))]
+    if missing:
+        reasons.append(f"{', '.join(missing)} missing")
+    if reasons:
+        print(f"not using the prebuilt extension in {folder}: {'; '.join(reasons)}")
+        return 1
+    for name in PREBUILT_FILES:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(target, name))
+    os.chmod(os.path.join(target, "_C.so"), 0o755)
+    print(f"using the prebuilt extension in {folder} (torch {here['torch']}, Python {here['python']}, "
+          f"{len(here['files'])} source files as built)")
+    return 0
 
 
 def _kernels(state):
@@ -77,7 +134,11 @@ def _reasons(state, old):
     return reasons
 
 
-def main(command):
+def main(command, *args):
+    if command == "stamp-prebuilt":
+        return stamp_prebuilt(*args)
+    if command == "use-prebuilt":
+        return use_prebuilt(*args)
     if command == "record":
         os.replace(PENDING, STAMP)
         return 0
@@ -98,4 +159,4 @@ def main(command):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "check"))
+    sys.exit(main(*(sys.argv[1:] or ["check"])))

@@ -54,7 +54,14 @@ $PY scripts/mutate.py --restore
 if compgen -G ".whl/*.whl" >/dev/null; then $PY -m pip install -q --no-deps .whl/*.whl || exit 1; fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc)
 t0=$(date +%s)
-$PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 || exit 1
+# An extension prebuilt for this machine's Python and torch (scripts/device_prebuild.sh; carry build/device) where it
+# was built from this tree: no build, and lora_ops imported from this checkout. Not for the mutate stage, whose C++
+# bugs recompile one file against the build's objects.
+if ! want mutate && $PY scripts/extension_stamp.py use-prebuilt build/device; then
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 || exit 1
+fi
 echo "build took $(( $(date +%s) - t0 )) s"
 $PY -m lora_ops.info | tee "$OUT/info.log"
 # The GPU model's word ("NVIDIA H100 80GB HBM3": h100, "NVIDIA H200": h200), not the name's last word: the name of

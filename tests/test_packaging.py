@@ -1,8 +1,11 @@
 """What the built package must be: a wheel of lora_ops holds its data files beside its modules (setup.py's
 PACKAGE_DATA): an installed, not editable, copy reads them from its own directory. Without its op table, `import
 lora_ops` raised FileNotFoundError from a wheel before session 42 (the editable installs that the tests use read the
-source tree). And _C shares torch's OpenMP runtime."""
+source tree). And _C shares torch's OpenMP runtime. The GPU job's prebuilt extension (scripts/device_prebuild.sh) is
+put in place only where it was built from the sources it serves."""
 import glob
+import importlib.util
+import json
 import os
 import runpy
 import subprocess
@@ -34,3 +37,40 @@ def test_one_openmp_runtime_in_the_process():
               "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert len(eval(out)) == 1, out
+
+
+def _extension_stamp():
+    spec = importlib.util.spec_from_file_location("extension_stamp", os.path.join(ROOT, "scripts", "extension_stamp.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mismatch", [None, "source", "torch", "python", "no_library"])
+def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path, mismatch, capsys):
+    """gpu_run.sh's use-prebuilt: the stamp written beside a prebuilt _C.so must match this tree's sources (notes
+    aside), torch's version and Python's minor version, else nothing is copied and the job builds (exit 1)."""
+    stamp = _extension_stamp()
+    prebuilt, target = tmp_path / "device", tmp_path / "lora_ops"
+    prebuilt.mkdir()
+    target.mkdir()
+    (prebuilt / "_C.so").write_bytes(b"not a library")
+    (prebuilt / "_build_info.json").write_text("{}")
+    assert stamp.main("stamp-prebuilt", str(prebuilt)) == 0
+    key = json.loads((prebuilt / "stamp.json").read_text())
+    assert "csrc/cuda/lora_linear_sm90.cu" in key["files"] and not any(p.endswith(".md") for p in key["files"])
+    if mismatch == "source":
+        key["files"]["csrc/cuda/lora_linear_sm90.cu"] = "0" * 16
+    elif mismatch == "torch":
+        key["torch"] = "2.11.0+cu130" if key["torch"] != "2.11.0+cu130" else "2.14.1+cu130"
+    elif mismatch == "python":
+        key["python"] = "3.0"
+    elif mismatch == "no_library":
+        (prebuilt / "_C.so").unlink()
+    (prebuilt / "stamp.json").write_text(json.dumps(key))
+    used = stamp.use_prebuilt(str(prebuilt), str(target)) == 0
+    said = capsys.readouterr().out
+    assert used == (mismatch is None), said
+    assert sorted(os.listdir(target)) == (["_C.so", "_build_info.json"] if used else [])
+    if mismatch == "source":
+        assert "lora_linear_sm90.cu" in said
