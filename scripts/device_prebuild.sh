@@ -17,8 +17,11 @@ VENV=$ROOT/build/device-venv
 SRC=$ROOT/build/device-src
 OUT=$ROOT/build/device
 
-py=$(command -v "python$DEVICE_PYTHON" || true)
-[ -n "$py" ] || py=$(ls /root/.pyenv/versions/"$DEVICE_PYTHON"*/bin/python"$DEVICE_PYTHON" 2>/dev/null | tail -1)
+py=
+for candidate in $(command -v "python$DEVICE_PYTHON") $(ls "$HOME"/.pyenv/versions/"$DEVICE_PYTHON"*/bin/python"$DEVICE_PYTHON" \
+    2>/dev/null); do
+  if "$candidate" -c pass 2>/dev/null; then py=$candidate; break; fi  # a pyenv shim may not run it
+done
 [ -n "$py" ] || { echo "device_prebuild: no python$DEVICE_PYTHON here"; exit 1; }
 nvidia=$(ls -d .venv/lib/python3*/site-packages/nvidia 2>/dev/null | head -1)
 [ -n "$nvidia" ] || { echo "device_prebuild: no .venv with torch's CUDA libraries (run bash scripts/install.sh)"; exit 1; }
