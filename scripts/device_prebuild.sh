@@ -6,8 +6,9 @@
 # then saves the build's ~140-165 s of device time. Carry build/device beside .whl. Commit first: a build from
 # uncommitted sources would not match the tree the device gets.
 # Takes ~10 minutes on 2 cores the first time (incremental after: build/device-src keeps the objects); downloads
-# torch's wheel once (~530 MB) into build/device-venv. Importing that torch needs CUDA 13's libraries, taken from the
-# project's .venv (scripts/install.sh; the same sonames) rather than downloaded again.
+# torch's wheel once (~530 MB) into build/device-venv. That torch's CUDA 13 libraries and cuBLASLt's header (which
+# setup.py needs for the CUDA backend) come from the project's .venv (scripts/install.sh; the same sonames), linked
+# in rather than downloaded again. A build without the CUDA kernels or the sm_90a GEMMs is an error, not a prebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_PYTHON=${DEVICE_PYTHON:-3.12}
@@ -28,6 +29,7 @@ nvidia=$(ls -d .venv/lib/python3*/site-packages/nvidia 2>/dev/null | head -1)
 export LD_LIBRARY_PATH=$(ls -d "$ROOT/$nvidia"/*/lib | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
+ln -sfn "$ROOT/$nvidia" "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
 if [ "$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)" != "$DEVICE_TORCH+cu130" ]; then
   echo "device_prebuild: torch==$DEVICE_TORCH into $VENV (no CUDA libraries: the .venv's serve)"
   "$VENV/bin/pip" install -q --no-deps "torch==$DEVICE_TORCH"
@@ -44,6 +46,12 @@ echo "device_prebuild: building $sha for Python $DEVICE_PYTHON, torch $DEVICE_TO
 t0=$(date +%s)
 (cd "$SRC" && CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) \
   "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .)
+"$VENV/bin/python" - "$SRC/lora_ops/_build_info.json" <<'PYCODE'
+import json, sys
+cuda = json.load(open(sys.argv[1]))["backends"]["cuda"]
+if not cuda["built"] or not cuda["grouped_gemm_sm90"]["built"]:
+    sys.exit(f"device_prebuild: the build lacks the CUDA kernels or the sm_90a GEMMs: {cuda}")
+PYCODE
 mkdir -p "$OUT"
 cp "$SRC/lora_ops/_C.so" "$SRC/lora_ops/_build_info.json" "$OUT"/
 (cd "$SRC" && "$VENV/bin/python" scripts/extension_stamp.py stamp-prebuilt "$OUT")

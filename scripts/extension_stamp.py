@@ -87,6 +87,13 @@ def use_prebuilt(folder, target=os.path.join(ROOT, "lora_ops")):
     missing = [name for name in PREBUILT_FILES if not os.path.exists(os.path.join(folder, name))]
     if missing:
         reasons.append(f"{', '.join(missing)} missing")
+    else:
+        import torch
+
+        with open(os.path.join(folder, "_build_info.json")) as f:
+            cuda = json.load(f)["backends"].get("cuda", {})
+        if torch.version.cuda is not None and not cuda.get("built"):  # this torch has CUDA: it must be built
+            reasons.append(f"built without the CUDA kernels ({cuda.get('reason', 'no reason given')})")
     if reasons:
         print(f"not using the prebuilt extension in {folder}: {'; '.join(reasons)}")
         return 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,16 +47,18 @@ def _extension_stamp():
     return module
 
 
-@pytest.mark.parametrize("mismatch", [None, "source", "torch", "python", "no_library"])
+@pytest.mark.parametrize("mismatch", [None, "source", "torch", "python", "no_library", "no_cuda"])
 def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path, mismatch, capsys):
     """gpu_run.sh's use-prebuilt: the stamp written beside a prebuilt _C.so must match this tree's sources (notes
-    aside), torch's version and Python's minor version, else nothing is copied and the job builds (exit 1)."""
+    aside), torch's version and Python's minor version, and a torch with CUDA needs a build with the CUDA kernels,
+    else nothing is copied and the job builds (exit 1)."""
     stamp = _extension_stamp()
     prebuilt, target = tmp_path / "device", tmp_path / "lora_ops"
     prebuilt.mkdir()
     target.mkdir()
     (prebuilt / "_C.so").write_bytes(b"not a library")
-    (prebuilt / "_build_info.json").write_text("{}")
+    built = {"built": True}
+    (prebuilt / "_build_info.json").write_text(json.dumps({"backends": {"cuda": built}}))
     assert stamp.main("stamp-prebuilt", str(prebuilt)) == 0
     key = json.loads((prebuilt / "stamp.json").read_text())
     assert "csrc/cuda/lora_linear_sm90.cu" in key["files"] and not any(p.endswith(".md") for p in key["files"])
@@ -67,6 +70,10 @@ def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path
         key["python"] = "3.0"
     elif mismatch == "no_library":
         (prebuilt / "_C.so").unlink()
+    elif mismatch == "no_cuda":
+        if torch.version.cuda is None:
+            pytest.skip("this torch has no CUDA: a CPU-only build serves it")
+        (prebuilt / "_build_info.json").write_text(json.dumps({"backends": {"cuda": {"built": False, "reason": "x"}}}))
     (prebuilt / "stamp.json").write_text(json.dumps(key))
     used = stamp.use_prebuilt(str(prebuilt), str(target)) == 0
     said = capsys.readouterr().out
