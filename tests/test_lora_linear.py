@@ -327,19 +327,22 @@ def test_cuda_kernels_match_the_oracle(T, slices, dtype, kernel, monkeypatch):
 
 @pytest.mark.gpu
 # issue 12's pools, 64 slots; then more tiles than an H100's or H200's 132 SMs (CTAs of the persistent grid with two
-# tiles: 216 = 24 A + 192 W, A tiles on the first warp group with W tiles on the second; 198 = 192 A + 6 W, A tiles
-# on both warp groups and past the first round)
-@pytest.mark.parametrize("T, L, R, offsets", [(32, 32, 16, [0, 256, 320, 384]), (64, 16, 64, [0, 256, 320, 384]),
-                                              (16, 64, 16, [0, 256, 320, 384]),
-                                              (32, 32, 16, [0, 8192, 10240, 12288]), (16, 64, 64, [0, 256, 320, 384])],
-                         ids=["32x16", "16x64", "64x16", "216_tiles", "198_tiles"])
-def test_cuda_fused_gemm_over_serving_pools(T, L, R, offsets, monkeypatch):
+# tiles: 216 = 24 A + 192 W, A tiles on the first warp group with W tiles on the second, in bf16 and fp16; 198 = 192
+# A + 6 W, A tiles on both warp groups and past the first round); rank 24 (a tile's 64 rows cross slots and slices
+# mid-rank: 9 A tiles of 3 x 24-row slots)
+@pytest.mark.parametrize("T, L, R, offsets, dtype", [
+    (32, 32, 16, [0, 256, 320, 384], torch.bfloat16), (64, 16, 64, [0, 256, 320, 384], torch.bfloat16),
+    (16, 64, 16, [0, 256, 320, 384], torch.bfloat16), (32, 32, 16, [0, 8192, 10240, 12288], torch.bfloat16),
+    (32, 32, 16, [0, 8192, 10240, 12288], torch.float16), (16, 64, 64, [0, 256, 320, 384], torch.bfloat16),
+    (48, 8, 24, [0, 256, 320, 384], torch.float16)],
+    ids=["32x16", "16x64", "64x16", "216_tiles", "216_tiles_fp16", "198_tiles", "rank_24"])
+def test_cuda_fused_gemm_over_serving_pools(T, L, R, offsets, dtype, monkeypatch):
     """The fused GEMM at a decode step's pools (qkv of 3 slices): many A tiles, most of them of slots no row uses
     (skipped loads, zeros written), and consecutive calls with other slot mixes, each of which must wait for its
     own A tiles (the counters back at zero after each launch; h's memory reused by the caching allocator)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     _prefer_kext(monkeypatch, "fused")
-    args = _inputs(T, K=1536, N=offsets[-1], L=L, R=R, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+    args = _inputs(T, K=1536, N=offsets[-1], L=L, R=R, offsets=offsets, dtype=dtype, device="cuda",
                    key=f"fused-pool-{T}-{L}-{R}-{offsets[-1]}")
     x, w, a, b, _, scales, _ = args
     gen = case_generator(f"lora_linear-fused-mixes-{T}-{L}-{R}")
@@ -532,6 +535,38 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, k
         graph.replay()
         assert torch.equal(out, lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
         _assert_oracle(out, (x, w, a, b, static_slots, scales), offsets)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_gemm_on_concurrent_streams(monkeypatch):
+    """Fused calls on two streams at once, each with its own counters, beside a third stream's long matmuls that
+    hold SMs: the launch is cooperative (all of a grid's CTAs resident together, csrc/cuda/cutlass_run.cuh), so no
+    W tile waits on an A tile whose CTA cannot start, and each stream's results are its own."""
+    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
+    _prefer_kext(monkeypatch, "fused")
+    offsets = [0, 8192, 10240, 12288]  # 216 tiles: W tiles past the first round wait on other CTAs' A tiles
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    cases = []
+    for i, stream in enumerate(streams[:2]):
+        args = _inputs(32, K=1536, N=offsets[-1], L=32, R=16, offsets=offsets, dtype=torch.bfloat16, device="cuda",
+                       key=f"fused-streams-{i}")
+        with torch.cuda.stream(stream):  # each stream's first call, outside any capture: its counters
+            lora_ops.lora_linear(*args[:6], offsets)
+        cases.append(args)
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    outs = [[] for _ in cases]
+    with torch.cuda.stream(streams[2]):
+        for _ in range(4):
+            big = (big @ big).clamp_(-1, 1)
+    for _ in range(8):
+        for i, (stream, args) in enumerate(zip(streams, cases)):
+            with torch.cuda.stream(stream):
+                outs[i].append(lora_ops.lora_linear(*args[:6], offsets))
+    torch.cuda.synchronize()
+    for args, ys in zip(cases, outs):
+        _assert_oracle(ys[0], args[:6], offsets)
+        assert all(torch.equal(y, ys[0]) for y in ys[1:])
 
 
 @pytest.mark.gpu

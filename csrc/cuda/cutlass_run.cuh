@@ -58,12 +58,20 @@ cutlass::KernelHardwareInfo cached_hardware_info() {
   return info;
 }
 
+// How run_cutlass launches a GEMM:
+//   kInOrder       after the kernel before it in the stream;
+//   kProgrammatic  with programmatic stream serialization, so that it may start before the kernel before it ends;
+//                  the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's
+//                  two-launch GEMM);
+//   kCooperative   all its CTAs resident at once, or the launch fails with cudaErrorCooperativeLaunchTooLarge: for a
+//                  persistent grid whose CTAs wait on each other (lora_linear's fused GEMM), which a concurrent
+//                  kernel holding some SMs, or a share of the GPU's SMs (MPS), would otherwise leave spinning.
+enum class CutlassLaunch { kInOrder, kProgrammatic, kCooperative };
+
 // G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
-// programmatic: launched with programmatic stream serialization, so that it may start before the kernel before it
-// ends; the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's GEMM).
 template <class G>
 cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
-                        bool programmatic = false) {
+                        CutlassLaunch launch = CutlassLaunch::kInOrder) {
   using Kernel = typename G::Kernel;
   if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
   auto params = Kernel::to_underlying_arguments(args, workspace);
@@ -72,9 +80,23 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
       err != cudaSuccess) {
     return err;
   }
+  if (launch == CutlassLaunch::kCooperative) {
+    static_assert(cute::size(typename Kernel::DispatchPolicy::ClusterShape{}) == 1, "no cluster launch attribute");
+    cudaLaunchConfig_t config{};
+    config.gridDim = Kernel::get_grid_shape(params);
+    config.blockDim = Kernel::get_block_shape();
+    config.dynamicSmemBytes = Kernel::SharedStorageSize;
+    config.stream = stream;
+    cudaLaunchAttribute cooperative{};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
+  }
   // fold_linear's GEMM is launched without programmatic stream serialization: its scheduler reads seg_indptr
   // before any griddepcontrol.wait, so the previous kernel must have finished.
-  if (G::Device::run(params, stream, nullptr, programmatic) != cutlass::Status::kSuccess) {
+  if (G::Device::run(params, stream, nullptr, launch == CutlassLaunch::kProgrammatic) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }

@@ -126,7 +126,7 @@ struct KextMainloop : Base {
     typename Base::Params::TMA_B tma_load_h;
     Extension ext;
     int k_x_tiles = 0, slice_h_tiles = 0;
-    int a_rows = 0, w_tiles = 0;  // kFused: lora_a's rows (L * S * R), the W tiles
+    int w_tiles = 0;  // kFused: the W tiles
   };
 
   CUTLASS_HOST_DEVICE static int slice_h_cols(Extension const& e) { return e.num_slots * e.rank; }  // one slice's L*R
@@ -164,7 +164,6 @@ struct KextMainloop : Base {
     p.ext = e;
     p.k_x_tiles = e.k_x / kBlockK;
     p.slice_h_tiles = slice_h_cols(e) / kBlockK;
-    p.a_rows = a_rows(e);
     p.w_tiles = w_rows / kBlockM;
     return p;
   }
@@ -176,7 +175,8 @@ struct KextMainloop : Base {
     typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
     const int w_rows = M - (kFused ? e.a_tiles * kBlockM : 0);
     const bool fused_ok = !kFused || (e.lora_a != nullptr && e.scales != nullptr && e.counters != nullptr &&
-                                      e.a_tiles == (a_rows(e) + kBlockM - 1) / kBlockM && w_rows >= kBlockM &&
+                                      e.a_tiles * kBlockM == a_rows(e) &&  // whole tiles: L R % 64 == 0
+                                      w_rows >= kBlockM &&
                                       N <= kBlockN);  // one token tile: mma()'s tile order
     return Base::can_implement(problem_shape, base) && fused_ok && w_rows % kBlockM == 0 && e.k_x > 0 &&
            e.k_x % kBlockK == 0 && slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) &&
@@ -271,8 +271,7 @@ struct KextMainloop : Base {
   // sets both counters back to zero for the next launch (nothing reads them after it in this one). A wait that
   // never ends is a bug: it traps after 2^22 polls (seconds; the A tiles take microseconds, under compute-sanitizer
   // milliseconds), an error of the launch, instead of hanging the device. Progress needs the CTAs holding A tiles
-  // to run, which the persistent grid (one CTA an SM, at most the SMs) gives on a GPU no other persistent kernel
-  // holds.
+  // to run: the grid (one CTA an SM, at most the SMs) is launched cooperatively, all of it resident at once.
   CUTLASS_DEVICE static void wait_for_a_tiles(Params const& p) {
     uint32_t done = 0;
     for (int polls = 0;; ++polls) {
@@ -365,8 +364,7 @@ struct KextMainloop : Base {
     if (!elected) return;
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     const int row0 = int(m_coord) * kBlockM, sr = p.ext.num_slices * p.ext.rank;
-    const int last_row = (row0 + kBlockM < p.a_rows ? row0 + kBlockM : p.a_rows) - 1;
-    const bool needed = (used_ & slot_window(row0 / sr, last_row / sr)) != 0;
+    const bool needed = (used_ & slot_window(row0 / sr, (row0 + kBlockM - 1) / sr)) != 0;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     auto tma_a = p.tma_load_lora_a.get_slice(0);
@@ -434,13 +432,15 @@ struct KextMainloop : Base {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       const int row = tile * kBlockM + get<0>(coords(i)), t = get<1>(coords(i));
-      if (row >= p.a_rows || t >= e.num_tokens) continue;
+      if (t >= e.num_tokens) continue;
       const int s = row / sr, j = row % sr / e.rank, r = row % e.rank;
       const float v = __ldg(e.token_slot + t) == s ? __ldg(e.scales + s) * accum(i) : 0.f;
       h[int64_t(t) * e.num_slices * lr + j * lr + s * e.rank + r] = ElementB(v);
     }
-    // every thread's stores, then one release of the tile (a named barrier per warp group: user ids start past
-    // CUTLASS's own)
+    // every thread's stores, ordered before the async proxy's reads of them (the W tiles' TMA loads of h; their
+    // producer fences its side too, wait_for_a_tiles), then one release of the tile (a named barrier per warp
+    // group: user ids start past CUTLASS's own)
+    asm volatile("fence.proxy.async.global;" ::: "memory");
     if (group == 0) cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, 0);
     else cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, 1);  // ids known to ptxas
     if (thread == 0) {
@@ -650,16 +650,19 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream) {
 #if defined(LORA_OPS_GG_SM90)
   if (kext_fused_serves(p)) {  // asked for (LORA_OPS_CUDA_KEXT_KERNEL=fused): one launch, after the kernel before it
-    return kext_dispatch<true>(p, [&](auto gemm) -> cudaError_t {
+    const cudaError_t err = kext_dispatch<true>(p, [&](auto gemm) -> cudaError_t {
       using G = decltype(gemm);
-      return run_cutlass<G>(kext_fused_arguments<G>(p), nullptr, stream);
+      return run_cutlass<G>(kext_fused_arguments<G>(p), nullptr, stream, CutlassLaunch::kCooperative);
     });
+    // Where the GPU cannot hold the whole persistent grid at once (a share of its SMs), the two launches instead.
+    if (err != cudaErrorCooperativeLaunchTooLarge) return err;
+    (void)cudaGetLastError();
   }
   return kext_dispatch<false>(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
     const auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
     if (const cudaError_t err = launch_kext_shrink(p, stream); err != cudaSuccess) return err;
-    return run_cutlass<G>(args, nullptr, stream, /*programmatic=*/true);
+    return run_cutlass<G>(args, nullptr, stream, CutlassLaunch::kProgrammatic);
   });
 #else
   (void)p;
