@@ -81,18 +81,21 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
     return err;
   }
   if (launch == CutlassLaunch::kCooperative) {
-    static_assert(cute::size(typename Kernel::DispatchPolicy::ClusterShape{}) == 1, "no cluster launch attribute");
-    cudaLaunchConfig_t config{};
-    config.gridDim = Kernel::get_grid_shape(params);
-    config.blockDim = Kernel::get_block_shape();
-    config.dynamicSmemBytes = Kernel::SharedStorageSize;
-    config.stream = stream;
-    cudaLaunchAttribute cooperative{};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
+    if constexpr (cute::size(typename Kernel::DispatchPolicy::ClusterShape{}) == 1) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = Kernel::get_grid_shape(params);
+      config.blockDim = Kernel::get_block_shape();
+      config.dynamicSmemBytes = Kernel::SharedStorageSize;
+      config.stream = stream;
+      cudaLaunchAttribute cooperative{};
+      cooperative.id = cudaLaunchAttributeCooperative;
+      cooperative.val.cooperative = 1;
+      config.attrs = &cooperative;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
+    } else {
+      return cudaErrorNotSupported;  // this launch sets no cluster dimension
+    }
   }
   // fold_linear's GEMM is launched without programmatic stream serialization: its scheduler reads seg_indptr
   // before any griddepcontrol.wait, so the previous kernel must have finished.
