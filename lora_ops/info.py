@@ -35,7 +35,7 @@ def report() -> str:
                  f"K-extended GEMM [x | h]·[W | B]ᵀ launched early: {cutlass}")
     kext = os.environ.get("LORA_OPS_CUDA_KEXT_KERNEL", "").strip() or "unset"
     lines.append(f"{'':<8} {'':<16} LORA_OPS_CUDA_KEXT_KERNEL={kext} (fused: one GEMM whose first tiles compute h; "
-                 f"its first GPU run wrote h as zeros, mended since and not yet re-run, so not the default)")
+                 f"opt-in: not yet passing on a GPU, csrc/cuda/NOTES.md session 54)")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()
     path = routes.default_path()

@@ -161,7 +161,7 @@ struct LoraLinearParams {
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
   KextKernel kernel;     // LORA_OPS_CUDA_KEXT_KERNEL
   // The fused GEMM's two counters (A tiles done, W tiles past their wait), zero before each launch and left zero by
-  // it: one pair per stream, so that no two launches share them (kext_fused_serves).
+  // it: one pair per stream, so that no two launches share them (launch_kext_fused).
   uint32_t* counters;
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <climits>
+#include <optional>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -603,17 +604,19 @@ decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
 }
 
-// Whether the fused GEMM takes a call the two-launch kernels serve: asked for, the 64-row tile (not where the rule
-// gives 65-128 tokens the 128-row one), lora_a's slots side by side (its rows [L * S * R, K] at one stride), and
-// CUTLASS's checks of its arguments.
-bool kext_fused_serves(const LoraLinearParams& p) {
-  if (p.kernel != KextKernel::Fused || p.counters == nullptr || p.scales == nullptr) return false;
-  if (p.t > tile_tokens(2) && wide_tile(p)) return false;
-  if (p.num_slots > 1 && p.a_slot_stride != p.num_slices * p.rank * p.a_row_stride) return false;
-  return kext_dispatch<true>(p, [&](auto gemm) {
+// The fused GEMM's launch (cooperative: its W tiles wait on other CTAs' A tiles) where it takes a call the two-launch
+// kernels serve: asked for, the 64-row tile (not where the rule gives 65-128 tokens the 128-row one), lora_a's slots
+// side by side (its rows [L * S * R, K] at one stride), and CUTLASS's checks of the arguments it launches with.
+// Nothing where it does not serve.
+std::optional<cudaError_t> launch_kext_fused(const LoraLinearParams& p, cudaStream_t stream) {
+  if (p.kernel != KextKernel::Fused || p.counters == nullptr || p.scales == nullptr) return std::nullopt;
+  if (p.t > tile_tokens(2) && wide_tile(p)) return std::nullopt;
+  if (p.num_slots > 1 && p.a_slot_stride != p.num_slices * p.rank * p.a_row_stride) return std::nullopt;
+  return kext_dispatch<true>(p, [&](auto gemm) -> std::optional<cudaError_t> {
     using G = decltype(gemm);
     const auto args = kext_fused_arguments<G>(p);
-    return G::Kernel::can_implement(args) && G::Device::get_workspace_size(args) == 0;
+    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return std::nullopt;
+    return run_cutlass<G>(args, nullptr, stream, CutlassLaunch::kCooperative);
   });
 }
 
@@ -649,13 +652,10 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
 
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream) {
 #if defined(LORA_OPS_GG_SM90)
-  if (kext_fused_serves(p)) {  // asked for (LORA_OPS_CUDA_KEXT_KERNEL=fused): one launch, after the kernel before it
-    const cudaError_t err = kext_dispatch<true>(p, [&](auto gemm) -> cudaError_t {
-      using G = decltype(gemm);
-      return run_cutlass<G>(kext_fused_arguments<G>(p), nullptr, stream, CutlassLaunch::kCooperative);
-    });
-    // Where the GPU cannot hold the whole persistent grid at once (a share of its SMs), the two launches instead.
-    if (err != cudaErrorCooperativeLaunchTooLarge) return err;
+  // Asked for (LORA_OPS_CUDA_KEXT_KERNEL=fused): one launch, after the kernel before it. Where the GPU cannot hold
+  // its whole persistent grid at once (a share of its SMs), the two launches instead.
+  if (const std::optional<cudaError_t> err = launch_kext_fused(p, stream)) {
+    if (*err != cudaErrorCooperativeLaunchTooLarge) return *err;
     (void)cudaGetLastError();
   }
   return kext_dispatch<false>(p, [&](auto gemm) -> cudaError_t {
