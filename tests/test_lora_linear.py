@@ -520,8 +520,7 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, k
     assert all(torch.equal(first, lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)) for _ in range(5))
     static_slots = slots.clone()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    # a call on the capture stream first: the fused GEMM's counters are made by a stream's first call outside a
-    # capture (without one, its capture runs the two-launch kernels: the next test)
+    # an eager call on the capture stream first: which kernels it runs (the capture's, by the same choice)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         _, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
@@ -570,21 +569,62 @@ def test_cuda_fused_gemm_on_concurrent_streams(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_fused_gemm_first_called_in_a_capture_runs_the_two_launch_kernels(monkeypatch):
-    """A stream's first fused call inside a capture has no counters (their zero fill would run only with that
-    graph): the capture takes the two-launch kernels, and its replays are right."""
+def test_cuda_fused_gemm_captured_on_a_stream_no_call_has_used(monkeypatch):
+    """torch.cuda.graph captures on a stream of its own: its first fused call, inside the capture, takes a counter
+    pair of the device's block (zeroed by the device's first fused call, eager here) and runs the fused GEMM, whose
+    replays are right for each slot mix written before them."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
     _prefer_kext(monkeypatch, "fused")
     offsets = CUDA_SLICES["qkv"]
     x, w, a, b, slots, scales, _ = _inputs(32, offsets=offsets, dtype=torch.bfloat16, device="cuda",
                                            key="fused-capture", **CUDA_SHAPE)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()  # a stream no call has used
+    lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)  # the device's block, if no test made it before
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(graph, stream=stream):
         out = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)
-    for _ in range(2):
+    gen = case_generator("lora_linear-fused-capture-mix")
+    for _ in range(3):
+        slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen, dtype=torch.int32))
         out.zero_()
-        graph.replay()
+        _, ran = cuda_kernel_names(graph.replay)
+        _assert_kext_ran(ran, "fused")
         _assert_oracle(out, (x, w, a, b, slots, scales), offsets)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_gemm_first_called_in_a_capture_runs_the_two_launch_kernels():
+    """A process whose first fused call is inside a capture has no zeroed counters yet (a fill would run only with
+    that graph): the capture takes the two-launch kernels, and its replays are right. A process of its own, as the
+    device's block is made once per process."""
+    if not sm90_built() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kext kernels run on sm_90a builds on compute capability 9.0 only")
+    script = """
+import torch, lora_ops
+from lora_ops import reference
+torch.manual_seed(0)
+T, K, N, L, R = 32, 1536, 384, 4, 16
+x, w = torch.randn(T, K).bfloat16().cuda(), (torch.randn(N, K) / K ** 0.5).bfloat16().cuda()
+a = (torch.randn(L, R, K) / K ** 0.5).bfloat16().cuda()
+b = (torch.randn(N, L * R) / R ** 0.5).bfloat16().cuda().view(N, L, R).permute(1, 0, 2)  # the pool's layout
+slots, scales = (torch.arange(T, dtype=torch.int32) % L).cuda(), torch.ones(L).cuda()
+graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+with torch.cuda.graph(graph, stream=stream):
+    out = lora_ops.lora_linear(x, w, a, b, slots, scales)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    graph.replay()
+    torch.cuda.synchronize()
+names = {e.key for e in prof.key_averages()}
+ref = reference.lora_linear(x, w, a, b, slots, scales)
+print("shrink", any("kext_shrink_kernel" in k for k in names), "fused", any("KextFusedEpilogue" in k for k in names))
+print("err", ((out.double() - ref).abs().max() / ref.abs().max()).item())
+"""
+    env = {**os.environ, "LORA_OPS_CUDA_KEXT_KERNEL": "fused"}
+    env.pop("LORA_OPS_CUDA_LINEAR_KERNEL", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "shrink True fused False" in out.stdout, out.stdout + out.stderr
+    err = float(out.stdout.split("err")[-1])
+    assert err < TOLERANCE[torch.bfloat16], out.stdout
 
 
 @pytest.mark.gpu

@@ -415,23 +415,43 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   return p;
 }
 
-// The fused kext GEMM's counter pair on this stream (cuda::LoraLinearParams::counters): made zero by the stream's first
-// fused call outside a graph capture, kept for the process (every launch leaves them zero), one pair a stream so that
-// no two launches in flight share one (graphs captured on one stream share its pair: replay them one at a time).
-// None (nullptr: the two-launch kernels run) for a stream's first call during a capture, where the zero fill would
-// run only with that graph. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
+// The fused kext GEMM's counter pair on this stream (cuda::LoraLinearParams::counters), one pair a stream so that no
+// two launches in flight share one (graphs captured on one stream share its pair: replay them one at a time). A
+// device's pairs are slices of one block, zeroed and synchronized by the device's first fused call outside a capture,
+// and kept for the process (every launch leaves its pair zero): a stream first seen inside a capture (torch.cuda.graph
+// captures on a stream of its own) takes a pair that is already zero, with no fill in its graph. None (nullptr: the
+// two-launch kernels run) while the device has no block (its first fused call in a capture) or its pairs are all
+// taken. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
 uint32_t* kext_counters(const at::Device& device, cudaStream_t stream) {
+  constexpr int64_t kPairsPerDevice = 1024;  // distinct streams; torch's pools hold 32 a priority
+  struct DeviceCounters {
+    at::Tensor block;
+    std::map<cudaStream_t, int64_t> pair_of;
+  };
   static std::mutex mutex;
-  static auto* pairs = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  static auto* devices = new std::map<int, DeviceCounters>();
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = pairs->find({device.index(), stream});
-  if (found != pairs->end()) return reinterpret_cast<uint32_t*>(found->second.data_ptr<int32_t>());
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone) return nullptr;
-  const at::Tensor pair = at::zeros({2}, at::TensorOptions().device(device).dtype(at::kInt));  // on this stream
-  pairs->emplace(std::make_pair(device.index(), stream), pair);
-  return reinterpret_cast<uint32_t*>(pair.data_ptr<int32_t>());
+  DeviceCounters& counters = (*devices)[device.index()];
+  if (!counters.block.defined()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return nullptr;
+    // Zero on this stream and wait, once: other streams' launches (and graphs) then find it zero. Relaxed, so that
+    // another thread's capture does not forbid this thread's allocation and synchronization.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    at::Tensor block = at::zeros({2 * kPairsPerDevice}, at::TensorOptions().device(device).dtype(at::kInt));
+    const cudaError_t synced = cudaStreamSynchronize(stream);
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    C10_CUDA_CHECK(synced);
+    counters.block = std::move(block);
+  }
+  const auto found = counters.pair_of.try_emplace(stream, static_cast<int64_t>(counters.pair_of.size())).first;
+  if (found->second >= kPairsPerDevice) {
+    counters.pair_of.erase(found);
+    return nullptr;
+  }
+  return reinterpret_cast<uint32_t*>(counters.block.data_ptr<int32_t>()) + 2 * found->second;
 }
 
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
