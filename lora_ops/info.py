@@ -33,9 +33,6 @@ def report() -> str:
                  f"the expand start early and skips unused slots: {cutlass}")
     lines.append(f"{'any':<8} {'lora_linear':<16} ATen ops; on CUDA 9.0 up to 128 tokens a shrink and the CUTLASS "
                  f"K-extended GEMM [x | h]·[W | B]ᵀ launched early: {cutlass}")
-    kext = os.environ.get("LORA_OPS_CUDA_KEXT_KERNEL", "").strip() or "unset"
-    lines.append(f"{'':<8} {'':<16} LORA_OPS_CUDA_KEXT_KERNEL={kext} (fused: one GEMM whose first tiles compute h; "
-                 f"opt-in: not yet passing on a GPU, csrc/cuda/NOTES.md session 54)")
     lines.append(f"CUDA device: {gpu}")
     lines += _op_table_lines()
     path = routes.default_path()

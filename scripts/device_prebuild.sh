@@ -54,5 +54,6 @@ if not cuda["built"] or not cuda["grouped_gemm_sm90"]["built"]:
 PYCODE
 mkdir -p "$OUT"
 cp "$SRC/lora_ops/_C.so" "$SRC/lora_ops/_build_info.json" "$OUT"/
+strip -g "$OUT/_C.so"  # the host code's debug sections (~14 MB): so that .whl, build/device and the tree fit the carry
 (cd "$SRC" && "$VENV/bin/python" scripts/extension_stamp.py stamp-prebuilt "$OUT")
 echo "device_prebuild: $OUT from $sha in $(( $(date +%s) - t0 )) s, _C.so $(du -m "$OUT/_C.so" | cut -f1) MB"

@@ -249,30 +249,16 @@ def test_compiles_without_graph_breaks_or_recompiles_across_batch_mixes(device):
 
 # ---- CUDA ----
 
-# LORA_OPS_CUDA_KEXT_KERNEL: the shrink then the K-extended GEMM (the default), or the fused GEMM alone (its A tiles
-# compute h, its W tiles wait for them: lora_linear_sm90.cu).
-KEXT_KERNELS = ["shrink", "fused"]
+def _ran_kext(keys) -> bool:
+    """The shrink and the K-extended GEMM (mangled names: ...kext_shrink_kernel..., ...KextMainloop...)."""
+    return any("kext_shrink_kernel" in k for k in keys) and any("KextMainloop" in k for k in keys)
 
 
-def _prefer_kext(monkeypatch, kernel: str) -> None:
-    monkeypatch.setenv("LORA_OPS_CUDA_KEXT_KERNEL", kernel)
-
-
-def _ran_kext(keys, kernel: str = "shrink") -> bool:
-    """The kext kernels of `kernel` (mangled names: ...kext_shrink_kernel..., ...KextMainloop...; the fused GEMM's
-    also ...KextFusedEpilogue...) and not the other's."""
-    shrink = any("kext_shrink_kernel" in k for k in keys)
-    fused = any("KextFusedEpilogue" in k for k in keys)
-    if kernel == "fused":
-        return fused and not shrink
-    return shrink and not fused and any("KextMainloop" in k for k in keys)
-
-
-def _assert_kext_ran(keys, kernel: str = "shrink") -> None:
+def _assert_kext_ran(keys) -> None:
     """The kext kernels ran where the sm_90a kernels are built, and only there. Under compute-sanitizer the profiler
     sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing to check."""
     if keys:
-        assert _ran_kext(keys, kernel) == sm90_built(), keys
+        assert _ran_kext(keys) == sm90_built(), keys
 
 
 def _kext_schedule(keys) -> str:
@@ -311,47 +297,15 @@ CUDA_SLICES = {"one": [0, 384], "qkv": [0, 256, 320, 384], "qkv128": [0, 128, 25
 @pytest.mark.parametrize("T", [1, 16, 17, 32, 33, 64, 65, 128])
 @pytest.mark.parametrize("slices", list(CUDA_SLICES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kernel", KEXT_KERNELS)
-def test_cuda_kernels_match_the_oracle(T, slices, dtype, kernel, monkeypatch):
-    """Each token tile, one slice and three (the fused GEMM's A tiles: 1 of 64 rows, 3 spanning slots and slices)."""
+def test_cuda_kernels_match_the_oracle(T, slices, dtype, monkeypatch):
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES[slices]
     args = _inputs(T, offsets=offsets, dtype=dtype, device="cuda", key=f"cuda-{T}-{slices}", **CUDA_SHAPE)
     x, w, a, b, slots, scales, bias = args
     for with_bias in (None, bias):
         y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets, with_bias))
         _assert_oracle(y, args, offsets, with_bias)
-        _assert_kext_ran(ran, kernel)
-
-
-@pytest.mark.gpu
-# issue 12's pools, 64 slots; then more tiles than an H100's or H200's 132 SMs (CTAs of the persistent grid with two
-# tiles: 216 = 24 A + 192 W, A tiles on the first warp group with W tiles on the second, in bf16 and fp16; 198 = 192
-# A + 6 W, A tiles on both warp groups and past the first round); rank 24 (a tile's 64 rows cross slots and slices
-# mid-rank: 9 A tiles of 3 x 24-row slots)
-@pytest.mark.parametrize("T, L, R, offsets, dtype", [
-    (32, 32, 16, [0, 256, 320, 384], torch.bfloat16), (64, 16, 64, [0, 256, 320, 384], torch.bfloat16),
-    (16, 64, 16, [0, 256, 320, 384], torch.bfloat16), (32, 32, 16, [0, 8192, 10240, 12288], torch.bfloat16),
-    (32, 32, 16, [0, 8192, 10240, 12288], torch.float16), (16, 64, 64, [0, 256, 320, 384], torch.bfloat16),
-    (48, 8, 24, [0, 256, 320, 384], torch.float16)],
-    ids=["32x16", "16x64", "64x16", "216_tiles", "216_tiles_fp16", "198_tiles", "rank_24"])
-def test_cuda_fused_gemm_over_serving_pools(T, L, R, offsets, dtype, monkeypatch):
-    """The fused GEMM at a decode step's pools (qkv of 3 slices): many A tiles, most of them of slots no row uses
-    (skipped loads, zeros written), and consecutive calls with other slot mixes, each of which must wait for its
-    own A tiles (the counters back at zero after each launch; h's memory reused by the caching allocator)."""
-    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    _prefer_kext(monkeypatch, "fused")
-    args = _inputs(T, K=1536, N=offsets[-1], L=L, R=R, offsets=offsets, dtype=dtype, device="cuda",
-                   key=f"fused-pool-{T}-{L}-{R}-{offsets[-1]}")
-    x, w, a, b, _, scales, _ = args
-    gen = case_generator(f"lora_linear-fused-mixes-{T}-{L}-{R}")
-    for used in (1, 2, L):  # adapters in the batch
-        slots = torch.randperm(L, generator=gen)[:used][torch.randint(0, used, (T,), generator=gen)]
-        slots = slots.to(torch.int32).cuda()
-        y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets))
-        _assert_oracle(y, (x, w, a, b, slots, scales), offsets)
-        _assert_kext_ran(ran, "fused")
+        _assert_kext_ran(ran)
 
 
 # The shrink's shapes beyond the other tests' (lora_linear_shrink.cu): every row on one slot, ranks 8, 24 and 64, K
@@ -449,11 +403,9 @@ def test_cuda_65_to_128_token_tile_choice(case, expected, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("used", [[], [2], [0, 3], [0, 1, 2, 3]], ids=["none", "one", "two", "all"])
-@pytest.mark.parametrize("kernel", KEXT_KERNELS)
-def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used, kernel, monkeypatch):
-    """The GEMM skips the B blocks of slots no row uses (from token_slot itself; the fused GEMM also the A tiles of
-    such slots): any mix gives the oracle's product, and equals the composition to within one rounding."""
-    _prefer_kext(monkeypatch, kernel)
+def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used):
+    """The GEMM skips the B blocks of slots no row uses (from token_slot itself): any mix gives the oracle's
+    product, and equals the composition to within one rounding."""
     T, offsets = 24, CUDA_SLICES["qkv"]
     slots = [used[t % len(used)] if used else -1 for t in range(T)]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"used-{used}", slots=slots,
@@ -466,15 +418,12 @@ def test_cuda_slots_no_row_uses_are_skipped_not_wrong(used, kernel, monkeypatch)
 
 @pytest.mark.gpu
 # the 64 tile's rows 32-63, the 128-token tiles' 64-127
-@pytest.mark.parametrize("T, tile, kernel", [(33, "auto", "shrink"), (64, "auto", "shrink"), (65, "auto", "shrink"),
-                                             (128, "auto", "shrink"), (65, "128x128", "shrink"),
-                                             (128, "128x128", "shrink"), (33, "auto", "fused"), (128, "auto", "fused")])
-def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, kernel, monkeypatch):
+@pytest.mark.parametrize("T, tile", [(33, "auto"), (64, "auto"), (65, "auto"), (128, "auto"), (65, "128x128"),
+                                     (128, "128x128")])
+def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, monkeypatch):
     """The GEMM's slot mask covers every row of its tile: a slot only the batch's last row uses still has its B
-    blocks read (a mask of the first rows only would skip them, and that row's delta would be lost; in the fused
-    GEMM, also its A tile)."""
+    blocks read (a mask of the first rows only would skip them, and that row's delta would be lost)."""
     _prefer_tile(monkeypatch, tile)
-    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES["qkv" if tile == "auto" else "qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key=f"last-row-{T}",
                    slots=[-1] * (T - 1) + [3], **CUDA_SHAPE)
@@ -486,12 +435,9 @@ def test_cuda_a_slot_only_the_last_row_uses_is_read(T, tile, kernel, monkeypatch
 
 @pytest.mark.gpu
 # the 64 and the two 128-token tiles, full
-@pytest.mark.parametrize("T, slices, tile, kernel", [(64, "one", "auto", "shrink"), (128, "qkv", "auto", "shrink"),
-                                                     (128, "qkv128", "128x128", "shrink"), (64, "one", "auto", "fused"),
-                                                     (128, "qkv", "auto", "fused")])
-def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, kernel, monkeypatch):
+@pytest.mark.parametrize("T, slices, tile", [(64, "one", "auto"), (128, "qkv", "auto"), (128, "qkv128", "128x128")])
+def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, monkeypatch):
     _prefer_tile(monkeypatch, tile)
-    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES[slices]
     x, w, a, b, _, scales, _ = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="wild",
                                        **CUDA_SHAPE)
@@ -505,12 +451,9 @@ def test_cuda_any_slot_values_are_memory_safe_and_mean_no_lora(T, slices, tile, 
 
 
 @pytest.mark.gpu
-# the 32 and 128-token tiles
-@pytest.mark.parametrize("T, tile, kernel", [(32, "auto", "shrink"), (128, "auto", "shrink"), (128, "128x128", "shrink"),
-                                             (32, "auto", "fused"), (128, "auto", "fused")])
-def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, kernel, monkeypatch):
+@pytest.mark.parametrize("T, tile", [(32, "auto"), (128, "auto"), (128, "128x128")])  # the 32 and 128-token tiles
+def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, monkeypatch):
     _prefer_tile(monkeypatch, tile)
-    _prefer_kext(monkeypatch, kernel)
     offsets = CUDA_SLICES["qkv" if tile == "auto" else "qkv128"]
     args = _inputs(T, offsets=offsets, dtype=torch.bfloat16, device="cuda", key="graph", **CUDA_SHAPE)
     x, w, a, b, slots, scales, _ = args
@@ -519,14 +462,8 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, k
         _assert_schedule(ran, "Cooperative")
     assert all(torch.equal(first, lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)) for _ in range(5))
     static_slots = slots.clone()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    # an eager call on the capture stream first: which kernels it runs (the capture's, by the same choice)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets))
-    _assert_kext_ran(ran, kernel if tile == "auto" else "shrink")
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph, stream=stream):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         out = lora_ops.lora_linear(x, w, a, b, static_slots, scales, offsets)
     gen = case_generator("lora_linear-graph-mix")
     for _ in range(3):  # each replay reads the slots written before it
@@ -537,94 +474,28 @@ def test_cuda_kernels_are_bitwise_deterministic_and_replay_in_a_graph(T, tile, k
 
 
 @pytest.mark.gpu
-def test_cuda_fused_gemm_on_concurrent_streams(monkeypatch):
-    """Fused calls on two streams at once, each with its own counters, beside a third stream's long matmuls that
-    hold SMs: the launch is cooperative (all of a grid's CTAs resident together, csrc/cuda/cutlass_run.cuh), so no
-    W tile waits on an A tile whose CTA cannot start, and each stream's results are its own."""
+# issue 12's pools, 64 slots; more W tiles than an H100's or H200's 132 SMs (192, in bf16 and fp16); rank 24 (a
+# 64-column h block crosses slots mid-rank)
+@pytest.mark.parametrize("T, L, R, offsets, dtype", [
+    (32, 32, 16, [0, 256, 320, 384], torch.bfloat16), (64, 16, 64, [0, 256, 320, 384], torch.bfloat16),
+    (16, 64, 16, [0, 256, 320, 384], torch.bfloat16), (32, 32, 16, [0, 8192, 10240, 12288], torch.bfloat16),
+    (32, 32, 16, [0, 8192, 10240, 12288], torch.float16), (48, 8, 24, [0, 256, 320, 384], torch.float16)],
+    ids=["32x16", "16x64", "64x16", "192_w_tiles", "192_w_tiles_fp16", "rank_24"])
+def test_cuda_kernels_over_serving_pools(T, L, R, offsets, dtype, monkeypatch):
+    """The kext kernels at a decode step's pools (qkv of 3 slices), with consecutive calls of other slot mixes (1, 2
+    and every adapter in the batch: most slots' B blocks skipped, then none; h's memory reused by the caching
+    allocator)."""
     monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    _prefer_kext(monkeypatch, "fused")
-    offsets = [0, 8192, 10240, 12288]  # 216 tiles: W tiles past the first round wait on other CTAs' A tiles
-    streams = [torch.cuda.Stream() for _ in range(3)]
-    cases = []
-    for i, stream in enumerate(streams[:2]):
-        args = _inputs(32, K=1536, N=offsets[-1], L=32, R=16, offsets=offsets, dtype=torch.bfloat16, device="cuda",
-                       key=f"fused-streams-{i}")
-        with torch.cuda.stream(stream):  # each stream's first call, outside any capture: its counters
-            lora_ops.lora_linear(*args[:6], offsets)
-        cases.append(args)
-    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    outs = [[] for _ in cases]
-    with torch.cuda.stream(streams[2]):
-        for _ in range(4):
-            big = (big @ big).clamp_(-1, 1)
-    for _ in range(8):
-        for i, (stream, args) in enumerate(zip(streams, cases)):
-            with torch.cuda.stream(stream):
-                outs[i].append(lora_ops.lora_linear(*args[:6], offsets))
-    torch.cuda.synchronize()
-    for args, ys in zip(cases, outs):
-        _assert_oracle(ys[0], args[:6], offsets)
-        assert all(torch.equal(y, ys[0]) for y in ys[1:])
-
-
-@pytest.mark.gpu
-def test_cuda_fused_gemm_captured_on_a_stream_no_call_has_used(monkeypatch):
-    """torch.cuda.graph captures on a stream of its own: its first fused call, inside the capture, takes a counter
-    pair of the device's block (zeroed by the device's first fused call, eager here) and runs the fused GEMM, whose
-    replays are right for each slot mix written before them."""
-    monkeypatch.delenv("LORA_OPS_CUDA_LINEAR_KERNEL", raising=False)
-    _prefer_kext(monkeypatch, "fused")
-    offsets = CUDA_SLICES["qkv"]
-    x, w, a, b, slots, scales, _ = _inputs(32, offsets=offsets, dtype=torch.bfloat16, device="cuda",
-                                           key="fused-capture", **CUDA_SHAPE)
-    lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)  # the device's block, if no test made it before
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        out = lora_ops.lora_linear(x, w, a, b, slots, scales, offsets)
-    gen = case_generator("lora_linear-fused-capture-mix")
-    for _ in range(3):
-        slots.copy_(torch.randint(-1, 4, slots.shape, generator=gen, dtype=torch.int32))
-        out.zero_()
-        _, ran = cuda_kernel_names(graph.replay)
-        _assert_kext_ran(ran, "fused")
-        _assert_oracle(out, (x, w, a, b, slots, scales), offsets)
-
-
-@pytest.mark.gpu
-def test_cuda_fused_gemm_first_called_in_a_capture_runs_the_two_launch_kernels():
-    """A process whose first fused call is inside a capture has no zeroed counters yet (a fill would run only with
-    that graph): the capture takes the two-launch kernels, and its replays are right. A process of its own, as the
-    device's block is made once per process."""
-    if not sm90_built() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the kext kernels run on sm_90a builds on compute capability 9.0 only")
-    script = """
-import torch, lora_ops
-from lora_ops import reference
-torch.manual_seed(0)
-T, K, N, L, R = 32, 1536, 384, 4, 16
-x, w = torch.randn(T, K).bfloat16().cuda(), (torch.randn(N, K) / K ** 0.5).bfloat16().cuda()
-a = (torch.randn(L, R, K) / K ** 0.5).bfloat16().cuda()
-b = (torch.randn(N, L * R) / R ** 0.5).bfloat16().cuda().view(N, L, R).permute(1, 0, 2)  # the pool's layout
-slots, scales = (torch.arange(T, dtype=torch.int32) % L).cuda(), torch.ones(L).cuda()
-graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-with torch.cuda.graph(graph, stream=stream):
-    out = lora_ops.lora_linear(x, w, a, b, slots, scales)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    graph.replay()
-    torch.cuda.synchronize()
-names = {e.key for e in prof.key_averages()}
-ref = reference.lora_linear(x, w, a, b, slots, scales)
-print("shrink", any("kext_shrink_kernel" in k for k in names), "fused", any("KextFusedEpilogue" in k for k in names))
-print("err", ((out.double() - ref).abs().max() / ref.abs().max()).item())
-"""
-    env = {**os.environ, "LORA_OPS_CUDA_KEXT_KERNEL": "fused"}
-    env.pop("LORA_OPS_CUDA_LINEAR_KERNEL", None)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert "shrink True fused False" in out.stdout, out.stdout + out.stderr
-    err = float(out.stdout.split("err")[-1])
-    assert err < TOLERANCE[torch.bfloat16], out.stdout
+    args = _inputs(T, K=1536, N=offsets[-1], L=L, R=R, offsets=offsets, dtype=dtype, device="cuda",
+                   key=f"pool-{T}-{L}-{R}-{offsets[-1]}")
+    x, w, a, b, _, scales, _ = args
+    gen = case_generator(f"lora_linear-pool-mixes-{T}-{L}-{R}")
+    for used in (1, 2, L):  # adapters in the batch
+        slots = torch.randperm(L, generator=gen)[:used][torch.randint(0, used, (T,), generator=gen)]
+        slots = slots.to(torch.int32).cuda()
+        y, ran = cuda_kernel_names(lambda: lora_ops.lora_linear(x, w, a, b, slots, scales, offsets))
+        _assert_oracle(y, (x, w, a, b, slots, scales), offsets)
+        _assert_kext_ran(ran)
 
 
 @pytest.mark.gpu

@@ -24,16 +24,13 @@ namespace lora_ops::cuda {
 // contiguous), T (fp16/bf16) in, D (default T) out, float accumulation, TMA loads and stores, as many pipeline
 // stages as the shared memory left by the epilogue holds. Ping-pong (two consumer warpgroups on alternate tiles)
 // by default; kCooperative: both on one tile of 128 or more W rows, 64 each. (benchmarks/fold_splitk_probe.cu
-// takes float D: partial sums of a split K.) kNoSmemEpilogue: CUTLASS's epilogue of per-thread stores from the
-// accumulators (no shared memory, no store pipeline: lora_linear's fused GEMM skips some tiles' stores).
-template <class T, class Tile, class Cluster, bool kCooperative = false, class D = T, bool kNoSmemEpilogue = false>
+// takes float D: partial sums of a split K.)
+template <class T, class Tile, class Cluster, bool kCooperative = false, class D = T>
 struct DecodeCollectives {
   static constexpr int kAlign = 16 / sizeof(T);  // elements per 16 bytes: TMA's alignment
   static constexpr int kAlignD = 16 / sizeof(D);
-  using EpilogueSchedule = std::conditional_t<
-      kNoSmemEpilogue, cutlass::epilogue::NoSmemWarpSpecialized,
-      std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                         cutlass::epilogue::TmaWarpSpecialized>>;
+  using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
   using KernelSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -58,20 +55,12 @@ cutlass::KernelHardwareInfo cached_hardware_info() {
   return info;
 }
 
-// How run_cutlass launches a GEMM:
-//   kInOrder       after the kernel before it in the stream;
-//   kProgrammatic  with programmatic stream serialization, so that it may start before the kernel before it ends;
-//                  the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's
-//                  two-launch GEMM);
-//   kCooperative   all its CTAs resident at once, or the launch fails with cudaErrorCooperativeLaunchTooLarge: for a
-//                  persistent grid whose CTAs wait on each other (lora_linear's fused GEMM), which a concurrent
-//                  kernel holding some SMs, or a share of the GPU's SMs (MPS), would otherwise leave spinning.
-enum class CutlassLaunch { kInOrder, kProgrammatic, kCooperative };
-
 // G: a configuration with G::Kernel (GemmUniversal) and G::Device (its GemmUniversalAdapter).
+// programmatic: launched with programmatic stream serialization, so that it may start before the kernel before it
+// ends; the kernel must then wait (griddepcontrol.wait) before it reads that kernel's output (lora_linear's GEMM).
 template <class G>
 cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspace, cudaStream_t stream,
-                        CutlassLaunch launch = CutlassLaunch::kInOrder) {
+                        bool programmatic = false) {
   using Kernel = typename G::Kernel;
   if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return cudaErrorUnknown;
   auto params = Kernel::to_underlying_arguments(args, workspace);
@@ -80,26 +69,9 @@ cudaError_t run_cutlass(const typename G::Device::Arguments& args, void* workspa
       err != cudaSuccess) {
     return err;
   }
-  if (launch == CutlassLaunch::kCooperative) {
-    if constexpr (cute::size(typename Kernel::DispatchPolicy::ClusterShape{}) == 1) {
-      cudaLaunchConfig_t config{};
-      config.gridDim = Kernel::get_grid_shape(params);
-      config.blockDim = Kernel::get_block_shape();
-      config.dynamicSmemBytes = Kernel::SharedStorageSize;
-      config.stream = stream;
-      cudaLaunchAttribute cooperative{};
-      cooperative.id = cudaLaunchAttributeCooperative;
-      cooperative.val.cooperative = 1;
-      config.attrs = &cooperative;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
-    } else {
-      return cudaErrorNotSupported;  // this launch sets no cluster dimension
-    }
-  }
   // fold_linear's GEMM is launched without programmatic stream serialization: its scheduler reads seg_indptr
   // before any griddepcontrol.wait, so the previous kernel must have finished.
-  if (G::Device::run(params, stream, nullptr, launch == CutlassLaunch::kProgrammatic) != cutlass::Status::kSuccess) {
+  if (G::Device::run(params, stream, nullptr, programmatic) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }

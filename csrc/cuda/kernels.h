@@ -132,12 +132,6 @@ bool fold_linear_lt(const FoldLinearParams& p, const void* bias, int device, cud
 // twice the W tiles for the SMs of a narrow layer).
 enum class KextTile { Auto, Rows128, Rows64 };  // after Auto, in the order of the variable's names: 128x128, 64x128
 
-// The kext route's kernels (LORA_OPS_CUDA_KEXT_KERNEL): Shrink, the shrink then the K-extended GEMM (two launches;
-// Auto, the default until the other is measured); Fused, one GEMM whose first tiles compute h (their rows: the
-// pool's A) and whose W tiles wait for them (lora_linear_sm90.cu), where it serves (64-row tiles, lora_a's slots
-// contiguous), else Shrink.
-enum class KextKernel { Auto, Shrink, Fused };
-
 // lora_linear (the kext route) on sm_90a: y [t, n] = x . w^T + each row's delta with h rounded to x's dtype, as a
 // shrink writing h [t, num_slices * num_slots * rank] and a GEMM over [x | h] . [w | b_cols]^T launched
 // programmatically (csrc/cuda/lora_linear_sm90.cu). b_cols [n, num_slots * rank]: lora_b [L, N, R] with each row's
@@ -159,10 +153,6 @@ struct LoraLinearParams {
   DType dtype;
   int64_t sm_count;     // the device's SMs (the 65-128-token tile's rule, the shrink's K split)
   KextTile tile_65_128;  // a preferred 65-128-token tile (LORA_OPS_CUDA_KEXT_TILE), Auto: by that rule
-  KextKernel kernel;     // LORA_OPS_CUDA_KEXT_KERNEL
-  // The fused GEMM's two counters (A tiles done, W tiles past their wait), zero before each launch and left zero by
-  // it: one pair per stream, so that no two launches share them (launch_kext_fused).
-  uint32_t* counters;
 };
 constexpr int64_t kLoraLinearMaxTokens = 128;
 // The K-extended GEMM's token tiles by the rows each serves (kext_dispatch in lora_linear_sm90.cu), the last up to

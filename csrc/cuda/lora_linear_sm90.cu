@@ -13,12 +13,6 @@
 // W stream. H200, llama3-8b decode steps (the probe it came from, one call): T=32/1 adapter +9.8% against the
 // fold route's +12.7%, T=32/32 +18.1 against +23.2, T=64/32 +20.8 against +34.8.
 // The GEMM: no split-K, deterministic.
-// LORA_OPS_CUDA_KEXT_KERNEL=fused: one launch instead (KextFusedGemm below): the GEMM's M holds the pool's A rows
-// before W's, so its first tiles (A tiles, in every CTA before its W tiles) compute h from x and the used slots' A
-// as the shrink does, and each W tile's producer waits for all A tiles (a counter) before its first h block, where
-// the two-launch GEMM waits for the shrink. Written without a GPU in session 53 (csrc/cuda/NOTES.md: the design,
-// why the A tile releases h from the mainloop's mma() and not from its epilogue; session 54: its first GPU run);
-// not the default until measured.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts cost the kernels an ABI call and spills (grouped_gemm_sm90.cu)
 #endif
@@ -31,7 +25,6 @@
 #include <cuda_fp16.h>
 
 #include <climits>
-#include <optional>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -70,28 +63,17 @@ struct KextExtension {
   int k_x = 0, num_slices = 1, rank = 1, num_slots = 0, num_tokens = 0;
   int slice_end[kKextMaxSlices] = {};  // W rows where each slice ends (multiples of the tile's rows)
   const int32_t* token_slot = nullptr;  // [num_tokens]: the slot mask's source (the shrink's too)
-  // The fused GEMM's (KextFusedGemm): lora_a as [L * S * R, k_x] (row s*S*R + j*R + r: slot s, slice j, rank row r),
-  // the A tiles before the W tiles in M (a_tiles of them, over its L * S * R rows), each slot's scale and the
-  // counters (A tiles done, W tiles past their wait).
-  ElementA const* lora_a = nullptr;
-  StrideA d_lora_a;
-  const float* scales = nullptr;
-  uint32_t* counters = nullptr;
-  int a_tiles = 0;
 };
 
 // CUTLASS's TMA warp-specialized mainloop whose K blocks past x's come from two other tensors: h (the B operand)
 // and b_cols (the A operand). Only the producer (load) differs; the consumers multiply whatever the stages hold.
-// kFused (KextFusedGemm): M also holds the A tiles, first; they load the pool's A against x, and their consumers write
-// h from their accumulators (mma() below); the W tiles wait for all of them instead of for a shrink kernel.
-template <class Base, bool kFused = false>
+template <class Base>
 struct KextMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
   using typename Base::StrideA;
   using typename Base::StrideB;
   using typename Base::TileShape;
-  using typename Base::TiledMma;
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
   using typename Base::TensorStorage;
@@ -104,13 +86,8 @@ struct KextMainloop : Base {
   using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
   using Extension = KextExtension<ElementA, StrideA, ElementB, StrideB>;
   static constexpr int kBlockM = size<0>(TileShape{});
-  static constexpr int kBlockN = size<1>(TileShape{});
   static constexpr int kBlockK = size<2>(TileShape{});
   static_assert(size(ClusterShape{}) == 1, "the loads are not multicast");
-  // mma()'s tile order is the ping-pong kernel's: two consumer warp groups on alternate tiles.
-  static_assert(!kFused || std::is_same_v<typename Base::DispatchPolicy::Schedule,
-                                          cutlass::gemm::KernelTmaWarpSpecializedPingpong>,
-                "the fused GEMM's A tiles follow the ping-pong kernel's tile order");
 
   struct Arguments {
     ElementA const* ptr_A;  // W [M, k_x]
@@ -123,21 +100,17 @@ struct KextMainloop : Base {
 
   struct Params : Base::Params {
     typename Base::Params::TMA_A tma_load_b_cols;
-    typename Base::Params::TMA_A tma_load_lora_a;  // kFused only
     typename Base::Params::TMA_B tma_load_h;
     Extension ext;
     int k_x_tiles = 0, slice_h_tiles = 0;
-    int w_tiles = 0;  // kFused: the W tiles
   };
 
   CUTLASS_HOST_DEVICE static int slice_h_cols(Extension const& e) { return e.num_slots * e.rank; }  // one slice's L*R
-  CUTLASS_HOST_DEVICE static int a_rows(Extension const& e) { return e.num_slots * e.num_slices * e.rank; }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     const Extension& e = args.ext;
-    const int w_rows = M - e.a_tiles * kBlockM;
     Params p;
     auto tensor = [&](auto const* ptr, int rows, int cols, auto stride) {
       return make_tensor(ptr, make_layout(make_shape(rows, cols, L), stride));
@@ -146,15 +119,10 @@ struct KextMainloop : Base {
     const auto* b_cols = reinterpret_cast<InternalElementA const*>(e.b_cols);
     const auto* x = reinterpret_cast<InternalElementB const*>(args.ptr_B);
     const auto* h = reinterpret_cast<InternalElementB const*>(e.h);
-    p.tma_load_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(w, w_rows, e.k_x, args.dA),
-                                        SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
-    p.tma_load_b_cols = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(b_cols, w_rows, slice_h_cols(e), e.d_b_cols),
+    p.tma_load_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(w, M, e.k_x, args.dA), SmemLayoutA{}(_, _, Int<0>{}),
+                                        TileShape{}, ClusterShape{});
+    p.tma_load_b_cols = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(b_cols, M, slice_h_cols(e), e.d_b_cols),
                                              SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
-    if constexpr (kFused) {
-      const auto* lora_a = reinterpret_cast<InternalElementA const*>(e.lora_a);
-      p.tma_load_lora_a = make_tma_copy_A_sm90(GmemTiledCopyA{}, tensor(lora_a, a_rows(e), e.k_x, e.d_lora_a),
-                                               SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
-    }
     p.tma_load_b = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor(x, N, e.k_x, args.dB), SmemLayoutB{}(_, _, Int<0>{}),
                                         TileShape{}, ClusterShape{});
     p.tma_load_h = make_tma_copy_B_sm90(GmemTiledCopyB{}, tensor(h, N, slice_h_cols(e) * e.num_slices, e.d_h),
@@ -165,7 +133,6 @@ struct KextMainloop : Base {
     p.ext = e;
     p.k_x_tiles = e.k_x / kBlockK;
     p.slice_h_tiles = slice_h_cols(e) / kBlockK;
-    p.w_tiles = w_rows / kBlockM;
     return p;
   }
 
@@ -174,29 +141,22 @@ struct KextMainloop : Base {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     const Extension& e = args.ext;
     typename Base::Arguments base{args.ptr_A, args.dA, args.ptr_B, args.dB, args.mma_promotion_interval};
-    const int w_rows = M - (kFused ? e.a_tiles * kBlockM : 0);
-    const bool fused_ok = !kFused || (e.lora_a != nullptr && e.scales != nullptr && e.counters != nullptr &&
-                                      e.a_tiles * kBlockM == a_rows(e) &&  // whole tiles: L R % 64 == 0
-                                      w_rows >= kBlockM &&
-                                      N <= kBlockN);  // one token tile: mma()'s tile order
-    return Base::can_implement(problem_shape, base) && fused_ok && w_rows % kBlockM == 0 && e.k_x > 0 &&
-           e.k_x % kBlockK == 0 && slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) &&
-           e.num_slices >= 1 && e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots &&
-           e.rank >= 1 &&
+    return Base::can_implement(problem_shape, base) && e.k_x > 0 && e.k_x % kBlockK == 0 &&
+           slice_h_cols(e) % kBlockK == 0 && K == e.k_x + slice_h_cols(e) && e.num_slices >= 1 &&
+           e.num_slices <= kKextMaxSlices && e.num_slots >= 1 && e.num_slots <= kKextMaxSlots && e.rank >= 1 &&
            e.k_x / kBlockK >= Base::DispatchPolicy::Stages &&  // see skipped(): every stage holds a W tile first
            e.num_tokens == N && N <= 32 * kSlotWords &&  // every row in the slot mask
-           slices_end_on(e.slice_end, e.num_slices, kBlockM) && e.slice_end[e.num_slices - 1] == w_rows;
+           slices_end_on(e.slice_end, e.num_slices, kBlockM);
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
     Base::prefetch_tma_descriptors(p);
     prefetch_tma_descriptor(p.tma_load_b_cols.get_tma_descriptor());
     prefetch_tma_descriptor(p.tma_load_h.get_tma_descriptor());
-    if constexpr (kFused) prefetch_tma_descriptor(p.tma_load_lora_a.get_tma_descriptor());
   }
 
-  // (W tiles, x tiles, h tiles, B tiles, A tiles). W's spans the whole K (x's and h's blocks), though its loads stop
-  // at x's end: CUTLASS's kernel counts the K blocks of every tile from it (M: the A tiles' rows too, when kFused).
+  // (W tiles, x tiles, h tiles, B tiles). W's spans the whole K (x's and h's blocks), though its loads stop at x's
+  // end: CUTLASS's kernel counts the K blocks of every tile from it.
   template <class ProblemShape_MNKL>
   CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& p) const {
     using X = Underscore;
@@ -206,16 +166,10 @@ struct KextMainloop : Base {
     Tensor mX = p.tma_load_b.get_tma_tensor(make_shape(N, p.ext.k_x, L));
     Tensor mH = p.tma_load_h.get_tma_tensor(make_shape(N, h_cols * p.ext.num_slices, L));
     Tensor mB = p.tma_load_b_cols.get_tma_tensor(make_shape(M, h_cols, L));
-    auto two_launch = make_tuple(local_tile(mW, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}),
-                                 local_tile(mX, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}),
-                                 local_tile(mH, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}),
-                                 local_tile(mB, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}));
-    if constexpr (kFused) {  // the producer holds these in its 40 registers: the two-launch GEMM gets no fifth
-      Tensor mA = p.tma_load_lora_a.get_tma_tensor(make_shape(p.ext.a_tiles * kBlockM, p.ext.k_x, L));
-      return append(two_launch, local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}));
-    } else {
-      return two_launch;
-    }
+    return make_tuple(local_tile(mW, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}),
+                      local_tile(mX, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}),
+                      local_tile(mH, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{}),
+                      local_tile(mB, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{}));
   }
 
   // The slots some row uses, from the rows' own slots (token_slot, as the shrink reads them, so no other metadata
@@ -253,10 +207,6 @@ struct KextMainloop : Base {
             uint64_t(__reduce_or_sync(0xffffffffu, uint32_t(bits >> 32))) << 32;
     have_used_ = true;
   }
-  // Slots first..last, as bits.
-  CUTLASS_DEVICE static uint64_t slot_window(int first, int last) {
-    return (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
-  }
   // An h block whose slots no row uses: its B box is not read (the stage's barrier is told those bytes arrived),
   // its h box is (zero there for every row), and CUTLASS's consumer loop multiplies it with whatever W tile the
   // stage held before (weights: finite; can_implement asks for at least as many x blocks as stages, so no stage is
@@ -264,41 +214,16 @@ struct KextMainloop : Base {
   CUTLASS_DEVICE bool skipped(Params const& p, int kt) const {
     const int rank = p.ext.rank, first = (kt - p.k_x_tiles) * kBlockK / rank;
     const int last = ((kt - p.k_x_tiles + 1) * kBlockK - 1) / rank;
-    return (used_ & slot_window(first, last)) == 0;
+    const uint64_t window = (last >= 63 ? ~uint64_t(0) : (uint64_t(2) << last) - 1) & ~((uint64_t(1) << first) - 1);
+    return (used_ & window) == 0;
   }
 
-  // kFused: the W tiles' producer, before its first h block: every A tile's h is written (acquire, then the proxy
-  // fence: h came through generic stores, TMA reads it through the async proxy). The last W tile past its wait
-  // sets both counters back to zero for the next launch (nothing reads them after it in this one). A wait that
-  // never ends is a bug: it traps after 2^22 polls (seconds; the A tiles take microseconds, under compute-sanitizer
-  // milliseconds), an error of the launch, instead of hanging the device. Progress needs the CTAs holding A tiles
-  // to run: the grid (one CTA an SM, at most the SMs) is launched cooperatively, all of it resident at once.
-  CUTLASS_DEVICE static void wait_for_a_tiles(Params const& p) {
-    uint32_t done = 0;
-    for (int polls = 0;; ++polls) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(p.ext.counters) : "memory");
-      if (done >= uint32_t(p.ext.a_tiles)) break;
-      if (polls > (1 << 22)) __trap();
-      __nanosleep(32);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    if (atomicAdd(p.ext.counters + 1, 1u) == uint32_t(p.w_tiles) - 1) {
-      atomicExch(p.ext.counters, 0u);
-      atomicExch(p.ext.counters + 1, 0u);
-    }
-  }
-
-  template <class LoadInputs, class KTileIterator, class BlockCoord>
+  template <class TensorW, class TensorX, class TensorH, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                           LoadInputs const& load_inputs, BlockCoord const& blk_coord, KTileIterator, int k_tile_count,
-                           int, uint32_t, TensorStorage& shared_tensors) {
+                           cute::tuple<TensorW, TensorX, TensorH, TensorB> const& load_inputs,
+                           BlockCoord const& blk_coord, KTileIterator, int k_tile_count, int, uint32_t,
+                           TensorStorage& shared_tensors) {
     const TokenSlots slots = load_token_slots(p);
-    if constexpr (kFused) {
-      if (int(get<0>(blk_coord)) < p.ext.a_tiles) {
-        load_a_tile(p, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_count, shared_tensors, slots);
-        return;
-      }
-    }
     const bool elected = elect_one_sync();
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -307,17 +232,16 @@ struct KextMainloop : Base {
     auto tma_h = p.tma_load_h.get_slice(0);
     auto tma_b = p.tma_load_b_cols.get_slice(0);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    const int w_tile = int(m_coord) - (kFused ? p.ext.a_tiles : 0);  // W's own tile (the fused GEMM's A tiles first)
-    Tensor tWgW = tma_w.partition_S(get<0>(load_inputs)(_, _, w_tile, _, l_coord));
+    Tensor tWgW = tma_w.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
     Tensor tWsA = tma_w.partition_D(sA);
     Tensor tXgX = tma_x.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tXsB = tma_x.partition_D(sB);
     Tensor tHgH = tma_h.partition_S(get<2>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tHsB = tma_h.partition_D(sB);
-    Tensor tBgB = tma_b.partition_S(get<3>(load_inputs)(_, _, w_tile, _, l_coord));
+    Tensor tBgB = tma_b.partition_S(get<3>(load_inputs)(_, _, m_coord, _, l_coord));
     Tensor tBsA = tma_b.partition_D(sA);
 
-    const int row0 = w_tile * kBlockM;
+    const int row0 = int(m_coord) * kBlockM;
     int slice = 0;
     while (slice + 1 < p.ext.num_slices && row0 >= p.ext.slice_end[slice]) ++slice;
     const int h_tile0 = slice * p.slice_h_tiles;
@@ -344,116 +268,13 @@ struct KextMainloop : Base {
     __syncwarp();
     settle_used(p, slots);
     if (!elected) return;
-    if (x_tiles < k_tile_count) {
-      if constexpr (kFused) wait_for_a_tiles(p);
-      else asm volatile("griddepcontrol.wait;" ::: "memory");
-    }
+    if (x_tiles < k_tile_count) asm volatile("griddepcontrol.wait;" ::: "memory");
     for (int kt = x_tiles; kt < k_tile_count; ++kt) issue(kt, true, !skipped(p, kt));
-  }
-
-  // kFused: an A tile's loads. Its rows' slots decide whether anything is read: none of them used, the stages are
-  // told their bytes arrived and mma() writes zeros whatever the accumulators. Its extension blocks load the h box
-  // one token tile past the tokens (can_implement: one tile holds them all), which TMA fills with zeros, and no
-  // A-side box: 0 x the stage's last A-side block (weights, finite), as skipped() does.
-  template <class LoadInputs, class BlockCoord>
-  CUTLASS_DEVICE void load_a_tile(Params const& p, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                                  LoadInputs const& load_inputs, BlockCoord const& blk_coord, int k_tile_count,
-                                  TensorStorage& shared_tensors, TokenSlots const& slots) {
-    const bool elected = elect_one_sync();
-    __syncwarp();
-    settle_used(p, slots);
-    if (!elected) return;
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    const int row0 = int(m_coord) * kBlockM, sr = p.ext.num_slices * p.ext.rank;
-    const bool needed = (used_ & slot_window(row0 / sr, (row0 + kBlockM - 1) / sr)) != 0;
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    auto tma_a = p.tma_load_lora_a.get_slice(0);
-    auto tma_x = p.tma_load_b.get_slice(0);
-    auto tma_h = p.tma_load_h.get_slice(0);
-    Tensor tAgA = tma_a.partition_S(get<4>(load_inputs)(_, _, m_coord, _, l_coord));
-    Tensor tAsA = tma_a.partition_D(sA);
-    Tensor tXgX = tma_x.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
-    Tensor tXsB = tma_x.partition_D(sB);
-    Tensor tHgH = tma_h.partition_S(get<2>(load_inputs)(_, _, n_coord + 1, _, l_coord));
-    Tensor tHsB = tma_h.partition_D(sB);
-    const int x_tiles = k_tile_count < p.k_x_tiles ? k_tile_count : p.k_x_tiles;
-    for (int kt = 0; kt < k_tile_count; ++kt) {
-      pipeline.producer_acquire(smem_pipe_write);
-      auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
-      const int stage = smem_pipe_write.index();
-      if (kt >= x_tiles) {
-        cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, Base::TmaTransactionBytesMK);
-        copy(p.tma_load_h.with(*barrier, 0), tHgH(_, _, _, 0), tHsB(_, _, _, stage));
-      } else if (needed) {
-        copy(p.tma_load_lora_a.with(*barrier, 0), tAgA(_, _, _, kt), tAsA(_, _, _, stage));
-        copy(p.tma_load_b.with(*barrier, 0), tXgX(_, _, _, kt), tXsB(_, _, _, stage));
-      } else {
-        cutlass::arch::ClusterTransactionBarrier::complete_transaction(
-            barrier, 0, Base::TmaTransactionBytesMK + Base::TmaTransactionBytesNK);
-      }
-      ++smem_pipe_write;
-    }
-  }
-
-  // kFused: after an A tile's k loop, its consumers write h' = round(scale[s] * acc) into row t's window of slot s
-  // where t's slot is s, zeros elsewhere (a select: the accumulators of rows no token uses are never read), then
-  // count the tile done. Here, before the kernel's order barrier passes the turn, and not in the epilogue: the
-  // other warp group's next tile may be a W tile waiting for this one, and the ping-pong kernel starts this
-  // group's epilogue only after that tile's mainloop (csrc/cuda/NOTES.md, session 53).
-  // The tile: the static persistent scheduler gives CTA b (of G) the tiles b, b + G, ..., consumer warp group w the
-  // (2i + w)-th of them (one token tile: linear index = M block). The producer's load() gets the true coordinates;
-  // an A tile there and a W tile here (or the reverse) would be a wrong h or a trap, which the GPU tests catch.
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
-                          int thread_idx, TensorStorage& shared_tensors, Params const& p) {
-    Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, p);
-    if constexpr (kFused) {
-      const int group = cutlass::canonical_warp_group_idx() - 1;  // the producer is warp group 0
-      const long grid = long(gridDim.x) * gridDim.y * gridDim.z;
-      const long tile = long(blockIdx.x) + long(blockIdx.y) * gridDim.x + (2l * tiles_done_ + group) * grid;
-      ++tiles_done_;
-      if (tile < p.ext.a_tiles) {
-        warpgroup_wait<0>();  // the accumulators final (mma_tail's wait then has nothing left)
-        warpgroup_fence_operand(accum);
-        write_h(accum, int(tile), thread_idx % cutlass::NumThreadsPerWarpGroup, group, p);
-      }
-    }
-  }
-
-  template <class FrgTensorC>
-  CUTLASS_DEVICE static void write_h(FrgTensorC const& accum, int tile, int thread, int group, Params const& p) {
-    TiledMma tiled_mma;
-    Tensor coords = tiled_mma.get_slice(thread).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
-    const Extension& e = p.ext;
-    const int sr = e.num_slices * e.rank, lr = e.num_slots * e.rank;
-    // ElementB, not InternalElementB: the latter is the raw bits TMA moves (an unsigned integer of the element's
-    // width), to which a float converts as a number.
-    auto* h = const_cast<ElementB*>(e.h);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accum); ++i) {
-      const int row = tile * kBlockM + get<0>(coords(i)), t = get<1>(coords(i));
-      if (t >= e.num_tokens) continue;
-      const int s = row / sr, j = row % sr / e.rank, r = row % e.rank;
-      const float v = __ldg(e.token_slot + t) == s ? __ldg(e.scales + s) * accum(i) : 0.f;
-      h[int64_t(t) * e.num_slices * lr + j * lr + s * e.rank + r] = ElementB(v);
-    }
-    // every thread's stores, ordered before the async proxy's reads of them (the W tiles' TMA loads of h; their
-    // producer fences its side too, wait_for_a_tiles), then one release of the tile (a named barrier per warp
-    // group: user ids start past CUTLASS's own)
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    if (group == 0) cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, 0);
-    else cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, 1);  // ids known to ptxas
-    if (thread == 0) {
-      __threadfence();
-      atomicAdd(p.ext.counters, 1u);
-    }
   }
 
  private:
   uint64_t used_ = 0;  // the slots some row uses, once per CTA
   bool have_used_ = false;
-  int tiles_done_ = 0;  // a consumer warp group's tiles so far (kFused: mma()'s tile order)
 };
 
 // Tiles of 64 W rows x kTokens tokens x 64 K, ping-pong, clusters of one CTA: the probe's (W read once per CTA
@@ -467,56 +288,6 @@ struct KextGemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
                                                       KextMainloop<typename Collectives::Mainloop>,
                                                       typename Collectives::Epilogue>;
-  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
-// The fused GEMM's epilogue: CUTLASS's per-thread stores from the accumulators on the W tiles, at their rows of y (M
-// less the A tiles' rows); nothing on the A tiles, whose consumers wrote h in mma(). (A TMA-store epilogue would
-// have store pipeline states to keep in step over the skipped tiles.)
-template <class Built>
-struct KextFusedEpilogue : Built {
-  struct Arguments : Built::Arguments {
-    int a_rows = 0;  // the A tiles' rows: a_tiles x the tile's
-  };
-  using Params = Arguments;
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  CUTLASS_HOST_DEVICE KextFusedEpilogue(Params const& params, typename Built::TensorStorage& storage)
-      : Built(params, storage), a_rows_(params.a_rows) {}
-
-  template <class ProblemShapeMNKL, class CtaTileMNK, class CtaCoordMNKL, class AccEngine, class AccLayout,
-            class TiledMma>
-  CUTLASS_DEVICE auto store(typename Built::LoadPipeline load_pipeline,
-                            typename Built::LoadPipelineState load_pipe_consumer_state,
-                            typename Built::StorePipeline store_pipeline,
-                            typename Built::StorePipelineState store_pipe_producer_state,
-                            ProblemShapeMNKL problem_shape_mnkl, CtaTileMNK cta_tile_mnk, CtaCoordMNKL cta_coord_mnkl,
-                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
-                            typename Built::TensorStorage& shared_tensors, int subtile_index = -1) {
-    const int a_tiles = a_rows_ / int(size<0>(cta_tile_mnk));
-    auto [M, N, K, L] = problem_shape_mnkl;
-    auto [m, n, k, l] = cta_coord_mnkl;
-    if (int(m) < a_tiles) return cute::make_tuple(load_pipe_consumer_state, store_pipe_producer_state);
-    return Built::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
-                        make_shape(M - a_rows_, N, K, L), cta_tile_mnk, make_coord(int(m) - a_tiles, n, k, l),
-                        accumulators, tiled_mma, thread_idx, shared_tensors, subtile_index);
-  }
-
- private:
-  int a_rows_;
-};
-
-// The fused GEMM (LORA_OPS_CUDA_KEXT_KERNEL=fused): KextGemm's 64-row ping-pong tiles, its M the A tiles' rows then
-// W's.
-template <class T, int kTokens>
-struct KextFusedGemm {
-  using Tile = Shape<_64, Int<kTokens>, _64>;
-  using Collectives = DecodeCollectives<T, Tile, Shape<_1, _1, _1>, false, T, /*kNoSmemEpilogue=*/true>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
-                                                      KextMainloop<typename Collectives::Mainloop, true>,
-                                                      KextFusedEpilogue<typename Collectives::Epilogue>>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -562,62 +333,20 @@ typename G::Device::Arguments kext_arguments(const LoraLinearParams& p) {
   return args;
 }
 
-// The fused GEMM's: the pool's A rows ahead of W's in M, in whole tiles, and what its A tiles write h with.
-template <class G>
-typename G::Device::Arguments kext_fused_arguments(const LoraLinearParams& p) {
-  using K = typename G::Kernel;
-  using T = typename K::ElementA;
-  constexpr int kRows = size<0>(typename G::Tile{});
-  auto args = kext_arguments<G>(p);
-  auto& e = args.mainloop.ext;
-  e.a_tiles = int((p.num_slots * p.num_slices * p.rank + kRows - 1) / kRows);
-  e.lora_a = static_cast<const T*>(p.lora_a);
-  e.d_lora_a = typename K::StrideA{p.a_row_stride, Int<1>{}, int64_t{0}};
-  e.scales = p.scales;
-  e.counters = p.counters;
-  get<0>(args.problem_shape) += e.a_tiles * kRows;
-  args.epilogue.a_rows = e.a_tiles * kRows;
-  return args;
-}
-
 constexpr int tile_tokens(int i) { return static_cast<int>(kLoraLinearTileTokens[i]); }
 static_assert(sizeof(kLoraLinearTileTokens) / sizeof(kLoraLinearTileTokens[0]) == 4, "kext_dispatch's four tiles");
 
-// f(the GEMM configuration of T's tile): the fused GEMM's (kFused; 64-row tiles only) or the two-launch one's.
-template <bool kFused, class F>
+template <class F>
 decltype(auto) kext_dispatch(const LoraLinearParams& p, F&& f) {
   auto by_tokens = [&](auto element) {
     using T = decltype(element);
-    if constexpr (kFused) {
-      if (p.t <= tile_tokens(0)) return f(KextFusedGemm<T, tile_tokens(0)>{});
-      if (p.t <= tile_tokens(1)) return f(KextFusedGemm<T, tile_tokens(1)>{});
-      if (p.t <= tile_tokens(2)) return f(KextFusedGemm<T, tile_tokens(2)>{});
-      return f(KextFusedGemm<T, tile_tokens(3)>{});
-    } else {
-      if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{});
-      if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{});
-      if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{});
-      if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
-      return f(KextGemm<T, tile_tokens(3)>{});
-    }
+    if (p.t <= tile_tokens(0)) return f(KextGemm<T, tile_tokens(0)>{});
+    if (p.t <= tile_tokens(1)) return f(KextGemm<T, tile_tokens(1)>{});
+    if (p.t <= tile_tokens(2)) return f(KextGemm<T, tile_tokens(2)>{});
+    if (wide_tile(p)) return f(KextGemm<T, tile_tokens(3), true>{});
+    return f(KextGemm<T, tile_tokens(3)>{});
   };
   return p.dtype == DType::BF16 ? by_tokens(cutlass::bfloat16_t{}) : by_tokens(cutlass::half_t{});
-}
-
-// The fused GEMM's launch (cooperative: its W tiles wait on other CTAs' A tiles) where it takes a call the two-launch
-// kernels serve: asked for, the 64-row tile (not where the rule gives 65-128 tokens the 128-row one), lora_a's slots
-// side by side (its rows [L * S * R, K] at one stride), and CUTLASS's checks of the arguments it launches with.
-// Nothing where it does not serve.
-std::optional<cudaError_t> launch_kext_fused(const LoraLinearParams& p, cudaStream_t stream) {
-  if (p.kernel != KextKernel::Fused || p.counters == nullptr || p.scales == nullptr) return std::nullopt;
-  if (p.t > tile_tokens(2) && wide_tile(p)) return std::nullopt;
-  if (p.num_slots > 1 && p.a_slot_stride != p.num_slices * p.rank * p.a_row_stride) return std::nullopt;
-  return kext_dispatch<true>(p, [&](auto gemm) -> std::optional<cudaError_t> {
-    using G = decltype(gemm);
-    const auto args = kext_fused_arguments<G>(p);
-    if (!G::Kernel::can_implement(args) || G::Device::get_workspace_size(args) != 0) return std::nullopt;
-    return run_cutlass<G>(args, nullptr, stream, CutlassLaunch::kCooperative);
-  });
 }
 
 }  // namespace
@@ -640,7 +369,7 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
     return false;
   }
 #if defined(LORA_OPS_GG_SM90)
-  return kext_dispatch<false>(p, [&](auto gemm) {  // CUTLASS's own checks, and the stages rule, for T's tile
+  return kext_dispatch(p, [&](auto gemm) {  // CUTLASS's own checks, and the stages rule, for T's tile
     using G = decltype(gemm);
     const auto args = kext_arguments<G>(p);
     return G::Kernel::can_implement(args) && G::Device::get_workspace_size(args) == 0;
@@ -652,17 +381,11 @@ bool lora_linear_sm90_supported(const LoraLinearParams& p, int cc_major, int cc_
 
 cudaError_t launch_lora_linear_sm90(const LoraLinearParams& p, cudaStream_t stream) {
 #if defined(LORA_OPS_GG_SM90)
-  // Asked for (LORA_OPS_CUDA_KEXT_KERNEL=fused): one launch, after the kernel before it. Where the GPU cannot hold
-  // its whole persistent grid at once (a share of its SMs), the two launches instead.
-  if (const std::optional<cudaError_t> err = launch_kext_fused(p, stream)) {
-    if (*err != cudaErrorCooperativeLaunchTooLarge) return *err;
-    (void)cudaGetLastError();
-  }
-  return kext_dispatch<false>(p, [&](auto gemm) -> cudaError_t {
+  return kext_dispatch(p, [&](auto gemm) -> cudaError_t {
     using G = decltype(gemm);
     const auto args = kext_arguments<G>(p);  // lora_linear_sm90_supported ran CUTLASS's checks on them
     if (const cudaError_t err = launch_kext_shrink(p, stream); err != cudaSuccess) return err;
-    return run_cutlass<G>(args, nullptr, stream, CutlassLaunch::kProgrammatic);
+    return run_cutlass<G>(args, nullptr, stream, /*programmatic=*/true);
   });
 #else
   (void)p;

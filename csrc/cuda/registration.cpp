@@ -11,12 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <utility>
 
 #include "../common/checks.h"
 #include "../common/lora_linear.h"
@@ -406,52 +403,11 @@ std::optional<cuda::LoraLinearParams> lora_linear_sm90_params(const void* x_ptr,
   const int device = weight.get_device();
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   p.tile_65_128 = preferred_kernel<cuda::KextTile>("LORA_OPS_CUDA_KEXT_TILE", {"128x128", "64x128"});
-  p.kernel = preferred_kernel<cuda::KextKernel>("LORA_OPS_CUDA_KEXT_KERNEL", {"shrink", "fused"});
-  p.counters = nullptr;  // lora_linear_cuda's, for the fused GEMM
   if (!cuda::lora_linear_sm90_supported(p, device_attribute(cudaDevAttrComputeCapabilityMajor, device),
                                         device_attribute(cudaDevAttrComputeCapabilityMinor, device))) {
     return std::nullopt;
   }
   return p;
-}
-
-// The fused kext GEMM's counter pair on this stream (cuda::LoraLinearParams::counters), one pair a stream so that no
-// two launches in flight share one (graphs captured on one stream share its pair: replay them one at a time). A
-// device's pairs are slices of one block, zeroed and synchronized by the device's first fused call outside a capture,
-// and kept for the process (every launch leaves its pair zero): a stream first seen inside a capture (torch.cuda.graph
-// captures on a stream of its own) takes a pair that is already zero, with no fill in its graph. None (nullptr: the
-// two-launch kernels run) while the device has no block (its first fused call in a capture) or its pairs are all
-// taken. Leaked: a static tensor's destructor would run after CUDA's teardown at exit.
-uint32_t* kext_counters(const at::Device& device, cudaStream_t stream) {
-  constexpr int64_t kPairsPerDevice = 1024;  // distinct streams; torch's pools hold 32 a priority
-  struct DeviceCounters {
-    at::Tensor block;
-    std::map<cudaStream_t, int64_t> pair_of;
-  };
-  static std::mutex mutex;
-  static auto* devices = new std::map<int, DeviceCounters>();
-  const std::lock_guard<std::mutex> lock(mutex);
-  DeviceCounters& counters = (*devices)[device.index()];
-  if (!counters.block.defined()) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    if (capturing != cudaStreamCaptureStatusNone) return nullptr;
-    // Zero on this stream and wait, once: other streams' launches (and graphs) then find it zero. Relaxed, so that
-    // another thread's capture does not forbid this thread's allocation and synchronization.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    at::Tensor block = at::zeros({2 * kPairsPerDevice}, at::TensorOptions().device(device).dtype(at::kInt));
-    const cudaError_t synced = cudaStreamSynchronize(stream);
-    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    C10_CUDA_CHECK(synced);
-    counters.block = std::move(block);
-  }
-  const auto found = counters.pair_of.try_emplace(stream, static_cast<int64_t>(counters.pair_of.size())).first;
-  if (found->second >= kPairsPerDevice) {
-    counters.pair_of.erase(found);
-    return nullptr;
-  }
-  return reinterpret_cast<uint32_t*>(counters.block.data_ptr<int32_t>()) + 2 * found->second;
 }
 
 // lora_linear on the sm_90a kernels (a shrink, then the K-extended GEMM launched programmatically) where they serve:
@@ -476,13 +432,11 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const
       auto sizes = x.sizes().vec();
       sizes.back() = N;
       const at::Tensor y = at::empty(sizes, x.options());
-      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       p->token_slot = slots.data_ptr<int32_t>();
       p->scales = scales.data_ptr<float>();
       p->h = h.data_ptr();
       p->y = y.data_ptr();
-      if (p->kernel == cuda::KextKernel::Fused) p->counters = kext_counters(x.device(), stream);
-      C10_CUDA_CHECK(cuda::launch_lora_linear_sm90(*p, stream));
+      C10_CUDA_CHECK(cuda::launch_lora_linear_sm90(*p, c10::cuda::getCurrentCUDAStream()));
       if (bias.has_value()) y.add_(*bias);
       return y;
     }
