@@ -3,7 +3,8 @@
     python scripts/extension_stamp.py check    prints "up to date: ..." (exit 0) or "<what>: <why>" (exit 1)
     python scripts/extension_stamp.py record   after a successful build: the state `check` saw becomes the stamp
     python scripts/extension_stamp.py stamp-prebuilt DIR   DIR holds _C.so and _build_info.json built from this
-                                               tree by this Python (scripts/device_prebuild.sh): record what from
+                                               tree by this Python (scripts/device_prebuild.sh): record what from,
+                                               or refuse (exit 1) a build without the CUDA kernels or sm_90a GEMMs
     python scripts/extension_stamp.py use-prebuilt DIR     put DIR's extension in place (exit 0) where it was built
                                                from this tree's sources for this Python's minor version and torch;
                                                else say why not (exit 1) and leave lora_ops/ alone
@@ -66,7 +67,27 @@ def _prebuilt_key():
     return {"python": "%d.%d" % sys.version_info[:2], "torch": torch.__version__, "files": files}
 
 
+def _kernels_lacking(folder):
+    """Why the prebuilt's _build_info.json says it would not serve a torch with CUDA, or None: the device machine
+    wants the CUDA kernels and the sm_90a GEMMs (a build without them runs, slower and on other paths)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return None
+    with open(os.path.join(folder, "_build_info.json")) as f:
+        cuda = json.load(f)["backends"].get("cuda", {})
+    if not cuda.get("built"):
+        return f"built without the CUDA kernels ({cuda.get('reason', 'no reason given')})"
+    if not cuda.get("grouped_gemm_sm90", {}).get("built"):
+        return "built without the sm_90a GEMMs"
+    return None
+
+
 def stamp_prebuilt(folder):
+    lacking = _kernels_lacking(folder)
+    if lacking:
+        print(f"not stamping the prebuilt extension in {folder}: {lacking}")
+        return 1
     with open(os.path.join(folder, "stamp.json"), "w") as f:
         json.dump(_prebuilt_key(), f, indent=1)
     return 0
@@ -87,13 +108,8 @@ def use_prebuilt(folder, target=os.path.join(ROOT, "lora_ops")):
     missing = [name for name in PREBUILT_FILES if not os.path.exists(os.path.join(folder, name))]
     if missing:
         reasons.append(f"{', '.join(missing)} missing")
-    else:
-        import torch
-
-        with open(os.path.join(folder, "_build_info.json")) as f:
-            cuda = json.load(f)["backends"].get("cuda", {})
-        if torch.version.cuda is not None and not cuda.get("built"):  # this torch has CUDA: it must be built
-            reasons.append(f"built without the CUDA kernels ({cuda.get('reason', 'no reason given')})")
+    elif lacking := _kernels_lacking(folder):
+        reasons.append(lacking)
     if reasons:
         print(f"not using the prebuilt extension in {folder}: {'; '.join(reasons)}")
         return 1

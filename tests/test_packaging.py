@@ -47,6 +47,21 @@ def _extension_stamp():
     return module
 
 
+@pytest.mark.parametrize("cuda", [{"built": False, "reason": "no cuBLASLt"},
+                                  {"built": True, "grouped_gemm_sm90": {"built": False}}], ids=["no_cuda", "no_sm90"])
+def test_a_prebuilt_without_the_gpu_kernels_is_not_stamped(tmp_path, cuda, capsys):
+    """device_prebuild.sh's stamp-prebuilt refuses (exit 1, no stamp) a build that lacks the CUDA kernels or the
+    sm_90a GEMMs, which the device machine would otherwise run silently on other paths."""
+    if torch.version.cuda is None:
+        pytest.skip("this torch has no CUDA: a CPU-only build serves it")
+    stamp = _extension_stamp()
+    (tmp_path / "_C.so").write_bytes(b"not a library")
+    (tmp_path / "_build_info.json").write_text(json.dumps({"backends": {"cuda": cuda}}))
+    assert stamp.main("stamp-prebuilt", str(tmp_path)) == 1
+    assert not (tmp_path / "stamp.json").exists()
+    assert "not stamping" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mismatch", [None, "source", "torch", "python", "no_library", "no_cuda"])
 def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path, mismatch, capsys):
     """gpu_run.sh's use-prebuilt: the stamp written beside a prebuilt _C.so must match this tree's sources (notes
@@ -57,7 +72,7 @@ def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path
     prebuilt.mkdir()
     target.mkdir()
     (prebuilt / "_C.so").write_bytes(b"not a library")
-    built = {"built": True}
+    built = {"built": True, "grouped_gemm_sm90": {"built": True}}
     (prebuilt / "_build_info.json").write_text(json.dumps({"backends": {"cuda": built}}))
     assert stamp.main("stamp-prebuilt", str(prebuilt)) == 0
     key = json.loads((prebuilt / "stamp.json").read_text())
