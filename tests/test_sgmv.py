@@ -4,7 +4,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import Impl, case_generator, repeat_runs
+from conftest import Impl, case_generator, cuda_kernel_names, repeat_runs, sm90_built
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -93,7 +93,7 @@ def test_sgmv_deterministic(impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "mma"])
+@pytest.mark.parametrize("kernel", ["split", "mma", "wgmma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
@@ -138,18 +138,25 @@ MMA_PATH_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("y_dtype", [None, torch.float32], ids=["y_like_x", "y_float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(MMA_PATH_CASES))
-def test_sgmv_mma_paths(name, dtype, y_dtype, monkeypatch):
-    """The tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h sum)."""
+def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
+    """Each prefill tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h
+    sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", "mma")
+    if kernel == "wgmma" and not sm90_built():
+        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
     gen = case_generator(name)
     token_lora, kw = MMA_PATH_CASES[name](gen)
     problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
     again = problem.y.clone()
+    _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
+    wanted = "sgmv_wgmma_kernel" if kernel == "wgmma" and y_dtype is None else "sgmv_mma_kernel"
+    assert not ran or any(wanted in name for name in ran), ran
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)

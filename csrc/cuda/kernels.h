@@ -53,9 +53,22 @@ bool runs_kernel_pays(const ExpandParams& p);
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream);
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
-// slice group; shrink and expand in one kernel, the intermediate in registers.
+// slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one kernel, the
+// intermediate in registers. `wgmma`: the kernel of sgmv_wgmma.cu (where sgmv_wgmma_supported), else mma.sync's.
 bool sgmv_mma_supported(const SgmvParams& p);
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream);
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream);
+
+// The prefill sgmv's plan (sgmv_mma.cu's make_plan), which both of its kernels take.
+struct MmaPlan {
+  int64_t rank_pad;          // per-slice rank rounded up to 16
+  int64_t slices_per_group;  // slices sharing one rank tile
+  int64_t groups, max_tiles;
+  int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
+};
+// sgmv_wgmma.cu, compiled in with grouped_gemm_sm90.cu (LORA_OPS_GG_SM90): a 9.0 device, y of x's dtype, and
+// what sgmv_mma_supported asks.
+bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor);
+cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream);
 
 // grouped_gemm, K loop over tiles of positions x columns of one group, on tensor cores (fp16/bf16 w) or FMA
 // (fp32 w); any alignment. `narrow`: 64-row tiles holding every column of an N <= kGroupedGemmNarrowMaxN problem

@@ -80,11 +80,12 @@ Kernel preferred_kernel(const char* variable, std::initializer_list<const char*>
   TORCH_CHECK_VALUE(false, variable, " = '", v, "': expected ", expected);
 }
 
-// LORA_OPS_CUDA_SGMV_KERNEL=mma|split prefers one sgmv kernel where it can take the input (tests use it to
-// cover the kernel the automatic choice does not pick on their shapes); unset or "auto": by regime.
-enum class SgmvKernel { Auto, Mma, Split };
+// LORA_OPS_CUDA_SGMV_KERNEL=mma|split|wgmma prefers one sgmv kernel where it can take the input (tests use it to
+// cover the kernel the automatic choice does not pick on their shapes; wgmma: the prefill kernel on sm_90a's
+// warpgroup MMA, else mma); unset or "auto": by regime.
+enum class SgmvKernel { Auto, Mma, Split, Wgmma };
 SgmvKernel preferred_sgmv_kernel() {
-  return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split"});
+  return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split", "wgmma"});
 }
 
 // LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles|rows|runs|segments likewise prefers one expand kernel (lora_expand and
@@ -186,9 +187,11 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const int device = y.get_device();
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
   const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-  if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma ||
+  if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma || preferred == SgmvKernel::Wgmma ||
                                       (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
-    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, stream));
+    const bool wgmma = preferred == SgmvKernel::Wgmma &&
+                       cuda::sgmv_wgmma_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device));
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, stream));
     return;
   }
   const auto plan = cuda::plan_sgmv_shrink(p, sms);

@@ -15,36 +15,26 @@
 // On Hopper a tile is split over a cluster of C CTAs: each shrinks 1/C of K, the partial h tiles are summed
 // in member order through distributed shared memory (reduce-scatter then all-gather: deterministic), and each
 // expands 1/C of the columns: x, A, B and y are still read once, with C times the CTAs in flight.
-#include <cooperative_groups.h>
-
 #include <algorithm>
 
-#include "mma.cuh"
 #include "kernels.h"
+#include "mma.cuh"
+#include "sgmv_tile.cuh"
 
 namespace lora_ops::cuda {
 namespace {
 
-constexpr int kTileRows = 64;
 constexpr int kRowWarps = kTileRows / 16;  // warps along the tile's rows, 16 rows each
 constexpr int kBK = 64;
 constexpr int kBN = 64;
 constexpr int kStages = 3;
 constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxRankTile = 128;
-constexpr int kMaxCluster = 8;  // the portable cluster size
 
 // Two adjacent elements, accessed together.
 template <class V>
 struct alignas(2 * sizeof(V)) Pair {
   V e[2];
-};
-
-struct MmaPlan {
-  int64_t rank_pad;          // per-slice rank rounded up to 16
-  int64_t slices_per_group;  // slices sharing one rank tile
-  int64_t groups, max_tiles;
-  int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
 };
 
 // Warps across the rank in the shrink and across the columns in the expand. At rank tile 128 two: each warp then
@@ -232,48 +222,9 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   if constexpr (L::early_expand) expand_prologue();
 
   if (plan.cluster > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Sum the cluster's K-partials of h in member order (bitwise what a plain loop over the members gives). Member m
-    // sums the m-th 1/C of the fragments over every peer and keeps the sum in place (no peer reads that part of
-    // m's buffer), then each member fetches every sum from its owner: 2 tiles of h cross DSMEM per CTA instead of
-    // C, as float4s in fragment order (thread-contiguous: no bank conflicts; v3's per-element loads from rows
-    // RT floats apart were 8-way conflicted, C tiles per CTA).
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    float4* part = reinterpret_cast<float4*>(smem + L::h_partials_at);
-    constexpr int kFrags = kThreads * (kWarpRanks / 8);  // float4s of one h tile: a thread's per n8 tile of its ranks
-    static_assert(kFrags * sizeof(float4) == L::h_partials && L::h_partials_at + L::h_partials <= L::bytes &&
-                  kFrags % kMaxCluster == 0);
-#pragma unroll
-    for (int nt = 0; nt < kWarpRanks / 8; ++nt) {
-      part[nt * kThreads + tid] = make_float4(h[nt][0], h[nt][1], h[nt][2], h[nt][3]);
-    }
-    cluster.sync();
-    const int members = (int)plan.cluster, share = kFrags / members;
-    for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {
-      float4 v[kMaxCluster];
-#pragma unroll
-      for (int m = 0; m < kMaxCluster; ++m) {  // all loads in flight before the first add
-        if (m < members) v[m] = cluster.map_shared_rank(part, (unsigned)m)[f];
-      }
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int m = 0; m < kMaxCluster; ++m) {
-        if (m < members) sum = make_float4(sum.x + v[m].x, sum.y + v[m].y, sum.z + v[m].z, sum.w + v[m].w);
-      }
-      part[f] = sum;
-    }
-    cluster.sync();
-#pragma unroll
-    for (int nt = 0; nt < kWarpRanks / 8; ++nt) {
-      const int f = nt * kThreads + tid;
-      const float4 v = cluster.map_shared_rank(part, (unsigned)(f / share))[f];
-      h[nt][0] = v.x, h[nt][1] = v.y, h[nt][2] = v.z, h[nt][3] = v.w;
-    }
-    cluster.sync();  // no member reuses its shared memory while a peer may still read it
-#else
-    __trap();  // clusters exist from sm_90 on; the host never plans one below
-#endif
+    static_assert(L::h_partials_at + L::h_partials <= L::bytes);
+    cluster_sum_h<kThreads, kWarpRanks / 8>(reinterpret_cast<float4*>(smem + L::h_partials_at), &h[0][0], member,
+                                            plan.cluster);
   }
 
   // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y).
@@ -425,8 +376,9 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
 }
 
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
+cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream) {
   const MmaPlan plan = make_plan(p, num_sms, cc_major);
+  if (wgmma) return launch_sgmv_wgmma(p, plan, stream);
   const int64_t width = plan.slices_per_group * plan.rank_pad;
   if (width <= 16) return launch_rt<T, TY, 16>(p, plan, stream);
   if (width <= 32) return launch_rt<T, TY, 32>(p, plan, stream);
@@ -446,13 +398,13 @@ bool sgmv_mma_supported(const SgmvParams& p) {
   return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
 }
 
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream) {
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, false, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, wgmma, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, stream)
-                                 : launch_typed<__half, __half>(p, num_sms, cc_major, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, false, stream)
+                                 : launch_typed<__half, __half>(p, num_sms, cc_major, wgmma, stream);
 }
 
 }  // namespace lora_ops::cuda
