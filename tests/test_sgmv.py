@@ -101,6 +101,8 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     (a preferred kernel that cannot take an input leaves it to the automatic choice)."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
+    if kernel == "wgmma" and not sm90_built():
+        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
     monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name == "garbage_metadata":

@@ -26,7 +26,9 @@ __device__ inline void cluster_sum_h(float4* part, float* h, int64_t member, int
   static_assert(kFrags % kMaxCluster == 0, "every cluster size splits the fragments evenly");
   const int tid = threadIdx.x;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) part[v * kThreads + tid] = make_float4(h[4 * v], h[4 * v + 1], h[4 * v + 2], h[4 * v + 3]);
+  for (int v = 0; v < kVecs; ++v) {
+    part[v * kThreads + tid] = make_float4(h[4 * v], h[4 * v + 1], h[4 * v + 2], h[4 * v + 3]);
+  }
   cluster.sync();
   const int share = kFrags / (int)members;
   for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {

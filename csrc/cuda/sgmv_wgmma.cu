@@ -6,8 +6,11 @@
 //   expand: h, scaled and rounded to T once in registers, is the register A operand of y[64, 64] += h B[64, RT]^T
 //           (wgmma RS; the accumulator's layout is the A operand's: no shuffle), y tiles through shared memory.
 // Why (csrc/cuda/NOTES.md, sessions 25-28): the mma.sync kernel at rank 128 holds its operand fragments in
-// registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (128 threads, 48-72 KB)
-// fits 3-4 per SM. x, y and T only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
+// registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (128 threads, ~51 KB)
+// fits 4 per SM. Measured (H100, session 56): 4-5% faster at rank tiles of 64 and 128, a tie at 16, 8% slower on
+// a 3-slice batch split into rank-16 groups: twice the CTAs per SM bought ~5% at rank 128, not the ~2x that the
+// wave count predicted. Opt-in (LORA_OPS_CUDA_SGMV_KERNEL=wgmma) until the bench's op table says otherwise. y of
+// x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
 //
 // Operands reach shared memory by cp.async (16 bytes a thread, zero-filled outside the tile, the rank or K) into
 // the 128-byte-swizzled K-major layouts wgmma reads; each thread fences its copies into the async proxy before the
@@ -58,9 +61,9 @@ struct Wgmma {
   using MmaExpand = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<E, E, float, Shape<_64, Int<kBN>, Int<RT>>, Major::K, Major::K>()));
 
-  // Shared memory (elements of T, each buffer 1024-byte aligned: the swizzle's period, which wgmma's descriptors
-  // assume): the shrink's stages, then over the same bytes the expand's (B stages, then y stages) and the
-  // cluster's partial h (one float per accumulator of each thread, before the expand loads).
+  // Shared memory (elements of T; X, A and B 1024-byte aligned: the swizzle's period, which wgmma's descriptors
+  // assume; the y stages, read by plain loads, 16-byte aligned): the shrink's stages, then over the same bytes the
+  // cluster's partial h (one float per accumulator of each thread) and, after them, the expand's B and y stages.
   static constexpr size_t kX = cute::cosize_v<LayoutX>, kA = cute::cosize_v<LayoutA>;
   static constexpr size_t kB = cute::cosize_v<LayoutB>, kY = (size_t)kStages * 64 * (kBN + kYPad);
   static constexpr size_t shrink_bytes = (kX + kA) * sizeof(T);
@@ -78,7 +81,8 @@ template <class Layout>
 __device__ auto accumulator_as_a(Layout acc) {
   auto pairs = cute::logical_divide(cute::get<0, 2>(acc), cute::Tile<cute::_2>{});
   return cute::make_layout(cute::make_layout(cute::get<0, 0>(acc), cute::get<0, 1>(acc), cute::get<0, 0>(pairs)),
-                           cute::get<1>(acc), cute::coalesce(cute::make_layout(cute::get<0, 1>(pairs), cute::get<2>(acc))));
+                           cute::get<1>(acc),
+                           cute::coalesce(cute::make_layout(cute::get<0, 1>(pairs), cute::get<2>(acc))));
 }
 
 template <class T, int RT, int kStages>
@@ -152,6 +156,8 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   Tensor tXs = thr_s.partition_fragment_A(sX);  // (MMA, 1, kBK / 16, stages) descriptors
   Tensor tAs = thr_s.partition_fragment_B(sA);
   Tensor h = partition_fragment_C(mma_s, Shape<_64, Int<RT>>{});  // RT / 2 floats a thread
+  // Cleared, not zeroed by the first MMA's scale: a member with no K step (33 steps over 8 members leave the last
+  // none) adds zeros to the cluster's sum.
   clear(h);
   int64_t kt_begin, kt_end;
   split_range((p.k + kBK - 1) / kBK, plan.cluster, member, &kt_begin, &kt_end);
@@ -270,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
 #pragma unroll
     for (int i = 0; i < kTileRows / YRows::kRowStep; ++i) {
       if (T* row = y_row(i)) {
-        *reinterpret_cast<uint4*>(row + n0) = *reinterpret_cast<const uint4*>(src + i * YRows::kRowStep * (kBN + kYPad));
+        const T* chunk = src + i * YRows::kRowStep * (kBN + kYPad);
+        *reinterpret_cast<uint4*>(row + n0) = *reinterpret_cast<const uint4*>(chunk);
       }
     }
   }
