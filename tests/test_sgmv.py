@@ -158,7 +158,7 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     again = problem.y.clone()
     _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
     wanted = "sgmv_wgmma_kernel" if kernel == "wgmma" and y_dtype is None else "sgmv_mma_kernel"
-    assert not ran or any(wanted in name for name in ran), ran
+    assert not ran or any(wanted in kernel_name for kernel_name in ran), ran
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)

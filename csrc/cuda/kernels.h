@@ -65,8 +65,8 @@ struct MmaPlan {
   int64_t groups, max_tiles;
   int64_t cluster;           // CTAs per (tile, group): K split for the shrink, column split for the expand
 };
-// sgmv_wgmma.cu, compiled in with grouped_gemm_sm90.cu (LORA_OPS_GG_SM90): a 9.0 device, y of x's dtype, and
-// what sgmv_mma_supported asks.
+// sgmv_wgmma.cu, compiled in with grouped_gemm_sm90.cu (LORA_OPS_GG_SM90): a 9.0 device and y of x's dtype, on
+// top of sgmv_mma_supported (which the caller has checked).
 bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor);
 cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream);
 

@@ -190,7 +190,8 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma || preferred == SgmvKernel::Wgmma ||
                                       (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
     const bool wgmma = preferred == SgmvKernel::Wgmma &&
-                       cuda::sgmv_wgmma_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device));
+                       cuda::sgmv_wgmma_supported(p, cc_major,
+                                                  device_attribute(cudaDevAttrComputeCapabilityMinor, device));
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, stream));
     return;
   }

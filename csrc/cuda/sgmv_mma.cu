@@ -376,9 +376,8 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
 }
 
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream) {
+cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
   const MmaPlan plan = make_plan(p, num_sms, cc_major);
-  if (wgmma) return launch_sgmv_wgmma(p, plan, stream);
   const int64_t width = plan.slices_per_group * plan.rank_pad;
   if (width <= 16) return launch_rt<T, TY, 16>(p, plan, stream);
   if (width <= 32) return launch_rt<T, TY, 32>(p, plan, stream);
@@ -399,12 +398,13 @@ bool sgmv_mma_supported(const SgmvParams& p) {
 }
 
 cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream) {
+  if (wgmma) return launch_sgmv_wgmma(p, make_plan(p, num_sms, cc_major), stream);
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, false, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, wgmma, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, false, stream)
-                                 : launch_typed<__half, __half>(p, num_sms, cc_major, wgmma, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, stream)
+                                 : launch_typed<__half, __half>(p, num_sms, cc_major, stream);
 }
 
 }  // namespace lora_ops::cuda

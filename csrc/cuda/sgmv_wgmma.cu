@@ -32,7 +32,6 @@ namespace lora_ops::cuda {
 #if defined(LORA_OPS_GG_SM90)
 namespace {
 
-using cute::_1;
 using cute::_64;
 using cute::Int;
 using cute::Shape;
@@ -309,7 +308,7 @@ cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width
 }  // namespace
 
 bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor) {
-  return cc_major == 9 && cc_minor == 0 && p.y_dtype == p.x_dtype && sgmv_mma_supported(p);
+  return cc_major == 9 && cc_minor == 0 && p.y_dtype == p.x_dtype;
 }
 
 cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
