@@ -41,6 +41,13 @@ def build_info() -> dict:
         return {"backends": {}}
 
 
+def sm90_kernels_run() -> bool:
+    """The sm_90a kernels (the CUTLASS GEMMs of fold_linear and lora_linear, the wgmma prefill sgmv) are built and
+    the current CUDA device runs them (compute capability 9.0)."""
+    cuda = build_info().get("backends", {}).get("cuda", {})
+    return bool(cuda.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
+
+
 def _has_kernel(op: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"lora_ops::{op}", key)
 

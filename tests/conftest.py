@@ -61,12 +61,6 @@ def repeat_runs(impl, run, runs=3):
         torch.set_num_threads(threads)
 
 
-def sm90_built() -> bool:
-    """The sm_90a CUTLASS kernels (fold_linear's, lora_linear's) are built and this GPU runs them (9.0)."""
-    info = backends.build_info().get("backends", {}).get("cuda", {})
-    return bool(info.get("grouped_gemm_sm90", {}).get("built")) and torch.cuda.get_device_capability() == (9, 0)
-
-
 def misaligned(t):
     """t's values in a tensor whose data starts one element past a 16-byte boundary (same shape, contiguous)."""
     return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from lora_ops import reference, testing
+from lora_ops import backends, reference, testing
 
-from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned, sm90_built
+from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned
 
 
 
@@ -164,7 +164,7 @@ def test_cutlass_kernel_up_to_64_tokens(T, dtype, monkeypatch):
     x, w, _ = _inputs(T, 520, 1040, dtype, "cuda")
     y, ran = cuda_kernel_names(lambda: lora_ops.fold_linear(x, w))
     _assert_product(y, x, w)
-    assert _ran_cutlass(ran) == (sm90_built() and T <= 64), ran
+    assert _ran_cutlass(ran) == (backends.sm90_kernels_run() and T <= 64), ran
 
 
 @pytest.mark.gpu
@@ -194,7 +194,7 @@ def test_at_linear_where_the_kernel_does_not_serve(case, monkeypatch):
 
 @pytest.mark.gpu
 def test_forced_cutlass_serves_any_token_count(monkeypatch):
-    if not sm90_built():
+    if not backends.sm90_kernels_run():
         pytest.skip("the sm_90a kernels are not built, or not a 9.0 device")
     monkeypatch.setenv("LORA_OPS_CUDA_LINEAR_KERNEL", "cutlass")
     x, w, _ = _inputs(300, 520, 1040, torch.bfloat16, "cuda")
@@ -368,7 +368,7 @@ def test_deterministic_and_graph_replay(T, monkeypatch):
         return out
 
     _, ran = cuda_kernel_names(step)
-    assert _ran_cutlass(ran) == (sm90_built() and T <= 64), ran
+    assert _ran_cutlass(ran) == (backends.sm90_kernels_run() and T <= 64), ran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -425,7 +425,7 @@ def test_cutlass_kernel_skips_the_unused_slots(T, base_rows, slot_rows, K, monke
     for slot in set(token_lora.tolist()) - {-1}:
         needed[base_rows + slot * slot_rows:base_rows + (slot + 1) * slot_rows] = True
     torch.testing.assert_close(y[:, needed].double(), ref[:, needed], rtol=2 ** -7, atol=1e-2)
-    if not sm90_built():
+    if not backends.sm90_kernels_run():
         assert not _ran_cutlass(ran) and not y.isnan().any()
         return
     assert _ran_cutlass(ran), ran

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from lora_ops import reference
+from lora_ops import backends, reference
 
-from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned, sm90_built
+from conftest import aten_op_names, case_generator, cuda_kernel_names, misaligned
 
 # Relative error bounds against the float64 oracle (max |err| / max |ref|): float32 sums; half types add h's
 # rounding to x's dtype and the output's.
@@ -258,7 +258,7 @@ def _assert_kext_ran(keys) -> None:
     """The kext kernels ran where the sm_90a kernels are built, and only there. Under compute-sanitizer the profiler
     sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing to check."""
     if keys:
-        assert _ran_kext(keys) == sm90_built(), keys
+        assert _ran_kext(keys) == backends.sm90_kernels_run(), keys
 
 
 def _kext_schedule(keys) -> str:
@@ -273,7 +273,7 @@ def _assert_schedule(keys, expected: str) -> None:
     """The K-extended GEMM ran with this schedule, where the sm_90a kernels are built. Under compute-sanitizer the
     profiler sees no kernel at all (its CUPTI is the sanitizer's; cuda_kernel_names allows that only there): nothing
     to check there."""
-    if sm90_built() and keys:
+    if backends.sm90_kernels_run() and keys:
         assert _kext_schedule(keys) == expected, keys
 
 
@@ -361,7 +361,7 @@ def test_cuda_shrink_shapes_match_the_oracle(case, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     parts = _shrink_parts(T, K, 384, len(offsets) - 1, R, sms)
     assert sms != 132 or parts == h200_parts  # the rule as the table above states it
-    if sm90_built() and ran:
+    if backends.sm90_kernels_run() and ran:
         assert _shrink_split(ran) == (parts > 1), ran
     assert torch.equal(y, lora_ops.lora_linear(*args[:6], offsets))  # the parts summed in a fixed order
 

@@ -11,10 +11,10 @@ import re
 import pytest
 import torch
 
-from lora_ops import op_table, routes
+from lora_ops import backends, op_table, routes
 
 import serving_models
-from conftest import cuda_kernel_names, sm90_built
+from conftest import cuda_kernel_names
 from test_serving import _model_and_adapters, _peft_model, _pool_model, adapters  # noqa: F401  (adapters: a fixture)
 
 
@@ -394,7 +394,7 @@ def test_kext_route_runs_its_kernels_in_a_model(tmp_path, fused, monkeypatch):
     64-feature models run its composition), the kext route runs its CUDA kernels in every patched layer, on B's copy
     as columns of W's rows, with fused slices too, and gives PEFT's outputs to bf16's rounding, as the sgmv route
     does."""
-    if not sm90_built():
+    if not backends.sm90_kernels_run():
         pytest.skip("lora_linear's CUDA kernels are sm_90a: not built, or not this GPU")
     base = serving_models.llama(hidden_size=1536, intermediate_size=2048, num_attention_heads=12,
                                 num_key_value_heads=4, num_hidden_layers=1)

@@ -4,7 +4,7 @@ import torch
 import lora_ops
 from lora_ops import backends, reference, testing
 
-from conftest import Impl, case_generator, cuda_kernel_names, repeat_runs, sm90_built
+from conftest import Impl, case_generator, cuda_kernel_names, repeat_runs
 from grid import SGMV_CASES, SGMV_LARGE_CASES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -101,7 +101,7 @@ def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     (a preferred kernel that cannot take an input leaves it to the automatic choice)."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel == "wgmma" and not sm90_built():
+    if kernel == "wgmma" and not backends.sm90_kernels_run():
         pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
     monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
@@ -149,7 +149,7 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel == "wgmma" and not sm90_built():
+    if kernel == "wgmma" and not backends.sm90_kernels_run():
         pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
     monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
     gen = case_generator(name)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -33,7 +34,8 @@ from . import peers
 from .timing import MIN_CALLS, cuda_runner, time_cpu, time_cuda, time_interleaved
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
-OURS = ("cpu", "cuda", "triton", "cpu-rows", "cuda-rows", "triton-rows")  # -rows: lora_expand's rows form
+# -rows: lora_expand's rows form; cuda-wgmma: the opt-in sm_90a prefill sgmv (sgmv_wgmma.cu), forced
+OURS = ("cpu", "cuda", "cuda-wgmma", "triton", "cpu-rows", "cuda-rows", "triton-rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +174,26 @@ def _our_implementations(device, op: str) -> Dict[str, Callable]:
     return impls
 
 
+def cuda_wgmma(pb: Problem, y):
+    """lora_ops.sgmv with LORA_OPS_CUDA_SGMV_KERNEL=wgmma: the sm_90a prefill kernel the op table does not choose yet
+    (csrc/cuda/sgmv_wgmma.cu), beside the default. The variable is read on every call (a graph keeps the kernel it
+    captured); setting and restoring it costs the eager record a few µs of host time."""
+    before = os.environ.get(_SGMV_KERNEL)
+    os.environ[_SGMV_KERNEL] = "wgmma"
+    try:
+        lora_ops.sgmv(*pb.args(y))
+    finally:
+        if before is None:
+            del os.environ[_SGMV_KERNEL]
+        else:
+            os.environ[_SGMV_KERNEL] = before
+
+
+_SGMV_KERNEL = "LORA_OPS_CUDA_SGMV_KERNEL"
+# The tensor-core sgmv kernels take over from this many positions (csrc/cuda/registration.cpp, kMmaMinPositions).
+MMA_MIN_POSITIONS = 1024
+
+
 def torch_loop(pb: Problem, y):
     """PEFT's mixed batch: per adapter, gather its rows, two matmuls, scatter-add."""
     p = pb.p
@@ -269,6 +291,8 @@ def vllm(pb: Problem, y):
 
 def implementations(device) -> Dict[str, Callable]:
     impls = _our_implementations(device, "sgmv")
+    if "cuda" in impls and backends.sm90_kernels_run():
+        impls["cuda-wgmma"] = cuda_wgmma
     impls["torch_loop"] = torch_loop
     impls["gather_bmm"] = gather_bmm
     impls["gg_composed"] = gg_composed
@@ -446,6 +470,8 @@ def _widths(case: Case) -> dict:
 
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
                log) -> None:
+    if case.T < MMA_MIN_POSITIONS:  # forced below, the wgmma kernel would run decode batches it is not meant for
+        impls = {name: fn for name, fn in impls.items() if name != "cuda-wgmma"}
     pb0 = Problem(case, dtype, device, seed=1)
     sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
                                  log)
