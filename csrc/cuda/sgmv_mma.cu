@@ -29,7 +29,6 @@ constexpr int kBK = 64;
 constexpr int kBN = 64;
 constexpr int kStages = 3;
 constexpr int kPad = 8;  // elements of padding per shared row: conflict-free ldmatrix
-constexpr int kMaxRankTile = 128;
 
 // Two adjacent elements, accessed together.
 template <class V>
@@ -76,9 +75,6 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   constexpr int kWarpCols = kBN / kColWarps<RT>;  // of a warp's expand, per 64-column tile
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int64_t s_rows[kTileRows];
-  const T* x = static_cast<const T*>(p.x);
-  const T* lora_a = static_cast<const T*>(p.lora_a);
-  const T* lora_b = static_cast<const T*>(p.lora_b);
   TY* y = static_cast<TY*>(p.y);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wr = warp % kRowWarps, wc = warp / kRowWarps;  // the warp's rows, and its rank / column share
@@ -88,47 +84,22 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
     return;
   }
-  const int64_t R = p.max_rank, rank = tile.size;
+  const int64_t rank = tile.size;
   const int rp = (int)plan.rank_pad;
   if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
 
   // ---------------- shrink: h = X A^T ----------------
-  // X and A tiles share one chunk column (kc) per thread; a row outside the tile's rows or the slot's true rank
-  // (or a slice past the group) has a null source and is zero-filled.
-  using KRows = Pieces<T, kTileRows, kBK, kThreads>;  // A's RT rows take the same row step
-  static_assert(kTileRows % KRows::kRowStep == 0 && RT % KRows::kRowStep == 0, "X and A rows split evenly");
-  const int kc = KRows::c();
-  const T* x_src[kTileRows / KRows::kRowStep];
-#pragma unroll
-  for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
-    const int64_t row = s_rows[KRows::r0() + i * KRows::kRowStep];
-    x_src[i] = row >= 0 ? x + row * p.x_row_stride + kc : nullptr;
-  }
-  const T* a_src[RT / KRows::kRowStep];
-#pragma unroll
-  for (int i = 0; i < RT / KRows::kRowStep; ++i) {
-    const int rr = KRows::r0() + i * KRows::kRowStep, sl = rr / rp, j = rr % rp;
-    a_src[i] = s0 + sl < s1 && j < rank ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + kc
-                                        : nullptr;
-  }
+  const ShrinkSources<T, RT, kThreads, kBK> shrink_src(p, s_rows, tile, rp, s0, s1);
+  using KRows = typename decltype(shrink_src)::Rows;
   auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
   auto as = [&](int st) { return xs(st) + kTileRows * (kBK + kPad); };
   auto load_shrink = [&](int st, int64_t k0) {
-    T* X = xs(st) + KRows::r0() * (kBK + kPad) + kc;
-    T* A = as(st) + KRows::r0() * (kBK + kPad) + kc;
-    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;
-#pragma unroll
-    for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
-      const bool ok = x_src[i] && bytes;
-      cp_async16(X + i * KRows::kRowStep * (kBK + kPad), ok ? x_src[i] + k0 : x, ok ? bytes : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < RT / KRows::kRowStep; ++i) {
-      const bool ok = a_src[i] && bytes;
-      cp_async16(A + i * KRows::kRowStep * (kBK + kPad), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
-    }
+    T* X = xs(st) + KRows::r0() * (kBK + kPad) + shrink_src.kc;
+    T* A = as(st) + KRows::r0() * (kBK + kPad) + shrink_src.kc;
+    shrink_src.load(p, k0, [&](int i) { return X + i * KRows::kRowStep * (kBK + kPad); },
+                    [&](int i) { return A + i * KRows::kRowStep * (kBK + kPad); });
   };
   float h[kWarpRanks / 8][4] = {};
   int64_t kt_begin, kt_end;
@@ -169,17 +140,8 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // (session 26's trace: the sum took 3.1 us of a CTA's 32.5 at T=4096, rank 16, and the expand then waited for
   // its first loads).
   const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
-  // B: each thread copies one rank chunk (j8) of columns first + i * step; the chunk belongs to one slice of the
-  // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi) (empty when the
-  // chunk is past the slot's rank or the group's slices).
-  using BRows = Pieces<T, kBN, RT, kThreads>;
-  static_assert(kBN % BRows::kRowStep == 0, "B rows split evenly");
-  const int j8 = BRows::c(), b_slice = j8 / rp, b_j = j8 % rp;
-  const bool b_used = s0 + b_slice < s1 && b_j < rank;
-  const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
-  const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
-  const T* b_src = lora_b + tile.slot * p.b_stride0 + b_j;
-  const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
+  const ExpandBSource<T, RT, kThreads, kBN> b_src(p, tile, rp, s0, s1);
+  using BRows = typename decltype(b_src)::Rows;
   // y: each thread copies one column chunk (yc) of the tile rows first + i * step, in and out.
   constexpr int kYVec = 16 / sizeof(TY);
   using YRows = Pieces<TY, kTileRows, kBN, kThreads>;
@@ -193,13 +155,8 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   auto bs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::expand_stage); };
   auto ys = [&](int st) { return reinterpret_cast<TY*>(smem + st * L::expand_stage + L::expand_b); };
   auto load_expand = [&](int st, int64_t n0) {
-    T* B = bs(st) + BRows::r0() * (RT + kPad) + j8;
-#pragma unroll
-    for (int i = 0; i < kBN / BRows::kRowStep; ++i) {
-      const int64_t n = n0 + BRows::r0() + i * BRows::kRowStep;
-      const bool ok = n >= b_lo && n < b_hi;
-      cp_async16(B + i * BRows::kRowStep * (RT + kPad), ok ? b_src + n * p.b_stride1 : lora_b, ok ? b_bytes : 0);
-    }
+    T* B = bs(st) + BRows::r0() * (RT + kPad) + b_src.j8;
+    b_src.load(p, n0, [&](int i) { return B + i * BRows::kRowStep * (RT + kPad); });
     TY* Y = ys(st) + YRows::r0() * (kBN + L::kYPad) + yc;
     const bool in = n0 + yc + kYVec <= c_end;  // see the write-back
 #pragma unroll
@@ -378,11 +335,8 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
 template <class T, class TY>
 cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
   const MmaPlan plan = make_plan(p, num_sms, cc_major);
-  const int64_t width = plan.slices_per_group * plan.rank_pad;
-  if (width <= 16) return launch_rt<T, TY, 16>(p, plan, stream);
-  if (width <= 32) return launch_rt<T, TY, 32>(p, plan, stream);
-  if (width <= 64) return launch_rt<T, TY, 64>(p, plan, stream);
-  return launch_rt<T, TY, 128>(p, plan, stream);
+  return with_rank_tile(plan.slices_per_group * plan.rank_pad,
+                        [&](auto rt) { return launch_rt<T, TY, decltype(rt)::value>(p, plan, stream); });
 }
 
 }  // namespace

@@ -1,7 +1,11 @@
 // What the prefill sgmv kernels (sgmv_mma.cu on mma.sync, sgmv_wgmma.cu on sm_90a's wgmma) share: the tile of
-// positions, and the deterministic sum of a cluster's K-partials of h through distributed shared memory.
+// positions, each thread's sources of X, A and B, the rank tile a launch is built for, and the deterministic sum of
+// a cluster's K-partials of h through distributed shared memory.
 #pragma once
 #include <cooperative_groups.h>
+
+#include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -9,6 +13,96 @@ namespace lora_ops::cuda {
 
 constexpr int kTileRows = 64;   // positions of one segment per tile
 constexpr int kMaxCluster = 8;  // the portable cluster size
+constexpr int kMaxRankTile = 128;  // ranks of all a tile's slices together (with_rank_tile)
+
+// Where one thread's shrink copies come from: the 16-byte chunk column kc of rows r0, r0 + step, ... of the X tile
+// (through the tile's positions) and of A's rank rows, the group's slices one after another, rank_pad rows each.
+// A null source (a row outside the tile, past the slot's true rank or the group's slices) is a zero fill.
+template <class T, int RT, int kThreads, int kBK>
+struct ShrinkSources {
+  using Rows = Pieces<T, kTileRows, kBK, kThreads>;
+  static_assert(kTileRows % Rows::kRowStep == 0 && RT % Rows::kRowStep == 0, "X and A rows split evenly");
+  static constexpr int kXRows = kTileRows / Rows::kRowStep, kARows = RT / Rows::kRowStep;
+  int kc;
+  const T* x[kXRows];
+  const T* a[kARows];
+
+  __device__ ShrinkSources(const SgmvParams& p, const int64_t* s_rows, const TileRef& tile, int rank_pad, int64_t s0,
+                           int64_t s1) {
+    kc = Rows::c();
+#pragma unroll
+    for (int i = 0; i < kXRows; ++i) {
+      const int64_t row = s_rows[Rows::r0() + i * Rows::kRowStep];
+      x[i] = row >= 0 ? static_cast<const T*>(p.x) + row * p.x_row_stride + kc : nullptr;
+    }
+#pragma unroll
+    for (int i = 0; i < kARows; ++i) {
+      const int rr = Rows::r0() + i * Rows::kRowStep, sl = rr / rank_pad, j = rr % rank_pad;
+      a[i] = s0 + sl < s1 && j < tile.size ? static_cast<const T*>(p.lora_a) + tile.slot * p.a_stride0 +
+                                                 ((s0 + sl) * p.max_rank + j) * p.a_stride1 + kc
+                                           : nullptr;
+    }
+  }
+
+  // The copies of the K step at k0: row i of X to x_dst(i), of A to a_dst(i) (shared memory), zero past K.
+  template <class XDst, class ADst>
+  __device__ void load(const SgmvParams& p, int64_t k0, XDst x_dst, ADst a_dst) const {
+    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;
+#pragma unroll
+    for (int i = 0; i < kXRows; ++i) {
+      const bool ok = x[i] && bytes;
+      cp_async16(x_dst(i), ok ? x[i] + k0 : p.x, ok ? bytes : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kARows; ++i) {
+      const bool ok = a[i] && bytes;
+      cp_async16(a_dst(i), ok ? a[i] + k0 : p.lora_a, ok ? bytes : 0);
+    }
+  }
+};
+
+// Where one thread's expand copies of B come from: the rank chunk j8 (16 bytes) of columns r0, r0 + step, ... of
+// each kBN-column step. The chunk belongs to one slice of the group (block-diagonal placement), so it is read only
+// for that slice's columns [lo, hi): none when it lies past the slot's true rank or the group's slices.
+template <class T, int RT, int kThreads, int kBN>
+struct ExpandBSource {
+  using Rows = Pieces<T, kBN, RT, kThreads>;
+  static_assert(kBN % Rows::kRowStep == 0, "B rows split evenly");
+  int j8, bytes;
+  int64_t lo, hi;
+  const T* src;
+
+  __device__ ExpandBSource(const SgmvParams& p, const TileRef& tile, int rank_pad, int64_t s0, int64_t s1) {
+    j8 = Rows::c();
+    const int slice = j8 / rank_pad, j = j8 % rank_pad;
+    const bool used = s0 + slice < s1 && j < tile.size;
+    lo = used ? p.slice_offsets[s0 + slice] : 0;
+    hi = used ? p.slice_offsets[s0 + slice + 1] : 0;
+    src = static_cast<const T*>(p.lora_b) + tile.slot * p.b_stride0 + j;
+    bytes = (int)std::min<int64_t>(8, tile.size - j) * 2;
+  }
+
+  // The copies of the columns [n0, n0 + kBN): row i (column n0 + r0 + i * step) to dst(i) (shared memory).
+  template <class Dst>
+  __device__ void load(const SgmvParams& p, int64_t n0, Dst dst) const {
+#pragma unroll
+    for (int i = 0; i < kBN / Rows::kRowStep; ++i) {
+      const int64_t n = n0 + Rows::r0() + i * Rows::kRowStep;
+      const bool ok = n >= lo && n < hi;
+      cp_async16(dst(i), ok ? src + n * p.b_stride1 : p.lora_b, ok ? bytes : 0);
+    }
+  }
+};
+
+// Calls f(std::integral_constant<int, RT>{}) with the narrowest rank tile (16, 32, 64, 128) that holds `width`
+// ranks: a slice group's slices times the padded rank.
+template <class F>
+auto with_rank_tile(int64_t width, F&& f) {
+  if (width <= 16) return f(std::integral_constant<int, 16>{});
+  if (width <= 32) return f(std::integral_constant<int, 32>{});
+  if (width <= 64) return f(std::integral_constant<int, 64>{});
+  return f(std::integral_constant<int, 128>{});
+}
 
 // Sums the cluster's K-partials of h in member order (bitwise what a plain loop over the members gives), in place:
 // each of the CTA's kThreads threads holds kVecs float4s of its own fragments (h, 4 * kVecs floats), and `part`

@@ -94,9 +94,6 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int64_t s_rows[kTileRows];
   T* smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const T* x = static_cast<const T*>(p.x);
-  const T* lora_a = static_cast<const T*>(p.lora_a);
-  const T* lora_b = static_cast<const T*>(p.lora_b);
   T* y = static_cast<T*>(p.y);
   const int tid = threadIdx.x;
   const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
@@ -105,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
     return;
   }
-  const int64_t R = p.max_rank, rank = tile.size;
+  const int64_t rank = tile.size;
   const int rp = (int)plan.rank_pad;
   if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
@@ -114,35 +111,11 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   // ---------------- shrink: h = X A^T ----------------
   Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<E*>(smem)), typename W::LayoutX{});
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<E*>(smem + W::kX)), typename W::LayoutA{});
-  // Each thread copies the same 16-byte chunk column kc of rows r0, r0 + 16, ... of X and A (X's row sources and
-  // A's found once: a row outside the tile, past the slot's true rank or the group's slices has none: zeros).
-  using KRows = Pieces<T, kTileRows, kBK, kThreads>;
-  const int kc = KRows::c();
-  const T* x_src[kTileRows / KRows::kRowStep];
-#pragma unroll
-  for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
-    const int64_t row = s_rows[KRows::r0() + i * KRows::kRowStep];
-    x_src[i] = row >= 0 ? x + row * p.x_row_stride + kc : nullptr;
-  }
-  const T* a_src[RT / KRows::kRowStep];
-#pragma unroll
-  for (int i = 0; i < RT / KRows::kRowStep; ++i) {
-    const int rr = KRows::r0() + i * KRows::kRowStep, sl = rr / rp, j = rr % rp;
-    a_src[i] = s0 + sl < s1 && j < rank ? lora_a + tile.slot * p.a_stride0 + ((s0 + sl) * R + j) * p.a_stride1 + kc
-                                        : nullptr;
-  }
+  const ShrinkSources<T, RT, kThreads, kBK> shrink_src(p, s_rows, tile, rp, s0, s1);
+  using KRows = typename decltype(shrink_src)::Rows;
   auto load_shrink = [&](int st, int64_t k0) {
-    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;
-#pragma unroll
-    for (int i = 0; i < kTileRows / KRows::kRowStep; ++i) {
-      const bool ok = x_src[i] && bytes;
-      cp_async16(&sX(KRows::r0() + i * KRows::kRowStep, kc, st), ok ? x_src[i] + k0 : x, ok ? bytes : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < RT / KRows::kRowStep; ++i) {
-      const bool ok = a_src[i] && bytes;
-      cp_async16(&sA(KRows::r0() + i * KRows::kRowStep, kc, st), ok ? a_src[i] + k0 : lora_a, ok ? bytes : 0);
-    }
+    shrink_src.load(p, k0, [&](int i) { return &sX(KRows::r0() + i * KRows::kRowStep, shrink_src.kc, st); },
+                    [&](int i) { return &sA(KRows::r0() + i * KRows::kRowStep, shrink_src.kc, st); });
   };
   // A stage is ready for wgmma once every thread's copies into it have landed and been fenced into the async proxy.
   auto stage_ready = [] {
@@ -195,16 +168,8 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<E*>(smem)), typename W::LayoutB{});
   T* y_stages = smem + W::kB;
   const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
-  // B: each thread copies one rank chunk (j8) of columns r0, r0 + step, ...; the chunk belongs to one slice of the
-  // group (block-diagonal placement), so it is read only for that slice's columns [b_lo, b_hi).
-  using BRows = Pieces<T, kBN, RT, kThreads>;
-  static_assert(kBN % BRows::kRowStep == 0, "B rows split evenly");
-  const int j8 = BRows::c(), b_slice = j8 / rp, b_j = j8 % rp;
-  const bool b_used = s0 + b_slice < s1 && b_j < rank;
-  const int64_t b_lo = b_used ? p.slice_offsets[s0 + b_slice] : 0;
-  const int64_t b_hi = b_used ? p.slice_offsets[s0 + b_slice + 1] : 0;
-  const T* b_src = lora_b + tile.slot * p.b_stride0 + b_j;
-  const int b_bytes = (int)std::min<int64_t>(8, rank - b_j) * 2;
+  const ExpandBSource<T, RT, kThreads, kBN> b_src(p, tile, rp, s0, s1);
+  using BRows = typename decltype(b_src)::Rows;
   using YRows = Pieces<T, kTileRows, kBN, kThreads>;
   static_assert(kTileRows % YRows::kRowStep == 0, "y rows split evenly");
   const int yc = YRows::c();
@@ -214,13 +179,7 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   };
   auto ys = [&](int st) { return y_stages + st * 64 * (kBN + kYPad); };
   auto load_expand = [&](int st, int64_t n0) {
-#pragma unroll
-    for (int i = 0; i < kBN / BRows::kRowStep; ++i) {
-      const int64_t n = n0 + BRows::r0() + i * BRows::kRowStep;
-      const bool ok = n >= b_lo && n < b_hi;
-      cp_async16(&sB(BRows::r0() + i * BRows::kRowStep, j8, st), ok ? b_src + n * p.b_stride1 : lora_b,
-                 ok ? b_bytes : 0);
-    }
+    b_src.load(p, n0, [&](int i) { return &sB(BRows::r0() + i * BRows::kRowStep, b_src.j8, st); });
     T* Y = ys(st) + YRows::r0() * (kBN + kYPad) + yc;
     const bool in = n0 + yc + 8 <= c_end;  // slices end on multiples of 8 columns: a chunk is all in or all out
 #pragma unroll
@@ -299,10 +258,10 @@ cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t str
 
 template <class T>
 cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width, cudaStream_t stream) {
-  if (width <= 16) return launch_rt<T, 16, 3>(p, plan, stream);
-  if (width <= 32) return launch_rt<T, 32, 3>(p, plan, stream);
-  if (width <= 64) return launch_rt<T, 64, 3>(p, plan, stream);
-  return launch_rt<T, 128, 2>(p, plan, stream);  // 2 stages: 4 CTAs an SM
+  return with_rank_tile(width, [&](auto rt) {
+    constexpr int RT = decltype(rt)::value;
+    return launch_rt<T, RT, RT == 128 ? 2 : 3>(p, plan, stream);  // 2 stages at 128: 4 CTAs an SM
+  });
 }
 
 }  // namespace
