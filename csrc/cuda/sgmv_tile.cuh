@@ -5,11 +5,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
-#include "kernels.h"
 
 namespace lora_ops::cuda {
 
@@ -95,48 +93,6 @@ struct ExpandBSource {
     }
   }
 };
-
-// How many clusters of `cluster` CTAs of kKernel (`threads` threads, `smem` bytes of dynamic shared memory, allowed
-// already) the current device holds at once, over all its SMs (0 where the query fails, its error cleared). Asked
-// once per (kernel, device, cluster size) and kept lock-free, as resident_ctas does.
-template <auto kKernel>
-int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
-  static std::atomic<int64_t> known[64][kMaxCluster + 1];  // the count + 1; 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  std::atomic<int64_t>& slot = known[device & 63][std::clamp<int64_t>(cluster, 1, kMaxCluster)];
-  int64_t value = slot.load(std::memory_order_relaxed);
-  if (value == 0) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, smem, nullptr, &attr);
-    int count = 0;
-    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      count = 0;
-    }
-    value = (int64_t)count + 1;
-    slot.store(value, std::memory_order_relaxed);
-  }
-  return value - 1;
-}
-
-// Narrows a plan's clusters (halving, to no fewer than 2 CTAs) until its whole tiles, ceil(P / 64) per slice group,
-// are all resident at once, where some narrower cluster makes them so: a second wave of a few clusters costs a whole
-// CTA's time. Measured on an H100 (session 57, T = 4096, 8 adapters, K = N = 4096): rank 128 in clusters of 8 ran
-// 64 working tiles on 31 (mma.sync) or 62 (wgmma) resident clusters, 90.9 / 89.1 us; in clusters of 2 / 4, one
-// wave, 74.7 / 82.4; rank 64 72.0 / 70.1 -> 63.8 / 62.8 in clusters of 4. A plan already at 2 is left alone
-// (T = 16384: one CTA a tile was slower than two waves of pairs).
-template <auto kKernel>
-void fit_one_wave(MmaPlan* plan, int64_t positions, int threads, size_t smem) {
-  if (plan->cluster <= 2) return;
-  const int64_t tiles = (positions + kTileRows - 1) / kTileRows * plan->groups;
-  int64_t cluster = plan->cluster;
-  while (cluster > 2 && resident_clusters<kKernel>(threads, smem, cluster) < tiles) cluster /= 2;
-  if (resident_clusters<kKernel>(threads, smem, cluster) >= tiles) plan->cluster = cluster;
-}
 
 // Calls f(std::integral_constant<int, RT>{}) with the narrowest rank tile (16, 32, 64, 128) that holds `width`
 // ranks: a slice group's slices times the padded rank.
