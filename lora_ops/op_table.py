@@ -57,13 +57,14 @@ OPS = ("sgmv", "lora_expand", "grouped_gemm")
 BACKENDS = ("cuda", "triton")
 # The dtypes the table applies to (the C++ kernels treat both alike); records in others are not used.
 DTYPES = ("bfloat16", "float16")
+# The C++ sgmv takes its tensor-core kernels from this many positions (csrc/cuda/registration.cpp, kMmaMinPositions).
+MMA_MIN_POSITIONS = 1024
 # How much smaller Triton's worst slowdown in a regime must be than the C++ kernel's for the regime to go to Triton.
 TRITON_MARGIN = 1.05
 
 # Axes of each op's regimes, with the upper bounds of their classes:
-# - positions 1023: the C++ sgmv takes its tensor-core kernel from 1024 positions, so no class mixes two C++
-#   kernels; 16/64/256: decode batches (as routes.py); 4096: the rank-16 crossover measured on the H200 (CUDA at
-#   4096, Triton at 16384).
+# - positions MMA_MIN_POSITIONS - 1: no class mixes two C++ sgmv kernels; 16/64/256: decode batches (as
+#   routes.py); 4096: the rank-16 crossover measured on the H200 (CUDA at 4096, Triton at 16384).
 # - rank 16/32/64: the measured choice changes with the rank (256 positions: CUDA at 16, closer at 64; 4096 at 128:
 #   Triton by 3.6×).
 # - slices 1: the tensor-core sgmv loses on fused modules (3 slices, 1024 positions: Triton by 2.6×).
@@ -73,8 +74,8 @@ TRITON_MARGIN = 1.05
 # - grouped_gemm n/k 128: the C++ kernels' skinny paths (LoRA shrink n <= 128, expand k <= 128) against their tile
 #   kernel; positions 256/4096: decode (where the shrink takes the split-K kernels when it can), prefill, long
 #   prefill.
-_SGMV_AXES = (("positions", (16, 64, 256, 1023, 4096)), ("rank", (16, 32, 64)), ("slices", (1,)),
-              ("true_ranks", (1,)))
+_SGMV_AXES = (("positions", (16, 64, 256, MMA_MIN_POSITIONS - 1, 4096)), ("rank", (16, 32, 64)),
+              ("slices", (1,)), ("true_ranks", (1,)))
 AXES: Dict[str, Tuple[Tuple[str, Tuple[int, ...]], ...]] = {
     "sgmv": _SGMV_AXES,
     "lora_expand": _SGMV_AXES,

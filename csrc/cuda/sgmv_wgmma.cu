@@ -102,9 +102,8 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
     return;
   }
-  const int64_t rank = tile.size;
   const int rp = (int)plan.rank_pad;
-  if (rank == 0) return;  // every member of the cluster sees the same tile: they leave together
+  if (tile.size == 0) return;  // every member of the cluster sees the same tile: they leave together
   const float coef = p.scale * (p.lora_scales ? p.lora_scales[tile.slot] : 1.f);
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
 

@@ -174,6 +174,9 @@ def _our_implementations(device, op: str) -> Dict[str, Callable]:
     return impls
 
 
+_SGMV_KERNEL = "LORA_OPS_CUDA_SGMV_KERNEL"
+
+
 def cuda_wgmma(pb: Problem, y):
     """lora_ops.sgmv with LORA_OPS_CUDA_SGMV_KERNEL=wgmma: the sm_90a prefill kernel the op table does not choose yet
     (csrc/cuda/sgmv_wgmma.cu), beside the default. The variable is read on every call (a graph keeps the kernel it
@@ -187,11 +190,6 @@ def cuda_wgmma(pb: Problem, y):
             del os.environ[_SGMV_KERNEL]
         else:
             os.environ[_SGMV_KERNEL] = before
-
-
-_SGMV_KERNEL = "LORA_OPS_CUDA_SGMV_KERNEL"
-# The tensor-core sgmv kernels take over from this many positions (csrc/cuda/registration.cpp, kMmaMinPositions).
-MMA_MIN_POSITIONS = 1024
 
 
 def torch_loop(pb: Problem, y):
@@ -470,7 +468,7 @@ def _widths(case: Case) -> dict:
 
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
                log) -> None:
-    if case.T < MMA_MIN_POSITIONS:  # forced below, the wgmma kernel would run decode batches it is not meant for
+    if case.T < op_table.MMA_MIN_POSITIONS:  # forced there, the wgmma kernel would run decode batches
         impls = {name: fn for name, fn in impls.items() if name != "cuda-wgmma"}
     pb0 = Problem(case, dtype, device, seed=1)
     sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
