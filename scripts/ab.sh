@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # A/B of git revisions on the GPU machine in one device call: the same bench, same run, on the working tree and on
 # each prepared revision.
-#   Here:  bash scripts/ab.sh prepare REV...   exports each revision's tracked files to build/ab/<REV> (git-ignored:
-#          give the device tool carry=["build/ab"]).
-#   There: bash scripts/ab.sh run [-- BENCH ARGS]   builds the working tree and every build/ab/<REV> for sm_90a in
+#   Here:  bash scripts/ab.sh prepare [--prebuilt] REV...   exports each revision's tracked files to build/ab/<REV>
+#          (git-ignored: give the device tool carry=["build/ab"]); with --prebuilt also builds each one's extension
+#          here (scripts/device_prebuild.sh REV, xz-compressed, ~3 MB: build/ab/<REV>/prebuilt), ~2 minutes a
+#          revision after the first, so that the call spends no device time building them.
+#   There: bash scripts/ab.sh run [-- BENCH ARGS]   puts each tree's prebuilt extension in place where it matches the
+#          tree (the working tree's: build/device, carried beside build/ab), and builds the others for sm_90a in
 #          parallel (with the CUTLASS kernels when the nvidia-cutlass wheel is carried in .whl/, as for
 #          gpu_run.sh: carry=["build/ab", ".whl"]), then runs `python3 -m lora_ops.bench BENCH ARGS`
 #          in each, one tree after the other (default: --ops --op-kinds lora_expand --impls cuda), and prints the
@@ -16,12 +19,16 @@ cd "$(dirname "$0")/.."
 mode=${1:-}; shift || true
 case "$mode" in
   prepare)
-    [ $# -gt 0 ] || { echo "usage: $0 prepare REV..." >&2; exit 2; }
+    prebuilt=0; [ "${1:-}" = --prebuilt ] && { prebuilt=1; shift; }
+    [ $# -gt 0 ] || { echo "usage: $0 prepare [--prebuilt] REV..." >&2; exit 2; }
     rm -rf build/ab  # only the revisions named now
     for rev in "$@"; do
       dir="build/ab/$(echo "$rev" | tr '/' '_')"
       mkdir -p "$dir" && git archive "$rev" | tar -x -C "$dir" || exit 1
       echo "$rev -> $dir ($(git rev-parse --short "$rev"))"
+      if [ $prebuilt = 1 ]; then
+        PREBUILT_OUT=$PWD/$dir/prebuilt PREBUILT_XZ=1 bash scripts/device_prebuild.sh "$rev" | tail -1 || exit 1
+      fi
     done
     ;;
   run)
@@ -35,7 +42,9 @@ case "$mode" in
     name() { [ "$1" = . ] && echo worktree || basename "$1"; }  # not "main": a prepared main is build/ab/main
     t0=$(date +%s)
     for t in "${trees[@]}"; do
-      (cd "$t" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace -q > "$out/build-$(name "$t").log" 2>&1) &
+      pre=$t/prebuilt; [ "$t" = . ] && pre=build/device
+      python3 scripts/extension_stamp.py use-prebuilt "$pre" "$t" > "$out/build-$(name "$t").log" 2>&1 && continue
+      (cd "$t" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace -q >> "$out/build-$(name "$t").log" 2>&1) &
     done
     wait
     echo "builds: $(( $(date +%s) - t0 )) s"

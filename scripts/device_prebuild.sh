@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds lora_ops/_C.so here, on a machine with no GPU, for the device machine's Python and torch (its image:
 # Python 3.12, torch 2.11.0+cu130; DEVICE_PYTHON and DEVICE_TORCH to change them), sm_90a only, from the committed
-# HEAD, into build/device/ (git-ignored: _C.so, _build_info.json, stamp.json). gpu_run.sh puts it in place instead of
+# HEAD (or the revision given: bash scripts/device_prebuild.sh REV), into build/device/ (PREBUILT_OUT to change it;
+# git-ignored: _C.so, _build_info.json, stamp.json; PREBUILT_XZ=1 keeps _C.so xz-compressed, 38 -> ~3 MB, so that
+# several builds fit one carry: scripts/ab.sh prepare --prebuilt). gpu_run.sh puts it in place instead of
 # building when its stamp matches the tree it runs on (scripts/extension_stamp.py use-prebuilt): each device call
 # then saves the build's ~140-165 s of device time. Carry build/device beside .whl. Commit first: a build from
 # uncommitted sources would not match the tree the device gets.
@@ -16,7 +18,8 @@ DEVICE_TORCH=${DEVICE_TORCH:-2.11.0}
 ROOT=$PWD
 VENV=$ROOT/build/device-venv
 SRC=$ROOT/build/device-src
-OUT=$ROOT/build/device
+OUT=${PREBUILT_OUT:-$ROOT/build/device}
+REV=$(git rev-parse --verify "${1:-HEAD}^{commit}")
 
 py=
 for candidate in $(command -v "python$DEVICE_PYTHON") $(ls "$HOME"/.pyenv/versions/"$DEVICE_PYTHON"*/bin/python"$DEVICE_PYTHON" \
@@ -40,15 +43,17 @@ fi
   "$VENV/bin/pip" install -q --no-deps nvidia-cutlass==4.2.0
 
 [ -d "$SRC/.git" ] || git clone -q "$ROOT" "$SRC"
-git -C "$SRC" fetch -q "$ROOT" HEAD && git -C "$SRC" checkout -q --detach FETCH_HEAD
+git -C "$SRC" fetch -q "$ROOT" "$REV" && git -C "$SRC" checkout -q --detach FETCH_HEAD
 sha=$(git -C "$SRC" rev-parse --short HEAD)
 echo "device_prebuild: building $sha for Python $DEVICE_PYTHON, torch $DEVICE_TORCH, sm_90a ($(nproc) jobs)"
 t0=$(date +%s)
 (cd "$SRC" && CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) \
   "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .)
 mkdir -p "$OUT"
-rm -f "$OUT/stamp.json"  # a build the stamp refuses (no CUDA kernels) must not keep an earlier one's stamp
+# a build the stamp refuses (no CUDA kernels) must not keep an earlier one's stamp, nor an earlier compressed _C.so
+rm -f "$OUT/stamp.json" "$OUT/_C.so.xz"
 cp "$SRC/lora_ops/_C.so" "$SRC/lora_ops/_build_info.json" "$OUT"/
 strip -g "$OUT/_C.so"  # the host code's debug sections (~14 MB): so that .whl, build/device and the tree fit the carry
 (cd "$SRC" && "$VENV/bin/python" scripts/extension_stamp.py stamp-prebuilt "$OUT")  # refuses a build lacking kernels
-echo "device_prebuild: $OUT from $sha in $(( $(date +%s) - t0 )) s, _C.so $(du -m "$OUT/_C.so" | cut -f1) MB"
+[ "${PREBUILT_XZ:-0}" = 1 ] && xz -T0 -6 -f "$OUT/_C.so"
+echo "device_prebuild: $OUT from $sha in $(( $(date +%s) - t0 )) s, $(cd "$OUT" && du -m _C.so* | tr '\t' ' ') MB"

@@ -5,9 +5,10 @@
     python scripts/extension_stamp.py stamp-prebuilt DIR   DIR holds _C.so and _build_info.json built from this
                                                tree by this Python (scripts/device_prebuild.sh): record what from,
                                                or refuse (exit 1) a build without the CUDA kernels or sm_90a GEMMs
-    python scripts/extension_stamp.py use-prebuilt DIR     put DIR's extension in place (exit 0) where it was built
-                                               from this tree's sources for this Python's minor version and torch;
-                                               else say why not (exit 1) and leave lora_ops/ alone
+    python scripts/extension_stamp.py use-prebuilt DIR [TREE]   put DIR's extension (its _C.so or _C.so.xz) in
+                                               TREE's lora_ops/ (default: this checkout's; exit 0) where it was built
+                                               from TREE's sources for this Python's minor version and torch; else
+                                               say why not (exit 1) and leave lora_ops/ alone
 
 The stamp (build/extension-stamp.json) holds what the last build was made from: a hash of every file under
 csrc/ and of setup.py, the backends setup.py chose (its own _configure: CUDA or not, arch list, toolkit), torch's
@@ -23,6 +24,7 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import lzma
 import os
 import shutil
 import sys
@@ -38,12 +40,12 @@ def _sha(path):
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def _source_hashes():
-    files = {"setup.py": _sha(os.path.join(ROOT, "setup.py"))}
-    for folder, _, names in os.walk(os.path.join(ROOT, "csrc")):
+def _source_hashes(root=ROOT):
+    files = {"setup.py": _sha(os.path.join(root, "setup.py"))}
+    for folder, _, names in os.walk(os.path.join(root, "csrc")):
         for name in names:
             path = os.path.join(folder, name)
-            files[os.path.relpath(path, ROOT)] = _sha(path)
+            files[os.path.relpath(path, root)] = _sha(path)
     return files
 
 
@@ -59,11 +61,11 @@ def _state():
 PREBUILT_FILES = ("_C.so", "_build_info.json")
 
 
-def _prebuilt_key():
+def _prebuilt_key(root=ROOT):
     import torch
 
     # the sources only: a note (csrc/**/*.md) written after the build does not change what it would build
-    files = {path: sha for path, sha in _source_hashes().items() if not path.endswith(".md")}
+    files = {path: sha for path, sha in _source_hashes(root).items() if not path.endswith(".md")}
     return {"python": "%d.%d" % sys.version_info[:2], "torch": torch.__version__, "files": files}
 
 
@@ -93,19 +95,22 @@ def stamp_prebuilt(folder):
     return 0
 
 
-def use_prebuilt(folder, target=os.path.join(ROOT, "lora_ops")):
+def use_prebuilt(folder, tree=ROOT):
     try:
         with open(os.path.join(folder, "stamp.json")) as f:
             built = json.load(f)
     except FileNotFoundError:
         print(f"no prebuilt extension in {folder}")
         return 1
-    here = _prebuilt_key()
+    here = _prebuilt_key(tree)
     reasons = [f"{key} {built[key]} there, {here[key]} here" for key in ("python", "torch") if built[key] != here[key]]
     changed = sorted(p for p in set(here["files"]) | set(built["files"]) if here["files"].get(p) != built["files"].get(p))
     if changed:
         reasons.append(f"built from other sources ({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''})")
-    missing = [name for name in PREBUILT_FILES if not os.path.exists(os.path.join(folder, name))]
+    # _C.so may come xz-compressed (device_prebuild.sh with PREBUILT_XZ=1: several builds in one carry)
+    found = {name: next((os.path.join(folder, name + ext) for ext in ("", ".xz")
+                         if os.path.exists(os.path.join(folder, name + ext))), None) for name in PREBUILT_FILES}
+    missing = [name for name, path in found.items() if path is None]
     if missing:
         reasons.append(f"{', '.join(missing)} missing")
     elif lacking := _kernels_lacking(folder):
@@ -113,10 +118,13 @@ def use_prebuilt(folder, target=os.path.join(ROOT, "lora_ops")):
     if reasons:
         print(f"not using the prebuilt extension in {folder}: {'; '.join(reasons)}")
         return 1
-    for name in PREBUILT_FILES:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(target, name))
+    target = os.path.join(tree, "lora_ops")
+    for name, path in found.items():
+        opener = lzma.open if path.endswith(".xz") else open
+        with opener(path, "rb") as src, open(os.path.join(target, name), "wb") as dst:
+            shutil.copyfileobj(src, dst)
     os.chmod(os.path.join(target, "_C.so"), 0o755)
-    print(f"using the prebuilt extension in {folder} (torch {here['torch']}, Python {here['python']}, "
+    print(f"using the prebuilt extension in {folder} for {tree} (torch {here['torch']}, Python {here['python']}, "
           f"{len(here['files'])} source files as built)")
     return 0
 
