@@ -56,4 +56,4 @@ cp "$SRC/lora_ops/_C.so" "$SRC/lora_ops/_build_info.json" "$OUT"/
 strip -g "$OUT/_C.so"  # the host code's debug sections (~14 MB): so that .whl, build/device and the tree fit the carry
 (cd "$SRC" && "$VENV/bin/python" scripts/extension_stamp.py stamp-prebuilt "$OUT")  # refuses a build lacking kernels
 [ "${PREBUILT_XZ:-0}" = 1 ] && xz -T0 -6 -f "$OUT/_C.so"
-echo "device_prebuild: $OUT from $sha in $(( $(date +%s) - t0 )) s, $(cd "$OUT" && du -m _C.so* | tr '\t' ' ') MB"
+echo "device_prebuild: $OUT from $sha in $(( $(date +%s) - t0 )) s, $(cd "$OUT" && du -m _C.so* | awk '{print $2, $1, "MB"}')"

@@ -6,6 +6,7 @@ put in place only where it was built from the sources it serves."""
 import glob
 import importlib.util
 import json
+import lzma
 import os
 import runpy
 import subprocess
@@ -62,16 +63,24 @@ def test_a_prebuilt_without_the_gpu_kernels_is_not_stamped(tmp_path, cuda, capsy
     assert "not stamping" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mismatch", [None, "source", "torch", "python", "no_library", "no_cuda"])
+@pytest.mark.parametrize("mismatch", [None, "xz", "source", "torch", "python", "no_library", "no_cuda"])
 def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path, mismatch, capsys):
-    """gpu_run.sh's use-prebuilt: the stamp written beside a prebuilt _C.so must match this tree's sources (notes
-    aside), torch's version and Python's minor version, and a torch with CUDA needs a build with the CUDA kernels,
-    else nothing is copied and the job builds (exit 1)."""
+    """gpu_run.sh's and ab.sh's use-prebuilt: the stamp written beside a prebuilt _C.so (or its xz-compressed copy,
+    several of which fit one carry) must match the tree's sources (notes aside), torch's version and Python's minor
+    version, and a torch with CUDA needs a build with the CUDA kernels; then the library lands in the tree's
+    lora_ops/, else nothing is copied and the job builds (exit 1)."""
     stamp = _extension_stamp()
-    prebuilt, target = tmp_path / "device", tmp_path / "lora_ops"
+    prebuilt, tree = tmp_path / "device", tmp_path / "tree"  # tree: an A/B revision's copy of these sources
     prebuilt.mkdir()
-    target.mkdir()
-    (prebuilt / "_C.so").write_bytes(b"not a library")
+    (tree / "lora_ops").mkdir(parents=True)
+    for name in ("csrc", "setup.py"):
+        (tree / name).symlink_to(os.path.join(ROOT, name))
+    library = b"not a library"
+    if mismatch == "xz":
+        with lzma.open(prebuilt / "_C.so.xz", "wb") as f:
+            f.write(library)
+    else:
+        (prebuilt / "_C.so").write_bytes(library)
     built = {"built": True, "grouped_gemm_sm90": {"built": True}}
     (prebuilt / "_build_info.json").write_text(json.dumps({"backends": {"cuda": built}}))
     assert stamp.main("stamp-prebuilt", str(prebuilt)) == 0
@@ -90,9 +99,10 @@ def test_prebuilt_extension_is_used_only_where_built_from_these_sources(tmp_path
             pytest.skip("this torch has no CUDA: a CPU-only build serves it")
         (prebuilt / "_build_info.json").write_text(json.dumps({"backends": {"cuda": {"built": False, "reason": "x"}}}))
     (prebuilt / "stamp.json").write_text(json.dumps(key))
-    used = stamp.use_prebuilt(str(prebuilt), str(target)) == 0
+    used = stamp.use_prebuilt(str(prebuilt), str(tree)) == 0
     said = capsys.readouterr().out
-    assert used == (mismatch is None), said
-    assert sorted(os.listdir(target)) == (["_C.so", "_build_info.json"] if used else [])
+    assert used == (mismatch in (None, "xz")), said
+    assert sorted(os.listdir(tree / "lora_ops")) == (["_C.so", "_build_info.json"] if used else [])
+    assert not used or (tree / "lora_ops" / "_C.so").read_bytes() == library
     if mismatch == "source":
         assert "lora_linear_sm90.cu" in said
