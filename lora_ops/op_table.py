@@ -157,12 +157,14 @@ def build(records: Iterable[dict], meta: dict) -> dict:
 
 def run_problems(settings: dict) -> List[str]:
     """Why an op-bench run with these settings (the bench's `op_bench` entry of a results file: device, quick,
-    impls, op_kinds, dtype) cannot make a table; empty when it can."""
+    min_tokens, impls, op_kinds, dtype) cannot make a table; empty when it can."""
     problems = []
     if torch.device(settings["device"]).type != "cuda":
         problems.append(f"the device is {settings['device']}, not a CUDA GPU")
     if settings["quick"]:
         problems.append("--quick times only the first few cases")
+    if settings.get("min_tokens"):  # absent from results files written before the option
+        problems.append(f"--min-tokens {settings['min_tokens']} times only the longer cases")
     if settings["impls"]:
         problems.append(f"--impls {','.join(settings['impls'])} times only some implementations")
     missing = [op for op in OPS if op not in settings["op_kinds"]]

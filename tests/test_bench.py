@@ -45,7 +45,7 @@ def test_quick_cpu_bench_times_every_op_kind(quick_run):
         ("bfloat16", "bfloat16", "float32", False)
     assert out.with_suffix(".csv").exists()
     assert result["failures"] == []
-    assert result["op_bench"] == dict(device="cpu", quick=True, impls=None,
+    assert result["op_bench"] == dict(device="cpu", quick=True, min_tokens=0, impls=None,
                                       op_kinds=["sgmv", "lora_expand", "grouped_gemm", "build_segments"],
                                       dtype="bfloat16")
 
@@ -150,9 +150,24 @@ def test_a_broken_triton_fails_the_bench(monkeypatch, capsys):
     assert "FAILURE: triton installed but failed to load" in capsys.readouterr().out
 
 
+def test_min_tokens_times_only_the_longer_cases(tmp_path):
+    """--min-tokens T (an A/B of the prefill kernels): only the cases of at least T tokens run, of every op kind
+    that has cases, and the results file records the setting (which keeps an op table from such a run)."""
+    out = tmp_path / "run"
+    assert bench.main(["--device", "cpu", "--min-tokens", "32", "--op-kinds", "sgmv,lora_expand,grouped_gemm",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    timed = [r for r in result["records"] if r["op"] in ("sgmv", "lora_expand", "grouped_gemm")]
+    for op, cases in (("sgmv", ops.CPU_CASES), ("lora_expand", ops.CPU_EXPAND_CASES),
+                      ("grouped_gemm", ops.CPU_GG_CASES)):
+        assert {r["T"] for r in timed if r["op"] == op} == {c.T for c in cases if c.T >= 32}, op
+    assert result["op_bench"]["min_tokens"] == 32
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--device", "cpu"], "not a CUDA GPU"),
     (["--device", "cuda", "--quick"], "--quick times only the first few cases"),
+    (["--device", "cuda", "--min-tokens", "1024"], "--min-tokens 1024 times only the longer cases"),
     (["--device", "cuda", "--impls", "cuda"], "--impls cuda"),
     (["--device", "cuda", "--op-kinds", "sgmv,grouped_gemm"], "leaves out lora_expand"),
     (["--device", "cuda", "--dtype", "float32"], "--dtype float32"),

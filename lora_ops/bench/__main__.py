@@ -34,27 +34,29 @@ def git_sha(cwd: str = os.path.dirname(os.path.abspath(__file__))) -> str:
 OP_KINDS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
 
 
-def run_op_bench(kinds, quick, only, dtype, device, l2, copy_tbps, records, failures, log) -> None:
-    """The op bench's cases of each kind (--quick: the first few), timed on every implementation in `only`."""
+def run_op_bench(kinds, quick, min_tokens, only, dtype, device, l2, copy_tbps, records, failures, log) -> None:
+    """The op bench's cases of each kind of at least `min_tokens` tokens (--quick: the first few of them), timed on
+    every implementation in `only`."""
     pick = lambda impls: {k: v for k, v in impls.items() if not only or k in only}
     cpu = device == "cpu"
+    long_enough = lambda cases: [case for case in cases if case.T >= min_tokens]
     if "sgmv" in kinds:
         impls = pick(ops.implementations(device))
-        cases = ops.CPU_CASES if cpu else ops.GPU_CASES
+        cases = long_enough(ops.CPU_CASES if cpu else ops.GPU_CASES)
         for case in cases[:3] if quick else cases:
             log(f"sgmv T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) K={case.K} "
                 f"N={case.N} slices={case.slices}")
             ops.bench_case(case, impls, dtype, device, l2, copy_tbps, records, failures, log)
     if "lora_expand" in kinds:
         impls = pick(ops.expand_implementations(device))
-        cases = ops.CPU_EXPAND_CASES if cpu else ops.GPU_EXPAND_CASES
+        cases = long_enough(ops.CPU_EXPAND_CASES if cpu else ops.GPU_EXPAND_CASES)
         for case in cases[:1] if quick else cases:
             log(f"lora_expand T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) "
                 f"N={case.N} slices={case.slices}")
             ops.bench_expand_case(case, impls, dtype, device, l2, copy_tbps, records, failures, log)
     if "grouped_gemm" in kinds:
         impls = pick(ops.gg_implementations(device))
-        cases = ops.CPU_GG_CASES if cpu else ops.GPU_GG_CASES
+        cases = long_enough(ops.CPU_GG_CASES if cpu else ops.GPU_GG_CASES)
         for case in cases[:1] + cases[-2:] if quick else cases:
             log(f"grouped_gemm {case.shape}: {case.groups} groups, T={case.T} K={case.K} N={case.N} w {case.dtype}"
                 f" x {case.x_dtype or case.dtype} y {case.y_dtype or case.dtype}"
@@ -94,6 +96,9 @@ def main(argv=None) -> int:
                          "them drawn; e.g. 16/16/64,64/16/64/drawn: /drawn spreads the rows over the adapters "
                          "unevenly, as a serving batch does)")
     ap.add_argument("--quick", action="store_true", help="only the first few op cases / the first decode step")
+    ap.add_argument("--min-tokens", type=int, default=0, metavar="T",
+                    help="with the op bench: only the sgmv, lora_expand and grouped_gemm cases of at least T tokens "
+                         "(e.g. 1024: the prefill cases, for an A/B of the prefill kernels)")
     ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
     args = ap.parse_args(argv)
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
     device = args.device
     only = args.impls.split(",") if args.impls else None
     run_ops = args.ops or not args.decode_step
-    settings = dict(device=device, quick=args.quick, impls=only, op_kinds=kinds, dtype=args.dtype)
+    settings = dict(device=device, quick=args.quick, min_tokens=args.min_tokens, impls=only, op_kinds=kinds,
+                    dtype=args.dtype)
     if args.op_table and op_table.run_problems(settings):
         ap.error("--op-table: no table from this run: " + "; ".join(op_table.run_problems(settings)))
     log = lambda s: print(s, flush=True)
@@ -163,7 +169,8 @@ def main(argv=None) -> int:
                 log(f"eager host overhead of lora_ops.sgmv, op table {'on' if table_on else 'off'}: "
                     f"{host_us:.2f} us/call")
         with op_table.disabled():
-            run_op_bench(kinds, args.quick, only, dtype, device, l2, copy_tbps, records, failures, log)
+            run_op_bench(kinds, args.quick, args.min_tokens, only, dtype, device, l2, copy_tbps, records, failures,
+                         log)
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)
