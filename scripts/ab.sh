@@ -24,7 +24,8 @@ case "$mode" in
     rm -rf build/ab  # only the revisions named now
     for rev in "$@"; do
       dir="build/ab/$(echo "$rev" | tr '/' '_')"
-      mkdir -p "$dir" && git archive "$rev" | tar -x -C "$dir" || exit 1
+      # without the recorded results (~10 MB of logs a tree: the carry holds 64 MiB with the working tree)
+      mkdir -p "$dir" && git archive "$rev" -- . ':(exclude)benchmarks/results' | tar -x -C "$dir" || exit 1
       echo "$rev -> $dir ($(git rev-parse --short "$rev"))"
       if [ $prebuilt = 1 ]; then
         PREBUILT_OUT=$PWD/$dir/prebuilt PREBUILT_XZ=1 bash scripts/device_prebuild.sh "$rev" | tail -1 || exit 1
