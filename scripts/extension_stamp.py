@@ -95,6 +95,15 @@ def stamp_prebuilt(folder):
     return 0
 
 
+def _prebuilt_file(folder, name):
+    """The folder's copy of `name`, plain or xz-compressed (device_prebuild.sh with PREBUILT_XZ=1: several builds in
+    one carry), or None."""
+    for path in (os.path.join(folder, name), os.path.join(folder, name + ".xz")):
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def use_prebuilt(folder, tree=ROOT):
     try:
         with open(os.path.join(folder, "stamp.json")) as f:
@@ -107,9 +116,7 @@ def use_prebuilt(folder, tree=ROOT):
     changed = sorted(p for p in set(here["files"]) | set(built["files"]) if here["files"].get(p) != built["files"].get(p))
     if changed:
         reasons.append(f"built from other sources ({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''})")
-    # _C.so may come xz-compressed (device_prebuild.sh with PREBUILT_XZ=1: several builds in one carry)
-    found = {name: next((os.path.join(folder, name + ext) for ext in ("", ".xz")
-                         if os.path.exists(os.path.join(folder, name + ext))), None) for name in PREBUILT_FILES}
+    found = {name: _prebuilt_file(folder, name) for name in PREBUILT_FILES}
     missing = [name for name, path in found.items() if path is None]
     if missing:
         reasons.append(f"{', '.join(missing)} missing")
