@@ -558,6 +558,15 @@ MUTATIONS: List[Mutation] = [
              "",
              "Ascend sgmv float32 x (CPU model): h is copied back from GM into L1 with no FIX -> MTE2 sync after "
              "Fixpipe stored it", tests=("tests/test_ascend_model.py",)),
+    Mutation("ascend-gather-runs-past-dma-stride", "csrc/ascend/kernel_common.h",
+             "const bool runs = row_stride >= cols && row_stride <= kNd2NzMaxStride;",
+             "const bool runs = row_stride >= cols;",
+             "Ascend row gather into L1 (CPU model): runs of rows by one DMA also where the row stride passes the "
+             "DMA's 16-bit source stride", tests=("tests/test_ascend_model.py",)),
+    Mutation("ascend-gather-run-over-a-gap", "csrc/ascend/kernel_common.h",
+             "rows[i + run] == first + run", "rows[i + run] >= first + run",
+             "Ascend row gather into L1 (CPU model): a run of rows goes on past a gap in the gathered rows",
+             tests=("tests/test_ascend_model.py",)),
     Mutation("ascend-sgmv-f32-h-other-block", "csrc/ascend/sgmv.cpp",
              "stage.CopyIn(cube, 0, planes.source, walk.count, planes.ld, t_.expand, rank);",
              "stage.CopyIn(cube, 0, SplitPlanes<T>(split_, (block + 1) % t_.tiles.block_dim, t_.tiles).source, "

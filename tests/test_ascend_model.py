@@ -119,3 +119,30 @@ def test_shared_argument_checks_run_first():
     bad = problem.lora_b[:, :-1]
     with pytest.raises(ValueError, match="lora_b must be \\[L, N, R\\]"):
         ascend.sgmv(problem.y, problem.x, problem.lora_a, bad, problem.seg_indptr, problem.seg_lora)
+
+
+@pytest.mark.parametrize("x_row_stride", [40, 70000], ids=["runs", "stride_past_a_dma"])
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "grouped"])
+def test_x_rows_by_runs_and_one_at_a_time(gathered, x_row_stride):
+    """x's rows enter L1 by one DMA per run of consecutive rows where the row stride is a DMA's source stride (at
+    most 65535 elements), by one DMA a row past it (kernel_common.h GatherToL1): runs of 1 to 9 rows, either way,
+    for sgmv (fp16, and float32 x whose h comes back through GM) and grouped_gemm (also float32 x split hi + lo)."""
+    gen = torch.Generator().manual_seed(x_row_stride)
+    token_lora = torch.tensor([0] * 9 + [1, 0, 2, 2, 1, 1, 0, 0, 0, 2, -1, 1, 0, 2, 2, 2, 1, 0, 0, 1, 2, 0, 1],
+                              dtype=torch.int32)
+    if not gathered:
+        token_lora = token_lora.sort(stable=True).values
+    K = 24
+    wide = lambda x: torch.full((x.shape[0], x_row_stride), float("nan"), dtype=x.dtype).index_copy_(
+        1, torch.arange(K), x)[:, :K]
+    for dtype in (torch.float16, torch.float32):
+        problem = testing.make_sgmv(token_lora, num_slots=3, K=K, N=20, max_rank=8, dtype=dtype, device="cpu",
+                                    gen=gen, gathered=gathered)
+        problem.x = wide(problem.x)
+        assert problem.x.stride(0) == x_row_stride
+        assert _check_sgmv(problem, dtype) == ""
+    for x_dtype in (torch.bfloat16, torch.float32):
+        problem = testing.make_grouped_gemm(token_lora, num_groups=3, K=K, N=20, dtype=torch.bfloat16,
+                                            x_dtype=x_dtype, device="cpu", gen=gen, gathered=gathered)
+        problem.x = wide(problem.x)
+        assert _check_grouped_gemm(problem, torch.bfloat16) == ""

@@ -174,14 +174,20 @@ class Cube {
   }
 
   // Rows rows[0, count) (rows 0, 1, ... when rows is null) of a [*, row_stride] GM matrix, columns [0, cols), into
-  // an L1 tensor as NZ with tile_rows rows per column group: one DMA per row, so any row stride (rows past count
-  // keep what they held; columns past cols up to the next C0 are zeroed).
+  // an L1 tensor as NZ with tile_rows rows per column group (rows past count keep what they held; columns past cols
+  // up to the next C0 are zeroed). One DMA per run of consecutive rows (a segment's positions mostly are: one DMA
+  // for a prefill tile instead of one a row), one a row where the stride is not a DMA's source stride (Nd2Nz's
+  // srcDValue: cols to 65535 elements), so any row stride.
   __aicore__ inline void GatherToL1(const LocalTensor<T>& l1, const GlobalTensor<T>& gm, const int32_t* rows,
                                     int32_t count, int64_t row_stride, int64_t cols) {
-    for (int32_t i = 0; i < count; ++i) {
-      DataCopy(l1[i * C0<T>], gm[(rows != nullptr ? rows[i] : i) * row_stride],
-               Nd2NzParams{1, 1, static_cast<uint16_t>(cols), 0, static_cast<uint16_t>(cols),
-                           static_cast<uint16_t>(tile_rows_), 1, 0});
+    const bool runs = row_stride >= cols && row_stride <= kNd2NzMaxStride;
+    for (int32_t i = 0, run = 1; i < count; i += run) {
+      const int64_t first = rows != nullptr ? rows[i] : i;
+      run = 1;
+      while (runs && i + run < count && (rows == nullptr || rows[i + run] == first + run)) ++run;
+      DataCopy(l1[i * C0<T>], gm[first * row_stride],
+               Nd2NzParams{1, static_cast<uint16_t>(run), static_cast<uint16_t>(cols), 0,
+                           static_cast<uint16_t>(runs ? row_stride : cols), static_cast<uint16_t>(tile_rows_), 1, 0});
     }
   }
 

@@ -8,7 +8,6 @@ static_assert(kMaxSlices == lora_ops::kMaxSlices, "tiling.h and params.h disagre
 
 namespace {
 
-constexpr int64_t kNd2NzMaxStride = 65535;  // Nd2NzParams::srcDValue, in elements (at least 1)
 constexpr int64_t kMaxMmadDim = 4080;       // Mmad m, n, k <= 4095, kept a multiple of 16
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

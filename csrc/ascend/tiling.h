@@ -12,6 +12,9 @@
 
 #define LORA_OPS_ASCEND_MAX_SLICES 8  // = lora_ops::kMaxSlices (static_assert in plan.cpp)
 
+// The largest source row stride of one GM -> L1 DMA (Nd2NzParams::srcDValue, in elements; at least 1).
+constexpr int64_t kNd2NzMaxStride = 65535;
+
 // Segment metadata shared by the matmul ops (docs/design.md §2): positions, segments, rows, slots.
 struct LoraOpsSegmentShape {
   int64_t positions;     // len(token_indices), else the number of rows
