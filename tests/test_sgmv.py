@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -125,6 +129,10 @@ MMA_PATH_CASES = {
                                        dict(K=1024, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0])),
     "rank128_cluster_of_2": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
                                        dict(K=512, N=1000, max_rank=128, num_slots=4, ranks=[128, 100, 7, 0])),
+    # 64 tiles in clusters of 8 outnumber the clusters an H100/H200 holds at once: fit_one_wave narrows them
+    "rank128_narrowed_to_one_wave": lambda g: (testing.random_token_slots(4096, [0, 1, 2, 3], g),
+                                               dict(K=4096, N=1000, max_rank=128, num_slots=4,
+                                                    ranks=[128, 100, 7, 0])),
     "rank128_one_cta": lambda g: (testing.random_token_slots(600, [0, 1, 2, 3, -1], g),
                                   dict(K=264, N=1000, max_rank=128, num_slots=4, ranks=[128, 71, 0, 16])),
     "two_slices_rank_tile_128": lambda g: (testing.random_token_slots(512 * 64, [0, 1, 2], g),
@@ -162,6 +170,40 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_prefill_first_call_of_the_process_inside_a_graph_capture(kernel):
+    """A process's first prefill sgmv may come inside a CUDA graph capture, where the launch asks once how many
+    clusters the GPU holds (fit_one_wave): the capture holds, and its replay on new inputs matches the oracle."""
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    if kernel == "wgmma" and not backends.sm90_kernels_run():
+        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
+    code = """if True:
+        import torch, lora_ops
+        from lora_ops import reference, testing
+        gen = torch.Generator().manual_seed(58)
+        problem = testing.make_sgmv(testing.random_token_slots(4096, [0, 1, 2, 3], gen), num_slots=4, K=4096,
+                                    N=1000, max_rank=128, ranks=[128, 100, 7, 0], dtype=torch.bfloat16,
+                                    device="cuda", gen=gen)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            lora_ops.ops.sgmv(*problem.args(problem.y))
+        for t in (problem.x, problem.lora_a, problem.lora_b, problem.y):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) / t.shape[-1] ** 0.5)
+        y_before = problem.y.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert testing.check_against_reference(problem.y.double(), y_before,
+                                               reference.sgmv(*problem.args(y_before.double())),
+                                               torch.bfloat16) == ""
+        print("replayed")
+    """
+    env = dict(os.environ, LORA_OPS_CUDA_SGMV_KERNEL=kernel)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "replayed" in run.stdout, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

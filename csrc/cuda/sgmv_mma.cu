@@ -319,10 +319,11 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
 }
 
 template <class T, class TY, int RT>
-cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
   auto kernel = sgmv_mma_kernel<T, TY, RT>;
   constexpr size_t smem = Smem<RT, TY>::bytes;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
+  fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kCtaThreads<RT>, smem);
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;

@@ -5,9 +5,11 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
+#include "kernels.h"
 
 namespace lora_ops::cuda {
 
@@ -94,6 +96,51 @@ struct ExpandBSource {
   }
 };
 
+// How many clusters of `cluster` CTAs of kKernel (`threads` threads, `smem` bytes of dynamic shared memory, allowed
+// already) the current device holds at once, over all its SMs (0 where the query fails, its error cleared, and asked
+// again next time). Asked once per (kernel, device, cluster size) and kept lock-free, as resident_ctas does.
+template <auto kKernel>
+int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
+  static std::atomic<int64_t> known[64][kMaxCluster + 1];  // the count + 1; 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  std::atomic<int64_t>& slot = known[device & 63][std::clamp<int64_t>(cluster, 1, kMaxCluster)];
+  int64_t value = slot.load(std::memory_order_relaxed);
+  if (value == 0) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, smem, nullptr, &attr);
+    int count = 0;
+    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    value = (int64_t)count + 1;
+    slot.store(value, std::memory_order_relaxed);
+  }
+  return value - 1;
+}
+
+// Narrows a plan's clusters, to the widest of at least 2 CTAs whose count holds the batch's whole tiles (ceil(P / 64)
+// per slice group) at once, where one does: a second wave of a few clusters costs a whole CTA's time, and any size up
+// to 8 launches (cluster_sum_h shares any count). Measured on an H100 (session 57, T = 4096, 8 adapters,
+// K = N = 4096): rank 128 in clusters of 8 ran 64 working tiles on 31 (mma.sync) or 62 (wgmma) resident clusters,
+// 90.9 / 89.1 us; in clusters of 2 / 4, one wave, 74.7 / 82.4; rank 64 72.0 / 70.1 -> 63.8 / 62.8 in clusters of
+// 4. A plan already at 2 is left alone (T = 16384: one CTA a tile was slower than two waves of pairs).
+template <auto kKernel>
+void fit_one_wave(MmaPlan* plan, int64_t positions, int threads, size_t smem) {
+  if (plan->cluster <= 2) return;
+  const int64_t tiles = (positions + kTileRows - 1) / kTileRows * plan->groups;
+  for (int64_t cluster = plan->cluster; cluster >= 2; --cluster) {
+    if (resident_clusters<kKernel>(threads, smem, cluster) >= tiles) {
+      plan->cluster = cluster;
+      return;
+    }
+  }
+}
+
 // Calls f(std::integral_constant<int, RT>{}) with the narrowest rank tile (16, 32, 64, 128) that holds `width`
 // ranks: a slice group's slices times the padded rank.
 template <class F>
@@ -117,15 +164,15 @@ __device__ inline void cluster_sum_h(float4* part, float* h, int64_t member, int
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   constexpr int kFrags = kThreads * kVecs;
-  static_assert(kFrags % kMaxCluster == 0, "every cluster size splits the fragments evenly");
   const int tid = threadIdx.x;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     part[v * kThreads + tid] = make_float4(h[4 * v], h[4 * v + 1], h[4 * v + 2], h[4 * v + 3]);
   }
   cluster.sync();
-  const int share = kFrags / (int)members;
-  for (int f = (int)member * share + tid; f < ((int)member + 1) * share; f += kThreads) {
+  const int share = (kFrags + (int)members - 1) / (int)members;  // the last member's share may be shorter
+  const int f_end = std::min(kFrags, ((int)member + 1) * share);
+  for (int f = (int)member * share + tid; f < f_end; f += kThreads) {
     float4 got[kMaxCluster];
 #pragma unroll
     for (int m = 0; m < kMaxCluster; ++m) {  // all loads in flight before the first add

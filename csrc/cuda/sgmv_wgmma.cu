@@ -244,10 +244,11 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
 }
 
 template <class T, int RT, int kStages>
-cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
   auto kernel = sgmv_wgmma_kernel<T, RT, kStages>;
   constexpr size_t smem = Wgmma<T, RT, kStages>::bytes;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
+  fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages>>(&plan, p.seg.positions, kThreads, smem);
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
