@@ -509,6 +509,11 @@ MUTATIONS: List[Mutation] = [
              "      if (m == member) sum = make_float4(",
              "CUDA prefill sgmv (both kernels): the cluster's h sum keeps each member's own K share of h",
              needs_gpu=True, tests=SGMV_T),
+    Mutation("cuda-sgmv-cluster-sum-floor-share", "csrc/cuda/sgmv_tile.cuh",
+             "  const int share = (kFrags + (int)members - 1) / (int)members;",
+             "  const int share = kFrags / (int)members;",
+             "CUDA prefill sgmv (both kernels): a cluster of a size that does not divide the fragments (the one-wave "
+             "rule's 3, 5, 6, 7) leaves the last few fragments of h unsummed", needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-sgmv-wgmma-last-rank-block-dropped", "csrc/cuda/sgmv_wgmma.cu",
              "    for (int kb = 0; kb < RT / 16; ++kb) {\n      gemm(mma_e",
              "    for (int kb = 0; kb < RT / 16 - 1; ++kb) {\n      gemm(mma_e",

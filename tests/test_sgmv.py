@@ -173,6 +173,41 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [1, 3, 5, 6, 7])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile"])
+def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
+    """Both prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
+    sum's last member takes a shorter share; members past the end of K or of the columns take none), forced
+    (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle."""
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    if kernel == "wgmma" and not backends.sm90_kernels_run():
+        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_CLUSTER", str(cluster))
+    gen = case_generator(f"{name}-cluster-{cluster}")
+    token_lora, kw = MMA_PATH_CASES[name](gen)
+    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
+    assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
+
+
+@pytest.mark.gpu
+def test_sgmv_forced_cluster_size_out_of_range_is_an_error(monkeypatch):
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", "mma")
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_CLUSTER", "9")
+    gen = case_generator("forced_cluster_9")
+    token_lora, kw = MMA_PATH_CASES["rank128_one_cta"](gen)
+    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_SGMV_CLUSTER = '9': expected auto, 1, 2"):
+        lora_ops.ops.sgmv(*problem.args())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 def test_prefill_first_call_of_the_process_inside_a_graph_capture(kernel):
     """A process's first prefill sgmv may come inside a CUDA graph capture, where the launch asks once how many

@@ -55,8 +55,10 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one kernel, the
 // intermediate in registers. `wgmma`: the kernel of sgmv_wgmma.cu (where sgmv_wgmma_supported), else mma.sync's.
+// `forced_cluster` (1-8; 0: the plan's and fit_one_wave's choice): that many CTAs a cluster on sm_90, as given.
 bool sgmv_mma_supported(const SgmvParams& p);
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream);
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, int forced_cluster,
+                            cudaStream_t stream);
 
 // The prefill sgmv's plan (sgmv_mma.cu's make_plan), which both of its kernels take.
 struct MmaPlan {
@@ -68,7 +70,8 @@ struct MmaPlan {
 // sgmv_wgmma.cu, compiled in with grouped_gemm_sm90.cu (LORA_OPS_GG_SM90): a 9.0 device and y of x's dtype, on
 // top of sgmv_mma_supported (which the caller has checked).
 bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor);
-cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream);
+// fit_waves: narrow the plan's clusters to one wave (fit_one_wave); false: the plan's cluster as it is.
+cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream);
 
 // grouped_gemm, K loop over tiles of positions x columns of one group, on tensor cores (fp16/bf16 w) or FMA
 // (fp32 w); any alignment. `narrow`: 64-row tiles holding every column of an N <= kGroupedGemmNarrowMaxN problem

@@ -88,6 +88,13 @@ SgmvKernel preferred_sgmv_kernel() {
   return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split", "wgmma"});
 }
 
+// LORA_OPS_CUDA_SGMV_CLUSTER=1..8 gives the prefill kernels that many CTAs a cluster on sm_90, as given (tests use it
+// to sum h over every member count, which the one-wave rule picks by the GPU's resident counts); unset or "auto":
+// the plan's size, narrowed to one wave.
+int forced_sgmv_cluster() {
+  return preferred_kernel<int>("LORA_OPS_CUDA_SGMV_CLUSTER", {"1", "2", "3", "4", "5", "6", "7", "8"});
+}
+
 // LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles|rows|runs|segments likewise prefers one expand kernel (lora_expand and
 // the decode sgmv's second step; rows, runs: the rows form's tensor-core kernels, segments: the segment form's,
 // where they serve, else the automatic choice); unset or "auto": the tensor-core kernels where they serve (the
@@ -192,7 +199,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
     const bool wgmma = preferred == SgmvKernel::Wgmma &&
                        cuda::sgmv_wgmma_supported(p, cc_major,
                                                   device_attribute(cudaDevAttrComputeCapabilityMinor, device));
-    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, stream));
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, forced_sgmv_cluster(), stream));
     return;
   }
   const auto plan = cuda::plan_sgmv_shrink(p, sms);

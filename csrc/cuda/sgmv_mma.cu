@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   }
 }
 
-MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
+MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major, int forced_cluster) {
   MmaPlan plan{};
   plan.rank_pad = (p.max_rank + 15) / 16 * 16;
   const int64_t P = p.seg.positions;
@@ -315,15 +315,16 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major) {
   // Otherwise clusters until about four CTAs per SM.
   plan.cluster = split ? widest : 1;
   while (plan.cluster < widest && plan.max_tiles * plan.groups * plan.cluster < 4 * num_sms) plan.cluster *= 2;
+  if (forced_cluster > 0 && cc_major >= 9) plan.cluster = forced_cluster;
   return plan;
 }
 
 template <class T, class TY, int RT>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool fit_waves, cudaStream_t stream) {
   auto kernel = sgmv_mma_kernel<T, TY, RT>;
   constexpr size_t smem = Smem<RT, TY>::bytes;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kCtaThreads<RT>, smem);
+  if (fit_waves) fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kCtaThreads<RT>, smem);
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
@@ -333,10 +334,9 @@ cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
 }
 
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, int num_sms, int cc_major, cudaStream_t stream) {
-  const MmaPlan plan = make_plan(p, num_sms, cc_major);
+cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream) {
   return with_rank_tile(plan.slices_per_group * plan.rank_pad,
-                        [&](auto rt) { return launch_rt<T, TY, decltype(rt)::value>(p, plan, stream); });
+                        [&](auto rt) { return launch_rt<T, TY, decltype(rt)::value>(p, plan, fit_waves, stream); });
 }
 
 }  // namespace
@@ -351,14 +351,17 @@ bool sgmv_mma_supported(const SgmvParams& p) {
   return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
 }
 
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, cudaStream_t stream) {
-  if (wgmma) return launch_sgmv_wgmma(p, make_plan(p, num_sms, cc_major), stream);
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, int forced_cluster,
+                            cudaStream_t stream) {
+  const MmaPlan plan = make_plan(p, num_sms, cc_major, forced_cluster);
+  const bool fit_waves = forced_cluster == 0;
+  if (wgmma) return launch_sgmv_wgmma(p, plan, fit_waves, stream);
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, num_sms, cc_major, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, num_sms, cc_major, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, fit_waves, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, fit_waves, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, num_sms, cc_major, stream)
-                                 : launch_typed<__half, __half>(p, num_sms, cc_major, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, plan, fit_waves, stream)
+                                 : launch_typed<__half, __half>(p, plan, fit_waves, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -244,11 +244,11 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
 }
 
 template <class T, int RT, int kStages>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool fit_waves, cudaStream_t stream) {
   auto kernel = sgmv_wgmma_kernel<T, RT, kStages>;
   constexpr size_t smem = Wgmma<T, RT, kStages>::bytes;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages>>(&plan, p.seg.positions, kThreads, smem);
+  if (fit_waves) fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages>>(&plan, p.seg.positions, kThreads, smem);
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
@@ -257,10 +257,11 @@ cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, cudaStream_t stream) {
 }
 
 template <class T>
-cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width, cudaStream_t stream) {
+cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width, bool fit_waves,
+                         cudaStream_t stream) {
   return with_rank_tile(width, [&](auto rt) {
     constexpr int RT = decltype(rt)::value;
-    return launch_rt<T, RT, RT == 128 ? 2 : 3>(p, plan, stream);  // 2 stages at 128: 4 CTAs an SM
+    return launch_rt<T, RT, RT == 128 ? 2 : 3>(p, plan, fit_waves, stream);  // 2 stages at 128: 4 CTAs an SM
   });
 }
 
@@ -270,16 +271,16 @@ bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor) {
   return cc_major == 9 && cc_minor == 0 && p.y_dtype == p.x_dtype;
 }
 
-cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, cudaStream_t stream) {
+cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream) {
   const int64_t width = plan.slices_per_group * plan.rank_pad;
-  return p.x_dtype == DType::BF16 ? launch_typed<__nv_bfloat16>(p, plan, width, stream)
-                                  : launch_typed<__half>(p, plan, width, stream);
+  return p.x_dtype == DType::BF16 ? launch_typed<__nv_bfloat16>(p, plan, width, fit_waves, stream)
+                                  : launch_typed<__half>(p, plan, width, fit_waves, stream);
 }
 
 #else
 
 bool sgmv_wgmma_supported(const SgmvParams&, int, int) { return false; }
-cudaError_t launch_sgmv_wgmma(const SgmvParams&, const MmaPlan&, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t launch_sgmv_wgmma(const SgmvParams&, const MmaPlan&, bool, cudaStream_t) { return cudaErrorNotSupported; }
 
 #endif
 
