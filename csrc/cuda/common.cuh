@@ -311,27 +311,36 @@ __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, i
   return s_found;
 }
 
-// How many CTAs of kKernel (`threads` threads, no dynamic shared memory) the current device holds at once, over
-// all its SMs. Asked once per (kernel, device) and kept lock-free: decode launches the expand hundreds of times a
-// step, and a racing first call only stores the same value twice.
-template <auto kKernel>
-cudaError_t resident_ctas(int threads, int64_t* out) {
-  static std::atomic<int64_t> per_device[64];  // 0: not asked yet
+// The current device's value of `query(device, &value)` (> 0), asked once per device (`known`: 64 slots, 0 where
+// not asked yet) and kept lock-free: decode launches the expand hundreds of times a step, and a racing first call
+// only stores the same value twice. A failed query keeps nothing, and is asked again next time.
+template <class Query>
+cudaError_t ask_once_per_device(std::atomic<int64_t>* known, Query&& query, int64_t* out) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  std::atomic<int64_t>& known = per_device[device & 63];
-  int64_t value = known.load(std::memory_order_relaxed);
+  std::atomic<int64_t>& slot = known[device & 63];
+  int64_t value = slot.load(std::memory_order_relaxed);
   if (value == 0) {
-    int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    value = std::max<int64_t>(1, (int64_t)per_sm * sms);
-    known.store(value, std::memory_order_relaxed);
+    if ((err = query(device, &value)) != cudaSuccess) return err;
+    slot.store(value, std::memory_order_relaxed);
   }
   *out = value;
   return cudaSuccess;
+}
+
+// How many CTAs of kKernel (`threads` threads, no dynamic shared memory) the current device holds at once, over
+// all its SMs, asked once per (kernel, device).
+template <auto kKernel>
+cudaError_t resident_ctas(int threads, int64_t* out) {
+  static std::atomic<int64_t> per_device[64];
+  return ask_once_per_device(per_device, [&](int device, int64_t* value) {
+    int per_sm = 0, sms = 0;
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    *value = std::max<int64_t>(1, (int64_t)per_sm * sms);
+    return err;
+  }, out);
 }
 
 // Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the previous kernel

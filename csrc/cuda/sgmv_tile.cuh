@@ -97,28 +97,24 @@ struct ExpandBSource {
 };
 
 // How many clusters of `cluster` CTAs of kKernel (`threads` threads, `smem` bytes of dynamic shared memory, allowed
-// already) the current device holds at once, over all its SMs (0 where the query fails, its error cleared, and asked
-// again next time). Asked once per (kernel, device, cluster size) and kept lock-free, as resident_ctas does.
+// already) the current device holds at once, over all its SMs (0 where the query fails, its error cleared), asked
+// once per (kernel, device, cluster size).
 template <auto kKernel>
 int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
-  static std::atomic<int64_t> known[64][kMaxCluster + 1];  // the count + 1; 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  std::atomic<int64_t>& slot = known[device & 63][std::clamp<int64_t>(cluster, 1, kMaxCluster)];
-  int64_t value = slot.load(std::memory_order_relaxed);
-  if (value == 0) {
+  static std::atomic<int64_t> known[kMaxCluster + 1][64];  // the count + 1: 0 is "not asked yet"
+  int64_t value = 0;
+  const cudaError_t err = ask_once_per_device(known[std::clamp<int64_t>(cluster, 1, kMaxCluster)],
+                                              [&](int, int64_t* count_plus_one) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, threads, cluster, smem, nullptr, &attr);
     int count = 0;
-    if (cudaOccupancyMaxActiveClusters(&count, kKernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    value = (int64_t)count + 1;
-    slot.store(value, std::memory_order_relaxed);
+    const cudaError_t query = cudaOccupancyMaxActiveClusters(&count, kKernel, &cfg);
+    *count_plus_one = (int64_t)count + 1;
+    return query;
+  }, &value);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
   }
   return value - 1;
 }
