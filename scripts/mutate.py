@@ -24,7 +24,8 @@ stale: the script stops with exit status 2 and says where else the snippet occur
 copy when the file is C++ (CPU only, LORA_OPS_NO_CUDA=1; with --gpu the CUDA kernels too), run the tests, restore
 the file. With --in-place the same happens in this checkout: the original of a mutated file waits in
 <file>.mutate-orig until it is restored, and a run that was killed is undone by the next one, which restores any
-such file (dated now, so that a build recompiles it) and rebuilds before it starts.
+such file (dated now, so that a build recompiles it) and rebuilds before it starts; a run that ends rebuilds the
+checkout once after its last C++ bug, so that no object of a planted bug stays in the build directory.
 
 The tests run as the pytest part of the README's test command (scripts/test.sh: `python -m pytest tests -q`),
 with -x (stop at the first failure: a caught bug costs seconds, the verdict is the same) and -p no:cacheprovider,
@@ -1124,9 +1125,9 @@ def main(argv=None) -> int:
         logs = os.path.join(scratch, "mutation_logs")
         os.makedirs(logs, exist_ok=True)
         make_scratch(ROOT, scratch, files)
+    # the checkout's own build, CUDA too (a CPU run's mutations build without it): it is what stays
+    full_build = {k: v for k, v in env.items() if k != "LORA_OPS_NO_CUDA"}
     if any(p.endswith(CPP_SUFFIXES) for p in restored):
-        # the checkout's own build, CUDA too (a CPU run's mutations build without it): it is what stays
-        full_build = {k: v for k, v in env.items() if k != "LORA_OPS_NO_CUDA"}
         if not build(ROOT, full_build, os.path.join(logs, "restored.log")):
             print(f"mutate: the checkout with its restored files does not build; see {logs}/restored.log")
             return 2
@@ -1159,6 +1160,13 @@ def main(argv=None) -> int:
         m_, verdict, secs, detail = results[-1]
         print(f"{verdict:<9} {m.id:<38} {secs:5.0f} s  {detail}", flush=True)
 
+    if args.in_place and any(m.file.endswith(CPP_SUFFIXES) for m in runs):
+        # Only the linked libraries went back after each C++ bug: the build directory keeps the objects the last
+        # one compiled, which a copy of this tree whose sources are dated before them (the GPU machine's, on its
+        # next call) would link unchanged. Rebuilt now, while the restored sources are the newer.
+        if not build(ROOT, full_build, os.path.join(logs, "rebuilt.log")):
+            print(f"mutate: the checkout with its planted bugs taken out does not build; see {logs}/rebuilt.log")
+            return 2
     lines += ["", f"{'result':<9} {'mutation':<38} {'time':>7}  detail", "-" * 100]
     lines += [f"{v:<9} {m.id:<38} {s:5.0f} s  {d}" for m, v, s, d in results]
     count = lambda v: sum(1 for r in results if r[1] == v)

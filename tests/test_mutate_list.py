@@ -1,5 +1,6 @@
 """The planted-bug list (scripts/mutate.py) stays in step with the code: every mutation's snippet occurs exactly
 once in its file. A stale entry is a test that silently stopped existing."""
+import json
 import os
 import signal
 import subprocess
@@ -71,3 +72,40 @@ mutate._run_one(m, tree, {{}}, tree, args, {{built: b"pristine build"}}, [])
     assert (tree / m.file).read_text() == "before\n" + m.original + "\nafter\n"
     assert not (tree / (m.file + mutate.ORIGINAL_SUFFIX)).exists()
     assert (tree / "_C.so").read_bytes() == b"pristine build"
+
+
+def test_an_in_place_run_ends_on_a_build_of_the_restored_sources(tmp_path):
+    """After its last C++ bug an in-place run rebuilds the checkout from the restored sources: putting back only the
+    linked library left that bug's objects in the build directory, and the GPU machine's next call, whose copied
+    sources are dated before them, linked them again (its unmutated baseline failed on the bug). In a process of its
+    own (main installs a SIGTERM handler), on a git tree of the mutation's file and test files."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import json, os, subprocess, sys
+sys.path.insert(0, {os.path.join(ROOT, "scripts")!r})
+import mutate
+tree = sys.argv[1]
+m = next(m for m in mutate.MUTATIONS if m.file.endswith(mutate.CPP_SUFFIXES) and not m.needs_gpu)
+for f, text in [(m.file, "before\\n" + m.original + "\\nafter\\n")] + [(t, "") for t in m.tests]:
+    os.makedirs(os.path.dirname(os.path.join(tree, f)), exist_ok=True)
+    open(os.path.join(tree, f), "w").write(text)
+subprocess.run(["git", "init", "-q", tree], check=True)
+builds = []
+
+def build(scratch, env, log_path):
+    builds.append("planted" if m.replacement in open(os.path.join(tree, m.file)).read() else "restored")
+    return True
+
+def run_tests(scratch, env, test_paths, log_path, *args, **kwargs):
+    return (0, []) if log_path.endswith("baseline.log") else (1, ["a test"])
+
+mutate.ROOT, mutate.build, mutate.run_tests = tree, build, run_tests
+rc = mutate.main(["--only", m.id, "--in-place", "--fast"])
+print(json.dumps(dict(rc=rc, builds=builds)))
+""")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    run = subprocess.run([sys.executable, str(driver), str(tree)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == dict(rc=0, builds=["planted", "restored"]), run.stdout
