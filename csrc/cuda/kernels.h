@@ -54,10 +54,17 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
 
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
 // slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one kernel, the
-// intermediate in registers. `wgmma`: the kernel of sgmv_wgmma.cu (where sgmv_wgmma_supported), else mma.sync's.
-// `forced_cluster` (1-8; 0: the plan's and fit_one_wave's choice): that many CTAs a cluster on sm_90, as given.
+// intermediate in registers. `wgmma` (where sgmv_wgmma_supported): which plans take the kernel of sgmv_wgmma.cu
+// instead of mma.sync's. `forced_cluster` (1-8; 0: the plan's and fit_one_wave's choice): that many CTAs a cluster
+// on sm_90, as given.
+enum class WgmmaUse { Never, WideRankTiles, Always };
+// The narrowest rank tile (a slice group's slices x padded rank) the automatic choice gives the wgmma kernel.
+// Measured on an H100 with the one-wave rule (session 59, graph replay, K = N = 4096, 8 adapters, mma.sync /
+// wgmma us): rank 128 T=2048 46.7 / 48.2, T=4096 78.9 / 71.6, T=16384 220.5 / 190.1; rank 64 T=4096 59.7 / 57.9,
+// T=16384 179.7 / 171.7; rank tile 16: T=4096 48.4 / 49.1, 3 slices in rank-16 groups T=1024 29.8 / 32.2.
+constexpr int64_t kWgmmaMinRankTile = 64;
 bool sgmv_mma_supported(const SgmvParams& p);
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, int forced_cluster,
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, WgmmaUse wgmma, int forced_cluster,
                             cudaStream_t stream);
 
 // The prefill sgmv's plan (sgmv_mma.cu's make_plan), which both of its kernels take.

@@ -81,8 +81,9 @@ Kernel preferred_kernel(const char* variable, std::initializer_list<const char*>
 }
 
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split|wgmma prefers one sgmv kernel where it can take the input (tests use it to
-// cover the kernel the automatic choice does not pick on their shapes; wgmma: the prefill kernel on sm_90a's
-// warpgroup MMA, else mma); unset or "auto": by regime.
+// cover the kernel the automatic choice does not pick on their shapes; mma: mma.sync's prefill kernel; wgmma: the
+// prefill kernel on sm_90a's warpgroup MMA, else mma); unset or "auto": by regime (on sm_90a the prefill takes the
+// wgmma kernel from rank tiles of kWgmmaMinRankTile on).
 enum class SgmvKernel { Auto, Mma, Split, Wgmma };
 SgmvKernel preferred_sgmv_kernel() {
   return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split", "wgmma"});
@@ -196,9 +197,11 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
   const int cc_major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
   if (cuda::sgmv_mma_supported(p) && (preferred == SgmvKernel::Mma || preferred == SgmvKernel::Wgmma ||
                                       (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
-    const bool wgmma = preferred == SgmvKernel::Wgmma &&
-                       cuda::sgmv_wgmma_supported(p, cc_major,
-                                                  device_attribute(cudaDevAttrComputeCapabilityMinor, device));
+    const bool wgmma_runs =
+        cuda::sgmv_wgmma_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device));
+    const auto wgmma = !wgmma_runs || preferred == SgmvKernel::Mma ? cuda::WgmmaUse::Never
+                       : preferred == SgmvKernel::Wgmma            ? cuda::WgmmaUse::Always
+                                                                   : cuda::WgmmaUse::WideRankTiles;
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, forced_sgmv_cluster(), stream));
     return;
   }

@@ -351,11 +351,14 @@ bool sgmv_mma_supported(const SgmvParams& p) {
   return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
 }
 
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, bool wgmma, int forced_cluster,
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, WgmmaUse wgmma, int forced_cluster,
                             cudaStream_t stream) {
   const MmaPlan plan = make_plan(p, num_sms, cc_major, forced_cluster);
   const bool fit_waves = forced_cluster == 0;
-  if (wgmma) return launch_sgmv_wgmma(p, plan, fit_waves, stream);
+  if (wgmma == WgmmaUse::Always ||
+      (wgmma == WgmmaUse::WideRankTiles && plan.slices_per_group * plan.rank_pad >= kWgmmaMinRankTile)) {
+    return launch_sgmv_wgmma(p, plan, fit_waves, stream);
+  }
   if (p.x_dtype == DType::BF16) {
     return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, fit_waves, stream)
                                    : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, fit_waves, stream);

@@ -9,7 +9,8 @@
 // registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (128 threads, ~51 KB)
 // fits 4 per SM. Measured (H100, session 56): 4-5% faster at rank tiles of 64 and 128, a tie at 16, 8% slower on
 // a 3-slice batch split into rank-16 groups: twice the CTAs per SM bought ~5% at rank 128, not the ~2x that the
-// wave count predicted. Opt-in (LORA_OPS_CUDA_SGMV_KERNEL=wgmma) until the bench's op table says otherwise. y of
+// wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on: the automatic
+// choice there (kWgmmaMinRankTile, kernels.h). y of
 // x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
 //
 // Operands reach shared memory by cp.async (16 bytes a thread, zero-filled outside the tile, the rank or K) into

@@ -34,7 +34,7 @@ from . import peers
 from .timing import MIN_CALLS, cuda_runner, time_cpu, time_cuda, time_interleaved
 
 # Our implementations: a wrong result or an exception from one of these fails the bench.
-# -rows: lora_expand's rows form; cuda-wgmma: the opt-in sm_90a prefill sgmv (sgmv_wgmma.cu), forced
+# -rows: lora_expand's rows form; cuda-wgmma: the sm_90a prefill sgmv (sgmv_wgmma.cu) forced at every rank tile
 OURS = ("cpu", "cuda", "cuda-wgmma", "triton", "cpu-rows", "cuda-rows", "triton-rows")
 
 
