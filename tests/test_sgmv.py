@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -96,18 +97,33 @@ def test_sgmv_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+# The CUDA sgmv kernels the tests force, by the variables that force them (wgmma-rows128: the wgmma prefill kernel
+# in tiles of 128 positions, two warpgroups, where the rank tile is 32 or wider).
+FORCED_KERNELS = {
+    "split": {"LORA_OPS_CUDA_SGMV_KERNEL": "split"},
+    "mma": {"LORA_OPS_CUDA_SGMV_KERNEL": "mma"},
+    "wgmma": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma"},
+    "wgmma-rows128": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "128"},
+}
+
+
+def _force_kernel(kernel, monkeypatch):
+    if backends.cuda_served_by.get("sgmv") != "cuda":
+        pytest.skip("the CUDA sgmv kernels are not built")
+    if kernel.startswith("wgmma") and not backends.sm90_kernels_run():
+        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
+    for variable, value in FORCED_KERNELS[kernel].items():
+        monkeypatch.setenv(variable, value)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["split", "mma", "wgmma"])
+@pytest.mark.parametrize("kernel", list(FORCED_KERNELS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
     """Every CUDA sgmv kernel over the whole grid, not only where the automatic choice puts it on this GPU
     (a preferred kernel that cannot take an input leaves it to the automatic choice)."""
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel == "wgmma" and not backends.sm90_kernels_run():
-        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
+    _force_kernel(kernel, monkeypatch)
     cuda = Impl("cuda", "cuda", lora_ops.ops, DTYPES)
     if name == "garbage_metadata":
         _check_garbage_metadata(cuda, dtype)
@@ -148,25 +164,27 @@ MMA_PATH_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
 @pytest.mark.parametrize("y_dtype", [None, torch.float32], ids=["y_like_x", "y_float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(MMA_PATH_CASES))
 def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     """Each prefill tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h
-    sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's."""
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel == "wgmma" and not backends.sm90_kernels_run():
-        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
+    sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's. From rank 32 on (a rank
+    tile of 32 or more whatever the slice groups) wgmma-rows128 runs its two-warpgroup instance (the last template
+    argument of the kernel's name)."""
+    _force_kernel(kernel, monkeypatch)
     gen = case_generator(name)
     token_lora, kw = MMA_PATH_CASES[name](gen)
     problem = testing.make_sgmv(token_lora, dtype=dtype, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
     again = problem.y.clone()
     _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
-    wanted = "sgmv_wgmma_kernel" if kernel == "wgmma" and y_dtype is None else "sgmv_mma_kernel"
-    assert not ran or any(wanted in kernel_name for kernel_name in ran), ran
+    if kernel.startswith("wgmma") and y_dtype is None:
+        warpgroups = 2 if kernel == "wgmma-rows128" and kw["max_rank"] >= 32 else 1
+        wanted = re.compile(rf"sgmv_wgmma_kernel<[^>]*, {warpgroups}>")
+    else:
+        wanted = re.compile("sgmv_mma_kernel")
+    assert not ran or any(wanted.search(kernel_name) for kernel_name in ran), ran
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)
@@ -174,19 +192,15 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster", [1, 3, 5, 6, 7])
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
 @pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile"])
 def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
-    """Both prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
+    """The prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
     sum's last member takes a shorter share; members past the end of K or of the columns take none), forced
     (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle."""
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need sm_90")
-    if kernel == "wgmma" and not backends.sm90_kernels_run():
-        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", kernel)
+    _force_kernel(kernel, monkeypatch)
     monkeypatch.setenv("LORA_OPS_CUDA_SGMV_CLUSTER", str(cluster))
     gen = case_generator(f"{name}-cluster-{cluster}")
     token_lora, kw = MMA_PATH_CASES[name](gen)
@@ -208,14 +222,22 @@ def test_sgmv_forced_cluster_size_out_of_range_is_an_error(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
-def test_prefill_first_call_of_the_process_inside_a_graph_capture(kernel):
+def test_sgmv_forced_wgmma_rows_other_than_64_or_128_is_an_error(monkeypatch):
+    _force_kernel("wgmma", monkeypatch)
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "32")
+    gen = case_generator("forced_rows_32")
+    token_lora, kw = MMA_PATH_CASES["rank128_one_cta"](gen)
+    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
+    with pytest.raises(ValueError, match="LORA_OPS_CUDA_SGMV_WGMMA_ROWS = '32': expected auto, 64 or 128"):
+        lora_ops.ops.sgmv(*problem.args())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
+def test_prefill_first_call_of_the_process_inside_a_graph_capture(kernel, monkeypatch):
     """A process's first prefill sgmv may come inside a CUDA graph capture, where the launch asks once how many
     clusters the GPU holds (fit_one_wave): the capture holds, and its replay on new inputs matches the oracle."""
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel == "wgmma" and not backends.sm90_kernels_run():
-        pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
+    _force_kernel(kernel, monkeypatch)
     code = """if True:
         import torch, lora_ops
         from lora_ops import reference, testing
@@ -235,8 +257,7 @@ def test_prefill_first_call_of_the_process_inside_a_graph_capture(kernel):
                                                torch.bfloat16) == ""
         print("replayed")
     """
-    env = dict(os.environ, LORA_OPS_CUDA_SGMV_KERNEL=kernel)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "replayed" in run.stdout, run.stderr[-3000:]
 
 

@@ -52,22 +52,29 @@ constexpr int64_t kRunsWideTripMaxPositionsPerSlot = 3;
 bool runs_kernel_pays(const ExpandParams& p);
 cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, int cc_major, cudaStream_t stream);
 
-// Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per 64-position tile and
-// slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one kernel, the
-// intermediate in registers. `wgmma` (where sgmv_wgmma_supported): which plans take the kernel of sgmv_wgmma.cu
-// instead of mma.sync's. `forced_cluster` (1-8; 0: the plan's and fit_one_wave's choice): that many CTAs a cluster
-// on sm_90, as given.
+// Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per tile of positions of one
+// segment and slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one
+// kernel, the intermediate on chip.
 enum class WgmmaUse { Never, WideRankTiles, Always };
 // The narrowest rank tile (a slice group's slices x padded rank) the automatic choice gives the wgmma kernel.
 // Measured on an H100 with the one-wave rule (session 59, graph replay, K = N = 4096, 8 adapters, mma.sync /
 // wgmma us): rank 128 T=2048 46.7 / 48.2, T=4096 78.9 / 71.6, T=16384 220.5 / 190.1; rank 64 T=4096 59.7 / 57.9,
 // T=16384 179.7 / 171.7; rank tile 16: T=4096 48.4 / 49.1, 3 slices in rank-16 groups T=1024 29.8 / 32.2.
 constexpr int64_t kWgmmaMinRankTile = 64;
+// The narrowest rank tile the wgmma kernel may take in tiles of 128 positions (two warpgroups sharing each A and B
+// stage); narrower ones stay in tiles of 64.
+constexpr int64_t kWgmmaRows128MinRankTile = 32;
+struct SgmvPrefillChoice {
+  WgmmaUse wgmma = WgmmaUse::WideRankTiles;  // which plans take sgmv_wgmma.cu's kernel (where it runs)
+  int wgmma_rows = 0;  // 64 or 128: the wgmma kernel's tile of positions (rank tiles from kWgmmaRows128MinRankTile
+                       // for 128); 0: 64
+  int cluster = 0;     // 1-8: that many CTAs a cluster on sm_90, as given; 0: the plan's, narrowed to one wave
+};
 bool sgmv_mma_supported(const SgmvParams& p);
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, WgmmaUse wgmma, int forced_cluster,
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, const SgmvPrefillChoice& choice,
                             cudaStream_t stream);
 
-// The prefill sgmv's plan (sgmv_mma.cu's make_plan), which both of its kernels take.
+// The prefill sgmv's plan (sgmv_mma.cu's make_plan, in tiles of 64 positions), which both of its kernels take.
 struct MmaPlan {
   int64_t rank_pad;          // per-slice rank rounded up to 16
   int64_t slices_per_group;  // slices sharing one rank tile
@@ -77,8 +84,9 @@ struct MmaPlan {
 // sgmv_wgmma.cu, compiled in with grouped_gemm_sm90.cu (LORA_OPS_GG_SM90): a 9.0 device and y of x's dtype, on
 // top of sgmv_mma_supported (which the caller has checked).
 bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor);
-// fit_waves: narrow the plan's clusters to one wave (fit_one_wave); false: the plan's cluster as it is.
-cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream);
+// The plan's tiles and clusters as `choice` asks (its rows; its cluster, or the plan's narrowed to one wave).
+cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, const SgmvPrefillChoice& choice,
+                              cudaStream_t stream);
 
 // grouped_gemm, K loop over tiles of positions x columns of one group, on tensor cores (fp16/bf16 w) or FMA
 // (fp32 w); any alignment. `narrow`: 64-row tiles holding every column of an N <= kGroupedGemmNarrowMaxN problem

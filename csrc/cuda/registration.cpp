@@ -96,6 +96,12 @@ int forced_sgmv_cluster() {
   return preferred_kernel<int>("LORA_OPS_CUDA_SGMV_CLUSTER", {"1", "2", "3", "4", "5", "6", "7", "8"});
 }
 
+// LORA_OPS_CUDA_SGMV_WGMMA_ROWS=64|128 gives the wgmma prefill kernel tiles of that many positions (128: two
+// warpgroups, from rank tiles of kWgmmaRows128MinRankTile); unset or "auto": 64.
+int forced_wgmma_rows() {
+  return 64 * preferred_kernel<int>("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", {"64", "128"});
+}
+
 // LORA_OPS_CUDA_EXPAND_KERNEL=positions|tiles|rows|runs|segments likewise prefers one expand kernel (lora_expand and
 // the decode sgmv's second step; rows, runs: the rows form's tensor-core kernels, segments: the segment form's,
 // where they serve, else the automatic choice); unset or "auto": the tensor-core kernels where they serve (the
@@ -199,10 +205,13 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
                                       (preferred == SgmvKernel::Auto && p.seg.positions >= kMmaMinPositions))) {
     const bool wgmma_runs =
         cuda::sgmv_wgmma_supported(p, cc_major, device_attribute(cudaDevAttrComputeCapabilityMinor, device));
-    const auto wgmma = !wgmma_runs || preferred == SgmvKernel::Mma ? cuda::WgmmaUse::Never
-                       : preferred == SgmvKernel::Wgmma            ? cuda::WgmmaUse::Always
-                                                                   : cuda::WgmmaUse::WideRankTiles;
-    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, wgmma, forced_sgmv_cluster(), stream));
+    cuda::SgmvPrefillChoice choice;
+    choice.wgmma = !wgmma_runs || preferred == SgmvKernel::Mma ? cuda::WgmmaUse::Never
+                   : preferred == SgmvKernel::Wgmma            ? cuda::WgmmaUse::Always
+                                                               : cuda::WgmmaUse::WideRankTiles;
+    choice.wgmma_rows = forced_wgmma_rows();
+    choice.cluster = forced_sgmv_cluster();
+    C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, choice, stream));
     return;
   }
   const auto plan = cuda::plan_sgmv_shrink(p, sms);

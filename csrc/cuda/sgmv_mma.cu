@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   const int64_t s0 = group * plan.slices_per_group, s1 = std::min<int64_t>(p.num_slices, s0 + plan.slices_per_group);
 
   // ---------------- shrink: h = X A^T ----------------
-  const ShrinkSources<T, RT, kThreads, kBK> shrink_src(p, s_rows, tile, rp, s0, s1);
+  const ShrinkSources<T, RT, kThreads, kBK, kTileRows> shrink_src(p, s_rows, tile, rp, s0, s1);
   using KRows = typename decltype(shrink_src)::Rows;
   auto xs = [&](int st) { return reinterpret_cast<T*>(smem + st * L::shrink_stage); };
   auto as = [&](int st) { return xs(st) + kTileRows * (kBK + kPad); };
@@ -320,11 +320,13 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major, int forced_clu
 }
 
 template <class T, class TY, int RT>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool fit_waves, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool narrow_to_one_wave, cudaStream_t stream) {
   auto kernel = sgmv_mma_kernel<T, TY, RT>;
   constexpr size_t smem = Smem<RT, TY>::bytes;
   if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  if (fit_waves) fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kCtaThreads<RT>, smem);
+  if (narrow_to_one_wave) {
+    fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kTileRows, kCtaThreads<RT>, smem);
+  }
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
@@ -334,9 +336,10 @@ cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool fit_waves, cudaStr
 }
 
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream) {
-  return with_rank_tile(plan.slices_per_group * plan.rank_pad,
-                        [&](auto rt) { return launch_rt<T, TY, decltype(rt)::value>(p, plan, fit_waves, stream); });
+cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, bool narrow_to_one_wave, cudaStream_t stream) {
+  return with_rank_tile(plan.slices_per_group * plan.rank_pad, [&](auto rt) {
+    return launch_rt<T, TY, decltype(rt)::value>(p, plan, narrow_to_one_wave, stream);
+  });
 }
 
 }  // namespace
@@ -351,20 +354,20 @@ bool sgmv_mma_supported(const SgmvParams& p) {
   return (p.max_rank + 15) / 16 * 16 <= kMaxRankTile;
 }
 
-cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, WgmmaUse wgmma, int forced_cluster,
+cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, const SgmvPrefillChoice& choice,
                             cudaStream_t stream) {
-  const MmaPlan plan = make_plan(p, num_sms, cc_major, forced_cluster);
-  const bool fit_waves = forced_cluster == 0;
-  if (wgmma == WgmmaUse::Always ||
-      (wgmma == WgmmaUse::WideRankTiles && plan.slices_per_group * plan.rank_pad >= kWgmmaMinRankTile)) {
-    return launch_sgmv_wgmma(p, plan, fit_waves, stream);
+  const MmaPlan plan = make_plan(p, num_sms, cc_major, choice.cluster);
+  if (choice.wgmma == WgmmaUse::Always ||
+      (choice.wgmma == WgmmaUse::WideRankTiles && plan.slices_per_group * plan.rank_pad >= kWgmmaMinRankTile)) {
+    return launch_sgmv_wgmma(p, plan, choice, stream);
   }
+  const bool narrow = choice.cluster == 0;
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, fit_waves, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, fit_waves, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, narrow, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, narrow, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, plan, fit_waves, stream)
-                                 : launch_typed<__half, __half>(p, plan, fit_waves, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, plan, narrow, stream)
+                                 : launch_typed<__half, __half>(p, plan, narrow, stream);
 }
 
 }  // namespace lora_ops::cuda

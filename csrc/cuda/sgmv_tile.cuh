@@ -18,13 +18,13 @@ constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxRankTile = 128;  // ranks of all a tile's slices together (with_rank_tile)
 
 // Where one thread's shrink copies come from: the 16-byte chunk column kc of rows r0, r0 + step, ... of the X tile
-// (through the tile's positions) and of A's rank rows, the group's slices one after another, rank_pad rows each.
+// (kRows positions) and of A's rank rows, the group's slices one after another, rank_pad rows each.
 // A null source (a row outside the tile, past the slot's true rank or the group's slices) is a zero fill.
-template <class T, int RT, int kThreads, int kBK>
+template <class T, int RT, int kThreads, int kBK, int kRows>
 struct ShrinkSources {
-  using Rows = Pieces<T, kTileRows, kBK, kThreads>;
-  static_assert(kTileRows % Rows::kRowStep == 0 && RT % Rows::kRowStep == 0, "X and A rows split evenly");
-  static constexpr int kXRows = kTileRows / Rows::kRowStep, kARows = RT / Rows::kRowStep;
+  using Rows = Pieces<T, kRows, kBK, kThreads>;
+  static_assert(kRows % Rows::kRowStep == 0 && RT % Rows::kRowStep == 0, "X and A rows split evenly");
+  static constexpr int kXRows = kRows / Rows::kRowStep, kARows = RT / Rows::kRowStep;
   int kc;
   const T* x[kXRows];
   const T* a[kARows];
@@ -119,16 +119,16 @@ int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
   return value - 1;
 }
 
-// Narrows a plan's clusters, to the widest of at least 2 CTAs whose count holds the batch's whole tiles (ceil(P / 64)
-// per slice group) at once, where one does: a second wave of a few clusters costs a whole CTA's time, and any size up
+// Narrows a plan's clusters, to the widest of at least 2 CTAs whose count holds the batch's whole tiles
+// (ceil(P / tile_rows) per slice group) at once, where one does: a second wave of a few clusters costs a whole CTA's time, and any size up
 // to 8 launches (cluster_sum_h shares any count). Measured on an H100 (session 57, T = 4096, 8 adapters,
 // K = N = 4096): rank 128 in clusters of 8 ran 64 working tiles on 31 (mma.sync) or 62 (wgmma) resident clusters,
 // 90.9 / 89.1 us; in clusters of 2 / 4, one wave, 74.7 / 82.4; rank 64 72.0 / 70.1 -> 63.8 / 62.8 in clusters of
 // 4. A plan already at 2 is left alone (T = 16384: one CTA a tile was slower than two waves of pairs).
 template <auto kKernel>
-void fit_one_wave(MmaPlan* plan, int64_t positions, int threads, size_t smem) {
+void fit_one_wave(MmaPlan* plan, int64_t positions, int64_t tile_rows, int threads, size_t smem) {
   if (plan->cluster <= 2) return;
-  const int64_t tiles = (positions + kTileRows - 1) / kTileRows * plan->groups;
+  const int64_t tiles = (positions + tile_rows - 1) / tile_rows * plan->groups;
   for (int64_t cluster = plan->cluster; cluster >= 2; --cluster) {
     if (resident_clusters<kKernel>(threads, smem, cluster) >= tiles) {
       plan->cluster = cluster;

@@ -12,6 +12,9 @@
 // wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on: the automatic
 // choice there (kWgmmaMinRankTile, kernels.h). y of
 // x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
+// Tiles of 128 positions (kWG = 2, from rank tiles of 32; LORA_OPS_CUDA_SGMV_WGMMA_ROWS=128): two warpgroups, 64
+// positions each, share every stage of A and B, so the A and B bytes a CTA stages per position halve (at rank 128
+// they are twice x's in the shrink and as many as y's in the expand), with half the tiles in flight.
 //
 // Operands reach shared memory by cp.async (16 bytes a thread, zero-filled outside the tile, the rank or K) into
 // the 128-byte-swizzled K-major layouts wgmma reads; each thread fences its copies into the async proxy before the
@@ -37,7 +40,6 @@ using cute::_64;
 using cute::Int;
 using cute::Shape;
 
-constexpr int kThreads = 128;  // one warpgroup
 constexpr int kBK = 64;        // K step of the shrink: one 128-byte swizzle row of X and A
 constexpr int kBN = 64;        // columns per expand step
 constexpr int kYPad = 8;       // elements of padding per row of the y tile (not read by wgmma)
@@ -45,33 +47,39 @@ constexpr int kYPad = 8;       // elements of padding per row of the y tile (not
 template <class T>
 using CuteType = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::bfloat16_t, cute::half_t>;
 
-template <class T, int RT, int kStages>
+// kWG warpgroups, each the MMAs of 64 of the tile's 64 kWG positions; they share every stage of A and B.
+template <class T, int RT, int kStages, int kWG>
 struct Wgmma {
+  static constexpr int kRows = 64 * kWG, kThreads = 128 * kWG;
   using E = CuteType<T>;
   using Major = cute::GMMA::Major;
-  // Stage-indexed K-major layouts: X [64, 64], A [RT, 64], B [64 columns, RT].
-  using LayoutX = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, Shape<_64, _64, Int<kStages>>{}));
+  using Warpgroups = cute::Layout<Shape<Int<kWG>, cute::_1, cute::_1>>;  // along the positions
+  // Stage-indexed K-major layouts: X [kRows, 64], A [RT, 64], B [64 columns, RT].
+  using LayoutX =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kRows>, _64, Int<kStages>>{}));
   using LayoutA =
       decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<RT>, _64, Int<kStages>>{}));
   using LayoutB = decltype(cute::tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<Major::K, E, Int<kBN>, Int<RT>>(),
       Shape<Int<kBN>, Int<RT>, Int<kStages>>{}));
   using MmaShrink = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<E, E, float, Shape<_64, Int<RT>, Int<kBK>>, Major::K, Major::K>()));
+      cute::GMMA::ss_op_selector<E, E, float, Shape<_64, Int<RT>, Int<kBK>>, Major::K, Major::K>(), Warpgroups{}));
   using MmaExpand = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<E, E, float, Shape<_64, Int<kBN>, Int<RT>>, Major::K, Major::K>()));
+      cute::GMMA::rs_op_selector<E, E, float, Shape<_64, Int<kBN>, Int<RT>>, Major::K, Major::K>(), Warpgroups{}));
 
   // Shared memory (elements of T; X, A and B 1024-byte aligned: the swizzle's period, which wgmma's descriptors
   // assume; the y stages, read by plain loads, 16-byte aligned): the shrink's stages, then over the same bytes the
   // cluster's partial h (one float per accumulator of each thread) and, after them, the expand's B and y stages.
   static constexpr size_t kX = cute::cosize_v<LayoutX>, kA = cute::cosize_v<LayoutA>;
-  static constexpr size_t kB = cute::cosize_v<LayoutB>, kY = (size_t)kStages * 64 * (kBN + kYPad);
+  static constexpr size_t kB = cute::cosize_v<LayoutB>, kY = (size_t)kStages * kRows * (kBN + kYPad);
   static constexpr size_t shrink_bytes = (kX + kA) * sizeof(T);
   static constexpr size_t expand_bytes = (kB + kY) * sizeof(T);
   static constexpr size_t partial_bytes = (size_t)kThreads * (RT / 2) * sizeof(float);
   static constexpr size_t bytes = std::max({shrink_bytes, expand_bytes, partial_bytes}) + 1024;  // + alignment
   static_assert(kX * sizeof(T) % 1024 == 0 && kB * sizeof(T) % 1024 == 0, "buffers on the swizzle's period");
-  static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
+  // For the launch bounds: what shared memory allows, and at two warpgroups no more than 2 (128 registers).
+  static constexpr int ctas_per_sm =
+      std::min<int>(kWG == 1 ? 32 : 2, std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640)));
 };
 
 // The A-operand view of an m64nRk16 accumulator (((2,2,R/8),1,1)) as wgmma RS reads it (((2,2,2),1,R/16)): for
@@ -85,22 +93,23 @@ __device__ auto accumulator_as_a(Layout acc) {
                            cute::coalesce(cute::make_layout(cute::get<0, 1>(pairs), cute::get<2>(acc))));
 }
 
-template <class T, int RT, int kStages>
-__global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm))
+template <class T, int RT, int kStages, int kWG>
+__global__ void __launch_bounds__((Wgmma<T, RT, kStages, kWG>::kThreads), (Wgmma<T, RT, kStages, kWG>::ctas_per_sm))
     sgmv_wgmma_kernel(SgmvParams p, MmaPlan plan) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using W = Wgmma<T, RT, kStages>;
+  using W = Wgmma<T, RT, kStages, kWG>;
   using E = typename W::E;
+  constexpr int kRows = W::kRows, kThreads = W::kThreads;
   using namespace cute;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int64_t s_rows[kTileRows];
+  __shared__ int64_t s_rows[kRows];
   T* smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* y = static_cast<T*>(p.y);
   const int tid = threadIdx.x;
   const int64_t member = blockIdx.x % plan.cluster, unit = blockIdx.x / plan.cluster;
   const int64_t tile_idx = unit / plan.groups, group = unit % plan.groups;
   TileRef tile;
-  if (!block_find_tile<kTileRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
+  if (!block_find_tile<kRows>(p.seg, p.num_slots, p.rows, tile_idx, &tile, s_rows, p.lora_ranks, p.max_rank)) {
     return;
   }
   const int rp = (int)plan.rank_pad;
@@ -111,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   // ---------------- shrink: h = X A^T ----------------
   Tensor sX = make_tensor(make_smem_ptr(reinterpret_cast<E*>(smem)), typename W::LayoutX{});
   Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<E*>(smem + W::kX)), typename W::LayoutA{});
-  const ShrinkSources<T, RT, kThreads, kBK> shrink_src(p, s_rows, tile, rp, s0, s1);
+  const ShrinkSources<T, RT, kThreads, kBK, kRows> shrink_src(p, s_rows, tile, rp, s0, s1);
   using KRows = typename decltype(shrink_src)::Rows;
   auto load_shrink = [&](int st, int64_t k0) {
     shrink_src.load(p, k0, [&](int i) { return &sX(KRows::r0() + i * KRows::kRowStep, shrink_src.kc, st); },
@@ -127,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   auto thr_s = mma_s.get_slice(tid);
   Tensor tXs = thr_s.partition_fragment_A(sX);  // (MMA, 1, kBK / 16, stages) descriptors
   Tensor tAs = thr_s.partition_fragment_B(sA);
-  Tensor h = partition_fragment_C(mma_s, Shape<_64, Int<RT>>{});  // RT / 2 floats a thread
+  Tensor h = partition_fragment_C(mma_s, Shape<Int<kRows>, Int<RT>>{});  // RT / 2 floats a thread
   // Cleared, not zeroed by the first MMA's scale: a member with no K step (33 steps over 8 members leave the last
   // none) adds zeros to the cluster's sum.
   clear(h);
@@ -170,20 +179,20 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   const int64_t c_begin = p.slice_offsets[s0], c_end = p.slice_offsets[s1];
   const ExpandBSource<T, RT, kThreads, kBN> b_src(p, tile, rp, s0, s1);
   using BRows = typename decltype(b_src)::Rows;
-  using YRows = Pieces<T, kTileRows, kBN, kThreads>;
-  static_assert(kTileRows % YRows::kRowStep == 0, "y rows split evenly");
+  using YRows = Pieces<T, kRows, kBN, kThreads>;
+  static_assert(kRows % YRows::kRowStep == 0, "y rows split evenly");
   const int yc = YRows::c();
   auto y_row = [&](int i) -> T* {
     const int64_t row = s_rows[YRows::r0() + i * YRows::kRowStep];
     return row >= 0 ? y + row * p.y_row_stride + yc : nullptr;
   };
-  auto ys = [&](int st) { return y_stages + st * 64 * (kBN + kYPad); };
+  auto ys = [&](int st) { return y_stages + st * kRows * (kBN + kYPad); };
   auto load_expand = [&](int st, int64_t n0) {
     b_src.load(p, n0, [&](int i) { return &sB(BRows::r0() + i * BRows::kRowStep, b_src.j8, st); });
     T* Y = ys(st) + YRows::r0() * (kBN + kYPad) + yc;
     const bool in = n0 + yc + 8 <= c_end;  // slices end on multiples of 8 columns: a chunk is all in or all out
 #pragma unroll
-    for (int i = 0; i < kTileRows / YRows::kRowStep; ++i) {
+    for (int i = 0; i < kRows / YRows::kRowStep; ++i) {
       T* row = in ? y_row(i) : nullptr;
       cp_async16(Y + i * YRows::kRowStep * (kBN + kYPad), row ? row + n0 : y, row ? 16 : 0);
     }
@@ -200,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
   typename W::MmaExpand mma_e;
   auto thr_e = mma_e.get_slice(tid);
   Tensor tBs = thr_e.partition_fragment_B(sB);  // (MMA, 1, RT / 16, stages) descriptors
-  Tensor acc = partition_fragment_C(mma_e, Shape<_64, Int<kBN>>{});
-  Tensor acc_at = thr_e.partition_C(make_identity_tensor(Shape<_64, Int<kBN>>{}));  // (row, column) of each
+  Tensor acc = partition_fragment_C(mma_e, Shape<Int<kRows>, Int<kBN>>{});
+  Tensor acc_at = thr_e.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kBN>>{}));  // (row, column) of each
   for (int nt = 0; nt < n_tiles; ++nt) {
     stage_ready();
     const int next = nt + kStages - 1;
@@ -232,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
     if (n0 + yc + 8 > c_end) continue;
     const T* src = Y + YRows::r0() * (kBN + kYPad) + yc;
 #pragma unroll
-    for (int i = 0; i < kTileRows / YRows::kRowStep; ++i) {
+    for (int i = 0; i < kRows / YRows::kRowStep; ++i) {
       if (T* row = y_row(i)) {
         const T* chunk = src + i * YRows::kRowStep * (kBN + kYPad);
         *reinterpret_cast<uint4*>(row + n0) = *reinterpret_cast<const uint4*>(chunk);
@@ -244,25 +253,32 @@ __global__ void __launch_bounds__(kThreads, (Wgmma<T, RT, kStages>::ctas_per_sm)
 #endif
 }
 
-template <class T, int RT, int kStages>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool fit_waves, cudaStream_t stream) {
-  auto kernel = sgmv_wgmma_kernel<T, RT, kStages>;
-  constexpr size_t smem = Wgmma<T, RT, kStages>::bytes;
-  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  if (fit_waves) fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages>>(&plan, p.seg.positions, kThreads, smem);
+template <class T, int RT, int kStages, int kWG>
+cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, const SgmvPrefillChoice& choice, cudaStream_t stream) {
+  using W = Wgmma<T, RT, kStages, kWG>;
+  auto kernel = sgmv_wgmma_kernel<T, RT, kStages, kWG>;
+  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, W::bytes); err != cudaSuccess) return err;
+  plan.max_tiles = max_segment_tiles(p.seg, W::kRows);
+  if (choice.cluster == 0) {
+    fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages, kWG>>(&plan, p.seg.positions, W::kRows, W::kThreads, W::bytes);
+  }
   const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
   if (blocks == 0) return cudaSuccess;
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(blocks, kThreads, plan.cluster, smem, stream, &attr);
+  const cudaLaunchConfig_t cfg = cluster_launch_config(blocks, W::kThreads, plan.cluster, W::bytes, stream, &attr);
   return cudaLaunchKernelEx(&cfg, kernel, p, plan);
 }
 
 template <class T>
-cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width, bool fit_waves,
+cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width, const SgmvPrefillChoice& choice,
                          cudaStream_t stream) {
   return with_rank_tile(width, [&](auto rt) {
     constexpr int RT = decltype(rt)::value;
-    return launch_rt<T, RT, RT == 128 ? 2 : 3>(p, plan, fit_waves, stream);  // 2 stages at 128: 4 CTAs an SM
+    if constexpr (RT >= kWgmmaRows128MinRankTile) {
+      // 3 stages: two CTAs an SM by registers either way (at rank tile 128, ~103 KB of shared memory each)
+      if (choice.wgmma_rows == 128) return launch_rt<T, RT, 3, 2>(p, plan, choice, stream);
+    }
+    return launch_rt<T, RT, RT == 128 ? 2 : 3, 1>(p, plan, choice, stream);  // 2 stages at 128: 4 CTAs an SM
   });
 }
 
@@ -272,16 +288,19 @@ bool sgmv_wgmma_supported(const SgmvParams& p, int cc_major, int cc_minor) {
   return cc_major == 9 && cc_minor == 0 && p.y_dtype == p.x_dtype;
 }
 
-cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, bool fit_waves, cudaStream_t stream) {
+cudaError_t launch_sgmv_wgmma(const SgmvParams& p, const MmaPlan& plan, const SgmvPrefillChoice& choice,
+                              cudaStream_t stream) {
   const int64_t width = plan.slices_per_group * plan.rank_pad;
-  return p.x_dtype == DType::BF16 ? launch_typed<__nv_bfloat16>(p, plan, width, fit_waves, stream)
-                                  : launch_typed<__half>(p, plan, width, fit_waves, stream);
+  return p.x_dtype == DType::BF16 ? launch_typed<__nv_bfloat16>(p, plan, width, choice, stream)
+                                  : launch_typed<__half>(p, plan, width, choice, stream);
 }
 
 #else
 
 bool sgmv_wgmma_supported(const SgmvParams&, int, int) { return false; }
-cudaError_t launch_sgmv_wgmma(const SgmvParams&, const MmaPlan&, bool, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t launch_sgmv_wgmma(const SgmvParams&, const MmaPlan&, const SgmvPrefillChoice&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
 
 #endif
 
