@@ -97,12 +97,14 @@ def test_sgmv_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-# The CUDA sgmv kernels the tests force, by the variables that force them (wgmma-rows128: the wgmma prefill kernel
-# in tiles of 128 positions, two warpgroups, where the rank tile is 32 or wider).
+# The CUDA sgmv kernels the tests force, by the variables that force them (wgmma: the wgmma prefill kernel's
+# tiles of positions by the automatic choice; -rows64, -rows128: at a rank tile of 128, tiles of 64 positions (one
+# warpgroup) or 128 (two) at any batch size).
 FORCED_KERNELS = {
     "split": {"LORA_OPS_CUDA_SGMV_KERNEL": "split"},
     "mma": {"LORA_OPS_CUDA_SGMV_KERNEL": "mma"},
     "wgmma": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma"},
+    "wgmma-rows64": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "64"},
     "wgmma-rows128": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "128"},
 }
 
@@ -117,7 +119,7 @@ def _force_kernel(kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", list(FORCED_KERNELS))
+@pytest.mark.parametrize("kernel", ["split", "mma", "wgmma", "wgmma-rows128"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SGMV_CASES) + list(SGMV_LARGE_CASES) + ["garbage_metadata"])
 def test_sgmv_each_cuda_kernel(name, dtype, kernel, monkeypatch):
@@ -164,15 +166,16 @@ MMA_PATH_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows64", "wgmma-rows128"])
 @pytest.mark.parametrize("y_dtype", [None, torch.float32], ids=["y_like_x", "y_float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(MMA_PATH_CASES))
 def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     """Each prefill tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h
-    sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's. From rank 32 on (a rank
-    tile of 32 or more whatever the slice groups) wgmma-rows128 runs its two-warpgroup instance (the last template
-    argument of the kernel's name); below, the plan's slice groups (by the GPU's SM count) decide."""
+    sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's. At a rank tile of 128 it
+    runs its two-warpgroup instance (the last template argument of the kernel's name) forced, or from 4096 positions
+    on (kWgmmaRows128MinPositions). The rank tile is 128 for ranks above 64 and for the two rank-64 slices that 512
+    tiles keep together; the fused QKV of rank 32 has one where the GPU's SM count keeps its 3 slices together."""
     _force_kernel(kernel, monkeypatch)
     gen = case_generator(name)
     token_lora, kw = MMA_PATH_CASES[name](gen)
@@ -180,7 +183,9 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     again = problem.y.clone()
     _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
     if kernel.startswith("wgmma") and y_dtype is None:
-        warpgroups = "1" if kernel == "wgmma" else "2" if kw["max_rank"] >= 32 else "[12]"
+        rank_tile_128 = kw["max_rank"] > 64 or name == "two_slices_rank_tile_128"
+        rows128 = {"wgmma": int((token_lora >= 0).sum()) >= 4096, "wgmma-rows64": False, "wgmma-rows128": True}[kernel]
+        warpgroups = "2" if rank_tile_128 and rows128 else "[12]" if name == "qkv_shared_rank_tile" and rows128 else "1"
         wanted = re.compile(rf"sgmv_wgmma_kernel<[^>]*, {warpgroups}>")
     else:
         wanted = re.compile("sgmv_mma_kernel")

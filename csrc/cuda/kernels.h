@@ -61,13 +61,15 @@ enum class WgmmaUse { Never, WideRankTiles, Always };
 // wgmma us): rank 128 T=2048 46.7 / 48.2, T=4096 78.9 / 71.6, T=16384 220.5 / 190.1; rank 64 T=4096 59.7 / 57.9,
 // T=16384 179.7 / 171.7; rank tile 16: T=4096 48.4 / 49.1, 3 slices in rank-16 groups T=1024 29.8 / 32.2.
 constexpr int64_t kWgmmaMinRankTile = 64;
-// The narrowest rank tile the wgmma kernel may take in tiles of 128 positions (two warpgroups sharing each A and B
-// stage); narrower ones stay in tiles of 64.
-constexpr int64_t kWgmmaRows128MinRankTile = 32;
+// From how many positions the wgmma kernel takes a rank tile of 128 in tiles of 128 positions (two warpgroups
+// sharing each A and B stage) instead of 64. Measured on an H100 (session 60, graph replay, K = N = 4096, 8 adapters,
+// 64 / 128 positions a tile, us): rank 128 T=2048 48.2 / 50.8, T=4096 71.1 / 68.4, T=16384 185.7 / 178.5; rank
+// tiles of 32 and 64 no faster at any T (r64 T=4096 58.1 / 59.6, T=16384 168.8 / 169.3), so they keep 64.
+constexpr int64_t kWgmmaRows128MinPositions = 4096;
 struct SgmvPrefillChoice {
   WgmmaUse wgmma = WgmmaUse::WideRankTiles;  // which plans take sgmv_wgmma.cu's kernel (where it runs)
-  int wgmma_rows = 0;  // 64 or 128: the wgmma kernel's tile of positions (rank tiles from kWgmmaRows128MinRankTile
-                       // for 128); 0: 64
+  int wgmma_rows = 0;  // 64 or 128: the wgmma kernel's tile of positions at a rank tile of 128 (narrower: 64);
+                       // 0: 128 from kWgmmaRows128MinPositions on
   int cluster = 0;     // 1-8: that many CTAs a cluster on sm_90, as given; 0: the plan's, narrowed to one wave
 };
 bool sgmv_mma_supported(const SgmvParams& p);

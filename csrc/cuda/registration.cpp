@@ -96,8 +96,9 @@ int forced_sgmv_cluster() {
   return preferred_kernel<int>("LORA_OPS_CUDA_SGMV_CLUSTER", {"1", "2", "3", "4", "5", "6", "7", "8"});
 }
 
-// LORA_OPS_CUDA_SGMV_WGMMA_ROWS=64|128 gives the wgmma prefill kernel tiles of that many positions (128: two
-// warpgroups, from rank tiles of kWgmmaRows128MinRankTile); unset or "auto": 64.
+// LORA_OPS_CUDA_SGMV_WGMMA_ROWS=64|128 gives the wgmma prefill kernel at a rank tile of 128 tiles of that many
+// positions (128: two warpgroups; tests use it to cover both below and above the automatic choice's bound); unset or
+// "auto": 128 from kWgmmaRows128MinPositions on.
 int forced_wgmma_rows() {
   return 64 * preferred_kernel<int>("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", {"64", "128"});
 }

@@ -120,11 +120,12 @@ int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
 }
 
 // Narrows a plan's clusters, to the widest of at least 2 CTAs whose count holds the batch's whole tiles
-// (ceil(P / tile_rows) per slice group) at once, where one does: a second wave of a few clusters costs a whole CTA's time, and any size up
-// to 8 launches (cluster_sum_h shares any count). Measured on an H100 (session 57, T = 4096, 8 adapters,
-// K = N = 4096): rank 128 in clusters of 8 ran 64 working tiles on 31 (mma.sync) or 62 (wgmma) resident clusters,
-// 90.9 / 89.1 us; in clusters of 2 / 4, one wave, 74.7 / 82.4; rank 64 72.0 / 70.1 -> 63.8 / 62.8 in clusters of
-// 4. A plan already at 2 is left alone (T = 16384: one CTA a tile was slower than two waves of pairs).
+// (ceil(P / tile_rows) per slice group) at once, where one does: a second wave of a few clusters costs a whole
+// CTA's time, and any size up to 8 launches (cluster_sum_h shares any count). Measured on an H100 (session 57,
+// T = 4096, 8 adapters, K = N = 4096): rank 128 in clusters of 8 ran 64 working tiles on 31 (mma.sync) or 62
+// (wgmma) resident clusters, 90.9 / 89.1 us; in clusters of 2 / 4, one wave, 74.7 / 82.4; rank 64 72.0 / 70.1 ->
+// 63.8 / 62.8 in clusters of 4. A plan already at 2 is left alone (T = 16384: one CTA a tile was slower than two
+// waves of pairs).
 template <auto kKernel>
 void fit_one_wave(MmaPlan* plan, int64_t positions, int64_t tile_rows, int threads, size_t smem) {
   if (plan->cluster <= 2) return;

@@ -12,9 +12,10 @@
 // wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on: the automatic
 // choice there (kWgmmaMinRankTile, kernels.h). y of
 // x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
-// Tiles of 128 positions (kWG = 2, from rank tiles of 32; LORA_OPS_CUDA_SGMV_WGMMA_ROWS=128): two warpgroups, 64
-// positions each, share every stage of A and B, so the A and B bytes a CTA stages per position halve (at rank 128
-// they are twice x's in the shrink and as many as y's in the expand), with half the tiles in flight.
+// Tiles of 128 positions (kWG = 2, at a rank tile of 128 from kWgmmaRows128MinPositions on, kernels.h): two
+// warpgroups, 64 positions each, share every stage of A and B, so the A and B bytes a CTA stages per position halve
+// (at rank 128 they are twice x's in the shrink and as many as y's in the expand), with half the tiles in flight.
+// Measured: 4% faster from 4096 positions, not the ~20% that the bytes predicted (csrc/cuda/NOTES.md, session 60).
 //
 // Operands reach shared memory by cp.async (16 bytes a thread, zero-filled outside the tile, the rank or K) into
 // the 128-byte-swizzled K-major layouts wgmma reads; each thread fences its copies into the async proxy before the
@@ -47,7 +48,7 @@ constexpr int kYPad = 8;       // elements of padding per row of the y tile (not
 template <class T>
 using CuteType = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::bfloat16_t, cute::half_t>;
 
-// kWG warpgroups, each the MMAs of 64 of the tile's 64 kWG positions; they share every stage of A and B.
+// kWG warpgroups, each the MMAs of 64 of the tile's 64 * kWG positions; they share every stage of A and B.
 template <class T, int RT, int kStages, int kWG>
 struct Wgmma {
   static constexpr int kRows = 64 * kWG, kThreads = 128 * kWG;
@@ -274,9 +275,11 @@ cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width
                          cudaStream_t stream) {
   return with_rank_tile(width, [&](auto rt) {
     constexpr int RT = decltype(rt)::value;
-    if constexpr (RT >= kWgmmaRows128MinRankTile) {
-      // 3 stages: two CTAs an SM by registers either way (at rank tile 128, ~103 KB of shared memory each)
-      if (choice.wgmma_rows == 128) return launch_rt<T, RT, 3, 2>(p, plan, choice, stream);
+    if constexpr (RT == 128) {
+      // 3 stages: two CTAs an SM by registers either way (~103 KB of shared memory each)
+      if (choice.wgmma_rows == 0 ? p.seg.positions >= kWgmmaRows128MinPositions : choice.wgmma_rows == 128) {
+        return launch_rt<T, RT, 3, 2>(p, plan, choice, stream);
+      }
     }
     return launch_rt<T, RT, RT == 128 ? 2 : 3, 1>(p, plan, choice, stream);  // 2 stages at 128: 4 CTAs an SM
   });
