@@ -519,6 +519,11 @@ MUTATIONS: List[Mutation] = [
              "    for (int kb = 0; kb < RT / 16; ++kb) {\n      gemm(mma_e",
              "    for (int kb = 0; kb < RT / 16 - 1; ++kb) {\n      gemm(mma_e",
              "CUDA wgmma prefill sgmv: the expand leaves out h's last 16 ranks", needs_gpu=True, tests=SGMV_T),
+    Mutation("cuda-sgmv-wgmma-rows128-y-stages-overlap", "csrc/cuda/sgmv_wgmma.cu",
+             "  auto ys = [&](int st) { return y_stages + st * kRows * (kBN + kYPad); };",
+             "  auto ys = [&](int st) { return y_stages + st * 64 * (kBN + kYPad); };",
+             "CUDA wgmma prefill sgmv in 128-position tiles: the y stages placed 64 rows apart, so each overlaps the "
+             "next one's first half", needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-sgmv-k-tail-read-whole", "csrc/cuda/sgmv_tile.cuh",
              "    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;",
              "    const int bytes = 16;",
