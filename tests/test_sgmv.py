@@ -214,26 +214,17 @@ def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_sgmv_forced_cluster_size_out_of_range_is_an_error(monkeypatch):
-    if backends.cuda_served_by.get("sgmv") != "cuda":
-        pytest.skip("the CUDA sgmv kernels are not built")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_KERNEL", "mma")
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_CLUSTER", "9")
-    gen = case_generator("forced_cluster_9")
+@pytest.mark.parametrize("kernel, variable, value, expected", [
+    ("mma", "LORA_OPS_CUDA_SGMV_CLUSTER", "9", "expected auto, 1, 2"),
+    ("wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "32", "expected auto, 64 or 128"),
+])
+def test_sgmv_forced_prefill_setting_out_of_range_is_an_error(kernel, variable, value, expected, monkeypatch):
+    _force_kernel(kernel, monkeypatch)
+    monkeypatch.setenv(variable, value)
+    gen = case_generator(f"{variable}={value}")
     token_lora, kw = MMA_PATH_CASES["rank128_one_cta"](gen)
     problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
-    with pytest.raises(ValueError, match="LORA_OPS_CUDA_SGMV_CLUSTER = '9': expected auto, 1, 2"):
-        lora_ops.ops.sgmv(*problem.args())
-
-
-@pytest.mark.gpu
-def test_sgmv_forced_wgmma_rows_other_than_64_or_128_is_an_error(monkeypatch):
-    _force_kernel("wgmma", monkeypatch)
-    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "32")
-    gen = case_generator("forced_rows_32")
-    token_lora, kw = MMA_PATH_CASES["rank128_one_cta"](gen)
-    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
-    with pytest.raises(ValueError, match="LORA_OPS_CUDA_SGMV_WGMMA_ROWS = '32': expected auto, 64 or 128"):
+    with pytest.raises(ValueError, match=f"{variable} = '{value}': {expected}"):
         lora_ops.ops.sgmv(*problem.args())
 
 
