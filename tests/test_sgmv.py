@@ -173,8 +173,8 @@ MMA_PATH_CASES = {
 def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     """Each prefill tensor-core kernel against the oracle, and bitwise the same on a second run (the cluster's h
     sum). The wgmma kernel (sm_90a) takes y of x's dtype; a float32 y stays on mma.sync's. At a rank tile of 128 it
-    runs its two-warpgroup instance (the last template argument of the kernel's name) forced, or from 4096 positions
-    on (kWgmmaRows128MinPositions). The rank tile is 128 for ranks above 64 and for the two rank-64 slices that 512
+    runs its two-warpgroup instance (the last template argument of the kernel's name) forced, or from 3072 positions
+    on (kWgmmaMinPositions). The rank tile is 128 for ranks above 64 and for the two rank-64 slices that 512
     tiles keep together; the fused QKV of rank 32 has one where the GPU's SM count keeps its 3 slices together."""
     _force_kernel(kernel, monkeypatch)
     gen = case_generator(name)
@@ -184,7 +184,7 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
     if kernel.startswith("wgmma") and y_dtype is None:
         rank_tile_128 = kw["max_rank"] > 64 or name == "two_slices_rank_tile_128"
-        rows128 = {"wgmma": int((token_lora >= 0).sum()) >= 4096, "wgmma-rows64": False, "wgmma-rows128": True}[kernel]
+        rows128 = {"wgmma": int((token_lora >= 0).sum()) >= 3072, "wgmma-rows64": False, "wgmma-rows128": True}[kernel]
         warpgroups = "2" if rank_tile_128 and rows128 else "[12]" if name == "qkv_shared_rank_tile" and rows128 else "1"
         wanted = re.compile(rf"sgmv_wgmma_kernel<[^>]*, {warpgroups}>")
     else:

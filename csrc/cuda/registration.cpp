@@ -83,7 +83,7 @@ Kernel preferred_kernel(const char* variable, std::initializer_list<const char*>
 // LORA_OPS_CUDA_SGMV_KERNEL=mma|split|wgmma prefers one sgmv kernel where it can take the input (tests use it to
 // cover the kernel the automatic choice does not pick on their shapes; mma: mma.sync's prefill kernel; wgmma: the
 // prefill kernel on sm_90a's warpgroup MMA, else mma); unset or "auto": by regime (on sm_90a the prefill takes the
-// wgmma kernel from rank tiles of kWgmmaMinRankTile on).
+// wgmma kernel from rank tiles of kWgmmaMinRankTile and kWgmmaMinPositions positions on).
 enum class SgmvKernel { Auto, Mma, Split, Wgmma };
 SgmvKernel preferred_sgmv_kernel() {
   return preferred_kernel<SgmvKernel>("LORA_OPS_CUDA_SGMV_KERNEL", {"mma", "split", "wgmma"});
@@ -98,7 +98,7 @@ int forced_sgmv_cluster() {
 
 // LORA_OPS_CUDA_SGMV_WGMMA_ROWS=64|128 gives the wgmma prefill kernel at a rank tile of 128 tiles of that many
 // positions (128: two warpgroups; tests use it to cover both below and above the automatic choice's bound); unset or
-// "auto": 128 from kWgmmaRows128MinPositions on.
+// "auto": 128 from kWgmmaMinPositions on.
 int forced_wgmma_rows() {
   return 64 * preferred_kernel<int>("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", {"64", "128"});
 }

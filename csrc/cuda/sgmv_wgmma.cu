@@ -9,10 +9,10 @@
 // registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (128 threads, ~51 KB)
 // fits 4 per SM. Measured (H100, session 56): 4-5% faster at rank tiles of 64 and 128, a tie at 16, 8% slower on
 // a 3-slice batch split into rank-16 groups: twice the CTAs per SM bought ~5% at rank 128, not the ~2x that the
-// wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on: the automatic
-// choice there (kWgmmaMinRankTile, kernels.h). y of
+// wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on and 3072 positions:
+// the automatic choice there (kWgmmaMinRankTile, kWgmmaMinPositions, kernels.h). y of
 // x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
-// Tiles of 128 positions (kWG = 2, at a rank tile of 128 from kWgmmaRows128MinPositions on, kernels.h): two
+// Tiles of 128 positions (kWG = 2, at a rank tile of 128 from kWgmmaMinPositions on, kernels.h): two
 // warpgroups, 64 positions each, share every stage of A and B, so the A and B bytes a CTA stages per position halve
 // (at rank 128 they are twice x's in the shrink and as many as y's in the expand), with half the tiles in flight.
 // Measured: 4% faster from 4096 positions, not the ~20% that the bytes predicted (csrc/cuda/NOTES.md, session 60).
@@ -277,7 +277,7 @@ cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, int64_t width
     constexpr int RT = decltype(rt)::value;
     if constexpr (RT == 128) {
       // 3 stages: two CTAs an SM by registers either way (~103 KB of shared memory each)
-      if (choice.wgmma_rows == 0 ? p.seg.positions >= kWgmmaRows128MinPositions : choice.wgmma_rows == 128) {
+      if (choice.wgmma_rows == 0 ? p.seg.positions >= kWgmmaMinPositions : choice.wgmma_rows == 128) {
         return launch_rt<T, RT, 3, 2>(p, plan, choice, stream);
       }
     }
