@@ -157,7 +157,7 @@ def build(records: Iterable[dict], meta: dict) -> dict:
 
 def run_problems(settings: dict) -> List[str]:
     """Why an op-bench run with these settings (the bench's `op_bench` entry of a results file: device, quick,
-    min_tokens, impls, op_kinds, dtype) cannot make a table; empty when it can."""
+    min_tokens, impls, op_kinds, dtype, sgmv_cases) cannot make a table; empty when it can."""
     problems = []
     if torch.device(settings["device"]).type != "cuda":
         problems.append(f"the device is {settings['device']}, not a CUDA GPU")
@@ -167,6 +167,8 @@ def run_problems(settings: dict) -> List[str]:
         problems.append(f"--min-tokens {settings['min_tokens']} times only the longer cases")
     if settings["impls"]:
         problems.append(f"--impls {','.join(settings['impls'])} times only some implementations")
+    if settings.get("sgmv_cases"):  # absent from results files written before the option
+        problems.append(f"--sgmv-cases {settings['sgmv_cases']} times other sgmv cases than the table's")
     missing = [op for op in OPS if op not in settings["op_kinds"]]
     if missing:
         problems.append(f"--op-kinds leaves out {','.join(missing)}")

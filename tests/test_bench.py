@@ -47,7 +47,7 @@ def test_quick_cpu_bench_times_every_op_kind(quick_run):
     assert result["failures"] == []
     assert result["op_bench"] == dict(device="cpu", quick=True, min_tokens=0, impls=None,
                                       op_kinds=["sgmv", "lora_expand", "grouped_gemm", "build_segments"],
-                                      dtype="bfloat16")
+                                      dtype="bfloat16", sgmv_cases=None)
 
 
 @pytest.mark.parametrize("kind,factory", [("grouped_gemm", "gg_implementations"),
@@ -164,6 +164,54 @@ def test_min_tokens_times_only_the_longer_cases(tmp_path):
     assert result["op_bench"]["min_tokens"] == 32
 
 
+def test_sgmv_cases_replace_the_default_ones_and_are_recorded(tmp_path):
+    """--sgmv-cases T/ADAPTERS/RANK[/SLICES]: those sgmv cases run (K = N = 4096; 3 slices: the fused QKV's widths)
+    instead of the default ones, and the results file records them."""
+    out = tmp_path / "run"
+    assert bench.main(["--device", "cpu", "--op-kinds", "sgmv", "--sgmv-cases", "8/2/16,4/3/8/3", "--impls", "cpu",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    timed = sorted((r["T"], r["adapters"], r["rank"], r["K"], r["N"], r["slices"]) for r in result["records"]
+                   if r["op"] == "sgmv")
+    assert timed == [(4, 3, 8, 4096, 6144, 3), (8, 2, 16, 4096, 4096, 1)]
+    qkv = next(r for r in result["records"] if r["op"] == "sgmv" and r["slices"] == 3)
+    assert qkv["slice_widths"] == list(ops.QKV_WIDTHS)
+    assert result["op_bench"]["sgmv_cases"] == "8/2/16,4/3/8/3"
+
+
+@pytest.mark.parametrize("text,msg", [("8/2", "expected T/ADAPTERS/RANK"), ("8/2/16/2", "SLICES is 1 or 3"),
+                                      ("8/0/16", "positive integers"), ("8/33/16", "at most 32 adapters")])
+def test_sgmv_cases_refuses_a_malformed_case(text, msg, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--op-kinds", "sgmv", "--sgmv-cases", text])
+    assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--op-kinds", "lora_expand", "--sgmv-cases", "8/2/16"])
+    assert "needs the sgmv op" in capsys.readouterr().err
+
+
+def test_forced_prefill_kernels_are_timed_only_where_named(monkeypatch):
+    """The forced C++ prefill kernels (ops.FORCED_PREFILL) set their variables around each call only, and those of
+    ops.ON_REQUEST run only where --impls names them."""
+    seen = []
+    monkeypatch.setattr(ops.lora_ops, "sgmv", lambda *args: seen.append(
+        (os.environ.get("LORA_OPS_CUDA_SGMV_KERNEL"), os.environ.get("LORA_OPS_CUDA_SGMV_WGMMA_ROWS"))))
+    monkeypatch.delenv("LORA_OPS_CUDA_SGMV_KERNEL", raising=False)
+    monkeypatch.setenv("LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "64")
+    pb = SimpleNamespace(args=lambda y: (y,))
+    ops.forced_prefill(ops.FORCED_PREFILL["cuda-wgmma-rows128"])(pb, None)
+    ops.forced_prefill(ops.FORCED_PREFILL["cuda-mma"])(pb, None)
+    assert seen == [("wgmma", "128"), ("mma", "64")]
+    assert "LORA_OPS_CUDA_SGMV_KERNEL" not in os.environ and os.environ["LORA_OPS_CUDA_SGMV_WGMMA_ROWS"] == "64"
+    named = []
+    monkeypatch.setattr(ops, "implementations", lambda device: {name: None for name in ("cuda", *ops.FORCED_PREFILL)})
+    monkeypatch.setattr(ops, "bench_case", lambda case, impls, *args: named.append(sorted(impls)))
+    cases = ops.parse_sgmv_cases("2048/8/128")
+    for only in (None, ["cuda", "cuda-mma"]):
+        bench.run_op_bench(["sgmv"], False, 0, only, None, "cuda", 0, None, [], [], print, cases)
+    assert named == [["cuda", "cuda-wgmma"], ["cuda", "cuda-mma"]]
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--device", "cpu"], "not a CUDA GPU"),
     (["--device", "cuda", "--quick"], "--quick times only the first few cases"),
@@ -171,6 +219,7 @@ def test_min_tokens_times_only_the_longer_cases(tmp_path):
     (["--device", "cuda", "--impls", "cuda"], "--impls cuda"),
     (["--device", "cuda", "--op-kinds", "sgmv,grouped_gemm"], "leaves out lora_expand"),
     (["--device", "cuda", "--dtype", "float32"], "--dtype float32"),
+    (["--device", "cuda", "--sgmv-cases", "2048/8/128"], "--sgmv-cases 2048/8/128 times other sgmv cases"),
 ])
 def test_op_table_flag_refuses_a_partial_run_before_running(argv, msg, tmp_path, capsys):
     table = tmp_path / "t.json"

@@ -34,15 +34,16 @@ def git_sha(cwd: str = os.path.dirname(os.path.abspath(__file__))) -> str:
 OP_KINDS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
 
 
-def run_op_bench(kinds, quick, min_tokens, only, dtype, device, l2, copy_tbps, records, failures, log) -> None:
-    """The op bench's cases of each kind of at least `min_tokens` tokens (--quick: the first few of them), timed on
-    every implementation in `only`."""
-    pick = lambda impls: {k: v for k, v in impls.items() if not only or k in only}
+def run_op_bench(kinds, quick, min_tokens, only, dtype, device, l2, copy_tbps, records, failures, log,
+                 sgmv_cases=None) -> None:
+    """The op bench's cases of each kind (sgmv: `sgmv_cases` where given) of at least `min_tokens` tokens (--quick:
+    the first few of them), timed on every implementation in `only` (default: all but ops.ON_REQUEST)."""
+    pick = lambda impls: {k: v for k, v in impls.items() if (k in only if only else k not in ops.ON_REQUEST)}
     cpu = device == "cpu"
     long_enough = lambda cases: [case for case in cases if case.T >= min_tokens]
     if "sgmv" in kinds:
         impls = pick(ops.implementations(device))
-        cases = long_enough(ops.CPU_CASES if cpu else ops.GPU_CASES)
+        cases = long_enough(sgmv_cases or (ops.CPU_CASES if cpu else ops.GPU_CASES))
         for case in cases[:3] if quick else cases:
             log(f"sgmv T={case.T} adapters={case.adapters} rank={case.rank} (pool rank {case.R}) K={case.K} "
                 f"N={case.N} slices={case.slices}")
@@ -99,7 +100,13 @@ def main(argv=None) -> int:
     ap.add_argument("--min-tokens", type=int, default=0, metavar="T",
                     help="with the op bench: only the sgmv, lora_expand and grouped_gemm cases of at least T tokens "
                          "(e.g. 1024: the prefill cases, for an A/B of the prefill kernels)")
-    ap.add_argument("--impls", default=None, help="comma-separated implementations or routes to time (default: all)")
+    ap.add_argument("--sgmv-cases", default=None, metavar="T/ADAPTERS/RANK[/SLICES],...",
+                    help="with the op bench: these sgmv cases instead of the default ones (K = N = 4096; 3 slices: "
+                         "the fused QKV, N = 6144), e.g. with --impls cuda,cuda-mma,cuda-wgmma-rows64,"
+                         "cuda-wgmma-rows128 the rows that the prefill kernel choice's bounds come from")
+    ap.add_argument("--impls", default=None,
+                    help="comma-separated implementations or routes to time (default: all but the sgmv op's "
+                         f"{', '.join(ops.ON_REQUEST)})")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
     args = ap.parse_args(argv)
     kinds = args.op_kinds.split(",")
@@ -109,6 +116,12 @@ def main(argv=None) -> int:
         ap.error("--op-table needs --out: the table names the results file it was built from")
     if args.steps and not args.decode_step:
         ap.error("--steps needs --decode-step")
+    try:
+        sgmv_cases = ops.parse_sgmv_cases(args.sgmv_cases) if args.sgmv_cases else None
+    except ValueError as e:
+        ap.error(f"--sgmv-cases: {e}")
+    if sgmv_cases and "sgmv" not in kinds:
+        ap.error("--sgmv-cases needs the sgmv op in --op-kinds")
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
     swept = set(decode_step.MODELS) if args.models == "all" else set(args.models.split(","))
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
     only = args.impls.split(",") if args.impls else None
     run_ops = args.ops or not args.decode_step
     settings = dict(device=device, quick=args.quick, min_tokens=args.min_tokens, impls=only, op_kinds=kinds,
-                    dtype=args.dtype)
+                    dtype=args.dtype, sgmv_cases=args.sgmv_cases)
     if args.op_table and op_table.run_problems(settings):
         ap.error("--op-table: no table from this run: " + "; ".join(op_table.run_problems(settings)))
     log = lambda s: print(s, flush=True)
@@ -170,7 +183,7 @@ def main(argv=None) -> int:
                     f"{host_us:.2f} us/call")
         with op_table.disabled():
             run_op_bench(kinds, args.quick, args.min_tokens, only, dtype, device, l2, copy_tbps, records, failures,
-                         log)
+                         log, sgmv_cases)
     if args.decode_step:
         models = list(decode_step.MODELS) if args.models == "all" else args.models.split(",")
         steps = steps or (decode_step.STEPS[:1] if args.quick else decode_step.STEPS)

@@ -33,9 +33,22 @@ from lora_ops import backends, op_table, reference, routes, testing
 from . import peers
 from .timing import MIN_CALLS, cuda_runner, time_cpu, time_cuda, time_interleaved
 
-# Our implementations: a wrong result or an exception from one of these fails the bench.
-# -rows: lora_expand's rows form; cuda-wgmma: the sm_90a prefill sgmv (sgmv_wgmma.cu) forced at every rank tile
-OURS = ("cpu", "cuda", "cuda-wgmma", "triton", "cpu-rows", "cuda-rows", "triton-rows")
+# The C++ prefill sgmv kernels forced one at a time, by the variables that force them, at the cases of
+# op_table.MMA_MIN_POSITIONS positions or more: cuda-wgmma, the sm_90a kernel (sgmv_wgmma.cu) at every rank tile
+# (timed by default); cuda-mma, mma.sync's (sgmv_mma.cu); cuda-wgmma-rows64 / -rows128, the sm_90a kernel in tiles of
+# 64 / 128 positions at a rank tile of 128 (these three only where --impls names them). Their rows across batch
+# sizes are what the automatic choice's bounds come from (kWgmmaMinRankTile, kWgmmaMinPositions: csrc/cuda/kernels.h).
+FORCED_PREFILL = {
+    "cuda-wgmma": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma"},
+    "cuda-mma": {"LORA_OPS_CUDA_SGMV_KERNEL": "mma"},
+    "cuda-wgmma-rows64": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "64"},
+    "cuda-wgmma-rows128": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "128"},
+}
+ON_REQUEST = ("cuda-mma", "cuda-wgmma-rows64", "cuda-wgmma-rows128")  # timed only where --impls names them
+
+# Our implementations: a wrong result or an exception from one of these fails the bench (-rows: lora_expand's rows
+# form).
+OURS = ("cpu", "cuda", *FORCED_PREFILL, "triton", "cpu-rows", "cuda-rows", "triton-rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +99,24 @@ GPU_CASES = [Case(1, 1, 16), Case(16, 4, 16), Case(64, 16, 16), Case(256, 32, 16
              Case(32, 8, 32, K=8192, N=8192), Case(32, 8, 16, K=16384, N=16384), Case(4096, 8, 128)]
 CPU_CASES = [Case(1, 1, 16, K=1024, N=1024), Case(8, 4, 16, K=1024, N=1024), Case(32, 8, 16, K=1024, N=1024),
              Case(8, 4, 8, K=1024, N=1024, pool_rank=64)]
+
+
+def parse_sgmv_cases(text: str) -> List[Case]:
+    """--sgmv-cases: comma-separated T/ADAPTERS/RANK[/SLICES] (K = N = 4096 for one slice; 3 slices are the fused QKV
+    of QKV_WIDTHS, N = 6144), e.g. 2048/8/128,3072/8/128,1024/8/16/3."""
+    cases = []
+    for item in text.split(","):
+        fields = item.split("/")
+        if len(fields) not in (3, 4) or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"{item!r}: expected T/ADAPTERS/RANK[/SLICES] of positive integers")
+        T, adapters, rank, slices = (int(f) for f in fields + ["1"] * (4 - len(fields)))
+        if slices not in (1, 3):
+            raise ValueError(f"{item!r}: SLICES is 1 or 3 (the fused QKV)")
+        if adapters > 32:
+            raise ValueError(f"{item!r}: at most 32 adapters (the pool's slots)")
+        cases.append(Case(T, adapters, rank) if slices == 1 else
+                     Case(T, adapters, rank, K=4096, N=sum(QKV_WIDTHS), slices=3, slice_widths=QKV_WIDTHS))
+    return cases
 
 
 class Problem:
@@ -174,22 +205,22 @@ def _our_implementations(device, op: str) -> Dict[str, Callable]:
     return impls
 
 
-_SGMV_KERNEL = "LORA_OPS_CUDA_SGMV_KERNEL"
-
-
-def cuda_wgmma(pb: Problem, y):
-    """lora_ops.sgmv with LORA_OPS_CUDA_SGMV_KERNEL=wgmma: the sm_90a prefill kernel the op table does not choose yet
-    (csrc/cuda/sgmv_wgmma.cu), beside the default. The variable is read on every call (a graph keeps the kernel it
-    captured); setting and restoring it costs the eager record a few µs of host time."""
-    before = os.environ.get(_SGMV_KERNEL)
-    os.environ[_SGMV_KERNEL] = "wgmma"
-    try:
-        lora_ops.sgmv(*pb.args(y))
-    finally:
-        if before is None:
-            del os.environ[_SGMV_KERNEL]
-        else:
-            os.environ[_SGMV_KERNEL] = before
+def forced_prefill(variables: Dict[str, str]) -> Callable:
+    """lora_ops.sgmv with `variables` set around each call (FORCED_PREFILL), beside the default. The C++ op reads them
+    on every call (a graph keeps the kernel it captured); setting and restoring them costs the eager record a few µs
+    of host time."""
+    def run(pb: Problem, y):
+        before = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
+        try:
+            lora_ops.sgmv(*pb.args(y))
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+    return run
 
 
 def torch_loop(pb: Problem, y):
@@ -289,8 +320,9 @@ def vllm(pb: Problem, y):
 
 def implementations(device) -> Dict[str, Callable]:
     impls = _our_implementations(device, "sgmv")
-    if "cuda" in impls and backends.sm90_kernels_run():
-        impls["cuda-wgmma"] = cuda_wgmma
+    if "cuda" in impls:
+        impls.update({name: forced_prefill(variables) for name, variables in FORCED_PREFILL.items()
+                      if name == "cuda-mma" or backends.sm90_kernels_run()})
     impls["torch_loop"] = torch_loop
     impls["gather_bmm"] = gather_bmm
     impls["gg_composed"] = gg_composed
@@ -468,8 +500,8 @@ def _widths(case: Case) -> dict:
 
 def bench_case(case: Case, impls, dtype, device, l2_bytes, copy_tbps, records: List[dict], failures: List[str],
                log) -> None:
-    if case.T < op_table.MMA_MIN_POSITIONS:  # forced there, the wgmma kernel would run decode batches
-        impls = {name: fn for name, fn in impls.items() if name != "cuda-wgmma"}
+    if case.T < op_table.MMA_MIN_POSITIONS:  # forced there, the prefill kernels would run decode batches
+        impls = {name: fn for name, fn in impls.items() if name not in FORCED_PREFILL}
     pb0 = Problem(case, dtype, device, seed=1)
     sets, rotation = _input_sets(pb0, lambda seed: Problem(case, dtype, device, seed, like=pb0), l2_bytes, device,
                                  log)

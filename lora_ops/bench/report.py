@@ -23,7 +23,8 @@ from typing import Dict, List
 from .peers import PEERS  # other projects' kernels in the same harness
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-OURS = ("cuda", "cuda-wgmma", "cuda-rows", "triton", "triton-rows")  # as lora_ops.bench.ops.OURS
+OURS = ("cuda", "cuda-wgmma", "cuda-mma", "cuda-wgmma-rows64", "cuda-wgmma-rows128", "cuda-rows", "triton",
+        "triton-rows")  # as lora_ops.bench.ops.OURS
 BASELINES = ("grouped_mm", "torch_loop", "gather_bmm", "gg_composed")  # gg_composed: sgmv as two grouped_gemm
 
 
