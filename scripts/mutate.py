@@ -524,6 +524,11 @@ MUTATIONS: List[Mutation] = [
              "  auto ys = [&](int st) { return y_stages + st * 64 * (kBN + kYPad); };",
              "CUDA wgmma prefill sgmv in 128-position tiles: the y stages placed 64 rows apart, so each overlaps the "
              "next one's first half", needs_gpu=True, tests=SGMV_T),
+    Mutation("cuda-sgmv-wgmma-bound-one-late", "csrc/cuda/sgmv_mma.cu",
+             "       p.seg.positions >= kWgmmaMinPositions)) {",
+             "       p.seg.positions > kWgmmaMinPositions)) {",
+             "CUDA prefill sgmv: the automatic choice takes the wgmma kernel from one position past its bound",
+             needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-sgmv-k-tail-read-whole", "csrc/cuda/sgmv_tile.cuh",
              "    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;",
              "    const int bytes = 16;",

@@ -168,7 +168,7 @@ def test_sgmv_cases_replace_the_default_ones_and_are_recorded(tmp_path):
     """--sgmv-cases T/ADAPTERS/RANK[/SLICES]: those sgmv cases run (K = N = 4096; 3 slices: the fused QKV's widths)
     instead of the default ones, and the results file records them."""
     out = tmp_path / "run"
-    assert bench.main(["--device", "cpu", "--op-kinds", "sgmv", "--sgmv-cases", "8/2/16,4/3/8/3", "--impls", "cpu",
+    assert bench.main(["--device", "cpu", "--op-kinds", "sgmv", "--sgmv-cases", "8/2/16, 4/3/8/3", "--impls", "cpu",
                        "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     timed = sorted((r["T"], r["adapters"], r["rank"], r["K"], r["N"], r["slices"]) for r in result["records"]
@@ -176,7 +176,7 @@ def test_sgmv_cases_replace_the_default_ones_and_are_recorded(tmp_path):
     assert timed == [(4, 3, 8, 4096, 6144, 3), (8, 2, 16, 4096, 4096, 1)]
     qkv = next(r for r in result["records"] if r["op"] == "sgmv" and r["slices"] == 3)
     assert qkv["slice_widths"] == list(ops.QKV_WIDTHS)
-    assert result["op_bench"]["sgmv_cases"] == "8/2/16,4/3/8/3"
+    assert result["op_bench"]["sgmv_cases"] == "8/2/16, 4/3/8/3"
 
 
 @pytest.mark.parametrize("text,msg", [("8/2", "expected T/ADAPTERS/RANK"), ("8/2/16/2", "SLICES is 1 or 3"),
@@ -185,9 +185,10 @@ def test_sgmv_cases_refuses_a_malformed_case(text, msg, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--op-kinds", "sgmv", "--sgmv-cases", text])
     assert msg in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--op-kinds", "lora_expand", "--sgmv-cases", "8/2/16"])
-    assert "needs the sgmv op" in capsys.readouterr().err
+    for other in (["--op-kinds", "lora_expand"], ["--decode-step"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", "cpu", *other, "--sgmv-cases", "8/2/16"])
+        assert "--sgmv-cases needs the op bench" in capsys.readouterr().err
 
 
 def test_forced_prefill_kernels_are_timed_only_where_named(monkeypatch):

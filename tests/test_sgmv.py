@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import lora_ops
-from lora_ops import backends, reference, testing
+from lora_ops import backends, op_table, reference, testing
+from lora_ops.bench import ops as bench_ops
 
 from conftest import Impl, case_generator, cuda_kernel_names, repeat_runs
 from grid import SGMV_CASES, SGMV_LARGE_CASES
@@ -97,24 +98,23 @@ def test_sgmv_deterministic(impl):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-# The CUDA sgmv kernels the tests force, by the variables that force them (wgmma: the wgmma prefill kernel's
-# tiles of positions by the automatic choice; -rows64, -rows128: at a rank tile of 128, tiles of 64 positions (one
-# warpgroup) or 128 (two) at any batch size).
-FORCED_KERNELS = {
-    "split": {"LORA_OPS_CUDA_SGMV_KERNEL": "split"},
-    "mma": {"LORA_OPS_CUDA_SGMV_KERNEL": "mma"},
-    "wgmma": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma"},
-    "wgmma-rows64": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "64"},
-    "wgmma-rows128": {"LORA_OPS_CUDA_SGMV_KERNEL": "wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS": "128"},
-}
+# The CUDA sgmv kernels the tests force, by the variables that force them: the decode regime's split kernel and the
+# bench's forced prefill kernels (wgmma: the wgmma kernel's tiles of positions by the automatic choice; -rows64,
+# -rows128: at a rank tile of 128, tiles of 64 positions (one warpgroup) or 128 (two) at any batch size).
+FORCED_KERNELS = {"split": {"LORA_OPS_CUDA_SGMV_KERNEL": "split"},
+                  **{name.removeprefix("cuda-"): variables for name, variables in bench_ops.FORCED_PREFILL.items()}}
+KERNEL_VARIABLES = {"LORA_OPS_CUDA_SGMV_CLUSTER"} | {v for variables in FORCED_KERNELS.values() for v in variables}
 
 
 def _force_kernel(kernel, monkeypatch):
+    """Sets the variables that force `kernel` (None: the automatic choice) and clears the others."""
     if backends.cuda_served_by.get("sgmv") != "cuda":
         pytest.skip("the CUDA sgmv kernels are not built")
-    if kernel.startswith("wgmma") and not backends.sm90_kernels_run():
+    if kernel and kernel.startswith("wgmma") and not backends.sm90_kernels_run():
         pytest.skip("the sm_90a kernels are not built or this GPU is not 9.0")
-    for variable, value in FORCED_KERNELS[kernel].items():
+    for variable in KERNEL_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in FORCED_KERNELS.get(kernel, {}).items():
         monkeypatch.setenv(variable, value)
 
 
@@ -184,7 +184,7 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
     if kernel.startswith("wgmma") and y_dtype is None:
         rank_tile_128 = kw["max_rank"] > 64 or name == "two_slices_rank_tile_128"
-        rows128 = {"wgmma": int((token_lora >= 0).sum()) >= 3072, "wgmma-rows64": False, "wgmma-rows128": True}[kernel]
+        rows128 = {"wgmma": token_lora.numel() >= 3072, "wgmma-rows64": False, "wgmma-rows128": True}[kernel]
         warpgroups = "2" if rank_tile_128 and rows128 else "[12]" if name == "qkv_shared_rank_tile" and rows128 else "1"
         wanted = re.compile(rf"sgmv_wgmma_kernel<[^>]*, {warpgroups}>")
     else:
@@ -193,6 +193,28 @@ def test_sgmv_mma_paths(name, dtype, y_dtype, kernel, monkeypatch):
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
     lora_ops.ops.sgmv(*problem.args(again))
     assert torch.equal(again, problem.y)
+
+
+# The automatic choice's bounds (csrc/cuda/kernels.h: kWgmmaMinRankTile = 64, kWgmmaMinPositions = 3072) on sm_90a:
+# (positions, rank, the kernel instance that runs); elsewhere mma.sync's runs throughout.
+AUTO_CHOICE_CASES = [(3071, 128, "sgmv_mma_kernel"), (3072, 128, r"sgmv_wgmma_kernel<[^>]*, 2>"),
+                     (3071, 64, "sgmv_mma_kernel"), (3072, 64, r"sgmv_wgmma_kernel<[^>]*, 1>"),
+                     (4096, 32, "sgmv_mma_kernel")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions, rank, wanted", AUTO_CHOICE_CASES)
+def test_sgmv_prefill_automatic_choice_takes_each_kernel_within_its_bounds(positions, rank, wanted, monkeypatch):
+    _force_kernel(None, monkeypatch)
+    if not backends.sm90_kernels_run():
+        wanted = "sgmv_mma_kernel"
+    gen = case_generator(f"auto-{positions}-{rank}")
+    problem = testing.make_sgmv(testing.random_token_slots(positions, [0, 1, 2, 3], gen), num_slots=4, K=256, N=320,
+                                max_rank=rank, dtype=torch.bfloat16, device="cuda", gen=gen)
+    with op_table.disabled():  # the C++ kernels, not the regimes the table gives Triton
+        _, ran = cuda_kernel_names(lambda: lora_ops.ops.sgmv(*problem.args(problem.y.clone())))
+        assert not ran or any(re.search(wanted, kernel_name) for kernel_name in ran), ran
+        assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
 
 
 @pytest.mark.gpu
@@ -216,7 +238,7 @@ def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel, variable, value, expected", [
     ("mma", "LORA_OPS_CUDA_SGMV_CLUSTER", "9", "expected auto, 1, 2"),
-    ("wgmma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "32", "expected auto, 64 or 128"),
+    ("mma", "LORA_OPS_CUDA_SGMV_WGMMA_ROWS", "32", "expected auto, 64 or 128"),  # read on either kernel's path
 ])
 def test_sgmv_forced_prefill_setting_out_of_range_is_an_error(kernel, variable, value, expected, monkeypatch):
     _force_kernel(kernel, monkeypatch)

@@ -55,20 +55,20 @@ cudaError_t launch_lora_expand_mma(const ExpandParams& p, ExpandKernel kernel, i
 // Prefill-regime sgmv on tensor cores (fp16/bf16, 16-byte aligned rows): one CTA per tile of positions of one
 // segment and slice group (a cluster of CTAs on sm_90, splitting K and the columns); shrink and expand in one
 // kernel, the intermediate on chip.
-enum class WgmmaUse { Never, WideRankTiles, Always };
+enum class WgmmaUse { Never, Auto, Always };  // Auto: within the measured bounds below
 // The automatic choice gives the wgmma kernel the rank tiles (a slice group's slices x padded rank) of 64 and more
 // from kWgmmaMinPositions positions on, and there at a rank tile of 128 tiles of 128 positions (two warpgroups
 // sharing each A and B stage) instead of 64. Measured on an H100 (sessions 59-60, graph replay, K = N = 4096,
-// 8 adapters, us, mma.sync / wgmma in 64-position tiles / in 128):
+// 8 adapters unless said, us, mma.sync / wgmma in 64-position tiles / in 128):
 // - rank 128: T=1024 35.5 / 38.3 / 36.4, T=2048 46.2 / 48.3 / 51.3, T=3072 61.4 / 58.1 / 57.2, T=4096 77.7 / 70.4 /
 //   67.6, T=6144 108.6 / 94.5 / 87.1, T=8192 114.2 / 123.9 / 112.7, T=16384 222.0 / 185.7 / 178.5;
 // - rank 64: T=1024 27.1 / 29.4, T=2048 36.4 / 36.3, T=4096 59.1 / 58.1, T=16384 178.6 / 168.8 (128-position
 //   tiles no faster: only rank tile 128 has them);
-// - rank tile 16: T=4096 48.4 / 49.1, 3 slices in rank-16 groups T=1024 29.8 / 32.2.
+// - rank tile 16: T=4096 (4 adapters) 48.4 / 49.1, 3 slices (N = 6144) in rank-16 groups T=1024 29.8 / 32.2.
 constexpr int64_t kWgmmaMinRankTile = 64;
 constexpr int64_t kWgmmaMinPositions = 3072;
 struct SgmvPrefillChoice {
-  WgmmaUse wgmma = WgmmaUse::WideRankTiles;  // which plans take sgmv_wgmma.cu's kernel (where it runs)
+  WgmmaUse wgmma = WgmmaUse::Never;  // which plans take sgmv_wgmma.cu's kernel (Auto, Always: where it runs)
   int wgmma_rows = 0;  // 64 or 128: the wgmma kernel's tile of positions at a rank tile of 128 (narrower: 64);
                        // 0: 128 from kWgmmaMinPositions on
   int cluster = 0;     // 1-8: that many CTAs a cluster on sm_90, as given; 0: the plan's, narrowed to one wave

@@ -209,7 +209,7 @@ void sgmv_cuda(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_
     cuda::SgmvPrefillChoice choice;
     choice.wgmma = !wgmma_runs || preferred == SgmvKernel::Mma ? cuda::WgmmaUse::Never
                    : preferred == SgmvKernel::Wgmma            ? cuda::WgmmaUse::Always
-                                                               : cuda::WgmmaUse::WideRankTiles;
+                                                               : cuda::WgmmaUse::Auto;
     choice.wgmma_rows = forced_wgmma_rows();
     choice.cluster = forced_sgmv_cluster();
     C10_CUDA_CHECK(cuda::launch_sgmv_mma(p, sms, cc_major, choice, stream));

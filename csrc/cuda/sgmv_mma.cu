@@ -358,7 +358,7 @@ cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cons
                             cudaStream_t stream) {
   const MmaPlan plan = make_plan(p, num_sms, cc_major, choice.cluster);
   if (choice.wgmma == WgmmaUse::Always ||
-      (choice.wgmma == WgmmaUse::WideRankTiles && plan.slices_per_group * plan.rank_pad >= kWgmmaMinRankTile &&
+      (choice.wgmma == WgmmaUse::Auto && plan.slices_per_group * plan.rank_pad >= kWgmmaMinRankTile &&
        p.seg.positions >= kWgmmaMinPositions)) {
     return launch_sgmv_wgmma(p, plan, choice, stream);
   }

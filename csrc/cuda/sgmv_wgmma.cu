@@ -1,21 +1,24 @@
-// sgmv, prefill regime, on sm_90a's warpgroup MMA (wgmma): the plan of sgmv_mma.cu (one 64-position tile of one
+// sgmv, prefill regime, on sm_90a's warpgroup MMA (wgmma): the plan of sgmv_mma.cu (one tile of positions of one
 // segment and slice group per cluster of C CTAs, K split for the shrink, the partial h summed in member order
-// through distributed shared memory, the columns split for the expand), but each CTA is one warpgroup whose MMAs
-// read both shrink operands from shared memory and keep only the accumulators in registers:
-//   shrink: h[64, RT] += X[64, 64] A[RT, 64]^T per K step (wgmma SS, fp32), X rows gathered through token_indices;
-//   expand: h, scaled and rounded to T once in registers, is the register A operand of y[64, 64] += h B[64, RT]^T
-//           (wgmma RS; the accumulator's layout is the A operand's: no shuffle), y tiles through shared memory.
+// through distributed shared memory, the columns split for the expand), but each CTA is kWG warpgroups (64 of the
+// tile's 64 * kWG positions each) whose MMAs read both shrink operands from shared memory and keep only the
+// accumulators in registers:
+//   shrink: h[64 kWG, RT] += X[64 kWG, 64] A[RT, 64]^T per K step (wgmma SS, fp32), X rows gathered through
+//           token_indices;
+//   expand: h, scaled and rounded to T once in registers, is the register A operand of y[64 kWG, 64] += h
+//           B[64, RT]^T (wgmma RS; the accumulator's layout is the A operand's: no shuffle), y tiles through shared
+//           memory.
 // Why (csrc/cuda/NOTES.md, sessions 25-28): the mma.sync kernel at rank 128 holds its operand fragments in
-// registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (128 threads, ~51 KB)
+// registers, 2 CTAs of 8 warps per SM, and ran 3 waves of its 512 CTAs at T=4096; this CTA (one warpgroup, ~51 KB)
 // fits 4 per SM. Measured (H100, session 56): 4-5% faster at rank tiles of 64 and 128, a tie at 16, 8% slower on
 // a 3-slice batch split into rank-16 groups: twice the CTAs per SM bought ~5% at rank 128, not the ~2x that the
-// wave count predicted. With the one-wave rule (session 59) 3-14% faster from rank tiles of 64 on and 3072 positions:
-// the automatic choice there (kWgmmaMinRankTile, kWgmmaMinPositions, kernels.h). y of
-// x's dtype only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
-// Tiles of 128 positions (kWG = 2, at a rank tile of 128 from kWgmmaMinPositions on, kernels.h): two
-// warpgroups, 64 positions each, share every stage of A and B, so the A and B bytes a CTA stages per position halve
-// (at rank 128 they are twice x's in the shrink and as many as y's in the expand), with half the tiles in flight.
-// Measured: 4% faster from 4096 positions, not the ~20% that the bytes predicted (csrc/cuda/NOTES.md, session 60).
+// wave count predicted. With the one-wave rule (sessions 59-60) 1-20% faster at rank tiles of 64 and 128 from 3072
+// positions, slower below: the automatic choice (kWgmmaMinRankTile, kWgmmaMinPositions, kernels.h). y of x's dtype
+// only (a float32 y, whose h is split hi + lo, stays on sgmv_mma.cu).
+// Tiles of 128 positions (kWG = 2, only at a rank tile of 128, from kWgmmaMinPositions on): the two warpgroups share
+// every stage of A and B, so the A and B bytes a CTA stages per position halve (at rank 128 they are twice x's in
+// the shrink and as many as y's in the expand), with half the tiles in flight, 2 CTAs an SM. Measured: 2-9% faster
+// than one warpgroup from 3072 positions, not the ~20% that the bytes predicted (csrc/cuda/NOTES.md, session 60).
 //
 // Operands reach shared memory by cp.async (16 bytes a thread, zero-filled outside the tile, the rank or K) into
 // the 128-byte-swizzled K-major layouts wgmma reads; each thread fences its copies into the async proxy before the

@@ -120,8 +120,8 @@ def main(argv=None) -> int:
         sgmv_cases = ops.parse_sgmv_cases(args.sgmv_cases) if args.sgmv_cases else None
     except ValueError as e:
         ap.error(f"--sgmv-cases: {e}")
-    if sgmv_cases and "sgmv" not in kinds:
-        ap.error("--sgmv-cases needs the sgmv op in --op-kinds")
+    if sgmv_cases and ("sgmv" not in kinds or not (args.ops or not args.decode_step)):
+        ap.error("--sgmv-cases needs the op bench (--ops, or no --decode-step) with the sgmv op in --op-kinds")
     if args.between_modules and not args.decode_step:
         ap.error("--between-modules needs --decode-step")
     swept = set(decode_step.MODELS) if args.models == "all" else set(args.models.split(","))

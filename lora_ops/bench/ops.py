@@ -106,16 +106,17 @@ def parse_sgmv_cases(text: str) -> List[Case]:
     of QKV_WIDTHS, N = 6144), e.g. 2048/8/128,3072/8/128,1024/8/16/3."""
     cases = []
     for item in text.split(","):
-        fields = item.split("/")
+        fields = item.strip().split("/")
         if len(fields) not in (3, 4) or not all(f.isdigit() and int(f) > 0 for f in fields):
             raise ValueError(f"{item!r}: expected T/ADAPTERS/RANK[/SLICES] of positive integers")
         T, adapters, rank, slices = (int(f) for f in fields + ["1"] * (4 - len(fields)))
         if slices not in (1, 3):
             raise ValueError(f"{item!r}: SLICES is 1 or 3 (the fused QKV)")
-        if adapters > 32:
-            raise ValueError(f"{item!r}: at most 32 adapters (the pool's slots)")
-        cases.append(Case(T, adapters, rank) if slices == 1 else
-                     Case(T, adapters, rank, K=4096, N=sum(QKV_WIDTHS), slices=3, slice_widths=QKV_WIDTHS))
+        case = (Case(T, adapters, rank) if slices == 1 else
+                Case(T, adapters, rank, K=4096, N=sum(QKV_WIDTHS), slices=3, slice_widths=QKV_WIDTHS))
+        if adapters > case.pool_slots:
+            raise ValueError(f"{item!r}: at most {case.pool_slots} adapters (the pool's slots)")
+        cases.append(case)
     return cases
 
 
