@@ -319,26 +319,13 @@ MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major, int forced_clu
   return plan;
 }
 
-template <class T, class TY, int RT>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, bool narrow_to_one_wave, cudaStream_t stream) {
-  auto kernel = sgmv_mma_kernel<T, TY, RT>;
-  constexpr size_t smem = Smem<RT, TY>::bytes;
-  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, smem); err != cudaSuccess) return err;
-  if (narrow_to_one_wave) {
-    fit_one_wave<sgmv_mma_kernel<T, TY, RT>>(&plan, p.seg.positions, kTileRows, kCtaThreads<RT>, smem);
-  }
-  const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
-  if (blocks == 0) return cudaSuccess;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg =
-      cluster_launch_config(blocks, kCtaThreads<RT>, plan.cluster, smem, stream, &attr);
-  return cudaLaunchKernelEx(&cfg, kernel, p, plan);
-}
-
 template <class T, class TY>
-cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, bool narrow_to_one_wave, cudaStream_t stream) {
+cudaError_t launch_typed(const SgmvParams& p, const MmaPlan& plan, const SgmvPrefillChoice& choice,
+                         cudaStream_t stream) {
   return with_rank_tile(plan.slices_per_group * plan.rank_pad, [&](auto rt) {
-    return launch_rt<T, TY, decltype(rt)::value>(p, plan, narrow_to_one_wave, stream);
+    constexpr int RT = decltype(rt)::value;
+    return launch_prefill<sgmv_mma_kernel<T, TY, RT>>(p, plan, choice, kTileRows, kCtaThreads<RT>,
+                                                      Smem<RT, TY>::bytes, stream);
   });
 }
 
@@ -362,13 +349,12 @@ cudaError_t launch_sgmv_mma(const SgmvParams& p, int num_sms, int cc_major, cons
        p.seg.positions >= kWgmmaMinPositions)) {
     return launch_sgmv_wgmma(p, plan, choice, stream);
   }
-  const bool narrow = choice.cluster == 0;
   if (p.x_dtype == DType::BF16) {
-    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, narrow, stream)
-                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, narrow, stream);
+    return p.y_dtype == DType::F32 ? launch_typed<__nv_bfloat16, float>(p, plan, choice, stream)
+                                   : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, plan, choice, stream);
   }
-  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, plan, narrow, stream)
-                                 : launch_typed<__half, __half>(p, plan, narrow, stream);
+  return p.y_dtype == DType::F32 ? launch_typed<__half, float>(p, plan, choice, stream)
+                                 : launch_typed<__half, __half>(p, plan, choice, stream);
 }
 
 }  // namespace lora_ops::cuda

@@ -138,6 +138,21 @@ void fit_one_wave(MmaPlan* plan, int64_t positions, int64_t tile_rows, int threa
   }
 }
 
+// Launches a prefill kernel, kKernel(p, plan) (`threads` threads, `smem` bytes of dynamic shared memory), over the
+// plan's tiles of `tile_rows` positions, its clusters as `choice` fixes them or else narrowed to one wave.
+template <auto kKernel>
+cudaError_t launch_prefill(const SgmvParams& p, MmaPlan plan, const SgmvPrefillChoice& choice, int64_t tile_rows,
+                           int threads, size_t smem, cudaStream_t stream) {
+  if (const cudaError_t err = allow_dynamic_smem((const void*)kKernel, smem); err != cudaSuccess) return err;
+  plan.max_tiles = max_segment_tiles(p.seg, tile_rows);
+  if (choice.cluster == 0) fit_one_wave<kKernel>(&plan, p.seg.positions, tile_rows, threads, smem);
+  const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
+  if (blocks == 0) return cudaSuccess;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch_config(blocks, threads, plan.cluster, smem, stream, &attr);
+  return cudaLaunchKernelEx(&cfg, kKernel, p, plan);
+}
+
 // Calls f(std::integral_constant<int, RT>{}) with the narrowest rank tile (16, 32, 64, 128) that holds `width`
 // ranks: a slice group's slices times the padded rank.
 template <class F>

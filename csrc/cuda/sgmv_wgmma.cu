@@ -258,19 +258,10 @@ __global__ void __launch_bounds__((Wgmma<T, RT, kStages, kWG>::kThreads), (Wgmma
 }
 
 template <class T, int RT, int kStages, int kWG>
-cudaError_t launch_rt(const SgmvParams& p, MmaPlan plan, const SgmvPrefillChoice& choice, cudaStream_t stream) {
+cudaError_t launch_rt(const SgmvParams& p, const MmaPlan& plan, const SgmvPrefillChoice& choice, cudaStream_t stream) {
   using W = Wgmma<T, RT, kStages, kWG>;
-  auto kernel = sgmv_wgmma_kernel<T, RT, kStages, kWG>;
-  if (const cudaError_t err = allow_dynamic_smem((const void*)kernel, W::bytes); err != cudaSuccess) return err;
-  plan.max_tiles = max_segment_tiles(p.seg, W::kRows);
-  if (choice.cluster == 0) {
-    fit_one_wave<sgmv_wgmma_kernel<T, RT, kStages, kWG>>(&plan, p.seg.positions, W::kRows, W::kThreads, W::bytes);
-  }
-  const int64_t blocks = plan.max_tiles * plan.groups * plan.cluster;
-  if (blocks == 0) return cudaSuccess;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch_config(blocks, W::kThreads, plan.cluster, W::bytes, stream, &attr);
-  return cudaLaunchKernelEx(&cfg, kernel, p, plan);
+  return launch_prefill<sgmv_wgmma_kernel<T, RT, kStages, kWG>>(p, plan, choice, W::kRows, W::kThreads, W::bytes,
+                                                                 stream);
 }
 
 template <class T>
