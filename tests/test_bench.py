@@ -193,7 +193,7 @@ def test_sgmv_cases_refuses_a_malformed_case(text, msg, capsys):
 
 def test_forced_prefill_kernels_are_timed_only_where_named(monkeypatch):
     """The forced C++ prefill kernels (ops.FORCED_PREFILL) set their variables around each call only, and those of
-    ops.ON_REQUEST run only where --impls names them."""
+    names.ON_REQUEST run only where --impls names them."""
     seen = []
     monkeypatch.setattr(ops.lora_ops, "sgmv", lambda *args: seen.append(
         (os.environ.get("LORA_OPS_CUDA_SGMV_KERNEL"), os.environ.get("LORA_OPS_CUDA_SGMV_WGMMA_ROWS"))))

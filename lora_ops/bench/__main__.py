@@ -13,7 +13,7 @@ import torch
 
 from lora_ops import backends, op_table, routes
 
-from . import decode_step, ops, peers, report
+from . import decode_step, names, ops, peers, report
 from .timing import copy_bandwidth_tbps, launch_floor_us
 
 
@@ -37,8 +37,8 @@ OP_KINDS = ("sgmv", "lora_expand", "grouped_gemm", "build_segments")
 def run_op_bench(kinds, quick, min_tokens, only, dtype, device, l2, copy_tbps, records, failures, log,
                  sgmv_cases=None) -> None:
     """The op bench's cases of each kind (sgmv: `sgmv_cases` where given) of at least `min_tokens` tokens (--quick:
-    the first few of them), timed on every implementation in `only` (default: all but ops.ON_REQUEST)."""
-    pick = lambda impls: {k: v for k, v in impls.items() if (k in only if only else k not in ops.ON_REQUEST)}
+    the first few of them), timed on every implementation in `only` (default: all but names.ON_REQUEST)."""
+    pick = lambda impls: {k: v for k, v in impls.items() if (k in only if only else k not in names.ON_REQUEST)}
     cpu = device == "cpu"
     long_enough = lambda cases: [case for case in cases if case.T >= min_tokens]
     if "sgmv" in kinds:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                          "cuda-wgmma-rows128 the rows that the prefill kernel choice's bounds come from")
     ap.add_argument("--impls", default=None,
                     help="comma-separated implementations or routes to time (default: all but the sgmv op's "
-                         f"{', '.join(ops.ON_REQUEST)})")
+                         f"{', '.join(names.ON_REQUEST)})")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.csv (and <out>.png with matplotlib)")
     args = ap.parse_args(argv)
     kinds = args.op_kinds.split(",")

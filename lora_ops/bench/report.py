@@ -20,11 +20,11 @@ import re
 import sys
 from typing import Dict, List
 
+from . import names
 from .peers import PEERS  # other projects' kernels in the same harness
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-OURS = ("cuda", "cuda-wgmma", "cuda-mma", "cuda-wgmma-rows64", "cuda-wgmma-rows128", "cuda-rows", "triton",
-        "triton-rows")  # as lora_ops.bench.ops.OURS
+OURS = tuple(name for name in names.OURS if not name.startswith("cpu"))  # the GPU tables' columns of ours
 BASELINES = ("grouped_mm", "torch_loop", "gather_bmm", "gg_composed")  # gg_composed: sgmv as two grouped_gemm
 
 
