@@ -150,7 +150,7 @@ UNSUPPORTED = {
     "arrow_config": {"top_k": 2},
     "kasa_config": {"beta": 0.1},
 }
-BASE_REWRITING_INITS = ["pissa", "pissa_niter_4", "corda", "olora", "lora_ga", "loftq"]
+BASE_REWRITING_INITS = ["pissa", "pissa_niter_4", "corda", "astra", "olora", "lora_ga", "loftq"]
 
 
 def _refused(base, directory, match):

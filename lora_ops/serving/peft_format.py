@@ -38,7 +38,7 @@ class PoolFullError(AdapterError):
     """Every slot holds a pinned adapter."""
 
 
-# Every LoraConfig field of peft 0.21 and what a load does with it (docs/design.md §8 shows this table):
+# Every LoraConfig field of peft 0.22 and what a load does with it (docs/design.md §8 shows this table):
 #   honoured     the pool computes what PEFT computes; tests/test_serving_peft.py checks it against PEFT's forward
 #   ignored      does not change what a loaded adapter computes at inference
 #   unsupported  raises UnsupportedAdapterError when set (the note is the reason given)
@@ -58,12 +58,13 @@ LORA_CONFIG_FIELDS: Dict[str, Tuple[str, str]] = {
     "layers_pattern": ("honoured", "part of PEFT's selection rule"),
     "velora_config": ("honoured", "VeLoRA changes the backward only; its saved buffer is skipped"),
     "monteclora_config": ("honoured", "MonteCLoRA samples only in training; its saved sampler is skipped"),
-    "init_lora_weights": ("ignored", "init only; but pissa*, corda*, olora, lora_ga and loftq raise: their init "
-                                     "rewrites the base weights"),
+    "init_lora_weights": ("ignored", "init only; but pissa*, corda*, astra, olora, lora_ga and loftq raise: their "
+                                     "init rewrites the base weights"),
     "lora_dropout": ("ignored", "identity at inference"),
     "loftq_config": ("ignored", "init-time settings (the init itself is checked under init_lora_weights)"),
     "eva_config": ("ignored", "init-time settings; EVA's ranks are saved in rank_pattern"),
     "corda_config": ("ignored", "init-time settings (the init itself is checked under init_lora_weights)"),
+    "astra_config": ("ignored", "init-time settings (the init itself is checked under init_lora_weights)"),
     "lora_ga_config": ("ignored", "init-time settings"),
     "megatron_config": ("ignored", "applies to Megatron parallel layers, which the pool does not wrap"),
     "megatron_core": ("ignored", "applies to Megatron parallel layers, which the pool does not wrap"),
@@ -93,8 +94,9 @@ LORA_CONFIG_FIELDS: Dict[str, Tuple[str, str]] = {
 }
 _UNSET = (None, False, "", [], {})
 # Inits that rewrite the base weights (a residual W - B0 A0, or a quantised W): PEFT redoes it when it loads a
-# pissa, corda, olora or loftq adapter, and cannot for lora_ga (its B0 A0 come from gradients).
-_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "lora_ga", "loftq")
+# pissa, corda, olora or loftq adapter, and cannot for lora_ga (its B0 A0 come from gradients); astra (peft 0.22)
+# needs the activations' eigenvectors that preprocess_astra computes from data.
+_BASE_REWRITING_INITS = ("pissa", "corda", "astra", "olora", "lora_ga", "loftq")
 # Extra tensors that inference-equivalent variants save next to lora_A/lora_B, by the config field that adds them.
 _SKIPPED_TENSORS = {"velora_config": ".lora_velora_embed", "monteclora_config": ".lora_monteclora_sampler."}
 
@@ -121,12 +123,12 @@ def read_config(path: str) -> dict:
             raise UnsupportedAdapterError(f"{file}: {field}={value!r} is not supported ({note})")
         if treatment == "unknown" and is_set:
             raise UnsupportedAdapterError(f"{file}: unknown LoraConfig field {field}={value!r}: lora_ops knows the "
-                                          "fields of peft 0.21 and cannot tell whether this one changes the output")
+                                          "fields of peft 0.22 and cannot tell whether this one changes the output")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
         raise UnsupportedAdapterError(
             f"{file}: init_lora_weights={init!r}: this init rewrites the base weights (PEFT redoes it when it loads "
-            "such an adapter, lora_ga's excepted, which it cannot redo), and lora_ops serves adapters on an "
+            "a pissa, corda, olora or loftq adapter), and lora_ops serves adapters on an "
             "unchanged base. Convert it first with PEFT's save_pretrained(..., "
             "path_initial_model_for_weight_conversion=...)")
     if config.get("target_modules") is None:
