@@ -1,6 +1,6 @@
-"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace patch still applies to this tree's
-kernels (it is a diff against them: a kernel change that breaks its context must refresh it), and its script reads
-the lines the patch prints."""
+"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace and boundary patches still apply to
+this tree's kernels (they are diffs against them: a kernel change that breaks their context must refresh them), the
+trace's script reads the lines its patch prints, and the boundary probe's error tells its build from the kernel's."""
 import importlib.util
 import os
 import re
@@ -8,23 +8,48 @@ import shutil
 import subprocess
 
 import pytest
+import torch
+
+import lora_ops
+from lora_ops import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCH = os.path.join(ROOT, "benchmarks", "sgmv_phase_trace.patch")
+BOUNDARY_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_boundary_probe.patch")
 
 
-def _trace_script():
-    spec = importlib.util.spec_from_file_location("sgmv_phase_trace", os.path.join(ROOT, "benchmarks",
-                                                                                   "sgmv_phase_trace.py"))
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _trace_script():
+    return _script("sgmv_phase_trace")
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patch")
-def test_phase_trace_patch_applies_to_the_prefill_kernels():
-    out = subprocess.run(["git", "apply", "--check", PATCH], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, f"{out.stderr}refresh {PATCH} against the kernels (its script's docstring says how)"
+@pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH], ids=["phase_trace", "boundary"])
+def test_probe_patch_applies_to_the_prefill_kernels(patch):
+    out = subprocess.run(["git", "apply", "--check", patch], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"{out.stderr}refresh {patch} against the kernels (its script's docstring says how)"
+
+
+def test_boundary_patch_removes_both_kernels_cluster_sums():
+    with open(BOUNDARY_PATCH) as f:
+        added = [line for line in f.read().splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert sum("if (plan.cluster < 0)" in line for line in added) == 2  # sgmv_mma.cu's and sgmv_wgmma.cu's
+
+
+def test_boundary_probe_error_tells_the_probe_from_the_kernel(monkeypatch):
+    probe = _script("sgmv_boundary_probe")
+    gen = torch.Generator().manual_seed(62)
+    p = testing.make_sgmv(testing.random_token_slots(64, [0, 1, 2], gen), num_slots=4, K=256, N=128, max_rank=16,
+                          dtype=torch.bfloat16, device="cpu", gen=gen)
+    assert probe.relative_error(p) < 1e-2  # the CPU kernel: bf16 rounding only
+    monkeypatch.setattr(lora_ops.ops, "sgmv", lambda y, *args: y)  # a build that adds nothing
+    assert probe.relative_error(p) > 0.5
 
 
 def test_phase_trace_script_reads_the_patch_lines(capsys):
