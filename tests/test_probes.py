@@ -1,5 +1,5 @@
-"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace and boundary patches, and the
-candidate push sum waiting for its GPU run (csrc/cuda/NOTES.md, session 62), still apply to this tree's kernels (they
+"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace and boundary patches, and the two
+candidate cluster sums waiting for their GPU run (csrc/cuda/NOTES.md, session 62), still apply to this tree's kernels (they
 are diffs against them: a kernel change that breaks their context must refresh them), the trace's script reads the
 lines its patch prints, and the boundary probe's error tells its build from the kernel's."""
 import importlib.util
@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCH = os.path.join(ROOT, "benchmarks", "sgmv_phase_trace.patch")
 BOUNDARY_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_boundary_probe.patch")
 PUSH_SUM_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_push_sum.patch")
+ASYNC_SUM_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_async_sum.patch")
 
 
 def _script(name):
@@ -32,7 +33,8 @@ def _trace_script():
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patch")
-@pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH, PUSH_SUM_PATCH], ids=["phase_trace", "boundary", "push_sum"])
+@pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH, PUSH_SUM_PATCH, ASYNC_SUM_PATCH],
+                         ids=["phase_trace", "boundary", "push_sum", "async_sum"])
 def test_probe_patch_applies_to_the_prefill_kernels(patch):
     out = subprocess.run(["git", "apply", "--check", patch], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, f"{out.stderr}refresh {patch} against the kernels (its script's docstring says how)"
