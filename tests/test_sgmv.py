@@ -218,13 +218,13 @@ def test_sgmv_prefill_automatic_choice_takes_each_kernel_within_its_bounds(posit
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [1, 3, 5, 6, 7])
+@pytest.mark.parametrize("cluster", [1, 2, 3, 5, 6, 7])
 @pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
 @pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile"])
 def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
     """The prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
-    sum's last member takes a shorter share; members past the end of K or of the columns take none), forced
-    (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle."""
+    sum's last member takes a shorter share; members past the end of K or of the columns take none; in pairs half
+    the sum's traffic is a member's own), forced (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need sm_90")
     _force_kernel(kernel, monkeypatch)
