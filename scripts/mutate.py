@@ -529,6 +529,11 @@ MUTATIONS: List[Mutation] = [
              "       p.seg.positions > kWgmmaMinPositions)) {",
              "CUDA prefill sgmv: the automatic choice takes the wgmma kernel from one position past its bound",
              needs_gpu=True, tests=SGMV_T),
+    Mutation("cuda-find-tile-rows-first-lane-step", "csrc/cuda/common.cuh",
+             "      if (found && r < kRows) rows[r] = row[i];",
+             "      if (found && r < 32) rows[r] = row[i];",
+             "CUDA tile lookup (block_find_tile): only each tile's first 32 rows reach the shared row list, the rest "
+             "keep what was there (64- and 128-position tiles)", needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-sgmv-k-tail-read-whole", "csrc/cuda/sgmv_tile.cuh",
              "    const int bytes = (int)std::clamp<int64_t>(p.k - k0 - kc, 0, 8) * 2;",
              "    const int bytes = 16;",
