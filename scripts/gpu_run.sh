@@ -190,8 +190,10 @@ if want mutate; then
   # recompiles its one file with the build's objects, where a scratch copy would first compile the whole extension.
   # Each verdict reaches $OUT/mutate-progress.log as it is printed, so a run cut off by the call's time limit still
   # says what it caught (mutate-gpu.log, the report, is written at the end).
+  # --timeout: a planted bug that hangs a kernel counts as caught after MUTATE_TIMEOUT seconds (default 300: a GPU
+  # test file takes 60-120 s), well inside a device call's 600, so the bugs after it still run.
   $PY scripts/mutate.py --gpu --fast --in-place --workers "${PYTEST_WORKERS:-8}" --log "$OUT/mutate-gpu.log" \
-    ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
+    --timeout "${MUTATE_TIMEOUT:-300}" ${MUTATE_ONLY:+--only $MUTATE_ONLY} 2>&1 \
     | grep --line-buffered -v "^not run" | tee "$OUT/mutate-progress.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -1074,11 +1074,18 @@ def run_tests(scratch: str, env: dict, test_paths: Sequence[str], log_path: str,
     if workers:
         cmd += ["-n", str(workers)]
     with open(log_path, "w") as log:
+        # A session of its own, so that a timeout ends pytest's xdist workers too: a planted bug that hangs a kernel
+        # (an mbarrier that waits for bytes never sent) holds the GPU in a worker, and the next bugs' runs with it.
+        proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
+        finally:
+            if proc.poll() is None:  # timed out, or this run is being ended (SIGTERM, stop_on_sigterm)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", _read(log_path), flags=re.M)
     return rc, failed
 
