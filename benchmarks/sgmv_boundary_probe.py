@@ -15,6 +15,7 @@ up to 4096 positions, the error against lora_ops.reference relative to the delta
 build, ~1 on the probe's (which build ran). If the kernel drops by about the boundary's share, a kernel that hides the boundary
 has that room; if not, the boundary is hidden already, as the lookup's trips were.
 """
+import hashlib
 import os
 import sys
 
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sgmv_phase_trace import CASES  # noqa: E402  (the same cases as the trace, to read beside it)
 
 INPUT_SETS = 4
-MAX_CHECKED_POSITIONS = 4096  # the float64 oracle on the host: seconds a case beyond it, and one build is one .so
+MAX_CHECKED_POSITIONS = 4096  # the float64 oracle runs on the host: beyond this, seconds a case (the smaller cases
+# already tell which build ran: the whole run is one library)
 
 
 def problem(positions, adapters, rank, slices, seed):
@@ -49,7 +51,9 @@ def relative_error(p):
 
 
 def main():
-    print(f"{torch.cuda.get_device_name()}; lora_ops/_C.so of {lora_ops.__file__}")
+    with open(lora_ops.LIBRARY_PATH, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    print(f"{torch.cuda.get_device_name()}; {lora_ops.LIBRARY_PATH} (sha1 {digest})")
     for name, positions, adapters, rank, slices, variables in CASES:
         saved = {key: os.environ.get(key) for key in variables}
         os.environ.update(variables)

@@ -531,7 +531,7 @@ MUTATIONS: List[Mutation] = [
              needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-find-tile-rows-first-lane-step", "csrc/cuda/common.cuh",
              "      if (found && r < kRows) rows[r] = row[i];",
-             "      if (found && r < 32) rows[r] = row[i];",
+             "      if (i == 0 && found && r < kRows) rows[r] = row[i];",
              "CUDA tile lookup (block_find_tile): only each tile's first 32 rows reach the shared row list, the rest "
              "keep what was there (64- and 128-position tiles)", needs_gpu=True, tests=SGMV_T),
     Mutation("cuda-sgmv-k-tail-read-whole", "csrc/cuda/sgmv_tile.cuh",

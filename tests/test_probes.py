@@ -37,7 +37,8 @@ def _trace_script():
                          ids=["phase_trace", "boundary", "push_sum", "async_sum"])
 def test_probe_patch_applies_to_the_prefill_kernels(patch):
     out = subprocess.run(["git", "apply", "--check", patch], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, f"{out.stderr}refresh {patch} against the kernels (its script's docstring says how)"
+    assert out.returncode == 0, (f"{out.stderr}refresh {patch} against the kernels: apply it on a branch where it "
+                                 "still applies, carry the change over, and write the diff again")
 
 
 def test_boundary_patch_removes_both_kernels_cluster_sums():

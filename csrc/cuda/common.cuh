@@ -288,8 +288,9 @@ __device__ inline bool warp_find_tile(const Segments& seg, int64_t num_slots, in
 // full)), and its rows in `rows` (shared memory; -1 past the tile's end or for a row outside [0, num_rows)), are
 // visible to every thread on return: one round trip for the walk, one for the rows and the size together.
 // All of a lane's row loads and the size are issued before the first store to `rows`: a store between them (the
-// compiler cannot tell the two pointers apart) made each 32 rows, then the size, a round trip of their own, 4 at
-// 64 rows and 6 at 128 in all (SASS of sgmv_mma; the phase trace of session 62: 3-5.6 us before the first load).
+// compiler cannot tell the two pointers apart) made each 32 rows, then the size, a round trip of their own (SASS of
+// sgmv_mma, session 62: up to 4 trips at 64 rows and 6 at 128). The decode sgmv got 1-3% faster; the prefill
+// kernels did not move (csrc/cuda/NOTES.md, session 62).
 // False when there are fewer tiles. Every thread of the block must call it; callers that call it again
 // __syncthreads() first (the readers of `rows` and of the previous result are done).
 template <int kRows>
@@ -299,7 +300,7 @@ __device__ inline bool block_find_tile(const Segments& seg, int64_t num_slots, i
   __shared__ TileRef s_tile;
   __shared__ bool s_found;
   if (threadIdx.x < 32) {
-    TileRef t;
+    TileRef t{};
     const bool found = warp_find_tile(seg, num_slots, kRows, tile, &t);
     if (found && threadIdx.x == 0) t.size = slot_size(sizes, t.slot, full);
     int64_t row[kPerLane];
