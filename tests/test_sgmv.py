@@ -219,19 +219,22 @@ def test_sgmv_prefill_automatic_choice_takes_each_kernel_within_its_bounds(posit
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster", [1, 2, 3, 5, 6, 7])
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-rows128"])
+@pytest.mark.parametrize("kernel, y_dtype", [("mma", None), ("mma", torch.float32), ("wgmma", None),
+                                             ("wgmma-rows128", None)], ids=["mma", "mma-y_float32", "wgmma",
+                                                                            "wgmma-rows128"])
 @pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile"])
-def test_sgmv_prefill_forced_cluster_sizes(name, kernel, cluster, monkeypatch):
+def test_sgmv_prefill_forced_cluster_sizes(name, kernel, y_dtype, cluster, monkeypatch):
     """The prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
     sum's last member takes a shorter share; members past the end of K or of the columns take none; in pairs half
-    the sum's traffic is a member's own), forced (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle."""
+    the sum's traffic is a member's own), forced (LORA_OPS_CUDA_SGMV_CLUSTER), against the oracle; a float32 y (the
+    sum kept in float32 for the hi + lo split) on mma.sync, which is where it runs."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need sm_90")
     _force_kernel(kernel, monkeypatch)
     monkeypatch.setenv("LORA_OPS_CUDA_SGMV_CLUSTER", str(cluster))
     gen = case_generator(f"{name}-cluster-{cluster}")
     token_lora, kw = MMA_PATH_CASES[name](gen)
-    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, **kw)
+    problem = testing.make_sgmv(token_lora, dtype=torch.bfloat16, device="cuda", gen=gen, y_dtype=y_dtype, **kw)
     assert _run_and_check(Impl("cuda", "cuda", lora_ops.ops, DTYPES), problem) == ""
 
 
