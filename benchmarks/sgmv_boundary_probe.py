@@ -22,23 +22,16 @@ import sys
 import torch
 
 import lora_ops
-from lora_ops import op_table, reference, testing
+from lora_ops import op_table, reference
 from lora_ops.bench import timing
+from lora_ops.bench.ops import environment
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sgmv_phase_trace import CASES  # noqa: E402  (the same cases as the trace, to read beside it)
+from sgmv_phase_trace import CASES, make_problem  # noqa: E402  (the trace's cases, to read beside it)
 
 INPUT_SETS = 4
 MAX_CHECKED_POSITIONS = 4096  # the float64 oracle runs on the host: beyond this, seconds a case (the smaller cases
 # already tell which build ran: the whole run is one library)
-
-
-def problem(positions, adapters, rank, slices, seed):
-    gen = torch.Generator().manual_seed(seed)
-    offsets = [0, 4096, 5120, 6144] if slices == 3 else None
-    return testing.make_sgmv(testing.random_token_slots(positions, list(range(adapters)), gen), num_slots=32,
-                             K=4096, N=offsets[-1] if offsets else 4096, max_rank=rank, dtype=torch.bfloat16,
-                             device="cuda", gen=gen, slice_offsets=offsets)
 
 
 def relative_error(p):
@@ -55,16 +48,10 @@ def main():
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
     print(f"{torch.cuda.get_device_name()}; {lora_ops.LIBRARY_PATH} (sha1 {digest})")
     for name, positions, adapters, rank, slices, variables in CASES:
-        saved = {key: os.environ.get(key) for key in variables}
-        os.environ.update(variables)
-        try:
-            with op_table.disabled():  # the C++ kernels
-                sets = [problem(positions, adapters, rank, slices, 62 + i) for i in range(INPUT_SETS)]
-                error = relative_error(sets[0]) if positions <= MAX_CHECKED_POSITIONS else None
-                us = timing.time_cuda([lambda p=p: lora_ops.ops.sgmv(*p.args()) for p in sets], graph=True)
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key) if value is None else os.environ.update({key: value})
+        with environment(variables), op_table.disabled():  # the case's kernel, and the C++ kernels
+            sets = [make_problem(positions, adapters, rank, slices, 62 + i) for i in range(INPUT_SETS)]
+            error = relative_error(sets[0]) if positions <= MAX_CHECKED_POSITIONS else None
+            us = timing.time_cuda([lambda p=p: lora_ops.ops.sgmv(*p.args()) for p in sets], graph=True)
         print(f"{name:<50} {us:8.2f} us   " + (f"error {error:.1e}" if error is not None else "(not checked)"))
         del sets
         torch.cuda.empty_cache()

@@ -37,15 +37,20 @@ KERNELS = {"0": "mma.sync", "1": "wgmma, 64 positions", "2": "wgmma, 128 positio
 PHASES = {"find": (0, 1), "shrink": (1, 2), "sum+convert": (2, 3), "expand": (3, 4), "whole CTA": (0, 4)}
 
 
+def make_problem(positions, adapters, rank, slices, seed):
+    """A case's inputs on the GPU: K = 4096, N = 4096 a slice (3 slices: 4096 / 1024 / 1024), a 32-slot pool, bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = [0, 4096, 5120, 6144] if slices == 3 else None
+    return testing.make_sgmv(testing.random_token_slots(positions, list(range(adapters)), gen), num_slots=32,
+                             K=4096, N=offsets[-1] if offsets else 4096, max_rank=rank, dtype=torch.bfloat16,
+                             device="cuda", gen=gen, slice_offsets=offsets)
+
+
 def run_case(index):
     """One case's 3 warm-up calls and its measured call, in this process (the stamps go to stdout)."""
     _, positions, adapters, rank, slices, variables = CASES[index]
     os.environ.update(variables)
-    gen = torch.Generator().manual_seed(61)
-    offsets = [0, 4096, 5120, 6144] if slices == 3 else None
-    problem = testing.make_sgmv(testing.random_token_slots(positions, list(range(adapters)), gen), num_slots=32,
-                                K=4096, N=offsets[-1] if offsets else 4096, max_rank=rank, dtype=torch.bfloat16,
-                                device="cuda", gen=gen, slice_offsets=offsets)
+    problem = make_problem(positions, adapters, rank, slices, 61)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     with op_table.disabled():  # the C++ kernels
         for _ in range(3):

@@ -28,10 +28,6 @@ def _script(name):
     return module
 
 
-def _trace_script():
-    return _script("sgmv_phase_trace")
-
-
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patch")
 @pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH, PUSH_SUM_PATCH, ASYNC_SUM_PATCH],
                          ids=["phase_trace", "boundary", "push_sum", "async_sum"])
@@ -65,7 +61,7 @@ def test_phase_trace_script_reads_the_patch_lines(capsys):
     # CTA i of a one-wave 128-position launch: starts at i ns, shrink 7 us, sum 2 us, expand 9 us + 3i ns
     lines = [f"TRACE 2 128 {i % 132} {i} {i // 7} {i % 7} 0 {1000 + i} {2000 + i} {9000 + i} {11000 + i} "
              f"{20000 + 4 * i}" for i in range(448)]
-    _trace_script().report("case", lines)
+    _script("sgmv_phase_trace").report("case", lines)
     text = capsys.readouterr().out
     assert "case: wgmma, 128 positions, rank tile 128, 448 working CTAs on 132 SMs, span 20.8 us" in text
     assert "CTA starts p10/p50/p90/max 0.0/0.2/0.4/0.4 us" in text

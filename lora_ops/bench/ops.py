@@ -19,6 +19,7 @@ storing its output into y and, where grouped_gemm only stores (y = output), time
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -190,21 +191,28 @@ def _our_implementations(device, op: str) -> Dict[str, Callable]:
     return impls
 
 
+@contextlib.contextmanager
+def environment(variables: Dict[str, str]):
+    """`variables` set in os.environ inside the block; each is restored, or removed, after it."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
 def forced_prefill(variables: Dict[str, str]) -> Callable:
     """lora_ops.sgmv with `variables` set around each call (FORCED_PREFILL), beside the default. The C++ op reads them
     on every call (a graph keeps the kernel it captured); setting and restoring them costs the eager record a few µs
     of host time."""
     def run(pb: Problem, y):
-        before = {name: os.environ.get(name) for name in variables}
-        os.environ.update(variables)
-        try:
+        with environment(variables):
             lora_ops.sgmv(*pb.args(y))
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
     return run
 
 
