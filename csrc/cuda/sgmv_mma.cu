@@ -54,13 +54,14 @@ struct Smem {
   static constexpr size_t expand_y = (size_t)kTileRows * (kBN + kYPad) * sizeof(TY);
   static constexpr size_t expand_stage = expand_b + expand_y;
   static constexpr size_t bytes = std::max(kStages * shrink_stage, kStages * expand_stage);
-  // The cluster's h partials (one float4 per thread and n8 tile of its ranks) lie past the expand's first
+  // The cluster sum's buffers (cluster_async_sum_h: receive rows and sums, as y's type) lie past the expand's first
   // kStages - 1 stages where they fit, so that those stages load while the cluster sums h; at a 128-wide rank tile
-  // they do not (and the warps' swap of rank halves needs the buffer too): there the expand loads after the sum.
-  static constexpr size_t h_partials = (size_t)kCtaThreads<RT> * (RT / kColWarps<RT> / 8) * sizeof(float4);
-  static constexpr bool early_expand = kColWarps<RT> == 1 && (kStages - 1) * expand_stage + h_partials <= bytes;
-  static constexpr size_t h_partials_at = early_expand ? (kStages - 1) * expand_stage : 0;
-  static_assert(h_partials_at % 16 == 0, "float4 partials");
+  // (where the warps' swap of rank halves needs the buffer too) and at 64 they do not: there the expand loads after
+  // the sum.
+  static constexpr size_t sum_bytes = async_sum_bytes<kCtaThreads<RT>, RT / kColWarps<RT> / 8, TY>();
+  static constexpr bool early_expand = kColWarps<RT> == 1 && (kStages - 1) * expand_stage + sum_bytes <= bytes;
+  static constexpr size_t sum_at = early_expand ? (kStages - 1) * expand_stage : 0;
+  static_assert(sum_at % 16 == 0 && sum_at + sum_bytes <= bytes, "the sum's float4s");
   // CTAs that fit an SM's shared memory on Hopper (228 KB, 1 KB reserved per CTA, ~0.6 KB static): the register
   // budget is set to allow as many, so registers never bound the occupancy more than shared memory does.
   static constexpr int ctas_per_sm = std::max<int>(1, (228 << 10) / (bytes + (1 << 10) + 640));
@@ -177,22 +178,23 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   };
   if constexpr (L::early_expand) expand_prologue();
 
-  if (plan.cluster > 1) {
-    static_assert(L::h_partials_at + L::h_partials <= L::bytes);
-    cluster_sum_h<kThreads, kWarpRanks / 8>(reinterpret_cast<float4*>(smem + L::h_partials_at), &h[0][0], member,
-                                            plan.cluster);
-  }
-
-  // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y).
+  // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y); over a
+  // cluster with a half-precision y the sum's owners scale and round it (h then holds values of T exactly).
   constexpr bool kSplit = std::is_same_v<TY, float>;
+  float h_coef = coef;
+  if (plan.cluster > 1) {
+    cluster_async_sum_h<kThreads, kWarpRanks / 8, TY>(smem + L::sum_at, &h[0][0], coef, (int)member,
+                                                      (int)plan.cluster);
+    if constexpr (!kSplit) h_coef = 1.f;
+  }
   uint32_t h_hi[kWarpRanks / 16][4], h_lo[kWarpRanks / 16][4];
 #pragma unroll
   for (int ks = 0; ks < kWarpRanks / 16; ++ks) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float* c = h[2 * ks + half];
-      split_pack<T>(make_float2(c[0] * coef, c[1] * coef), &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
-      split_pack<T>(make_float2(c[2] * coef, c[3] * coef), &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
+      split_pack<T>(make_float2(c[0] * h_coef, c[1] * h_coef), &h_hi[ks][2 * half], &h_lo[ks][2 * half]);
+      split_pack<T>(make_float2(c[2] * h_coef, c[3] * h_coef), &h_hi[ks][2 * half + 1], &h_lo[ks][2 * half + 1]);
     }
   }
   // With rank shares, the warps of a row block swap theirs through shared memory (free: the shrink's buffers are
@@ -286,6 +288,7 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
       }
     }
   }
+  if (plan.cluster > 1) cluster_async_sum_done();
 }
 
 MmaPlan make_plan(const SgmvParams& p, int num_sms, int cc_major, int forced_cluster) {

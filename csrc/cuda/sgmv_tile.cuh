@@ -3,6 +3,7 @@
 // a cluster's K-partials of h through distributed shared memory.
 #pragma once
 #include <cooperative_groups.h>
+#include <cuda/ptx>
 
 #include <algorithm>
 #include <atomic>
@@ -121,7 +122,7 @@ int64_t resident_clusters(int threads, size_t smem, int64_t cluster) {
 
 // Narrows a plan's clusters, to the widest of at least 2 CTAs whose count holds the batch's whole tiles
 // (ceil(P / tile_rows) per slice group) at once, where one does: a second wave of a few clusters costs a whole
-// CTA's time, and any size up to 8 launches (cluster_sum_h shares any count). Measured on an H100 (session 57,
+// CTA's time, and any size up to 8 launches (cluster_async_sum_h shares any count). Measured on an H100 (session 57,
 // T = 4096, 8 adapters, K = N = 4096): rank 128 in clusters of 8 ran 64 working tiles on 31 (mma.sync) or 62
 // (wgmma) resident clusters, 90.9 / 89.1 us; in clusters of 2 / 4, one wave, 74.7 / 82.4; rank 64 72.0 / 70.1 ->
 // 63.8 / 62.8 in clusters of 4. A plan already at 2 is left alone (T = 16384: one CTA a tile was slower than two
@@ -163,50 +164,113 @@ auto with_rank_tile(int64_t width, F&& f) {
   return f(std::integral_constant<int, 128>{});
 }
 
-// Sums the cluster's K-partials of h in member order (bitwise what a plain loop over the members gives), in place:
-// each of the CTA's kThreads threads holds kVecs float4s of its own fragments (h, 4 * kVecs floats), and `part`
-// (shared memory, kThreads * kVecs float4s, free for the call) is where they cross. Member m sums the m-th 1/C of
-// the fragments over every peer and keeps the sum in place (no peer reads that part of m's buffer), then each
-// member fetches every sum from its owner: 2 tiles of h cross DSMEM per CTA instead of C, as float4s in fragment
-// order (thread-contiguous: no bank conflicts; per-element loads from rows RT floats apart were 8-way conflicted,
-// C tiles per CTA: csrc/cuda/NOTES.md, session 25). Every thread of every member calls it.
-template <int kThreads, int kVecs>
-__device__ inline void cluster_sum_h(float4* part, float* h, int64_t member, int64_t members) {
+// Shared memory of cluster_async_sum_h: the receive rows ([members][share] float4s, share = ceil(kFrags / members))
+// and every fragment's four sums as Out.
+template <int kThreads, int kVecs, class Out>
+constexpr size_t async_sum_bytes() {
+  return (size_t)(kThreads * kVecs + kMaxCluster) * sizeof(float4) + (size_t)kThreads * kVecs * 4 * sizeof(Out);
+}
+
+// Sums the cluster's K-partials of h in member order (each of the CTA's kThreads threads holds kVecs float4s of its
+// own fragments, h, 4 * kVecs floats), in place, with one cluster barrier and no load across DSMEM. Member m owns
+// the m-th 1/C of the fragments. Each member's two mbarriers count the bytes it is to receive; after the barrier
+// (every member's shrink has drained and its mbarriers are armed) each thread sends its fragments to their owner's
+// receive rows with st.async, which completes the bytes on the owner's first mbarrier; each owner, once its rows
+// have landed, sums its share over the rows in member order (0 + p_0 + p_1 + ...: bitwise what a plain loop over the
+// members gives) and sends the sums to every member's second mbarrier. No thread waits for an acknowledgment, only
+// for the bytes it receives (the pull form this replaces loaded ceil(share / kThreads) + 1 dependent rounds across
+// DSMEM between three barriers: ~10.7 us of a rank-128 CTA in clusters of 7, csrc/cuda/NOTES.md, session 62).
+// Out = float: the sums as they are; Out = a 16-bit T: scaled by coef and rounded to T by their owner (h then holds
+// values of T exactly: a later scaling by 1 and rounding keeps them). `buffer` (shared, 16-byte aligned, free for
+// the call, past anything the caller's copies may still write): async_sum_bytes. The relaxed cluster arrive at its
+// end pairs with cluster_async_sum_done before the kernel exits (no member leaves while a send to it may be in
+// flight). Every thread of every member calls both.
+template <int kThreads, int kVecs, class Out>
+__device__ inline void cluster_async_sum_h(unsigned char* buffer, float* h, float coef, int member, int members) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace ptx = ::cuda::ptx;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   constexpr int kFrags = kThreads * kVecs;
-  const int tid = threadIdx.x;
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    part[v * kThreads + tid] = make_float4(h[4 * v], h[4 * v + 1], h[4 * v + 2], h[4 * v + 3]);
+  constexpr bool kRound = !std::is_same_v<Out, float>;
+  using Sum = std::conditional_t<kRound, uint2, uint4>;  // a fragment's four sums
+  __shared__ uint64_t landed[2];  // [0]: this member's share from every member; [1]: every fragment's sums
+  const int tid = threadIdx.x, share = (kFrags + members - 1) / members;
+  const int own_begin = member * share, own_end = std::min(kFrags, own_begin + share);
+  float4* recv = reinterpret_cast<float4*>(buffer);
+  Sum* sums = reinterpret_cast<Sum*>(recv + kFrags + kMaxCluster);
+  if (tid == 0) {
+    ptx::mbarrier_init(&landed[0], 1);
+    ptx::mbarrier_init(&landed[1], 1);
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &landed[0],
+                                   (uint32_t)((own_end - own_begin) * members * sizeof(float4)));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &landed[1],
+                                   (uint32_t)(kFrags * sizeof(Sum)));
   }
   cluster.sync();
-  const int share = (kFrags + (int)members - 1) / (int)members;  // the last member's share may be shorter
-  const int f_end = std::min(kFrags, ((int)member + 1) * share);
-  for (int f = (int)member * share + tid; f < f_end; f += kThreads) {
-    float4 got[kMaxCluster];
 #pragma unroll
-    for (int m = 0; m < kMaxCluster; ++m) {  // all loads in flight before the first add
-      if (m < members) got[m] = cluster.map_shared_rank(part, (unsigned)m)[f];
-    }
+  for (int v = 0; v < kVecs; ++v) {
+    const int f = v * kThreads + tid, owner = f / share;
+    const uint32_t part[4] = {__float_as_uint(h[4 * v]), __float_as_uint(h[4 * v + 1]), __float_as_uint(h[4 * v + 2]),
+                              __float_as_uint(h[4 * v + 3])};
+    ptx::st_async(reinterpret_cast<uint32_t*>(cluster.map_shared_rank(recv + member * share + (f - owner * share),
+                                                                       (unsigned)owner)),
+                  part, cluster.map_shared_rank(&landed[0], (unsigned)owner));
+  }
+  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, &landed[0], 0u)) {
+  }
+  for (int f = own_begin + tid; f < own_end; f += kThreads) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int m = 0; m < kMaxCluster; ++m) {
-      if (m < members) sum = make_float4(sum.x + got[m].x, sum.y + got[m].y, sum.z + got[m].z, sum.w + got[m].w);
+      if (m < members) {
+        const float4 part = recv[m * share + (f - own_begin)];
+        sum = make_float4(sum.x + part.x, sum.y + part.y, sum.z + part.z, sum.w + part.w);
+      }
     }
-    part[f] = sum;
+    uint32_t words[sizeof(Sum) / 4];
+    if constexpr (kRound) {
+      auto bits = [&](float v) { return (uint32_t)__builtin_bit_cast(uint16_t, from_f32<Out>(v * coef)); };
+      words[0] = bits(sum.x) | bits(sum.y) << 16;
+      words[1] = bits(sum.z) | bits(sum.w) << 16;
+    } else {
+      words[0] = __float_as_uint(sum.x), words[1] = __float_as_uint(sum.y);
+      words[2] = __float_as_uint(sum.z), words[3] = __float_as_uint(sum.w);
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxCluster; ++m) {
+      if (m < members) {
+        ptx::st_async(reinterpret_cast<uint32_t*>(cluster.map_shared_rank(sums + f, (unsigned)m)), words,
+                      cluster.map_shared_rank(&landed[1], (unsigned)m));
+      }
+    }
   }
-  cluster.sync();
+  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, &landed[1], 0u)) {
+  }
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int f = v * kThreads + tid;
-    const float4 s = cluster.map_shared_rank(part, (unsigned)(f / share))[f];
-    h[4 * v] = s.x, h[4 * v + 1] = s.y, h[4 * v + 2] = s.z, h[4 * v + 3] = s.w;
+    const Sum r = sums[v * kThreads + tid];
+    if constexpr (kRound) {
+      auto value = [](uint32_t b) { return to_f32(__builtin_bit_cast(Out, (uint16_t)b)); };
+      h[4 * v] = value(r.x & 0xffff), h[4 * v + 1] = value(r.x >> 16);
+      h[4 * v + 2] = value(r.y & 0xffff), h[4 * v + 3] = value(r.y >> 16);
+    } else {
+      h[4 * v] = __uint_as_float(r.x), h[4 * v + 1] = __uint_as_float(r.y);
+      h[4 * v + 2] = __uint_as_float(r.z), h[4 * v + 3] = __uint_as_float(r.w);
+    }
   }
-  cluster.sync();  // no member reuses its shared memory while a peer may still read it
+  __syncthreads();  // every thread has its sums before the caller's copies reuse the buffer
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
 #else
   __trap();  // clusters exist from sm_90 on; the host never plans one below
+#endif
+}
+
+// The end of cluster_async_sum_h's cluster barrier: every member has received all it was sent.
+__device__ inline void cluster_async_sum_done() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  ::cuda::ptx::barrier_cluster_wait();
 #endif
 }
 

@@ -30,7 +30,6 @@
 #include "sgmv_tile.cuh"
 
 #if defined(LORA_OPS_GG_SM90)
-#include <cuda/ptx>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
@@ -51,96 +50,6 @@ constexpr int kYPad = 8;       // elements of padding per row of the y tile (not
 
 template <class T>
 using CuteType = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::bfloat16_t, cute::half_t>;
-
-__device__ inline uint16_t bits16(__half v) { return __half_as_ushort(v); }
-__device__ inline uint16_t bits16(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ inline float from_bits16(uint16_t b, __half) { return __half2float(__ushort_as_half(b)); }
-__device__ inline float from_bits16(uint16_t b, __nv_bfloat16) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-
-// Shared memory of cluster_async_sum_h: the receive rows ([members][share] float4s, share = ceil(kFrags / members))
-// and every fragment's four rounded sums.
-template <int kThreads, int kVecs>
-constexpr size_t async_sum_bytes() {
-  return (size_t)(kThreads * kVecs + kMaxCluster) * sizeof(float4) + (size_t)kThreads * kVecs * sizeof(uint2);
-}
-
-// cluster_sum_h's sum (sgmv_tile.cuh: member m's K-partial of each thread's kVecs float4 fragments, summed in member
-// order), scaled by coef and rounded to T, with one cluster barrier instead of three and no load across DSMEM. Each
-// member's two mbarriers count the bytes it is to receive; after the barrier (every member's shrink has drained and
-// its mbarriers are armed) each thread sends its fragments to their owner's receive rows with st.async, which
-// completes the bytes on the owner's first mbarrier; each owner, once its rows have landed, sums its share in member
-// order (the same adds: the same bits), rounds, and sends the rounded sums to every member's second mbarrier. No
-// thread waits on an acknowledgment, only on the bytes it receives. The relaxed cluster arrive at the end pairs with
-// cluster_async_sum_done before the kernel exits (no member leaves while a send to it may be in flight). h holds the
-// rounded values after it (a T is exactly a float). Every thread of every member calls it.
-template <int kThreads, int kVecs, class T>
-__device__ inline void cluster_async_sum_h(unsigned char* buffer, float* h, float coef, int member, int members) {
-  namespace ptx = ::cuda::ptx;
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  constexpr int kFrags = kThreads * kVecs;
-  __shared__ uint64_t landed[2];  // [0]: this member's share from every member; [1]: every rounded sum
-  const int tid = threadIdx.x, share = (kFrags + members - 1) / members;
-  const int own_begin = member * share, own_end = std::min(kFrags, own_begin + share);
-  float4* recv = reinterpret_cast<float4*>(buffer);
-  uint2* sums = reinterpret_cast<uint2*>(recv + kFrags + kMaxCluster);
-  if (tid == 0) {
-    ptx::mbarrier_init(&landed[0], 1);
-    ptx::mbarrier_init(&landed[1], 1);
-    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
-    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &landed[0],
-                                   (uint32_t)((own_end - own_begin) * members * sizeof(float4)));
-    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &landed[1],
-                                   (uint32_t)(kFrags * sizeof(uint2)));
-  }
-  cluster.sync();
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int f = v * kThreads + tid, owner = f / share;
-    const uint32_t part[4] = {__float_as_uint(h[4 * v]), __float_as_uint(h[4 * v + 1]), __float_as_uint(h[4 * v + 2]),
-                              __float_as_uint(h[4 * v + 3])};
-    ptx::st_async(reinterpret_cast<uint32_t*>(cluster.map_shared_rank(recv + member * share + (f - owner * share),
-                                                                       (unsigned)owner)),
-                  part, cluster.map_shared_rank(&landed[0], (unsigned)owner));
-  }
-  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, &landed[0], 0u)) {
-  }
-  for (int f = own_begin + tid; f < own_end; f += kThreads) {
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int m = 0; m < kMaxCluster; ++m) {
-      if (m < members) {
-        const float4 part = recv[m * share + (f - own_begin)];
-        sum = make_float4(sum.x + part.x, sum.y + part.y, sum.z + part.z, sum.w + part.w);
-      }
-    }
-    const uint32_t rounded[2] = {
-        bits16(from_f32<T>(sum.x * coef)) | (uint32_t)bits16(from_f32<T>(sum.y * coef)) << 16,
-        bits16(from_f32<T>(sum.z * coef)) | (uint32_t)bits16(from_f32<T>(sum.w * coef)) << 16};
-#pragma unroll
-    for (int m = 0; m < kMaxCluster; ++m) {
-      if (m < members) {
-        ptx::st_async(reinterpret_cast<uint32_t*>(cluster.map_shared_rank(sums + f, (unsigned)m)), rounded,
-                      cluster.map_shared_rank(&landed[1], (unsigned)m));
-      }
-    }
-  }
-  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, &landed[1], 0u)) {
-  }
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const uint2 r = sums[v * kThreads + tid];
-    h[4 * v] = from_bits16((uint16_t)(r.x & 0xffff), T{});
-    h[4 * v + 1] = from_bits16((uint16_t)(r.x >> 16), T{});
-    h[4 * v + 2] = from_bits16((uint16_t)(r.y & 0xffff), T{});
-    h[4 * v + 3] = from_bits16((uint16_t)(r.y >> 16), T{});
-  }
-  __syncthreads();  // every thread has its sums before the caller's copies reuse the buffer
-  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
-}
-
-// The end of cluster_async_sum_h's cluster barrier: every member has received all it was sent.
-__device__ inline void cluster_async_sum_done() { ::cuda::ptx::barrier_cluster_wait(); }
 
 // kWG warpgroups, each the MMAs of 64 of the tile's 64 * kWG positions; they share every stage of A and B.
 template <class T, int RT, int kStages, int kWG>
@@ -169,7 +78,7 @@ struct Wgmma {
   static constexpr size_t kB = cute::cosize_v<LayoutB>, kY = (size_t)kStages * kRows * (kBN + kYPad);
   static constexpr size_t shrink_bytes = (kX + kA) * sizeof(T);
   static constexpr size_t expand_bytes = (kB + kY) * sizeof(T);
-  static constexpr size_t sum_bytes = async_sum_bytes<kThreads, RT / 8>();  // RT / 2 floats a thread
+  static constexpr size_t sum_bytes = async_sum_bytes<kThreads, RT / 8, T>();  // RT / 2 floats a thread
   static constexpr size_t bytes = std::max({shrink_bytes, expand_bytes, sum_bytes}) + 1024;  // + alignment
   static_assert(sum_bytes <= std::max(shrink_bytes, expand_bytes), "the sum's buffers cost no CTA an SM");
   static_assert(kX * sizeof(T) % 1024 == 0 && kB * sizeof(T) % 1024 == 0, "buffers on the swizzle's period");
