@@ -18,11 +18,11 @@ namespace {
 using namespace gg;
 
 // BK_BYTES: the K step's bytes of the wider of x and w (64: 32 halves; 128: 64 halves, 32 floats).
-// MIN_CTAS: CTAs per SM the register allocation must allow (__launch_bounds__).
-template <int BM_, int BN_, int BK_BYTES_, int WARPS_M_, int WARPS_N_, int MIN_CTAS_>
+// MIN_CTAS: CTAs per SM the register allocation must allow (__launch_bounds__). STAGES: the cp.async pipeline's.
+template <int BM_, int BN_, int BK_BYTES_, int WARPS_M_, int WARPS_N_, int MIN_CTAS_, int STAGES_ = 4>
 struct Shape {
   static constexpr int BM = BM_, BN = BN_, BK_BYTES = BK_BYTES_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_;
-  static constexpr int MIN_CTAS = MIN_CTAS_;
+  static constexpr int MIN_CTAS = MIN_CTAS_, STAGES = STAGES_;
   static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
   static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole m16 x (2 x n8) fragments");
@@ -31,10 +31,14 @@ using WideShape = Shape<128, 128, 64, 2, 4, 2>;
 using WideShapeFma = Shape<128, 128, 64, 2, 4, 1>;  // fp32 w: FMA operands need more registers (no spills)
 template <int BN>
 using NarrowShape = Shape<64, BN, 128, 4, 1, BN <= 64 ? 4 : 3>;
+// The narrow tiles staged through pieces (BN <= 32): 256-byte K steps, 3 stages (about the bytes in flight of 4
+// stages of 128, half the barriers and twice each row's contiguous bytes a step).
+template <int BN>
+using NarrowPiecesShape = Shape<64, BN, 256, 4, 1, 4, 3>;
 
 template <class TX, class TW, class TY, class S>
 struct Layout {
-  static constexpr int kStages = 4;
+  static constexpr int kStages = S::STAGES;
   static constexpr int BK = S::BK_BYTES / (int)std::max(sizeof(TX), sizeof(TW));
   static constexpr int XS = BK + kPad, WS = BK + kPad, YS = S::BN + kPad;  // shared row strides (elements)
   static constexpr size_t x_bytes = (size_t)S::BM * XS * sizeof(TX), w_bytes = (size_t)S::BN * WS * sizeof(TW);
@@ -153,7 +157,7 @@ cudaError_t launch_shape(const GroupedGemmParams& p, const Access& vec, cudaStre
 template <class TX, class TW, class TY, int BN>
 cudaError_t launch_narrow(const GroupedGemmParams& p, const Access& vec, cudaStream_t stream) {
   if constexpr (BN <= 32) {
-    if (vec.x && vec.w) return launch_shape<TX, TW, TY, NarrowShape<BN>, true>(p, vec, stream);
+    if (vec.x && vec.w) return launch_shape<TX, TW, TY, NarrowPiecesShape<BN>, true>(p, vec, stream);
   }
   return launch_shape<TX, TW, TY, NarrowShape<BN>, false>(p, vec, stream);
 }
