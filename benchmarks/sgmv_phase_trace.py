@@ -10,7 +10,8 @@ the extension (printf and the stamps cost registers: the wgmma instances spill 1
 Each case runs in a process of its own (the kernel variables are read at each launch; a fresh process keeps each
 case's printf lines apart): 3 warm-up calls, an L2 flush, one measured call. The device's printf reaches stdout
 through libc's buffer, possibly after the process's own lines, so the measured call's lines are the last quarter.
-Prints the kernel's span, when the CTAs start (one wave or several) and each phase's median and p90 over the CTAs.
+Prints the kernel's span, when the CTAs start (one wave or several), each phase's median and p90 over the CTAs, and
+the boundary split into the wait for a cluster's last member and the sum after it.
 Spans are of the probe build: compare them with the bench's times of the same case.
 """
 import os
@@ -85,6 +86,19 @@ def report(name, lines):
     print("   " + "  ".join(
         f"{phase} {statistics.median(spans):.2f} (p90 {quantile(spans, .9):.2f})"
         for phase, (a, b) in PHASES.items() for spans in [[us(t[b] - t[a]) for t in stamps]]))
+    # The boundary split by cluster (members share tile and group): each member's wait for the cluster's last
+    # drained shrink (the members' skew), and the sum itself, from that last arrival to the member's h.
+    clusters = {}
+    for row, t in zip(rows, stamps):
+        clusters.setdefault((row[5], row[7]), []).append(t)
+    wait, after = [], []
+    for members in clusters.values():
+        last = max(t[2] for t in members)
+        wait += [us(last - t[2]) for t in members]
+        after += [us(t[3] - last) for t in members]
+    if any(len(members) > 1 for members in clusters.values()):
+        print(f"   boundary: wait for the last member {statistics.median(wait):.2f} (p90 {quantile(wait, .9):.2f}), "
+              f"then the sum {statistics.median(after):.2f} (p90 {quantile(after, .9):.2f})")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,9 @@ def test_phase_trace_script_reads_the_patch_lines(capsys):
     assert "CTA starts p10/p50/p90/max 0.0/0.2/0.4/0.4 us" in text
     assert "shrink 7.00 (p90 7.00)" in text and "sum+convert 2.00 (p90 2.00)" in text
     assert "expand 9.67 (p90 10.21)" in text
+    # clusters of 7 (tile i // 7): member m drains its shrink m us after the first, the sum ends 2 us after the last
+    lines = [f"TRACE 2 128 {i % 132} {i} {i // 7} {i % 7} 0 1000 2000 {9000 + 1000 * (i % 7)} 17000 20000"
+             for i in range(448)]
+    _script("sgmv_phase_trace").report("skew", lines)
+    text = capsys.readouterr().out
+    assert "boundary: wait for the last member 3.00 (p90 6.00), then the sum 2.00 (p90 2.00)" in text
