@@ -1,11 +1,12 @@
 // grouped_gemm, general shapes and the LoRA shrink: one CTA per tile of BM positions of one segment x BN columns,
-// a K loop staged by a 4-stage cp.async pipeline (element loads where rows are not 16-byte aligned), rows
+// a K loop staged by a 3- or 4-stage cp.async pipeline (element loads where rows are not 16-byte aligned), rows
 // gathered through token_indices, warp tiles on mma.sync m16n8k16 (fp16/bf16 w; fp32 x split hi + lo) or FMA
 // (fp32 w). The epilogue stages the y tile in the pipeline's shared memory and writes it back with 16-byte stores.
 //   wide:   128 x 128 tiles, 8 warps of 64 x 32 (general GEMMs);
 //   narrow: 64 x BN tiles with BN = N rounded up to 16..128, 4 warps of 16 x BN: a LoRA shrink (N = rank) reads
 //           each x row once and keeps all its columns' accumulators in registers, streaming x at memory speed;
-//           up to BN = 32 with aligned rows, x and w are staged through each thread's pieces (kPieces).
+//           up to BN = 32 with aligned rows, x and w are staged through each thread's pieces (kPieces), 256 bytes
+//           of K a step.
 #include <algorithm>
 
 #include "common.cuh"
