@@ -11,7 +11,8 @@ Each case runs in a process of its own (the kernel variables are read at each la
 case's printf lines apart): 3 warm-up calls, an L2 flush, one measured call. The device's printf reaches stdout
 through libc's buffer, possibly after the process's own lines, so the measured call's lines are the last quarter.
 Prints the kernel's span, when the CTAs start (one wave or several), each phase's median and p90 over the CTAs, and
-the boundary split into the wait for a cluster's last member and the sum after it.
+the boundary split into the wait for a cluster's last member and the sum after it (on mma.sync's kernel the stamps
+place the early expand's first loads, h's conversion and, at rank tile 128, the warps' swap of rank halves in "the sum").
 Spans are of the probe build: compare them with the bench's times of the same case.
 """
 import os

@@ -162,6 +162,12 @@ MMA_PATH_CASES = {
     "qkv_shared_rank_tile": lambda g: (testing.random_token_slots(2560, [0, 1, 2, 3], g),
                                        dict(K=4096, N=3072, max_rank=32, num_slots=4, ranks=[32, 9, 16, 0],
                                             slice_offsets=[0, 2048, 2560, 3072])),
+    # Rank tiles 16 and 64 (the cluster sum beside the early expand's loads in flight, and at offset 0 where the
+    # early expand does not fit): the fewest fragments a thread, so the most uneven last share in clusters of 3-7.
+    "rank16_tile": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
+                              dict(K=2056, N=1000, max_rank=16, num_slots=4, ranks=[16, 9, 1, 0])),
+    "rank64_tile": lambda g: (testing.random_token_slots(1024, [0, 1, 2, 3], g),
+                              dict(K=2056, N=1000, max_rank=64, num_slots=4, ranks=[64, 33, 5, 0])),
 }
 
 
@@ -222,7 +228,8 @@ def test_sgmv_prefill_automatic_choice_takes_each_kernel_within_its_bounds(posit
 @pytest.mark.parametrize("kernel, y_dtype", [("mma", None), ("mma", torch.float32), ("wgmma", None),
                                              ("wgmma-rows128", None)], ids=["mma", "mma-y_float32", "wgmma",
                                                                             "wgmma-rows128"])
-@pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile"])
+@pytest.mark.parametrize("name", ["rank128_clustered", "rank128_one_cta", "qkv_shared_rank_tile", "rank16_tile",
+                                  "rank64_tile"])
 def test_sgmv_prefill_forced_cluster_sizes(name, kernel, y_dtype, cluster, monkeypatch):
     """The prefill kernels in clusters of sizes the one-wave rule may pick on some GPU (any count up to 8: the h
     sum's last member takes a shorter share; members past the end of K or of the columns take none; in pairs half

@@ -18,7 +18,7 @@ namespace {
 
 using namespace gg;
 
-// BK_BYTES: the K step's bytes of the wider of x and w (64: 32 halves; 128: 64 halves, 32 floats).
+// BK_BYTES: the K step's bytes of the wider of x and w (64: 32 halves; 128: 64 halves, 32 floats; 256: 128 halves).
 // MIN_CTAS: CTAs per SM the register allocation must allow (__launch_bounds__). STAGES: the cp.async pipeline's.
 template <int BM_, int BN_, int BK_BYTES_, int WARPS_M_, int WARPS_N_, int MIN_CTAS_, int STAGES_ = 4>
 struct Shape {
@@ -154,7 +154,8 @@ cudaError_t launch_shape(const GroupedGemmParams& p, const Access& vec, cudaStre
 
 // Pieces where x and w have 16-byte aligned rows, up to 32 columns (LoRA ranks up to 32): from 64 on, their row
 // addresses spill at the register cap of NarrowShape's CTAs per SM (ptxas, sm_80 and sm_90a). H200, the LoRA
-// shrink (8 x 2048 rows, K = 4096, n = 16, fp32 y): 72.8 -> 42.8 us; at 8 x 512 rows 67.5 -> 23.1 (NOTES.md).
+// shrink (8 x 2048 rows, K = 4096, n = 16, fp32 y): 72.8 -> 42.8 us; at 8 x 512 rows 67.5 -> 23.1; then 256-byte
+// steps, H100: 52.8 -> 51.1 us (NOTES.md, sessions 39 and 63).
 template <class TX, class TW, class TY, int BN>
 cudaError_t launch_narrow(const GroupedGemmParams& p, const Access& vec, cudaStream_t stream) {
   if constexpr (BN <= 32) {

@@ -192,6 +192,7 @@ __device__ inline void cluster_async_sum_h(unsigned char* buffer, float* h, floa
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   constexpr int kFrags = kThreads * kVecs;
+  static_assert(kFrags >= kMaxCluster * (kMaxCluster - 1), "every member's share starts inside the fragments");
   constexpr bool kRound = !std::is_same_v<Out, float>;
   using Sum = std::conditional_t<kRound, uint2, uint4>;  // a fragment's four sums
   __shared__ uint64_t landed[2];  // [0]: this member's share from every member; [1]: every fragment's sums
