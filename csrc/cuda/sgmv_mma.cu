@@ -181,12 +181,9 @@ __global__ void __launch_bounds__(kCtaThreads<RT>, (Smem<RT, TY>::ctas_per_sm))
   // h (C fragments) -> A fragments for the expand, scaled, split hi + lo (lo only used for a float32 y); over a
   // cluster with a half-precision y the sum's owners scale and round it (h then holds values of T exactly).
   constexpr bool kSplit = std::is_same_v<TY, float>;
-  float h_coef = coef;
-  if (plan.cluster > 1) {
-    cluster_async_sum_h<kThreads, kWarpRanks / 8, TY>(smem + L::sum_at, &h[0][0], coef, (int)member,
-                                                      (int)plan.cluster);
-    if constexpr (!kSplit) h_coef = 1.f;
-  }
+  const float h_coef = plan.cluster > 1 ? cluster_async_sum_h<kThreads, kWarpRanks / 8, TY>(
+                                              smem + L::sum_at, &h[0][0], coef, (int)member, (int)plan.cluster)
+                                        : coef;
   uint32_t h_hi[kWarpRanks / 16][4], h_lo[kWarpRanks / 16][4];
 #pragma unroll
   for (int ks = 0; ks < kWarpRanks / 16; ++ks) {

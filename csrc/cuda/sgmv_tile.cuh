@@ -181,12 +181,13 @@ constexpr size_t async_sum_bytes() {
 // for the bytes it receives (the pull form this replaces loaded ceil(share / kThreads) + 1 dependent rounds across
 // DSMEM between three barriers: ~10.7 us of a rank-128 CTA in clusters of 7, csrc/cuda/NOTES.md, session 62).
 // Out = float: the sums as they are; Out = a 16-bit T: scaled by coef and rounded to T by their owner (h then holds
-// values of T exactly: a later scaling by 1 and rounding keeps them). `buffer` (shared, 16-byte aligned, free for
-// the call, past anything the caller's copies may still write): async_sum_bytes. The relaxed cluster arrive at its
-// end pairs with cluster_async_sum_done before the kernel exits (no member leaves while a send to it may be in
-// flight). Every thread of every member calls both.
+// values of T exactly: a later scaling by 1 and rounding keeps them). Returns the coefficient h still needs: coef
+// for Out = float, 1 for a 16-bit Out. `buffer` (shared, 16-byte aligned, free for the call, past anything the
+// caller's copies may still write): async_sum_bytes. The relaxed cluster arrive at its end pairs with
+// cluster_async_sum_done before the kernel exits (no member leaves while a send to it may be in flight). Every
+// thread of every member calls both.
 template <int kThreads, int kVecs, class Out>
-__device__ inline void cluster_async_sum_h(unsigned char* buffer, float* h, float coef, int member, int members) {
+__device__ inline float cluster_async_sum_h(unsigned char* buffer, float* h, float coef, int member, int members) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace ptx = ::cuda::ptx;
   namespace cg = cooperative_groups;
@@ -263,8 +264,10 @@ __device__ inline void cluster_async_sum_h(unsigned char* buffer, float* h, floa
   }
   __syncthreads();  // every thread has its sums before the caller's copies reuse the buffer
   ptx::barrier_cluster_arrive(ptx::sem_relaxed);
+  return kRound ? 1.f : coef;
 #else
   __trap();  // clusters exist from sm_90 on; the host never plans one below
+  return coef;
 #endif
 }
 

@@ -168,16 +168,14 @@ __global__ void __launch_bounds__((Wgmma<T, RT, kStages, kWG>::kThreads), (Wgmma
     warpgroup_fence_operand(h);
   }
   cp_async_wait<0>();
-  __syncthreads();  // the shrink's buffers are drained: the partials and the expand's stages may take them
+  __syncthreads();  // the shrink's buffers are drained: the sum's buffers and the expand's stages may take them
 
   // h -> the expand's A operand: scaled, rounded to T once (as sgmv_mma.cu does for a half-precision y); over a
   // cluster the sum's owners round it (h then holds values of T exactly: scaling by 1 and rounding keeps them).
-  float h_coef = coef;
-  if (plan.cluster > 1) {
-    cluster_async_sum_h<kThreads, RT / 8, T>(reinterpret_cast<unsigned char*>(smem), h.data(), coef, (int)member,
-                                             (int)plan.cluster);
-    h_coef = 1.f;
-  }
+  const float h_coef = plan.cluster > 1 ? cluster_async_sum_h<kThreads, RT / 8, T>(
+                                              reinterpret_cast<unsigned char*>(smem), h.data(), coef, (int)member,
+                                              (int)plan.cluster)
+                                        : coef;
   Tensor h_a = make_tensor<E>(accumulator_as_a(h.layout()));
 #pragma unroll
   for (int i = 0; i < size(h); ++i) h_a(i) = E(h(i) * h_coef);
