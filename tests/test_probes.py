@@ -38,7 +38,7 @@ def test_boundary_patch_removes_both_kernels_cluster_sums():
         added = [line for line in f.read().splitlines() if line.startswith("+") and not line.startswith("+++")]
     # sgmv_mma.cu's and sgmv_wgmma.cu's sums, and the cluster barriers that end them (a sum skipped while its end
     # still waits would hang)
-    assert sum("if (plan.cluster < 0)" in line for line in added) == 4
+    assert sum("plan.cluster < 0" in line for line in added) == 4
 
 
 def test_boundary_probe_error_tells_the_probe_from_the_kernel(monkeypatch):
