@@ -11,7 +11,8 @@ Each case runs in a process of its own (the kernel variables are read at each la
 case's printf lines apart): 3 warm-up calls, an L2 flush, one measured call. The device's printf reaches stdout
 through libc's buffer, possibly after the process's own lines, so the measured call's lines are the last quarter.
 Prints the kernel's span, when the CTAs start (one wave or several), each phase's median and p90 over the CTAs, and
-the boundary split into the wait for a cluster's last member and the sum after it (on mma.sync's kernel the stamps
+the boundary split into the wait for a cluster's last member and the sum after it, the sum by its links (its cluster
+barrier, the member's share of partials landed, every sum landed, the conversion) (on mma.sync's kernel the stamps
 place the early expand's first loads, h's conversion and, at rank tile 128, the warps' swap of rank halves in "the sum").
 Spans are of the probe build: compare them with the bench's times of the same case.
 """
@@ -74,8 +75,8 @@ def report(name, lines):
     if not rows:
         print(f"{name}: no TRACE lines (is this the probe build?)")
         return
-    # TRACE kernel rank_tile sm block tile member group t0 t1 t2 t3 t4
-    stamps = [[int(v) for v in row[8:13]] for row in rows]
+    # TRACE kernel rank_tile sm block tile member group t0 ... t7 (t5-t7: the cluster sum's links; 0 without one)
+    stamps = [[int(v) for v in row[8:16]] for row in rows]
     start = min(t[0] for t in stamps)
     us = lambda ns: ns / 1e3
     starts = [us(t[0] - start) for t in stamps]
@@ -92,14 +93,21 @@ def report(name, lines):
     clusters = {}
     for row, t in zip(rows, stamps):
         clusters.setdefault((row[5], row[7]), []).append(t)
-    wait, after = [], []
+    # The sum's links, from that last arrival: its cluster barrier, its share's partials landed, every sum landed,
+    # then h converted.
+    wait, after, links = [], [], {"barrier": [], "partials landed": [], "sums landed": [], "convert": []}
     for members in clusters.values():
         last = max(t[2] for t in members)
         wait += [us(last - t[2]) for t in members]
         after += [us(t[3] - last) for t in members]
+        for t in members:
+            if t[5]:
+                for link, span in zip(links, (t[5] - last, t[6] - t[5], t[7] - t[6], t[3] - t[7])):
+                    links[link].append(us(span))
     if any(len(members) > 1 for members in clusters.values()):
         print(f"   boundary: wait for the last member {statistics.median(wait):.2f} (p90 {quantile(wait, .9):.2f}), "
-              f"then the sum {statistics.median(after):.2f} (p90 {quantile(after, .9):.2f})")
+              f"then the sum {statistics.median(after):.2f} (p90 {quantile(after, .9):.2f}): " + ", ".join(
+                  f"{link} {statistics.median(spans):.2f}" for link, spans in links.items() if spans))
 
 
 if __name__ == "__main__":

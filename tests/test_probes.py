@@ -55,19 +55,21 @@ def test_phase_trace_script_reads_the_patch_lines(capsys):
     with open(PATCH) as f:
         (fmt,) = re.findall(r'printf\("(TRACE [^"]*)\\n"', f.read())
     fields = fmt.split()
-    assert len(fields) == 13 and fields[8:] == ["%llu"] * 5  # kernel, rank tile, SM, block, tile, member, group, t0-4
-    # CTA i of a one-wave 128-position launch: starts at i ns, shrink 7 us, sum 2 us, expand 9 us + 3i ns
+    assert len(fields) == 16 and fields[8:] == ["%llu"] * 8  # kernel, rank tile, SM, block, tile, member, group, t0-7
+    # CTA i of a one-wave 128-position launch: starts at i ns, shrink 7 us, sum 2 us, expand 9 us + 3i ns; no cluster
     lines = [f"TRACE 2 128 {i % 132} {i} {i // 7} {i % 7} 0 {1000 + i} {2000 + i} {9000 + i} {11000 + i} "
-             f"{20000 + 4 * i}" for i in range(448)]
+             f"{20000 + 4 * i} 0 0 0" for i in range(448)]
     _script("sgmv_phase_trace").report("case", lines)
     text = capsys.readouterr().out
     assert "case: wgmma, 128 positions, rank tile 128, 448 working CTAs on 132 SMs, span 20.8 us" in text
     assert "CTA starts p10/p50/p90/max 0.0/0.2/0.4/0.4 us" in text
     assert "shrink 7.00 (p90 7.00)" in text and "sum+convert 2.00 (p90 2.00)" in text
     assert "expand 9.67 (p90 10.21)" in text
-    # clusters of 7 (tile i // 7): member m drains its shrink m us after the first, the sum ends 2 us after the last
-    lines = [f"TRACE 2 128 {i % 132} {i} {i // 7} {i % 7} 0 1000 2000 {9000 + 1000 * (i % 7)} 17000 20000"
-             for i in range(448)]
+    # clusters of 7 (tile i // 7): member m drains its shrink m us after the first, the sum ends 2 us after the last:
+    # its barrier 0.5 us, the partials 0.25 + 0.25 m, the sums 1 - 0.25 m, the conversion 0.25
+    lines = [f"TRACE 2 128 {i % 132} {i} {i // 7} {i % 7} 0 1000 2000 {9000 + 1000 * (i % 7)} 17000 20000 15500 "
+             f"{15750 + 250 * (i % 7)} 16750" for i in range(448)]
     _script("sgmv_phase_trace").report("skew", lines)
     text = capsys.readouterr().out
-    assert "boundary: wait for the last member 3.00 (p90 6.00), then the sum 2.00 (p90 2.00)" in text
+    assert ("boundary: wait for the last member 3.00 (p90 6.00), then the sum 2.00 (p90 2.00): barrier 0.50, "
+            "partials landed 1.00, sums landed 0.25, convert 0.25") in text
