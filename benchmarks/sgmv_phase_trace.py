@@ -11,9 +11,10 @@ Each case runs in a process of its own (the kernel variables are read at each la
 case's printf lines apart): 3 warm-up calls, an L2 flush, one measured call. The device's printf reaches stdout
 through libc's buffer, possibly after the process's own lines, so the measured call's lines are the last quarter.
 Prints the kernel's span, when the CTAs start (one wave or several), each phase's median and p90 over the CTAs, and
-the boundary split into the wait for a cluster's last member and the sum after it, the sum by its links (its cluster
-barrier, the member's share of partials landed, every sum landed, the conversion) (on mma.sync's kernel the stamps
-place the early expand's first loads, h's conversion and, at rank tile 128, the warps' swap of rank halves in "the sum").
+the boundary split into the wait for a cluster's last member and the sum after it, and the sum by its links: its
+cluster barrier, the member's share of partials landed, every sum landed, the conversion. On mma.sync's kernel the
+stamps place the early expand's first loads in the barrier's link, and h's conversion and (at rank tile 128) the
+warps' swap of rank halves in the conversion's.
 Spans are of the probe build: compare them with the bench's times of the same case.
 """
 import os
@@ -89,12 +90,10 @@ def report(name, lines):
         f"{phase} {statistics.median(spans):.2f} (p90 {quantile(spans, .9):.2f})"
         for phase, (a, b) in PHASES.items() for spans in [[us(t[b] - t[a]) for t in stamps]]))
     # The boundary split by cluster (members share tile and group): each member's wait for the cluster's last
-    # drained shrink (the members' skew), and the sum itself, from that last arrival to the member's h.
+    # drained shrink (the members' skew), and the sum itself, from that last arrival to the member's h, by its links.
     clusters = {}
     for row, t in zip(rows, stamps):
         clusters.setdefault((row[5], row[7]), []).append(t)
-    # The sum's links, from that last arrival: its cluster barrier, its share's partials landed, every sum landed,
-    # then h converted.
     wait, after, links = [], [], {"barrier": [], "partials landed": [], "sums landed": [], "convert": []}
     for members in clusters.values():
         last = max(t[2] for t in members)
