@@ -210,7 +210,14 @@ __device__ inline float cluster_async_sum_h(unsigned char* buffer, float* h, flo
     ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &landed[1],
                                    (uint32_t)(kFrags * sizeof(Sum)));
   }
-  cluster.sync();
+  // A relaxed arrive: with release semantics (cluster.sync()) ptxas puts MEMBAR.ALL.GPU before it, which waits for
+  // every memory operation the thread has in flight (the early expand's loads among them) on the sum's critical
+  // chain. Nothing needs it: the mbarrier inits are published by their own fence above, and every read of the bytes
+  // the other members' sends overwrite (the shrink's stages) has returned before this thread gets here (its MMAs
+  // consumed them; the wgmma kernel waited for its MMAs; the cp.async copies were drained before the
+  // __syncthreads that ends the shrink).
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
+  ptx::barrier_cluster_wait();
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int f = v * kThreads + tid, owner = f / share;
