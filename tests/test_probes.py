@@ -1,4 +1,4 @@
-"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace, boundary and early-arm patches still
+"""The probes kept beside the bench (benchmarks/): the prefill sgmv's phase-trace and boundary patches still
 apply to this tree's kernels (they are diffs against them: a kernel change that breaks their context must refresh
 them), the trace's script reads the lines its patch prints, and the boundary probe's error tells its build from the
 kernel's."""
@@ -17,7 +17,6 @@ from lora_ops import testing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCH = os.path.join(ROOT, "benchmarks", "sgmv_phase_trace.patch")
 BOUNDARY_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_boundary_probe.patch")
-EARLY_ARM_PATCH = os.path.join(ROOT, "benchmarks", "sgmv_early_arm.patch")
 
 
 def _script(name):
@@ -28,8 +27,7 @@ def _script(name):
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patch")
-@pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH, EARLY_ARM_PATCH],
-                         ids=["phase_trace", "boundary", "early_arm"])
+@pytest.mark.parametrize("patch", [PATCH, BOUNDARY_PATCH], ids=["phase_trace", "boundary"])
 def test_probe_patch_applies_to_the_prefill_kernels(patch):
     out = subprocess.run(["git", "apply", "--check", patch], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, (f"{out.stderr}refresh {patch} against the kernels: apply it on a branch where it "
